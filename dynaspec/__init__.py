@@ -1,0 +1,15 @@
+"""dynaspec: an LLM inference engine built around dynamic speculative decoding."""
+
+from dynaspec.config import EngineConfig
+from dynaspec.sampling_params import SamplingParams
+
+
+def __getattr__(name: str):
+    # LLM pulls in torch and the model stack; import it lazily so `dynaspec --help` stays fast.
+    if name == "LLM":
+        from dynaspec.engine.llm import LLM
+        return LLM
+    raise AttributeError(name)
+
+
+__all__ = ["LLM", "SamplingParams", "EngineConfig"]

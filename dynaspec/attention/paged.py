@@ -1,0 +1,150 @@
+"""Attention over a paged KV cache in plain PyTorch, for flat mixed batches.
+
+A step's tokens are flat: request i owns `query_lens[i]` consecutive tokens. Requests with few
+query tokens (decodes and speculative verifies, 1+k each) form one padded batch and run a single
+SDPA call per layer; long prefill chunks run one SDPA call each. The KV of every request is
+gathered from its slots by an index built once per step and shared by all layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# Requests with at most this many query tokens join the padded short batch.
+SHORT_QUERY_MAX = 16
+
+
+@dataclass
+class ShortGroup:
+    """Padded batch of short-query requests (decode / verify)."""
+
+    token_index: torch.Tensor | None  # [B, W] flat token index (None: tokens are already [B*W] in order)
+    token_valid: torch.Tensor | None  # [B, W] bool; None when every row is full
+    kv_slots: torch.Tensor  # [B, C] slot of each context position (pad: slot 0)
+    mask: torch.Tensor | None  # [B, 1, W, C] bool, True = attend; None = no masking needed
+    num_reqs: int
+    width: int
+    token_start: int  # flat index of the group's first token when token_index is None
+
+
+@dataclass
+class LongSeq:
+    """One request with a long query (prefill chunk)."""
+
+    token_start: int
+    query_len: int
+    context_len: int  # tokens in KV after this step's write (computed + query)
+    kv_slots: torch.Tensor | None  # [context_len]; None when the query is the whole context
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] slot each new K/V is written to
+    short: ShortGroup | None
+    long: list[LongSeq]
+    num_tokens: int
+
+
+def build_metadata(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
+                   block_size: int, device: torch.device) -> AttentionMetadata:
+    """context_lens[i] = tokens in request i's KV after this step (computed + query)."""
+    starts, slots_new, short_ids, long = [], [], [], []
+    pos = 0
+    for i, (q, c) in enumerate(zip(query_lens, context_lens)):
+        starts.append(pos)
+        table = block_tables[i]
+        for p in range(c - q, c):
+            slots_new.append(table[p // block_size] * block_size + p % block_size)
+        if q <= SHORT_QUERY_MAX:
+            short_ids.append(i)
+        else:
+            kv = None if q == c else _slots(table, c, block_size, device)
+            long.append(LongSeq(pos, q, c, kv))
+        pos += q
+    slot_mapping = torch.tensor(slots_new, dtype=torch.long, device=device)
+    short = None
+    if short_ids:
+        short = _build_short(short_ids, starts, query_lens, context_lens, block_tables,
+                             block_size, device)
+    return AttentionMetadata(slot_mapping, short, long, pos)
+
+
+def _slots(table: list[int], n: int, block_size: int, device: torch.device) -> torch.Tensor:
+    blocks = torch.tensor(table[: (n + block_size - 1) // block_size], dtype=torch.long)
+    offs = torch.arange(block_size, dtype=torch.long)
+    return (blocks[:, None] * block_size + offs[None, :]).reshape(-1)[:n].to(device)
+
+
+def _build_short(ids: list[int], starts: list[int], query_lens: list[int], context_lens: list[int],
+                 block_tables: list[list[int]], block_size: int, device: torch.device) -> ShortGroup:
+    qs = [query_lens[i] for i in ids]
+    cs = [context_lens[i] for i in ids]
+    B, W, C = len(ids), max(qs), max(cs)
+    contiguous = all(starts[i] == starts[ids[0]] + j * W for j, i in enumerate(ids))
+    uniform = contiguous and all(q == W for q in qs)
+    kv_slots = torch.zeros(B, C, dtype=torch.long)
+    for j, i in enumerate(ids):
+        kv_slots[j, : cs[j]] = _slots(block_tables[i], cs[j], block_size, torch.device("cpu"))
+    token_index = token_valid = None
+    if not uniform:
+        w = torch.arange(W)
+        token_valid = w[None, :] < torch.tensor(qs)[:, None]  # [B, W]
+        token_index = torch.tensor([starts[i] for i in ids])[:, None] + w[None, :]
+        token_index = torch.where(token_valid, token_index, 0).to(device)
+        token_valid = token_valid.to(device)
+    mask = None
+    if not (W == 1 and min(cs) == C):
+        ctx = torch.tensor(cs)[:, None, None]  # [B, 1, 1]
+        q_len = torch.tensor(qs)[:, None, None]
+        q_pos = ctx - q_len + torch.arange(W)[None, :, None]  # absolute position of each query
+        k_pos = torch.arange(C)[None, None, :]
+        mask = ((k_pos <= q_pos) & (k_pos < ctx)).unsqueeze(1).to(device)  # [B, 1, W, C]
+    return ShortGroup(token_index, token_valid, kv_slots.to(device), mask, B, W,
+                      starts[ids[0]] if uniform else 0)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                    md: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, Hkv, D]; kv_cache: [2, num_slots, Hkv, D]. Returns [T, H, D]."""
+    kv_cache[0].index_copy_(0, md.slot_mapping, k)
+    kv_cache[1].index_copy_(0, md.slot_mapping, v)
+    out = torch.empty_like(q)
+    if md.short is not None:
+        _short_attention(q, kv_cache, md.short, scale, out)
+    for seq in md.long:
+        s, e = seq.token_start, seq.token_start + seq.query_len
+        qi = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
+        if seq.kv_slots is None:
+            ki, vi = k[s:e], v[s:e]
+            mask, causal = None, True
+        else:
+            ki, vi = kv_cache[0][seq.kv_slots], kv_cache[1][seq.kv_slots]  # [ctx, Hkv, D]
+            q_pos = torch.arange(seq.context_len - seq.query_len, seq.context_len, device=q.device)
+            mask = torch.arange(seq.context_len, device=q.device)[None, :] <= q_pos[:, None]
+            causal = False
+        o = F.scaled_dot_product_attention(qi, ki.transpose(0, 1).unsqueeze(0),
+                                           vi.transpose(0, 1).unsqueeze(0), attn_mask=mask,
+                                           is_causal=causal, scale=scale, enable_gqa=True)
+        out[s:e] = o[0].transpose(0, 1)
+    return out
+
+
+def _short_attention(q: torch.Tensor, kv_cache: torch.Tensor, g: ShortGroup, scale: float,
+                     out: torch.Tensor) -> None:
+    H, D = q.shape[1], q.shape[2]
+    if g.token_index is None:
+        qb = q[g.token_start: g.token_start + g.num_reqs * g.width].view(g.num_reqs, g.width, H, D)
+    else:
+        qb = q[g.token_index]  # [B, W, H, D]
+    kb = kv_cache[0][g.kv_slots]  # [B, C, Hkv, D]
+    vb = kv_cache[1][g.kv_slots]
+    o = F.scaled_dot_product_attention(qb.transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2),
+                                       attn_mask=g.mask, scale=scale, enable_gqa=True)
+    o = o.transpose(1, 2)  # [B, W, H, D]
+    if g.token_index is None:
+        out[g.token_start: g.token_start + g.num_reqs * g.width] = o.reshape(-1, H, D)
+    else:
+        out[g.token_index[g.token_valid]] = o[g.token_valid]

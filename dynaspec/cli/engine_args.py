@@ -1,0 +1,47 @@
+"""Engine and speculation flags shared by every subcommand that starts an engine."""
+
+from __future__ import annotations
+
+import argparse
+
+# flag -> (engine arg name, type, default, help)
+_FLAGS = [
+    ("--model", "model", str, "default", "HF folder, .gguf file, or 'default' (SmolLM2-135M-Instruct)"),
+    ("--dtype", "dtype", str, "auto", "auto (bf16), bfloat16, float32, float16"),
+    ("--device", "device", str, "auto", "auto (cuda if available), cpu, cuda"),
+    ("--max-model-len", "max_model_len", int, None, "context limit (default: the model's)"),
+    ("--kv-cache-memory-gb", "kv_cache_memory_gb", float, 1.0, "KV pool budget in GiB"),
+    ("--num-kv-blocks", "num_kv_blocks", int, None, "fixed KV pool size in blocks (overrides the budget)"),
+    ("--block-size", "block_size", int, 16, "tokens per KV block"),
+    ("--max-num-batched-tokens", "max_num_batched_tokens", int, 2048, "token budget per step"),
+    ("--max-num-seqs", "max_num_seqs", int, 64, "most requests running at once"),
+    ("--speculator", "speculator", str, "none", "none, ngram or draft"),
+    ("--num-spec-tokens", "num_spec_tokens", int, 0, "maximum drafts per request per step (K)"),
+    ("--k-schedule", "k_schedule", str, None, "K schedule: JSON text or a JSON file"),
+    ("--k-policy", "k_policy", str, "table", "table or adaptive"),
+    ("--draft-model", "draft_model", str, None, "draft model (HF folder or .gguf) for --speculator draft"),
+    ("--prompt-lookup-min", "prompt_lookup_min", int, 2, "shortest n-gram to match"),
+    ("--prompt-lookup-max", "prompt_lookup_max", int, 5, "longest n-gram to match"),
+    ("--log-stats-interval", "log_stats_interval_s", float, 0.0, "seconds between metric log lines (0 = off)"),
+]
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    for flag, dest, typ, default, help_ in _FLAGS:
+        g.add_argument(flag, dest=dest, type=typ, default=default, help=help_)
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="disable prefix caching")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    kw = {dest: getattr(args, dest) for _, dest, *_ in _FLAGS}
+    kw["enable_prefix_caching"] = args.enable_prefix_caching
+    return kw
+
+
+def parse_engine_args(argv: list[str]) -> dict:
+    """Engine kwargs from a flag string's tokens (used by `bench compare --a "..."`)."""
+    p = argparse.ArgumentParser(prog="engine-args", add_help=False)
+    add_engine_args(p)
+    return engine_kwargs(p.parse_args(argv))

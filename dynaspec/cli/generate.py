@@ -1,0 +1,52 @@
+"""`dynaspec generate`: one prompt through the engine, text or one JSON object out."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from dynaspec.cli.engine_args import add_engine_args, engine_kwargs
+
+
+def register(sub) -> None:
+    p = sub.add_parser("generate", help="generate text for one prompt")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_engine_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from dynaspec.engine.llm import LLM
+    from dynaspec.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            seed=args.seed, max_tokens=args.max_tokens)
+    llm = LLM(**engine_kwargs(args))
+    prompt = args.prompt
+    if args.chat:
+        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    t0 = time.perf_counter()
+    out = llm.generate(prompt, params)[0]
+    elapsed = time.perf_counter() - t0
+    n = len(out.token_ids)
+    if args.json:
+        obj = {"text": out.text, "token_ids": out.token_ids,
+               "num_prompt_tokens": len(out.prompt_token_ids), "num_output_tokens": n,
+               "finish_reason": out.finish_reason, "elapsed_s": round(elapsed, 4),
+               "tokens_per_s": round(n / elapsed, 2) if elapsed > 0 else None}
+        if out.spec is not None:
+            obj["spec"] = out.spec
+        print(json.dumps(obj))
+    else:
+        print(out.text)
+        print(f"[{n} tokens in {elapsed:.2f}s, {n / elapsed:.1f} tok/s]", file=sys.stderr)
+    return 0

@@ -1,0 +1,29 @@
+"""Offline facade: `LLM(model=..., **engine_args).generate(prompts, SamplingParams)`."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from dynaspec.config import EngineConfig
+from dynaspec.engine.llm_engine import LLMEngine
+from dynaspec.outputs import RequestOutput
+from dynaspec.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str = "default", **engine_args) -> None:
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[list[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 ) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
+        return self.engine.generate_sync(list(prompts), list(sampling_params))

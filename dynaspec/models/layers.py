@@ -1,0 +1,62 @@
+"""Building blocks of a Llama-family decoder: RMSNorm and RoPE (plain and llama3-scaled)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Upcast like HF's LlamaRMSNorm so fp32 parity holds and bf16 keeps its accuracy.
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if not scaling or scaling.get("rope_type", scaling.get("type")) in (None, "default"):
+        return inv_freq.float()
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind != "llama3":
+        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: llama3)")
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    mid = (1 - smooth) * scaled / factor + smooth * scaled
+    is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_mid, mid, scaled).float()
+
+
+class RotaryCache:
+    """cos/sin tables for every position, computed once; indexed once per step for all layers."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None, max_pos: int,
+                 device: torch.device) -> None:
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)  # [head_dim/2]
+        t = torch.arange(max_pos, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)  # [max_pos, head_dim/2]
+        self.cos = freqs.cos().to(device)
+        self.sin = freqs.sin().to(device)
+
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # [num_tokens, 1, head_dim/2] each, broadcast over heads
+        return (self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype))
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, heads, head_dim] in HF's rotate-half layout."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)  # [num_tokens, inter] each
+    return F.silu(gate) * up

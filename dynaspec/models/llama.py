@@ -1,0 +1,117 @@
+"""Llama-family decoder (Llama incl. llama3 RoPE, SmolLM2, Qwen2, Qwen3) for flat batches over paged KV.
+
+Projections are fused at load time (q|k|v into one matrix, gate|up into one) so a layer is
+three matmuls plus the attention: fewer, larger ops is what pays on the CPU at batch 1.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dynaspec.attention.paged import AttentionMetadata, paged_attention
+from dynaspec.config import ModelArchConfig
+from dynaspec.models.layers import RotaryCache, apply_rope, rms_norm, silu_and_mul
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+
+class DecoderLayer:
+    def __init__(self, w: dict[str, torch.Tensor], cfg: ModelArchConfig) -> None:
+        self.qkv = w["qkv"]  # [(H + 2*Hkv) * D, hidden]
+        self.qkv_bias = w.get("qkv_bias")
+        self.o = w["o"]  # [hidden, H * D]
+        self.gate_up = w["gate_up"]  # [2 * inter, hidden]
+        self.down = w["down"]  # [hidden, inter]
+        self.ln1, self.ln2 = w["ln1"], w["ln2"]
+        self.q_norm, self.k_norm = w.get("q_norm"), w.get("k_norm")
+        self.eps = cfg.rms_norm_eps
+        self.H, self.Hkv, self.D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.scale = self.D ** -0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        T = x.shape[0]
+        h = rms_norm(x, self.ln1, self.eps)
+        qkv = F.linear(h, self.qkv, self.qkv_bias)  # [T, (H + 2*Hkv) * D]
+        qk = qkv[:, : (self.H + self.Hkv) * self.D].view(T, self.H + self.Hkv, self.D)
+        v = qkv[:, (self.H + self.Hkv) * self.D:].view(T, self.Hkv, self.D)
+        if self.q_norm is not None:
+            qk = torch.cat((rms_norm(qk[:, : self.H], self.q_norm, self.eps),
+                            rms_norm(qk[:, self.H:], self.k_norm, self.eps)), dim=1)
+        qk = apply_rope(qk, cos, sin)  # q and k rotated in one pass: [T, H + Hkv, D]
+        q, k = qk[:, : self.H], qk[:, self.H:]
+        attn = paged_attention(q, k, v, kv_cache, md, self.scale)  # [T, H, D]
+        x = x + F.linear(attn.reshape(T, self.H * self.D), self.o)
+        h = rms_norm(x, self.ln2, self.eps)
+        return x + F.linear(silu_and_mul(F.linear(h, self.gate_up)), self.down)
+
+
+class LlamaModel:
+    """Weights and forward; KV tensors are owned by the caller and passed in per step."""
+
+    def __init__(self, cfg: ModelArchConfig, state_dict: dict[str, torch.Tensor],
+                 dtype: torch.dtype, device: torch.device, max_positions: int) -> None:
+        if cfg.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unknown architecture {cfg.architecture!r}: supported are "
+                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        self.cfg, self.dtype, self.device = cfg, dtype, device
+        sd = state_dict
+
+        def t(name: str) -> torch.Tensor:
+            if name not in sd:
+                raise ValueError(f"missing tensor {name!r} in the checkpoint")
+            return sd[name].to(device=device, dtype=dtype).contiguous()
+
+        self.embed = t("model.embed_tokens.weight")  # [vocab, hidden]
+        self.lm_head = self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in sd \
+            else t("lm_head.weight")
+        self.norm = t("model.norm.weight")
+        self.layers = [DecoderLayer(self._layer_weights(t, sd, i), cfg)
+                       for i in range(cfg.num_hidden_layers)]
+        self.rope = RotaryCache(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_positions, device)
+
+    @staticmethod
+    def _layer_weights(t, sd: dict, i: int) -> dict[str, torch.Tensor]:
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        w = {
+            "qkv": torch.cat([t(a + "q_proj.weight"), t(a + "k_proj.weight"), t(a + "v_proj.weight")]),
+            "o": t(a + "o_proj.weight"),
+            "gate_up": torch.cat([t(p + "mlp.gate_proj.weight"), t(p + "mlp.up_proj.weight")]),
+            "down": t(p + "mlp.down_proj.weight"),
+            "ln1": t(p + "input_layernorm.weight"),
+            "ln2": t(p + "post_attention_layernorm.weight"),
+        }
+        if a + "q_proj.bias" in sd:
+            w["qkv_bias"] = torch.cat([t(a + "q_proj.bias"), t(a + "k_proj.bias"), t(a + "v_proj.bias")])
+        if a + "q_norm.weight" in sd:
+            w["q_norm"], w["k_norm"] = t(a + "q_norm.weight"), t(a + "k_norm.weight")
+        return w
+
+    def kv_bytes_per_token(self) -> int:
+        c = self.cfg
+        return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * self.dtype.itemsize
+
+    def weight_bytes_per_step(self) -> int:
+        """Bytes of weights one forward reads (the bandwidth floor of a decode step)."""
+        n = self.embed.numel() if self.lm_head is self.embed else self.lm_head.numel()
+        for layer in self.layers:
+            n += layer.qkv.numel() + layer.o.numel() + layer.gate_up.numel() + layer.down.numel()
+        return n * self.dtype.itemsize
+
+    def allocate_kv(self, num_slots: int) -> list[torch.Tensor]:
+        c = self.cfg
+        return [torch.zeros(2, num_slots, c.num_key_value_heads, c.head_dim, dtype=self.dtype,
+                            device=self.device) for _ in range(c.num_hidden_layers)]
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                md: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T]; logits_indices: [R]. Returns float32 logits [R, vocab]."""
+        x = self.embed[input_ids]  # [T, hidden]
+        cos, sin = self.rope.lookup(positions, self.dtype)
+        for layer, kv in zip(self.layers, kv_caches):
+            x = layer.forward(x, cos, sin, kv, md)
+        h = rms_norm(x[logits_indices], self.norm, self.cfg.rms_norm_eps)  # [R, hidden]
+        return F.linear(h, self.lm_head).float()

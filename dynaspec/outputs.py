@@ -1,0 +1,71 @@
+"""The dataclasses that cross the step's layer boundaries: schedule -> execute -> update."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from dynaspec.request import Request
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # prompt/output tokens computed this step (drafts not included)
+    draft_budget: int  # drafts this request may verify this step (0 = none)
+    skip_reason: str | None  # why draft_budget is 0 on a sampling step (None when it may draft)
+    block_table: list[int]
+
+    @property
+    def sampling(self) -> bool:
+        """The chunk reaches the request's last token, so this step emits a token."""
+        r = self.request
+        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    step_k: int | None  # the step's K from the plan; None when speculation is off
+    num_batched_tokens: int  # without drafts
+    preempted_ids: list[str] = field(default_factory=list)
+    schedule_seconds: float = 0.0
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.scheduled)
+
+
+@dataclass
+class RequestResult:
+    request_id: str
+    token_ids: list[int]  # accepted drafts + one recovered/bonus token; [] for a partial prefill
+    num_draft_tokens: int  # valid drafts verified
+    num_accepted_tokens: int
+    skip_reason: str | None  # set on a sampling step that verified no draft
+    logprobs: list[Any] | None = None  # per emitted token: (logprob, top [(id, logprob)])
+
+
+@dataclass
+class RunnerOutput:
+    results: list[RequestResult]  # in SchedulerOutput.scheduled order
+    prepare_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    forward_seconds: float = 0.0
+    sample_seconds: float = 0.0
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # all output tokens so far
+    new_token_ids: list[int]  # emitted this step
+    text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+    num_cached_tokens: int = 0
+    logprobs: list[Any] | None = None
+    spec: dict | None = None  # per-request speculation counters (metrics issue field names)
+    metrics: dict = field(default_factory=dict)  # ttft_s, e2e_s, ...
