@@ -22,16 +22,6 @@ from dynaspec.sample.sampler import Sampler
 from dynaspec.spec.base import Drafts, Proposer
 
 
-def token_slice(req: Request, start: int, end: int) -> list[int]:
-    """req.all_token_ids[start:end] without concatenating the whole context."""
-    p = len(req.prompt_token_ids)
-    if end <= p:
-        return req.prompt_token_ids[start:end]
-    if start >= p:
-        return req.output_token_ids[start - p: end - p]
-    return req.prompt_token_ids[start:] + req.output_token_ids[: end - p]
-
-
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv_caches: list[torch.Tensor], block_size: int,
                  proposer: Proposer | None, seed: int) -> None:
@@ -84,7 +74,7 @@ class ModelRunner:
         for i, s in enumerate(out.scheduled):
             req, c = s.request, s.request.num_computed_tokens
             d = drafts.get(req.request_id, [])
-            toks = token_slice(req, c, c + s.num_new_tokens) + d
+            toks = req.token_slice(c, c + s.num_new_tokens) + d
             start = len(ids)
             ids.extend(toks)
             positions.extend(range(c, c + len(toks)))
