@@ -1,0 +1,89 @@
+"""``dynaspec schedule explain``: show the SpecPlan a set of flags resolves to, before running it.
+
+Prints the classification, the effective table after clamping, the verify widths and what was
+clamped and why; ``--json`` prints ``SpecPlan.to_json()``. An invalid schedule exits 2 with the
+message (naming the entry) on stderr, like argparse's own usage errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import TextIO
+
+from dynaspec.spec.plan import ScheduleError, SpecPlan, build_spec_plan
+
+EXIT_INVALID = 2
+
+
+def register(subparsers) -> None:
+    """Add ``schedule explain`` to the main CLI's subparsers; sets ``args.func``."""
+    parser = subparsers.add_parser("schedule", help="inspect speculation schedules")
+    sub = parser.add_subparsers(dest="schedule_command", metavar="{explain}")
+    sub.required = True
+    explain = sub.add_parser(
+        "explain",
+        help="print the speculation plan a schedule resolves to",
+        description="Validate a K schedule, clamp it, classify it and print the resulting plan.",
+    )
+    explain.add_argument("--num-spec-tokens", type=int, default=0,
+                         help="runtime maximum K; every entry is clamped to it (0 = the schedule's own maximum)")
+    explain.add_argument("--k-schedule", default=None,
+                         help="JSON (constant, batch rows, grid rows, tuned table) or a path to a JSON file")
+    explain.add_argument("--speculator", default="ngram", choices=("none", "ngram", "draft"))
+    explain.add_argument("--drafter-max-k", type=int, default=None,
+                         help="the drafter's own K limit (e.g. a draft model's), if below --num-spec-tokens")
+    explain.add_argument("--json", action="store_true", help="print the plan as a JSON object")
+    explain.set_defaults(func=run_explain)
+
+
+def run_explain(args: argparse.Namespace) -> int:
+    return explain(args, sys.stdout, sys.stderr)
+
+
+def explain(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    try:
+        plan = build_spec_plan(args.speculator, args.num_spec_tokens, args.k_schedule, args.drafter_max_k)
+    except ValueError as exc:  # ScheduleError included: a bad flag is as invalid as a bad entry
+        kind = "invalid schedule" if isinstance(exc, ScheduleError) else "invalid arguments"
+        print(f"dynaspec schedule explain: {kind}: {exc}", file=err)
+        return EXIT_INVALID
+    if args.json:
+        print(json.dumps(plan.to_json()), file=out)
+    else:
+        out.write(format_plan(plan))
+    return 0
+
+
+def _bound(lo: int, hi: int | None) -> str:
+    return f"{lo}+" if hi is None else (str(lo) if lo == hi else f"{lo}-{hi}")
+
+
+_KIND_TEXT = {
+    "off": "no speculator: the drafter is not loaded",
+    "always_zero": "every entry is K=0: the drafter is not loaded, no drafter KV, no-speculation path",
+    "constant": "one K everywhere: uniform verify width, full-width graphs/compiled decode allowed",
+    "variable": "K varies by bucket: width-specific optimisations are decided per width",
+}
+
+
+def format_plan(plan: SpecPlan) -> str:
+    head = f"constant({plan.max_k})" if plan.kind == "constant" else plan.kind
+    lines = [
+        f"plan: {head}",
+        f"  {_KIND_TEXT[plan.kind]}",
+        f"max_k: {plan.max_k} (KV lookahead and per-position metrics size)",
+        f"verify widths (1+k): {', '.join(map(str, plan.widths))}",
+        "effective table (batch = requests in the step; ctx = mean context of decoding requests, "
+        "rounded up; '+' = open-ended):",
+        f"  {'batch':>12}  {'ctx':>14}  {'K':>3}  {'width':>5}",
+    ]
+    for b_lo, b_hi, c_lo, c_hi, k in plan.table:
+        lines.append(f"  {_bound(b_lo, b_hi):>12}  {_bound(c_lo, c_hi):>14}  {k:>3}  {1 + k:>5}")
+    lines.append("clamped:" if plan.clamped else "clamped: nothing")
+    lines.extend(f"  {note}" for note in plan.clamped)
+    if plan.notes:
+        lines.append("notes:")
+        lines.extend(f"  {note}" for note in plan.notes)
+    return "\n".join(lines) + "\n"

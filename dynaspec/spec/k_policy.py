@@ -1,0 +1,242 @@
+"""The K decision, per step (DESIGN §3): ``KPolicy.decide(StepView) -> StepK``.
+
+A policy is a pure function of what the scheduler knows when it forms the batch, so the K it
+returns is the K of the batch that verifies the drafts (no one-step lag).
+
+Batch axis: ``StepView.num_reqs``, every request in the step including prefill chunks, because
+all of them share the verify forward whose cost the table was measured on.
+
+Context statistic: the **mean context length of the step's decoding requests, rounded up**.
+The context axis exists because long-context decode is memory-bound on KV reads, which a wider
+verify amortises (MagicDec; reference §1.7). A step reads the KV of every request, so its cost
+follows the *sum* of contexts; with the batch axis already giving the count, the mean is the
+statistic under which a mixed batch and the homogeneous batch ``dynaspec tune`` measured at
+(batch, ctx) read the same KV. The longest context would let one long request move every
+request's K, and safety at the long end does not need it: the per-request caps below handle
+the drafter's and the model's length limits request by request. A step without decoding
+requests uses ctx 1 (nothing drafts; the K is still reported for the step census).
+
+Per-request caps, each recorded with its reason for the metrics (``draft_skips{reason}``):
+- ``schedule_zero``: the step's K is 0;
+- ``max_tokens``: ``remaining_tokens - 1``, because a verify emits up to k+1 tokens;
+- ``max_model_len``: ``max_model_len_room - 1``, for the same reason;
+- ``adaptive``: the adaptive policy chose fewer;
+- ``drafter_length``: the request cannot fit its drafts in the drafter (``drafter_room`` below
+  its cap): that request alone gets 0; the others keep drafting (vLLM's gate is batch-wide).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+from dynaspec.spec.plan import SpecPlan
+
+REASONS = ("schedule_zero", "drafter_length", "max_tokens", "max_model_len", "adaptive")
+
+
+class AcceptanceHistory:
+    """Per request: EMA of the conditional acceptance rate at each draft position.
+
+    Position i's rate estimates P(draft i accepted | drafts 0..i-1 accepted); a position is
+    observed only when every earlier draft was accepted, which keeps the estimate unbiased
+    when K varies step to step (DESIGN §5's drafted_per_pos argument).
+    """
+
+    __slots__ = ("alpha", "rates", "num_updates")
+
+    def __init__(self, alpha: float = 0.3) -> None:
+        if not 0.0 < alpha <= 1.0:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        self.alpha = alpha
+        self.rates: list[float] = []
+        self.num_updates = 0
+
+    def update(self, num_drafted: int, num_accepted: int) -> None:
+        if not 0 <= num_accepted <= num_drafted:
+            raise ValueError(f"need 0 <= num_accepted <= num_drafted, got {num_accepted}/{num_drafted}")
+        if num_drafted == 0:
+            return  # no drafts verified: nothing learned
+        for i in range(min(num_accepted + 1, num_drafted)):
+            hit = 1.0 if i < num_accepted else 0.0
+            if i == len(self.rates):
+                self.rates.append(hit)  # first observation seeds the EMA
+            else:
+                self.rates[i] += self.alpha * (hit - self.rates[i])
+        self.num_updates += 1
+
+    def rate(self, position: int) -> float:
+        """Positions never reached reuse the deepest observed rate (rates rarely rise with depth)."""
+        if not self.rates:
+            return 0.0
+        return self.rates[min(position, len(self.rates) - 1)]
+
+    def expected_accepted(self, k: int) -> float:
+        """Expected accepted drafts out of k: sum over j of P(first j drafts all accepted)."""
+        total, survive = 0.0, 1.0
+        for i in range(k):
+            survive *= self.rate(i)
+            total += survive
+        return total
+
+
+@dataclass(frozen=True)
+class RequestView:
+    request_id: str
+    context_len: int  # tokens already in context (prompt + output)
+    remaining_tokens: int  # max_tokens - num_output_tokens
+    max_model_len_room: int  # max_model_len - context_len
+    drafter_room: int | None = None  # positions the drafter can still take; None = unlimited
+    history: AcceptanceHistory | None = None
+
+
+@dataclass(frozen=True)
+class StepView:
+    requests: tuple[RequestView, ...]  # decoding requests of this step (prefill chunks excluded)
+    num_reqs: int  # requests in the step, prefill included
+
+    def __post_init__(self) -> None:
+        if self.num_reqs < len(self.requests):
+            raise ValueError(f"num_reqs {self.num_reqs} < {len(self.requests)} decoding requests")
+        ids = [r.request_id for r in self.requests]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"duplicate request ids in a step: {sorted(i for i in ids if ids.count(i) > 1)}")
+
+
+@dataclass(frozen=True)
+class StepK:
+    k: int  # the step's K from the plan
+    per_request: dict[str, int]  # request_id -> drafts allowed this step (<= k)
+    reasons: dict[str, str]  # request_id -> why its cap is below k (see REASONS)
+    ctx_stat: int  # the context statistic used for the lookup
+
+
+class KPolicy(Protocol):
+    def decide(self, view: StepView) -> StepK: ...
+
+
+def context_statistic(requests: tuple[RequestView, ...]) -> int:
+    """Mean context of the decoding requests, rounded up (module docstring says why)."""
+    if not requests:
+        return 1
+    return max(1, math.ceil(sum(r.context_len for r in requests) / len(requests)))
+
+
+def hard_cap(k: int, r: RequestView) -> tuple[int, str | None]:
+    """The request's cap from the step's K and its length limits, with the binding reason."""
+    if k == 0:
+        return 0, "schedule_zero"
+    cap, reason = k, None
+    for limit, why in ((r.remaining_tokens - 1, "max_tokens"), (r.max_model_len_room - 1, "max_model_len")):
+        if limit < cap:
+            cap, reason = max(0, limit), why
+    return cap, reason
+
+
+def drafter_gate(cap: int, reason: str | None, r: RequestView) -> tuple[int, str | None]:
+    """A request whose drafts would overflow the drafter gets 0 this step, and only it."""
+    if cap > 0 and r.drafter_room is not None and r.drafter_room < cap:
+        return 0, "drafter_length"
+    return cap, reason
+
+
+def _step_k(k: int, ctx: int, caps: dict[str, tuple[int, str | None]]) -> StepK:
+    per_request = {rid: c for rid, (c, _) in caps.items()}
+    # A reason is only ever set where the cap was lowered below k, so every one is kept.
+    reasons = {rid: why for rid, (_, why) in caps.items() if why is not None}
+    return StepK(k, per_request, reasons, ctx)
+
+
+class TablePolicy:
+    """The plan's table, keyed on (requests in the step, mean decoding context)."""
+
+    def __init__(self, plan: SpecPlan) -> None:
+        self.plan = plan
+
+    def decide(self, view: StepView) -> StepK:
+        ctx = context_statistic(view.requests)
+        k = self.plan.k_for(view.num_reqs, ctx)
+        caps = {}
+        for r in view.requests:
+            cap, reason = hard_cap(k, r)
+            caps[r.request_id] = drafter_gate(cap, reason, r)
+        return _step_k(k, ctx, caps)
+
+
+def _interpolated_cost(costs: dict[int, float], width: int) -> float:
+    """Linear interpolation between measured widths, extrapolated along the outermost slope."""
+    if width in costs:
+        return costs[width]
+    ws = sorted(costs)
+    if len(ws) == 1:
+        return costs[ws[0]] * width / ws[0]  # one point: assume cost proportional to width
+    lo, hi = (ws[0], ws[1]) if width < ws[0] else (ws[-2], ws[-1])
+    for a, b in zip(ws, ws[1:]):
+        if a < width < b:
+            lo, hi = a, b
+    slope = (costs[hi] - costs[lo]) / (hi - lo)
+    return max(1e-9, costs[lo] + slope * (width - lo))
+
+
+class AdaptivePolicy:
+    """Per-request K under the table's ceiling, from each request's acceptance history.
+
+    For a request with history it picks the k in [min_k, cap] that maximises expected tokens
+    per unit of verify cost, ``(1 + E[accepted | k]) / cost(1 + k)``; ties go to the smaller k.
+    ``cost_per_width`` maps a verify width to its relative cost (measured by ``dynaspec tune``);
+    without it a width costs ``1 + 0.1 * (width - 1)``, a memory-bound decode's shape.
+    ``min_k`` (1) keeps a request drafting at least one token so its history keeps updating:
+    at 0 it could never show that acceptance recovered. A request with no history yet gets the
+    table's cap, so adaptive starts exactly where the table policy would.
+    """
+
+    DEFAULT_MARGINAL_COST = 0.1
+
+    def __init__(self, plan: SpecPlan, cost_per_width: dict[int, float] | None = None,
+                 min_k: int = 1) -> None:
+        if cost_per_width is not None:
+            bad = {w: c for w, c in cost_per_width.items() if w < 1 or not c > 0}
+            if not cost_per_width or bad:
+                raise ValueError(f"cost_per_width needs widths >= 1 with costs > 0, got {cost_per_width}")
+        self.plan = plan
+        self.costs = dict(cost_per_width) if cost_per_width else None
+        self.min_k = min_k
+
+    def cost(self, width: int) -> float:
+        if self.costs is None:
+            return 1.0 + self.DEFAULT_MARGINAL_COST * (width - 1)
+        return _interpolated_cost(self.costs, width)
+
+    def choose(self, cap: int, history: AcceptanceHistory | None) -> int:
+        if cap == 0 or history is None or history.num_updates == 0:
+            return cap
+        best_k, best = cap, -1.0
+        for k in range(min(self.min_k, cap), cap + 1):
+            value = (1.0 + history.expected_accepted(k)) / self.cost(1 + k)
+            if value > best + 1e-12:
+                best_k, best = k, value
+        return best_k
+
+    def decide(self, view: StepView) -> StepK:
+        ctx = context_statistic(view.requests)
+        k = self.plan.k_for(view.num_reqs, ctx)
+        caps = {}
+        for r in view.requests:
+            cap, reason = hard_cap(k, r)
+            chosen = self.choose(cap, r.history)
+            if chosen < cap:
+                cap, reason = chosen, "adaptive"
+            caps[r.request_id] = drafter_gate(cap, reason, r)
+        return _step_k(k, ctx, caps)
+
+
+POLICIES = ("table", "adaptive")
+
+
+def make_policy(plan: SpecPlan, name: str, cost_per_width: dict[int, float] | None = None) -> KPolicy:
+    if name == "table":
+        return TablePolicy(plan)
+    if name == "adaptive":
+        return AdaptivePolicy(plan, cost_per_width)
+    raise ValueError(f"unknown k_policy {name!r}: choose {' or '.join(POLICIES)}")
