@@ -1,0 +1,206 @@
+"""Prometheus export: the ONLY dynaspec module that imports prometheus_client.
+
+Names follow vLLM's where the meaning is the same (DESIGN §5), under the prefix `dynaspec:`
+(colons are legal in metric names; vLLM uses `vllm:`). prometheus_client appends `_total` to
+counters in the exposition text, so `dynaspec:spec_decode_num_drafts` is scraped as
+`dynaspec:spec_decode_num_drafts_total`.
+
+Speculative decoding (counters, fed by `observe_step` through the same pure fold as the JSON
+counters, so the two always agree):
+  spec_decode_num_drafts, _num_draft_tokens, _num_accepted_tokens, _num_emitted_tokens,
+  _num_accepted_tokens_per_pos{position}, _num_drafted_tokens_per_pos{position},
+  _steps{k} (k="0" included; steps with speculation off are not counted here),
+  _draft_skips{reason}, _invalid_draft_tokens{reason},
+  _draft_seconds, _verify_seconds, _scheduler_seconds.
+Engine: gauges num_requests_running, num_requests_waiting, kv_cache_usage_perc (a fraction 0..1,
+as vLLM's), kv_pool_size_tokens{pool="target"|"drafter"}; counters prompt_tokens,
+generation_tokens, num_preemptions (from the steps), prefix_cache_queries, prefix_cache_hits (from
+the snapshots' running totals); histograms time_to_first_token_seconds,
+inter_token_latency_seconds, e2e_request_latency_seconds, request_prompt_tokens,
+request_generation_tokens.
+
+PromQL (over a window, e.g. [5m]; add `sum by (...)` when several engines are scraped):
+  acceptance rate        rate(dynaspec:spec_decode_num_accepted_tokens_total[5m])
+                         / rate(dynaspec:spec_decode_num_draft_tokens_total[5m])
+  mean acceptance length 1 + rate(dynaspec:spec_decode_num_accepted_tokens_total[5m])
+                         / rate(dynaspec:spec_decode_num_drafts_total[5m])
+  per-position rate      rate(dynaspec:spec_decode_num_accepted_tokens_per_pos_total[5m])
+    (conditional)        / rate(dynaspec:spec_decode_num_drafted_tokens_per_pos_total[5m])
+  skips by reason        sum by (reason) (rate(dynaspec:spec_decode_draft_skips_total[5m]))
+  steps by K             sum by (k) (rate(dynaspec:spec_decode_steps_total[5m]))
+  prefix-cache hit rate  rate(dynaspec:prefix_cache_hits_total[5m])
+                         / rate(dynaspec:prefix_cache_queries_total[5m])
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from dynaspec.metrics.stats import (
+    EngineSnapshot,
+    FinishedRequestTimes,
+    SpecCounters,
+    StepStats,
+    fold_step,
+)
+
+PREFIX = "dynaspec:"
+CONTENT_TYPE = CONTENT_TYPE_LATEST  # for the server's /metrics response (no import there)
+
+# Buckets as vLLM's (seconds / tokens).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+               5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000,
+                 100000)  # fmt: skip
+
+# counter suffix -> SpecCounters field (unlabelled spec counters).
+_SPEC_SCALARS = {
+    "spec_decode_num_drafts": "num_drafts",
+    "spec_decode_num_draft_tokens": "num_draft_tokens",
+    "spec_decode_num_accepted_tokens": "num_accepted_tokens",
+    "spec_decode_num_emitted_tokens": "num_emitted_tokens",
+    "spec_decode_draft_seconds": "draft_seconds",
+    "spec_decode_verify_seconds": "verify_seconds",
+    "spec_decode_scheduler_seconds": "scheduler_seconds",
+    "prompt_tokens": "num_prompt_tokens",
+    "generation_tokens": "num_generation_tokens",
+    "num_preemptions": "num_preemptions",
+}
+# counter suffix -> (label, SpecCounters field) for labelled spec counters.
+_SPEC_LABELLED = {
+    "spec_decode_num_accepted_tokens_per_pos": ("position", "accepted_per_pos"),
+    "spec_decode_num_drafted_tokens_per_pos": ("position", "drafted_per_pos"),
+    "spec_decode_steps": ("k", "steps_by_k"),
+    "spec_decode_draft_skips": ("reason", "draft_skips"),
+    "spec_decode_invalid_draft_tokens": ("reason", "invalid_draft_tokens"),
+}
+_DOCS = {
+    "spec_decode_num_drafts": "Request-steps that verified >= 1 valid draft token.",
+    "spec_decode_num_draft_tokens": "Valid draft tokens verified (invalid/padded excluded).",
+    "spec_decode_num_accepted_tokens": "Draft tokens accepted by the verifier.",
+    "spec_decode_num_emitted_tokens": "Tokens returned after stop/EOS/max_tokens truncation.",
+    "spec_decode_draft_seconds": "Seconds spent drafting.",
+    "spec_decode_verify_seconds": "Seconds spent in the verifying forward and sampler.",
+    "spec_decode_scheduler_seconds": "Seconds spent scheduling.",
+    "prompt_tokens": "Prompt tokens processed.",
+    "generation_tokens": "Generated tokens.",
+    "num_preemptions": "Requests preempted.",
+    "spec_decode_num_accepted_tokens_per_pos": "Drafts accepted at each position.",
+    "spec_decode_num_drafted_tokens_per_pos": "Drafts verified at each position.",
+    "spec_decode_steps": "Engine steps by the K chosen (k=0 included).",
+    "spec_decode_draft_skips": "Request-steps without a valid draft, by reason.",
+    "spec_decode_invalid_draft_tokens": "Draft tokens excluded as invalid, by reason.",
+}
+
+
+class PrometheusMetrics:
+    """The engine's Prometheus metrics over `registry` (default: a new one, never the global).
+
+    `labels` are constant labels on every series (e.g. {"model_name": ..., "engine": "0"}, as
+    vLLM's dashboards filter on). Not reentrant across threads for `observe_snapshot`.
+    """
+
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        labels: Mapping[str, str] | None = None,
+    ) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._base = dict(labels or {})
+        names = list(self._base)
+        reg = self.registry
+        self._scalars = {
+            suffix: Counter(PREFIX + suffix, _DOCS[suffix], names, registry=reg)
+            for suffix in _SPEC_SCALARS
+        }
+        self._labelled = {
+            suffix: Counter(PREFIX + suffix, _DOCS[suffix], names + [label], registry=reg)
+            for suffix, (label, _) in _SPEC_LABELLED.items()
+        }
+        self._build_engine_metrics(names)
+        self._last_prefix: tuple[int, int] | None = None
+
+    def _build_engine_metrics(self, names: list[str]) -> None:
+        reg, p = self.registry, PREFIX
+        self._running = Gauge(p + "num_requests_running", "Requests running.", names, registry=reg)
+        self._waiting = Gauge(p + "num_requests_waiting", "Requests waiting.", names, registry=reg)
+        self._kv_usage = Gauge(
+            p + "kv_cache_usage_perc", "Fraction of target KV blocks in use (0..1).", names,
+            registry=reg,
+        )  # fmt: skip
+        self._kv_pool = Gauge(
+            p + "kv_pool_size_tokens", "KV pool size in tokens, per pool (target, drafter).",
+            names + ["pool"], registry=reg,
+        )  # fmt: skip
+        self._pc_queries = Counter(
+            p + "prefix_cache_queries", "Prefix-cache tokens queried.", names, registry=reg
+        )
+        self._pc_hits = Counter(p + "prefix_cache_hits", "Prefix-cache tokens hit.", names,
+                                registry=reg)  # fmt: skip
+        hist = [
+            ("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS),
+            ("inter_token_latency_seconds", "Time between output tokens.", ITL_BUCKETS),
+            ("e2e_request_latency_seconds", "End-to-end request latency.", E2E_BUCKETS),
+            ("request_prompt_tokens", "Prompt tokens per finished request.", TOKEN_BUCKETS),
+            ("request_generation_tokens", "Generated tokens per finished request.", TOKEN_BUCKETS),
+        ]
+        self._hist = {
+            name: Histogram(p + name, doc, names, buckets=buckets, registry=reg)
+            for name, doc, buckets in hist
+        }
+
+    def _child(self, metric, **extra: str):  # type: ignore[no-untyped-def]
+        labels = {**self._base, **extra}
+        return metric.labels(**labels) if labels else metric
+
+    def observe_step(self, step: StepStats) -> None:
+        """Add one engine step. Validates (through the fold) before touching any series."""
+        self._add(fold_step(SpecCounters(), step))
+
+    def _add(self, delta: SpecCounters) -> None:
+        for suffix, field_name in _SPEC_SCALARS.items():
+            self._child(self._scalars[suffix]).inc(getattr(delta, field_name))
+        for suffix, (label, field_name) in _SPEC_LABELLED.items():
+            value = getattr(delta, field_name)
+            items = enumerate(value) if isinstance(value, tuple) else value.items()
+            for key, n in items:
+                self._child(self._labelled[suffix], **{label: str(key)}).inc(n)
+
+    def observe_snapshot(self, snap: EngineSnapshot) -> None:
+        """Set the gauges; advance the prefix-cache counters by the growth of their totals.
+
+        A total lower than the last one seen (an engine restart) is taken as a fresh start.
+        `num_preemptions_total` is not used here: preemptions come from the steps.
+        """
+        self._child(self._running).set(snap.num_running)
+        self._child(self._waiting).set(snap.num_waiting)
+        self._child(self._kv_usage).set(snap.kv_usage)
+        self._child(self._kv_pool, pool="target").set(snap.kv_pool_tokens_target)
+        self._child(self._kv_pool, pool="drafter").set(snap.kv_pool_tokens_drafter)
+        last_q, last_h = self._last_prefix or (0, 0)
+        q, h = snap.prefix_cache_queries, snap.prefix_cache_hits
+        self._child(self._pc_queries).inc(q - last_q if q >= last_q else q)
+        self._child(self._pc_hits).inc(h - last_h if h >= last_h else h)
+        self._last_prefix = (q, h)
+
+    def observe_finished(self, times: FinishedRequestTimes) -> None:
+        """Add one finished request's latencies and sizes to the histograms."""
+        if times.ttft_s is not None:
+            self._child(self._hist["time_to_first_token_seconds"]).observe(times.ttft_s)
+        itl = self._child(self._hist["inter_token_latency_seconds"])
+        for dt in times.inter_token_s:
+            itl.observe(dt)
+        self._child(self._hist["e2e_request_latency_seconds"]).observe(times.e2e_s)
+        self._child(self._hist["request_prompt_tokens"]).observe(times.num_prompt_tokens)
+        self._child(self._hist["request_generation_tokens"]).observe(times.num_generation_tokens)
+
+    def render(self) -> bytes:
+        """The exposition text (Prometheus text format 0.0.4), served with `CONTENT_TYPE`."""
+        return generate_latest(self.registry)
