@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from dynaspec.config import EngineConfig
 from dynaspec.engine.output_processor import OutputProcessor
 from dynaspec.engine.setup import EngineParts, build_engine_parts
-from dynaspec.metrics.stats import (RequestStepSpec, SpecCounters, StepStats, fold_request,
-                                    fold_step)
+from dynaspec.metrics.stats import (RequestStepSpec, SpecCounters, StepStats,
+                                    fold_request_history, fold_step)
 from dynaspec.outputs import RequestOutput, SchedulerOutput
 from dynaspec.request import Request, RequestStatus
 from dynaspec.sampling_params import SamplingParams
@@ -47,7 +47,8 @@ class LLMEngine:
         self.max_model_len = parts.max_model_len
         self.outputs = OutputProcessor(parts.tokenizer)
         self.counters = SpecCounters()
-        self.request_counters: dict[str, SpecCounters] = {}
+        # Per request (record, step K) pairs, folded once when asked: folding every step costs.
+        self.request_records: dict[str, list] = {}
         self.times = StepTimes()
         self.last_step: StepStats | None = None
         self.num_prompt_tokens_total = 0
@@ -74,7 +75,7 @@ class LLMEngine:
         req = Request(request_id, ids, params)
         self.scheduler.add_request(req)
         self.outputs.add(req)
-        self.request_counters[request_id] = SpecCounters()
+        self.request_records[request_id] = []
         history = self.parts.new_history()
         if history is not None:
             self.scheduler.histories[request_id] = history
@@ -88,7 +89,7 @@ class LLMEngine:
     def _forget(self, request_id: str) -> None:
         self.outputs.abort(request_id)
         self.runner.forget(request_id)
-        self.request_counters.pop(request_id, None)
+        self.request_records.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -120,14 +121,15 @@ class LLMEngine:
     def _emit(self, u: StepUpdate) -> RequestOutput | None:
         req = u.request
         out = self.outputs.process(req, u.new_token_ids, u.finished, u.result.logprobs)
-        out.spec = self.request_spec(req.request_id)
+        if u.finished or out.finished:
+            out.spec = self.request_spec(req.request_id)
         if out.finished and not u.finished:  # a stop string ended it
             self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
         if out.finished:
             self.finished_times.append({**out.metrics, "num_prompt_tokens": req.num_prompt_tokens,
                                         "num_generation_tokens": req.num_output_tokens})
             self.runner.forget(req.request_id)
-            self.request_counters.pop(req.request_id, None)
+            self.request_records.pop(req.request_id, None)
         if not u.new_token_ids and not out.finished:
             return None
         return out
@@ -168,14 +170,16 @@ class LLMEngine:
         self.counters = fold_step(self.counters, step)
         self.last_step = step
         for spec in specs:
-            acc = self.request_counters.get(spec.request_id)
-            if acc is not None:
-                self.request_counters[spec.request_id] = fold_request(acc, spec, sched_out.step_k)
+            records = self.request_records.get(spec.request_id)
+            if records is not None:
+                records.append((spec, sched_out.step_k))
 
     # ---- facts for reports ---------------------------------------------------------------
     def request_spec(self, request_id: str) -> dict | None:
-        acc = self.request_counters.get(request_id)
-        return acc.to_dict() if acc is not None and self.plan.kind != "off" else None
+        records = self.request_records.get(request_id)
+        if records is None or self.plan.kind == "off":
+            return None
+        return fold_request_history(SpecCounters(), records).to_dict()
 
     def pool_report(self) -> dict:
         p = self.parts

@@ -67,6 +67,9 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         t0 = time.perf_counter()
+        forget = getattr(self.proposer, "forget", None)
+        for rid in out.preempted_ids if forget is not None else ():
+            forget(rid)  # a preempted request must not keep drafter KV blocks
         drafts, draft_probs, draft_skips = self._draft(out)
         t1 = time.perf_counter()
         ids, positions, qlens, clens, tables, logit_rows = [], [], [], [], [], []

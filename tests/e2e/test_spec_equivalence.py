@@ -1,0 +1,100 @@
+"""Lossless speculation: greedy with any proposer and any K equals greedy without it."""
+
+from __future__ import annotations
+
+import pytest
+
+from dynaspec import LLM
+
+from .conftest import assert_greedy_equal, greedy, random_prompts
+
+MAX_TOKENS = 24
+
+
+def _run(model: str, prompts, check, **kw) -> tuple[list[list[int]], LLM]:
+    llm = LLM(model=model, dtype="float32", **kw)
+    check(llm.engine)
+    outs = llm.generate(prompts, greedy(MAX_TOKENS, ignore_eos=True))
+    return [o.token_ids for o in outs], llm
+
+
+@pytest.fixture(scope="module")
+def prompts16():
+    return random_prompts(8, 280, seed=5, lo=4, hi=60, repetitive=True) + \
+        random_prompts(8, 280, seed=6, lo=4, hi=60)
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_llama_dir, prompts16):
+    llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=512)
+    outs = llm.generate(prompts16, greedy(MAX_TOKENS, ignore_eos=True))
+    return [o.token_ids for o in outs]
+
+
+def _check(model, prompts, ref, got, label):
+    for i, (p, a, b) in enumerate(zip(prompts, ref, got)):
+        assert len(b) == MAX_TOKENS, f"{label} prompt {i}"
+        assert_greedy_equal(model, p, a, b, f"{label} prompt {i}")
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5, 8])
+def test_ngram_batch16_each_k(tiny_llama_dir, prompts16, baseline, k, check_integrity):
+    got, llm = _run(tiny_llama_dir, prompts16, check_integrity, speculator="ngram",
+                    num_spec_tokens=k, prompt_lookup_min=1, num_kv_blocks=512)
+    _check(tiny_llama_dir, prompts16, baseline, got, f"ngram k={k}")
+    c = llm.engine.counters
+    assert c.num_draft_tokens > 0 and c.num_accepted_tokens > 0, "the workload must exercise acceptance"
+
+
+@pytest.mark.parametrize("prefix", [True, False])
+def test_ngram_batch1_prefix_cache_on_off(tiny_llama_dir, prompts16, baseline, prefix, check_integrity):
+    for i in (0, 9):
+        got, _ = _run(tiny_llama_dir, [prompts16[i]] * 2, check_integrity, speculator="ngram",
+                      num_spec_tokens=4, prompt_lookup_min=1, enable_prefix_caching=prefix,
+                      num_kv_blocks=256)
+        _check(tiny_llama_dir, [prompts16[i]] * 2, [baseline[i]] * 2, got, f"prefix={prefix}")
+
+
+def test_ngram_under_preemption(tiny_llama_dir, prompts16, baseline, check_integrity):
+    got, llm = _run(tiny_llama_dir, prompts16, check_integrity, speculator="ngram",
+                    num_spec_tokens=4, prompt_lookup_min=1, num_kv_blocks=24, block_size=8)
+    assert llm.engine.scheduler.num_preemptions > 0
+    _check(tiny_llama_dir, prompts16, baseline, got, "ngram preempted")
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_identical_draft_model_accepts_everything(tiny_llama_dir, prompts16, baseline, k,
+                                                  check_integrity):
+    got, llm = _run(tiny_llama_dir, prompts16, check_integrity, speculator="draft",
+                    draft_model=tiny_llama_dir, num_spec_tokens=k, num_kv_blocks=512)
+    _check(tiny_llama_dir, prompts16, baseline, got, f"draft=target k={k}")
+    c = llm.engine.counters
+    assert c.num_draft_tokens > 0
+    assert c.num_accepted_tokens / c.num_draft_tokens > 0.95, "catch-up path must keep acceptance ~100%"
+
+
+def test_random_draft_model_rejects_and_stays_exact(tiny_llama_dir, tiny_draft_dir, prompts16,
+                                                    baseline, check_integrity):
+    got, llm = _run(tiny_llama_dir, prompts16, check_integrity, speculator="draft",
+                    draft_model=tiny_draft_dir, num_spec_tokens=3, num_kv_blocks=512)
+    _check(tiny_llama_dir, prompts16, baseline, got, "random draft")
+    c = llm.engine.counters
+    assert c.num_draft_tokens > 0 and c.num_accepted_tokens / c.num_draft_tokens < 0.3
+
+
+def test_draft_model_under_preemption(tiny_llama_dir, prompts16, baseline, check_integrity):
+    got, llm = _run(tiny_llama_dir, prompts16, check_integrity, speculator="draft",
+                    draft_model=tiny_llama_dir, num_spec_tokens=4, num_kv_blocks=24, block_size=8)
+    assert llm.engine.scheduler.num_preemptions > 0
+    _check(tiny_llama_dir, prompts16, baseline, got, "draft preempted")
+
+
+def test_always_zero_is_the_no_speculation_path(tiny_llama_dir, prompts16, baseline, check_integrity):
+    got, llm = _run(tiny_llama_dir, prompts16, check_integrity, speculator="draft",
+                    draft_model=tiny_llama_dir, k_schedule="[[1, 4, 0], [5, 100, 0]]",
+                    kv_cache_memory_gb=0.01)
+    none = LLM(model=tiny_llama_dir, dtype="float32", kv_cache_memory_gb=0.01)
+    assert llm.engine.plan.kind == "always_zero"
+    assert llm.engine.runner.proposer is None, "always_zero must not load the drafter"
+    assert llm.engine.pool_report() == none.engine.pool_report()
+    assert got == baseline
