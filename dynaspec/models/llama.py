@@ -11,18 +11,17 @@ import torch.nn.functional as F
 
 from dynaspec.attention.paged import AttentionMetadata, paged_attention
 from dynaspec.config import ModelArchConfig
-from dynaspec.models.layers import RotaryCache, apply_rope, rms_norm, silu_and_mul
+from dynaspec.models.layers import Linear, RotaryCache, apply_rope, rms_norm, silu_and_mul
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 
 class DecoderLayer:
     def __init__(self, w: dict[str, torch.Tensor], cfg: ModelArchConfig) -> None:
-        self.qkv = w["qkv"]  # [(H + 2*Hkv) * D, hidden]
-        self.qkv_bias = w.get("qkv_bias")
-        self.o = w["o"]  # [hidden, H * D]
-        self.gate_up = w["gate_up"]  # [2 * inter, hidden]
-        self.down = w["down"]  # [hidden, inter]
+        self.qkv = Linear(w["qkv"], w.get("qkv_bias"))  # [(H + 2*Hkv) * D, hidden]
+        self.o = Linear(w["o"])  # [hidden, H * D]
+        self.gate_up = Linear(w["gate_up"])  # [2 * inter, hidden]
+        self.down = Linear(w["down"])  # [hidden, inter]
         self.ln1, self.ln2 = w["ln1"], w["ln2"]
         self.q_norm, self.k_norm = w.get("q_norm"), w.get("k_norm")
         self.eps = cfg.rms_norm_eps
@@ -33,7 +32,7 @@ class DecoderLayer:
                 kv_cache: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
         h = rms_norm(x, self.ln1, self.eps)
-        qkv = F.linear(h, self.qkv, self.qkv_bias)  # [T, (H + 2*Hkv) * D]
+        qkv = self.qkv(h)  # [T, (H + 2*Hkv) * D]
         qk = qkv[:, : (self.H + self.Hkv) * self.D].view(T, self.H + self.Hkv, self.D)
         v = qkv[:, (self.H + self.Hkv) * self.D:].view(T, self.Hkv, self.D)
         if self.q_norm is not None:
@@ -42,9 +41,9 @@ class DecoderLayer:
         qk = apply_rope(qk, cos, sin)  # q and k rotated in one pass: [T, H + Hkv, D]
         q, k = qk[:, : self.H], qk[:, self.H:]
         attn = paged_attention(q, k, v, kv_cache, md, self.scale)  # [T, H, D]
-        x = x + F.linear(attn.reshape(T, self.H * self.D), self.o)
+        x = x + self.o(attn.reshape(T, self.H * self.D))
         h = rms_norm(x, self.ln2, self.eps)
-        return x + F.linear(silu_and_mul(F.linear(h, self.gate_up)), self.down)
+        return x + self.down(silu_and_mul(self.gate_up(h)))
 
 
 class LlamaModel:
@@ -64,8 +63,8 @@ class LlamaModel:
             return sd[name].to(device=device, dtype=dtype).contiguous()
 
         self.embed = t("model.embed_tokens.weight")  # [vocab, hidden]
-        self.lm_head = self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in sd \
-            else t("lm_head.weight")
+        tied = cfg.tie_word_embeddings or "lm_head.weight" not in sd
+        self.lm_head = Linear(self.embed if tied else t("lm_head.weight"))  # [vocab, hidden]
         self.norm = t("model.norm.weight")
         self.layers = [DecoderLayer(self._layer_weights(t, sd, i), cfg)
                        for i in range(cfg.num_hidden_layers)]
@@ -95,9 +94,9 @@ class LlamaModel:
 
     def weight_bytes_per_step(self) -> int:
         """Bytes of weights one forward reads (the bandwidth floor of a decode step)."""
-        n = self.embed.numel() if self.lm_head is self.embed else self.lm_head.numel()
+        n = self.lm_head.numel
         for layer in self.layers:
-            n += layer.qkv.numel() + layer.o.numel() + layer.gate_up.numel() + layer.down.numel()
+            n += layer.qkv.numel + layer.o.numel + layer.gate_up.numel + layer.down.numel
         return n * self.dtype.itemsize
 
     def allocate_kv(self, num_slots: int) -> list[torch.Tensor]:
@@ -114,4 +113,4 @@ class LlamaModel:
         for layer, kv in zip(self.layers, kv_caches):
             x = layer.forward(x, cos, sin, kv, md)
         h = rms_norm(x[logits_indices], self.norm, self.cfg.rms_norm_eps)  # [R, hidden]
-        return F.linear(h, self.lm_head).float()
+        return self.lm_head(h).float()
