@@ -107,9 +107,7 @@ class Scheduler:
             req = self.waiting[0]
             blocks, hit = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else ([], 0)
             num_new = min(req.num_tokens - req.num_computed_tokens - hit, budget)
-            req_view_computed = req.num_computed_tokens + hit
-            la = lookahead if (req_view_computed + num_new == req.num_tokens
-                               and budget >= num_new + lookahead) else 0
+            la = self._lookahead(req, num_new, budget, lookahead, computed=req.num_computed_tokens + hit)
             if not self.kv.allocate_slots(req, num_new + la, new_computed_blocks=blocks,
                                           num_new_computed_tokens=hit):
                 break
@@ -122,8 +120,11 @@ class Scheduler:
             scheduled.append(self._entry(req, num_new, la))
             budget -= num_new + la
 
-    def _lookahead(self, req: Request, num_new: int, budget: int, lookahead: int) -> int:
-        sampling = req.num_computed_tokens + num_new == req.num_tokens
+    def _lookahead(self, req: Request, num_new: int, budget: int, lookahead: int,
+                   computed: int | None = None) -> int:
+        """Draft slots to reserve: only a request decoding one token drafts (not a prefill step)."""
+        computed = req.num_computed_tokens if computed is None else computed
+        sampling = computed + num_new == req.num_tokens
         return lookahead if sampling and num_new == 1 and budget >= 1 + lookahead else 0
 
     def _entry(self, req: Request, num_new: int, la: int) -> ScheduledRequest:
