@@ -15,6 +15,9 @@ class ScheduledRequest:
     draft_budget: int  # drafts this request may verify this step (0 = none)
     skip_reason: str | None  # why draft_budget is 0 on a sampling step (None when it may draft)
     block_table: list[int]
+    # constant(k) plan, first decode step after a prefix hit: pad drafts to k with -1 so the
+    # batch stays uniform-width; pads are invalid, never drafts.
+    pad_drafts: bool = False
 
     @property
     def sampling(self) -> bool:
@@ -36,6 +39,16 @@ class SchedulerOutput:
         return len(self.scheduled)
 
 
+@dataclass(frozen=True)
+class BatchDescriptor:
+    """Shape of one step's target forward (DESIGN §6): uniform_width is the common query width
+    (1+k) when every request in the step verifies the same width, else None."""
+
+    num_tokens: int
+    num_reqs: int
+    uniform_width: int | None
+
+
 @dataclass
 class RequestResult:
     request_id: str
@@ -44,6 +57,7 @@ class RequestResult:
     num_accepted_tokens: int
     skip_reason: str | None  # set on a sampling step that verified no draft
     logprobs: list[Any] | None = None  # per emitted token: (logprob, top [(id, logprob)])
+    num_padding_tokens: int = 0  # -1 pads verified (invalid, reason "padding")
 
 
 @dataclass
@@ -53,6 +67,7 @@ class RunnerOutput:
     draft_seconds: float = 0.0
     forward_seconds: float = 0.0
     sample_seconds: float = 0.0
+    batch: BatchDescriptor | None = None
 
 
 @dataclass

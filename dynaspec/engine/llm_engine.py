@@ -51,6 +51,7 @@ class LLMEngine:
         self.request_records: dict[str, list] = {}
         self.times = StepTimes()
         self.last_step: StepStats | None = None
+        self.last_batch = None  # BatchDescriptor of the latest step
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
         self.finished_times: list[dict] = []  # drained by the server's metrics
@@ -157,8 +158,10 @@ class LLMEngine:
         specs = []
         for u in updates:
             r = u.result
+            pads = {"padding": r.num_padding_tokens} if r.num_padding_tokens else {}
+            skip = r.skip_reason if not r.num_draft_tokens and not pads else None
             specs.append(RequestStepSpec(r.request_id, r.num_draft_tokens, r.num_accepted_tokens,
-                                         len(u.new_token_ids), r.skip_reason if not r.num_draft_tokens else None))
+                                         len(u.new_token_ids), skip, pads))
         num_gen = sum(len(u.new_token_ids) for u in updates)
         num_prompt = sum(s.num_new_tokens for s in sched_out.scheduled if not s.sampling) + \
             sum(s.num_new_tokens - 1 for s in sched_out.scheduled if s.sampling)
@@ -169,6 +172,7 @@ class LLMEngine:
                          num_prompt, num_gen, len(sched_out.preempted_ids))
         self.counters = fold_step(self.counters, step)
         self.last_step = step
+        self.last_batch = res.batch
         for spec in specs:
             records = self.request_records.get(spec.request_id)
             if records is not None:

@@ -133,7 +133,9 @@ class Scheduler:
         if self.plan.speculating and la == 0:
             reason = "prefill" if num_new > 1 or req.num_computed_tokens + num_new < req.num_tokens \
                 else "token_budget"
-        return ScheduledRequest(req, num_new, la, reason, self.kv.block_table(req.request_id))
+        pad = (self.plan.kind == "constant" and la > 0 and req.num_cached_tokens > 0
+               and req.num_output_tokens == 0)
+        return ScheduledRequest(req, num_new, la, reason, self.kv.block_table(req.request_id), pad)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

@@ -10,9 +10,11 @@ Match rule (shared by `ngram_match` and the proposer):
     tend to continue the region the model is working on (the latest copy of a function, the
     latest row of a table), so the latest occurrence is the likeliest to predict what comes
     next. vLLM's KMP scan keeps the earliest instead; the difference only shows when the
-    suffix repeats, and then the latest copy is the more local evidence. The price: in a
-    periodic run with period p < k, the latest copy is followed by only p tokens;
-  * the draft is up to k tokens following that occurrence, fewer if the context ends sooner.
+    suffix repeats, and then the latest copy is the more local evidence;
+  * the draft is the k tokens following that occurrence. When the context ends sooner (the
+    match overlaps the suffix: a periodic run with period p < k), the copy continues into its
+    own output, LZ77-style, i.e. the period repeats. Without this the most-recent rule would
+    draft only p tokens in exactly the runs (repeated lines, loops) where drafts pay most.
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ _TAIL_CANDIDATES = 512
 
 def ngram_match(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
     """Longest-suffix match: find the longest n in [min_n, max_n] such that the last n tokens
-    occur earlier in `tokens`; return up to k tokens that followed that occurrence (fewer if the
-    context ends sooner; empty if no match or k <= 0).
+    occur earlier in `tokens`; return the k tokens that follow that occurrence, the copy running
+    on into its own output when the context ends sooner (empty if no match or k <= 0).
 
     The most recent earlier occurrence wins (see the module docstring for why). Token id 0 is
     an ordinary token. Returns a copy, never a view into `tokens` (the proposer's buffers are
@@ -50,7 +52,11 @@ def ngram_match(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarra
     best_end = _longest_suffix_match_end(tokens, min_n, max_n)
     if best_end < 0:
         return _EMPTY
-    return tokens[best_end + 1 : best_end + 1 + k].copy()
+    follow = tokens[best_end + 1 : best_end + 1 + k]
+    if follow.shape[0] >= k:
+        return follow.copy()
+    # The match overlaps the suffix: period p = len(follow); continue the copy periodically.
+    return np.resize(follow, k)
 
 
 def _longest_suffix_match_end(tokens: np.ndarray, min_n: int, max_n: int) -> int:

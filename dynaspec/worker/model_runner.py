@@ -14,12 +14,23 @@ import torch
 
 from dynaspec.attention.paged import build_metadata
 from dynaspec.models.llama import LlamaModel
-from dynaspec.outputs import RequestResult, RunnerOutput, SchedulerOutput
+from dynaspec.outputs import BatchDescriptor, RequestResult, RunnerOutput, SchedulerOutput
 from dynaspec.request import Request
 from dynaspec.sample.metadata import SamplingMetadata
 from dynaspec.sample.rejection_sampler import rejection_sample
 from dynaspec.sample.sampler import Sampler
 from dynaspec.spec.base import Drafts, Proposer
+
+
+PAD = -1  # never a real token id: rejected by the verifier, counted as invalid "padding"
+
+
+def _pad_probs(p: torch.Tensor, n: int) -> torch.Tensor:
+    """Draft probs [d, vocab] -> [n, vocab]; pad rows are uniform (never used: pads reject)."""
+    if p.shape[0] >= n:
+        return p[:n]
+    pad = torch.full((n - p.shape[0], p.shape[1]), 1.0 / p.shape[1], dtype=p.dtype, device=p.device)
+    return torch.cat([p, pad])
 
 
 class ModelRunner:
@@ -56,11 +67,14 @@ class ModelRunner:
         drafts: Drafts = self.proposer.propose(reqs, [out.scheduled[i].draft_budget for i in idx])
         tokens, probs, skips = {}, {}, {}
         for j, req in enumerate(reqs):
-            d = drafts.token_ids[j][: out.scheduled[idx[j]].draft_budget]
+            s = out.scheduled[idx[j]]
+            d = list(drafts.token_ids[j][: s.draft_budget])
+            if s.pad_drafts and len(d) < s.draft_budget:
+                d += [PAD] * (s.draft_budget - len(d))
             if d:
-                tokens[req.request_id] = list(d)
+                tokens[req.request_id] = d
                 p = drafts.probs[j] if drafts.probs is not None else None
-                probs[req.request_id] = None if p is None else p[: len(d)]
+                probs[req.request_id] = None if p is None else _pad_probs(p, len(d))
             else:
                 skips[req.request_id] = drafts.skip_reasons[j] or "no_match"
         return tokens, probs, skips
@@ -88,7 +102,7 @@ class ModelRunner:
                 logit_rows.extend(range(start + len(toks) - len(d) - 1, start + len(toks)))
                 sampling.append((i, len(d)))
         md = build_metadata(qlens, clens, tables, self.block_size, self.device)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T]
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device).clamp_(min=0)  # [T]; pads embed as 0, their rows are ignored
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)  # [T]
         rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)  # [R]
         t2 = time.perf_counter()
@@ -96,7 +110,10 @@ class ModelRunner:
         t3 = time.perf_counter()
         results = self._sample(out, logits, sampling, drafts, draft_probs, draft_skips)
         t4 = time.perf_counter()
-        return RunnerOutput(results, t2 - t1, t1 - t0, t3 - t2, t4 - t3)
+        width = qlens[0] if qlens and all(q == qlens[0] for q in qlens) and \
+            len(sampling) == len(qlens) else None
+        batch = BatchDescriptor(len(ids), len(qlens), width)
+        return RunnerOutput(results, t2 - t1, t1 - t0, t3 - t2, t4 - t3, batch)
 
     def _sample(self, out: SchedulerOutput, logits: torch.Tensor, sampling: list[tuple[int, int]],
                 drafts: dict, draft_probs: dict, draft_skips: dict) -> list[RequestResult]:
@@ -117,8 +134,10 @@ class ModelRunner:
         for (i, n), req, toks in zip(sampling, reqs, tokens):
             r = results[i]
             r.token_ids = toks
-            r.num_draft_tokens, r.num_accepted_tokens = n, len(toks) - 1
-            if n == 0 and r.skip_reason is None:
+            pads = sum(1 for t in drafts.get(req.request_id, ()) if t == PAD)
+            r.num_draft_tokens, r.num_accepted_tokens = n - pads, len(toks) - 1
+            r.num_padding_tokens = pads
+            if n - pads == 0 and r.skip_reason is None and not pads:
                 r.skip_reason = draft_skips.get(req.request_id)
             if req.sampling_params.logprobs is not None:
                 r.logprobs = _logprobs(logits[row: row + len(toks)], toks, req.sampling_params.logprobs)

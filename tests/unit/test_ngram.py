@@ -24,7 +24,10 @@ def reference_match(tokens: list[int], min_n: int, max_n: int, k: int) -> list[i
         suffix = tokens[length - n :]
         for start in range(length - n - 1, -1, -1):
             if tokens[start : start + n] == suffix:
-                return tokens[start + n : start + n + k]
+                out = list(tokens)  # LZ77 copy: the draft may copy from itself
+                for i in range(k):
+                    out.append(out[start + n + i])
+                return out[length:]
     return []
 
 
@@ -74,21 +77,21 @@ def test_min_n_respected() -> None:
 def test_most_recent_occurrence_wins() -> None:
     seq = [1, 2, 10, 1, 2, 20, 1, 2, 30, 1, 2]
     assert match(seq, 2, 2, 1) == [30]
-    assert match(seq, 1, 2, 4) == [30, 1, 2]
+    assert match(seq, 1, 2, 4) == [30, 1, 2, 30]  # the copy runs on periodically
 
 
 def test_occurrence_may_overlap_suffix() -> None:
-    # [0, 0, 0, 0]: suffix [0, 0, 0] occurs at 0 (overlapping), followed by one token.
-    assert match([0, 0, 0, 0], 1, 3, 5) == [0]
-    # Periodic run: the latest copy of [1, 2] is followed by exactly one period.
-    assert match([1, 2, 1, 2, 1, 2], 2, 2, 5) == [1, 2]
+    # [0, 0, 0, 0]: suffix [0, 0, 0] occurs at 0 (overlapping); the copy continues LZ77-style.
+    assert match([0, 0, 0, 0], 1, 3, 5) == [0, 0, 0, 0, 0]
+    # Periodic run: the latest copy of [1, 2] is followed by one period, repeated to k.
+    assert match([1, 2, 1, 2, 1, 2], 2, 2, 5) == [1, 2, 1, 2, 1]
 
 
-def test_k_truncated_at_context_end_and_by_k() -> None:
+def test_copy_continues_past_context_end_and_is_cut_by_k() -> None:
     seq = [3, 4, 5, 6, 3]
-    assert match(seq, 1, 2, 10) == [4, 5, 6, 3]
+    assert match(seq, 1, 2, 10) == [4, 5, 6, 3] * 2 + [4, 5]
     assert match(seq, 1, 2, 2) == [4, 5]
-    assert match([8, 9, 8], 1, 1, 4) == [9, 8]
+    assert match([8, 9, 8], 1, 1, 4) == [9, 8, 9, 8]
 
 
 def test_no_match_and_degenerate_inputs() -> None:
@@ -105,14 +108,14 @@ def test_k_zero_or_negative() -> None:
 
 
 def test_token_zero_is_an_ordinary_token() -> None:
-    assert match([0, 1, 0, 2, 0], 1, 2, 3) == [2, 0]
+    assert match([0, 1, 0, 2, 0], 1, 2, 3) == [2, 0, 2]
     assert match([0, 0, 5, 9, 0, 0], 2, 2, 2) == [5, 9]
     assert match([3, 0, 0, 7, 3], 1, 1, 3) == [0, 0, 7]
 
 
 def test_returns_int_array_for_list_input() -> None:
     out = ngram_match(np.array([1, 2, 1], dtype=np.int32), 1, 1, 2)
-    assert out.tolist() == [2, 1]
+    assert out.tolist() == [2, 1]  # k == period: no continuation needed
 
 
 @settings(max_examples=400, deadline=None)
@@ -166,10 +169,10 @@ def test_propose_reports_drafts_and_reasons() -> None:
         make_request("a", [1, 2, 3, 1, 2]),  # match -> [3, 1]
         make_request("b", [1, 2, 3, 4]),  # no match
         make_request("c", [5, 6, 5]),  # k = 0: caller's decision, no reason here
-        make_request("d", [0, 9], [0]),  # prompt + output: [0, 9, 0] -> [9, 0]
+        make_request("d", [0, 9], [0]),  # prompt + output: [0, 9, 0] -> [9, 0, 9, 0, 9] (periodic copy)
     ]
     drafts = proposer.propose(reqs, [2, 2, 0, 5])
-    assert drafts.token_ids == [[3, 1], [], [], [9, 0]]
+    assert drafts.token_ids == [[3, 1], [], [], [9, 0, 9, 0, 9]]
     assert drafts.skip_reasons == [None, "no_match", None, None]
     assert drafts.probs is None
     assert all(type(t) is int for ids in drafts.token_ids for t in ids)
@@ -237,6 +240,6 @@ def test_rewritten_output_under_same_request_is_detected() -> None:
     assert proposer.propose([req], [2]).token_ids == [[2, 3]]
     # The output shrinks then regrows to a different token (e.g. a rolled-back step).
     req.output_token_ids[:] = [3]  # [1, 2, 3, 3]
-    assert proposer.propose([req], [2]).token_ids == [[3]]
+    assert proposer.propose([req], [2]).token_ids == [[3, 3]]
     req.output_token_ids[:] = [2]  # [1, 2, 3, 2]
     assert proposer.propose([req], [2]).token_ids == [[3, 2]]

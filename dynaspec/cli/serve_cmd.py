@@ -1,0 +1,46 @@
+"""`dynaspec serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn).
+
+The server stack is imported inside `run`, so `dynaspec --help` and the other subcommands never
+load fastapi, uvicorn or pydantic.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from dynaspec.cli.engine_args import add_engine_args, engine_kwargs
+
+
+def register(sub) -> None:  # type: ignore[no-untyped-def]
+    p = sub.add_parser("serve", help="serve an OpenAI-compatible API over HTTP")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1: local only; 0.0.0.0 exposes it)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every /v1 endpoint")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: the --model value)")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20,
+                   help="largest request body accepted (413 beyond it)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish on shutdown before being aborted")
+    p.add_argument("--log-level", default="info", help="uvicorn log level")
+    add_engine_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from dynaspec.server.api_server import build_app, build_async_engine
+    from dynaspec.server.launch import make_server
+
+    if args.max_body_bytes < 1:
+        raise ValueError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
+    kwargs = engine_kwargs(args)
+    name = args.served_model_name or kwargs["model"]
+    async_engine = build_async_engine(name, **kwargs)
+    app = build_app(async_engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
+    # On Ctrl-C / SIGTERM: in-flight requests get --shutdown-timeout seconds to finish, the rest
+    # are aborted (streams end with an error event and [DONE]), then the engine thread stops.
+    make_server(app, async_engine, args.host, args.port, args.shutdown_timeout,
+                args.log_level).run()
+    return 0

@@ -1,0 +1,176 @@
+"""The OpenAI-compatible HTTP API: `build_app(async_engine, served_model_name, api_key=None)`.
+
+Bodies are read and validated by hand (size limit first, then strict pydantic models) rather than
+through FastAPI's parameter binding, so every failure is an OpenAI-style error with the status
+OpenAI uses (400 instead of FastAPI's 422) and a message naming the field. No middleware wraps the
+app: BaseHTTPMiddleware would buffer streams and hide client disconnects.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from dynaspec.server.async_engine import AsyncEngine
+from dynaspec.server.protocol import (ChatCompletionRequest, CompletionRequest, APIError,
+                                      parse_body)
+from dynaspec.server.serving import OpenAIServing
+
+log = logging.getLogger("dynaspec.server")
+
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+
+
+def build_async_engine(served_model_name: str | None = None, **engine_kwargs: Any) -> AsyncEngine:
+    """Load the engine from flat engine args and start its thread, with Prometheus metrics."""
+    from dynaspec.config import EngineConfig
+    from dynaspec.engine.llm_engine import LLMEngine
+    from dynaspec.metrics.prometheus import PrometheusMetrics
+
+    engine = LLMEngine(EngineConfig.from_kwargs(**engine_kwargs))
+    name = served_model_name or engine.parts.model_name
+    return AsyncEngine(engine, PrometheusMetrics(labels={"model_name": name}))
+
+
+def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              shutdown_drain_s: float = 0.0) -> FastAPI:
+    """The FastAPI app. On shutdown (after uvicorn has let open connections finish) requests
+    still in flight get up to `shutdown_drain_s` to finish, then are aborted; the engine thread
+    is stopped and joined."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):  # type: ignore[no-untyped-def]
+        yield
+        await async_engine.shutdown(shutdown_drain_s)
+
+    app = FastAPI(title="dynaspec", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    serving = OpenAIServing(async_engine, served_model_name)
+    _install_error_handlers(app)
+    app.include_router(_v1_router(serving, api_key, max_body_bytes))
+    _add_open_routes(app, async_engine)
+    app.state.serving = serving
+    app.state.async_engine = async_engine
+    return app
+
+
+def _error(err: APIError) -> JSONResponse:
+    headers = {"www-authenticate": "Bearer"} if err.status == 401 else None
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return _error(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+        return _error(APIError(400, f"{param}: {first.get('msg', 'invalid request')}", param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        msg = {404: f"no route {request.method} {request.url.path}",
+               405: f"method {request.method} is not allowed on {request.url.path}"}
+        return _error(APIError(exc.status_code, msg.get(exc.status_code, str(exc.detail))))
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return _error(APIError(500, f"internal error: {type(exc).__name__}", None, "internal"))
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refusing it (413) as soon as it passes `limit` bytes, declared or not."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(size, limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(size: int, limit: int) -> APIError:
+    return APIError(413, f"request body is too large ({size} bytes > limit {limit} bytes)", None,
+                    "request_too_large")
+
+
+def _v1_router(serving: OpenAIServing, api_key: str | None, max_body_bytes: int) -> APIRouter:
+    def authorize(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise APIError(401, "missing API key: send the header 'Authorization: Bearer <key>'",
+                           None, "invalid_api_key")
+        if not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise APIError(401, "incorrect API key", None, "invalid_api_key")
+
+    router = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
+
+    async def run(request: Request, model: type) -> Response:
+        req = parse_body(model, await _read_body(request, max_body_bytes))
+        result = await serving.handle(request, req)
+        if isinstance(result, Response):
+            return result
+        return JSONResponse(result) if result is not None else Response(status_code=499)
+
+    @router.post("/completions")
+    async def completions(request: Request) -> Response:
+        return await run(request, CompletionRequest)
+
+    @router.post("/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await run(request, ChatCompletionRequest)
+
+    created = int(time.time())
+
+    def card() -> dict:
+        eng = serving.engine
+        return {"id": serving.model_name, "object": "model", "created": created,
+                "owned_by": "dynaspec", "max_model_len": eng.max_model_len,
+                "dynaspec": {"spec_plan": eng.engine.plan.to_json()}}
+
+    @router.get("/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [card()]}
+
+    @router.get("/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        serving.check_model(model_id)
+        return card()
+
+    return router
+
+
+def _add_open_routes(app: FastAPI, async_engine: AsyncEngine) -> None:
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok = async_engine.alive
+        return JSONResponse({"status": "ok" if ok else "engine stopped", **async_engine.state},
+                            status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        from dynaspec.metrics.prometheus import CONTENT_TYPE
+
+        if async_engine.metrics is None:
+            raise APIError(404, "metrics are not enabled")
+        with async_engine.metrics_lock:
+            body = async_engine.metrics.render()
+        return Response(body, media_type=CONTENT_TYPE)

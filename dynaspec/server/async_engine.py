@@ -1,0 +1,276 @@
+"""AsyncEngine: runs the single-threaded LLMEngine on one background thread for an asyncio front.
+
+The engine is not thread-safe, so exactly one thread ("dynaspec-engine") ever touches it. The
+front talks to it only through a command queue of callables (add, abort, integrity checks, stop);
+the thread runs them between steps, steps while work exists, and hands each step's outputs to the
+per-request asyncio queues with one `loop.call_soon_threadsafe` per step, so the event loop never
+waits on a step. Prometheus metrics are fed from the same thread (under `metrics_lock`, which the
+/metrics handler also takes to render).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from dynaspec.metrics.log_line import PeriodicLogger
+from dynaspec.metrics.stats import EngineSnapshot, FinishedRequestTimes
+
+log = logging.getLogger("dynaspec.server")
+
+_IDLE_WAIT_S = 0.5  # how long the idle thread sleeps on the command queue before re-checking
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine is shutting down or its thread has stopped (the API answers 503)."""
+
+
+@dataclass(frozen=True)
+class OutputDelta:
+    """One request's progress after one step, copied on the engine thread (nothing shared)."""
+
+    request_id: str
+    text: str  # full text so far (stop strings already cut)
+    new_token_ids: list[int]
+    num_prompt_tokens: int
+    num_output_tokens: int
+    finished: bool
+    finish_reason: str | None = None
+    error: str | None = None
+    new_logprobs: list | None = None  # entries for new_token_ids: (logprob, [(id, logprob)])
+    spec: dict | None = None
+    metrics: dict = field(default_factory=dict)
+
+
+class RequestStream:
+    """The asyncio side of one request: deltas arrive in order; the last one has finished=True."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self.loop = loop
+        self.queue: asyncio.Queue[OutputDelta | None] = asyncio.Queue()
+        self.finished = False  # set by the consumer once it has read the final delta
+        self._logprobs_sent = 0  # engine thread only
+
+    async def get(self) -> OutputDelta | None:
+        """The next delta; None when the client disconnected (put by the SSE response)."""
+        delta = await self.queue.get()
+        if delta is not None:
+            self.finished = delta.finished
+        return delta
+
+
+class AsyncEngine:
+    def __init__(self, engine: Any, metrics: Any = None) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.metrics_lock = threading.Lock()
+        self.tokenizer = engine.tokenizer
+        self.max_model_len: int = engine.max_model_len
+        self._cmds: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._accepting = True
+        self._stop = False
+        self._last_step_seen: Any = None
+        # --log-stats-interval: the periodic metrics line, written from the engine thread.
+        obs = getattr(getattr(engine, "config", None), "observability", None)
+        self._log_line = PeriodicLogger(getattr(obs, "log_stats_interval_s", 0.0))
+        self.state: dict = {}  # published by the engine thread after each round, read by /health
+        self._publish_state()
+        self._thread = threading.Thread(target=self._run, name="dynaspec-engine", daemon=True)
+        self._thread.start()
+
+    # ---- API for any thread --------------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def call(self, fn: Callable[[Any], Any]) -> Future:
+        """Run fn(engine) on the engine thread between steps; the Future holds its result."""
+        if not self.alive:
+            raise EngineUnavailable("the engine thread has stopped")
+        fut: Future = Future()
+
+        def run() -> None:
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(self.engine))
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                    fut.set_exception(exc)
+
+        self._cmds.put(run)
+        return fut
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (frees its KV blocks); harmless if it already finished."""
+        if self.alive:
+            self._cmds.put(lambda: self._abort(request_id, "abort"))
+
+    # ---- API for the event loop ----------------------------------------------------------------
+    async def add_request(self, request_id: str, prompt: str | list[int], params: Any) -> RequestStream:
+        """Queue a request; raises ValueError (bad prompt/params) or EngineUnavailable."""
+        if not self._accepting:
+            raise EngineUnavailable("the server is shutting down")
+        stream = RequestStream(request_id, asyncio.get_running_loop())
+
+        def add(engine: Any) -> None:
+            engine.add_request(prompt, params, request_id)
+            self._streams[request_id] = stream
+
+        try:
+            await asyncio.wrap_future(self.call(add))
+        except asyncio.CancelledError:
+            self.abort(request_id)  # the client left while the add was queued
+            raise
+        return stream
+
+    async def shutdown(self, drain_timeout_s: float = 0.0) -> None:
+        """Refuse new requests, let in-flight ones finish for up to drain_timeout_s, abort the
+        rest (their streams get a final 'abort' delta), then stop and join the engine thread."""
+        self._accepting = False
+        deadline = time.monotonic() + drain_timeout_s
+        while self.alive and self.state.get("num_unfinished") and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.alive:
+            def stop(engine: Any) -> None:
+                for rid in list(self._streams):
+                    self._abort(rid, "abort", "the server is shutting down")
+                self._stop = True
+
+            await asyncio.wrap_future(self.call(stop))
+        await asyncio.to_thread(self._thread.join, 30.0)
+
+    # ---- the engine thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop:
+                busy = self.engine.has_unfinished_requests()
+                ran = self._run_commands(block=not busy)
+                if self._stop:
+                    break
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                elif ran:
+                    self._observe()
+        except BaseException:  # noqa: BLE001 - never die silently: fail every open stream
+            log.exception("engine thread crashed")
+            raise
+        finally:
+            self._accepting = False
+            for rid in list(self._streams):
+                self._deliver_final(rid, "error", "the engine stopped")
+            self._publish_state()
+
+    def _run_commands(self, block: bool) -> bool:
+        ran = False
+        try:
+            cmd = self._cmds.get(timeout=_IDLE_WAIT_S) if block else self._cmds.get_nowait()
+            while True:
+                try:
+                    cmd()
+                except Exception:  # noqa: BLE001 - one bad command must not stop the engine
+                    log.exception("engine command failed")
+                ran = True
+                cmd = self._cmds.get_nowait()
+        except queue.Empty:
+            return ran
+
+    def _step(self) -> None:
+        try:
+            outs = self.engine.step()
+        except Exception as exc:  # noqa: BLE001 - step() already isolates runner failures
+            log.exception("engine step failed; aborting its requests")
+            for rid in list(self._streams):
+                self._abort(rid, "error", f"{type(exc).__name__}: {exc}")
+            return
+        if not outs:
+            time.sleep(0.001)  # a step that scheduled nothing: do not spin on the CPU
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        for out in outs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue  # aborted by its client meanwhile
+            if out.finished:
+                del self._streams[out.request_id]
+            batches.setdefault(stream.loop, []).append((stream, self._delta(out, stream)))
+        for loop, items in batches.items():
+            _post(loop, items)
+        self._observe()
+
+    @staticmethod
+    def _delta(out: Any, stream: RequestStream) -> OutputDelta:
+        new_lp = None
+        if out.logprobs is not None:  # cumulative list owned by the engine: copy the new part
+            new_lp = list(out.logprobs[stream._logprobs_sent:])
+            stream._logprobs_sent = len(out.logprobs)
+        return OutputDelta(out.request_id, out.text, list(out.new_token_ids),
+                           len(out.prompt_token_ids), len(out.token_ids), out.finished,
+                           out.finish_reason, out.error, new_lp, out.spec, dict(out.metrics))
+
+    def _abort(self, request_id: str, reason: str, error: str | None = None) -> None:
+        self.engine.abort_request(request_id)
+        if request_id in self._streams:
+            self._deliver_final(request_id, reason, error)
+        self._observe()
+
+    def _deliver_final(self, request_id: str, reason: str, error: str | None) -> None:
+        stream = self._streams.pop(request_id)
+        delta = OutputDelta(request_id, "", [], 0, 0, True, reason, error)
+        _post(stream.loop, [(stream, delta)])
+
+    def _observe(self) -> None:
+        """Feed Prometheus and publish the state; a metrics bug must not stop serving."""
+        eng = self.engine
+        times = eng.finished_times[:]
+        del eng.finished_times[:len(times)]  # drained here, on the thread that appends
+        self._publish_state()
+        if self.metrics is None and not self._log_line.enabled:
+            return
+        try:
+            snap = _snapshot(eng)
+            self._log_line.maybe_log(eng.counters, snap)
+            if self.metrics is None:
+                return
+            with self.metrics_lock:
+                step = eng.last_step
+                if step is not None and step is not self._last_step_seen:
+                    self._last_step_seen = step
+                    self.metrics.observe_step(step)
+                self.metrics.observe_snapshot(snap)
+                for t in times:
+                    self.metrics.observe_finished(FinishedRequestTimes(
+                        t.get("ttft_s"), tuple(t.get("inter_token_s") or ()), t.get("e2e_s", 0.0),
+                        t.get("num_prompt_tokens", 0), t.get("num_generation_tokens", 0)))
+        except Exception:  # noqa: BLE001
+            log.exception("metrics update failed")
+
+    def _publish_state(self) -> None:
+        eng = self.engine
+        self.state = {"num_running": eng.num_running, "num_waiting": eng.num_waiting,
+                      "num_unfinished": eng.num_running + eng.num_waiting,
+                      "kv_num_blocks": eng.kv.num_blocks, "kv_free_blocks": eng.kv.num_free_blocks(),
+                      "kv_usage": eng.kv.usage(), "num_streams": len(self._streams)}
+
+
+def _snapshot(eng: Any) -> EngineSnapshot:
+    pool = eng.pool_report()
+    return EngineSnapshot(eng.num_running, eng.num_waiting, eng.kv.usage(), pool["num_tokens"],
+                          pool["drafter_num_tokens"], eng.kv.prefix_cache_queries,
+                          eng.kv.prefix_cache_hits, getattr(eng.scheduler, "num_preemptions", 0))
+
+
+def _post(loop: asyncio.AbstractEventLoop, items: list[tuple[RequestStream, OutputDelta]]) -> None:
+    def deliver() -> None:
+        for stream, delta in items:
+            stream.queue.put_nowait(delta)
+
+    try:
+        loop.call_soon_threadsafe(deliver)
+    except RuntimeError:  # the loop is closed: nobody is listening any more
+        pass

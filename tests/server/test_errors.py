@@ -1,0 +1,115 @@
+"""Malformed requests: each gets the right status and an OpenAI-style error naming the problem,
+and the server keeps serving (a good request succeeds right after each)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from tests.server.conftest import MODEL
+
+GOOD = {"model": MODEL, "prompt": "Hi", "max_tokens": 1, "temperature": 0}
+CHAT_GOOD = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+C, CH = "/v1/completions", "/v1/chat/completions"
+
+
+def _with(base: dict, **changes) -> dict:
+    out = {**base, **changes}
+    return {k: v for k, v in out.items() if v is not ...}  # `...` deletes a field
+
+
+# (id, method, path, body: dict | bytes, status, substrings the message must contain, param)
+CASES = [
+    ("truncated-json", "POST", C, b'{"model": "default", "prompt": "hi",', 400, ["not valid JSON"], None),
+    ("empty-body", "POST", C, b"", 400, ["not valid JSON"], None),
+    ("body-not-object", "POST", C, b"[1, 2]", 400, ["JSON object"], None),
+    ("missing-model", "POST", C, _with(GOOD, model=...), 400, ["'model' is required"], "model"),
+    ("unknown-model", "POST", C, _with(GOOD, model="gpt-9"), 404, ["gpt-9", "does not exist"], "model"),
+    ("missing-prompt", "POST", C, _with(GOOD, prompt=...), 400, ["'prompt' is required"], "prompt"),
+    ("prompt-wrong-type", "POST", C, _with(GOOD, prompt=123), 400, ["prompt must be"], "prompt"),
+    ("prompt-empty-list", "POST", C, _with(GOOD, prompt=[]), 400, ["prompt must be"], "prompt"),
+    ("prompt-batch", "POST", C, _with(GOOD, prompt=["a", "b"]), 400, ["batched prompts"], "prompt"),
+    ("prompt-empty-string", "POST", C, _with(GOOD, prompt=""), 400, ["prompt is empty"], "prompt"),
+    ("token-outside-vocab", "POST", C, _with(GOOD, prompt=[1, 99999999]), 400, ["outside the vocabulary"], "prompt"),
+    ("prompt-too-long", "POST", C, _with(GOOD, prompt="hello " * 600), 400, ["context length"], "prompt"),
+    ("max-tokens-beyond-context", "POST", C, _with(GOOD, max_tokens=100000), 400, ["max_tokens", "context length"], "max_tokens"),
+    ("max-tokens-zero", "POST", C, _with(GOOD, max_tokens=0), 400, ["max_tokens", "greater than or equal to 1"], "max_tokens"),
+    ("max-tokens-negative", "POST", C, _with(GOOD, max_tokens=-5), 400, ["max_tokens"], "max_tokens"),
+    ("max-tokens-string", "POST", C, _with(GOOD, max_tokens="ten"), 400, ["max_tokens", "integer"], "max_tokens"),
+    ("max-tokens-float", "POST", C, _with(GOOD, max_tokens=2.5), 400, ["max_tokens", "integer"], "max_tokens"),
+    ("temperature-string", "POST", C, _with(GOOD, temperature="hot"), 400, ["temperature", "number"], "temperature"),
+    ("temperature-negative", "POST", C, _with(GOOD, temperature=-1), 400, ["temperature"], "temperature"),
+    ("top-p-zero", "POST", C, _with(GOOD, top_p=0), 400, ["top_p"], "top_p"),
+    ("top-k-below-minus-one", "POST", C, _with(GOOD, top_k=-3), 400, ["top_k"], "top_k"),
+    ("seed-string", "POST", C, _with(GOOD, seed="abc"), 400, ["seed"], "seed"),
+    ("logprobs-too-many", "POST", C, _with(GOOD, logprobs=50), 400, ["logprobs"], "logprobs"),
+    ("stop-empty-string", "POST", C, _with(GOOD, stop=[""]), 400, ["stop strings must be non-empty"], "stop"),
+    ("stop-wrong-type", "POST", C, _with(GOOD, stop=5), 400, ["stop must be a string or a list of strings"], "stop"),
+    ("n-greater-than-one", "POST", C, _with(GOOD, n=2), 400, ["n=2 is not supported"], "n"),
+    ("unknown-field", "POST", C, _with(GOOD, max_token=5), 400, ["unknown field 'max_token'"], "max_token"),
+    ("presence-penalty", "POST", C, _with(GOOD, presence_penalty=1.0), 400, ["presence_penalty"], "presence_penalty"),
+    ("stream-options-without-stream", "POST", C, _with(GOOD, stream_options={"include_usage": True}), 400, ["stream_options"], "stream_options"),
+    ("chat-missing-messages", "POST", CH, _with(CHAT_GOOD, messages=...), 400, ["'messages' is required"], "messages"),
+    ("chat-empty-messages", "POST", CH, _with(CHAT_GOOD, messages=[]), 400, ["messages", "at least 1"], "messages"),
+    ("chat-messages-string", "POST", CH, _with(CHAT_GOOD, messages="hi"), 400, ["messages"], "messages"),
+    ("chat-bad-role", "POST", CH, _with(CHAT_GOOD, messages=[{"role": "robot", "content": "x"}]), 400, ["role"], "messages.0.role"),
+    ("chat-image-part", "POST", CH, _with(CHAT_GOOD, messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), 400, ["content must be a string", "not supported"], "messages.0.content"),
+    ("chat-top-logprobs-alone", "POST", CH, _with(CHAT_GOOD, top_logprobs=2), 400, ["top_logprobs requires logprobs"], "top_logprobs"),
+    ("chat-tools", "POST", CH, _with(CHAT_GOOD, tools=[{"type": "function"}]), 400, ["tools are not supported"], "tools"),
+    ("chat-max-completion-tokens-zero", "POST", CH, _with(CHAT_GOOD, max_completion_tokens=0), 400, ["max_completion_tokens"], "max_completion_tokens"),
+    ("body-too-large", "POST", C, _with(GOOD, prompt="x" * (1 << 20)), 413, ["too large", "limit"], None),
+    ("unknown-route", "POST", "/v1/embeddings", GOOD, 404, ["no route", "/v1/embeddings"], None),
+    ("wrong-method", "GET", C, b"", 405, ["not allowed"], None),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def server(live_server_factory):
+    return live_server_factory()
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+def test_table_is_big_enough():
+    assert len(CASES) >= 15 and len({c[0] for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_malformed_request(http, case):
+    _, method, path, body, status, needles, param = case
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = http.request(method, path, content=content, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    for needle in needles:
+        assert needle in err["message"], err
+    if param is not None:
+        assert err["param"] == param, err
+    assert err["type"] == "invalid_request_error"
+    # The engine keeps serving: a good request right after succeeds.
+    ok = http.post(C, json=GOOD)
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["usage"]["completion_tokens"] == 1
+
+
+def test_openai_client_raises_typed_errors(server):
+    import openai
+
+    client = server.client()
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="hi", max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=0)
+
+
+def test_engine_intact_after_errors(server):
+    state = server.wait_idle()
+    assert state["free"] == state["blocks"]
+    server.on_engine(lambda e: e.check_integrity())
