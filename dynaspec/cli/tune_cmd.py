@@ -49,7 +49,7 @@ def register(sub) -> None:
     p.add_argument("--batch-buckets", type=_ints, default=[1, 4, 16, 64])
     p.add_argument("--ctx-buckets", type=_ints, default=[128, 512, 2048])
     p.add_argument("--k-values", type=_ints, default=[0, 1, 2, 4, 8])
-    p.add_argument("--repeats", type=int, default=3, help="timed calls per point (median)")
+    p.add_argument("--repeats", type=int, default=5, help="timed rounds per bucket (fastest kept)")
     p.add_argument("--margin", type=float, default=0.0,
                    help="K > 0 must beat K = 0's goodput by more than this fraction")
     p.add_argument("--plot", default=None, help="heatmap PNG (default: OUT with .png)")
