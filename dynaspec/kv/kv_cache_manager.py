@@ -20,21 +20,6 @@ from typing import Any
 from dynaspec.kv.block_pool import ROOT_HASH, BlockHash, BlockPool, hash_block_tokens
 
 
-def _token_slice(request: Any, start: int, end: int) -> list[int]:
-    """request.all_token_ids[start:end] without concatenating the whole prompt and output
-    (all_token_ids builds a new list on every access)."""
-    prompt = getattr(request, "prompt_token_ids", None)
-    output = getattr(request, "output_token_ids", None)
-    if prompt is None or output is None:
-        return list(request.all_token_ids[start:end])
-    n = len(prompt)
-    if end <= n:
-        return prompt[start:end]
-    if start >= n:
-        return output[start - n : end - n]
-    return prompt[start:] + output[: end - n]
-
-
 class _ReqState:
     """What the manager remembers about one request between calls."""
 
@@ -97,7 +82,7 @@ class KVCacheManager:
         hashes = state.hashes
         if len(hashes) < num_blocks:
             bs = self.block_size
-            tokens = _token_slice(request, len(hashes) * bs, num_blocks * bs)
+            tokens = request.token_slice(len(hashes) * bs, num_blocks * bs)
             parent = hashes[-1] if hashes else ROOT_HASH
             for i in range(0, len(tokens), bs):
                 parent = hash_block_tokens(parent, tokens[i : i + bs])
