@@ -14,6 +14,7 @@ throughput number from an engine whose books do not balance is not a number to p
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -47,6 +48,11 @@ class RunRecord:
     census: dict = field(default_factory=dict)  # steps_by_k, draft_skips, preemptions, steps
     phase_s: dict = field(default_factory=dict)  # engine StepTimes delta
     identity_violations: list[str] = field(default_factory=list)
+    # Was the machine shared during the run? Load average before/after and this process's CPU
+    # seconds: a run whose CPU time per wall second drops far below its arm's usual was slowed
+    # by another process, and the runs table shows it so a reader can judge the pair.
+    load_avg: tuple[float, float] = (0.0, 0.0)
+    cpu_s: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -168,8 +174,10 @@ def run_pairs(arms: dict[str, Arm], items: Sequence[WorkItem], params: Sequence[
     """Run every arm once per pair, in `run_order`; identity violations stop the benchmark."""
     records = []
     for pair, name in run_order(pairs, tuple(arms), order):
+        load0, cpu0 = _load1(), time.process_time()
         rec = arms[name].run(items, params, concurrency, f"{name}-p{pair}")
         rec.arm, rec.pair = name, pair
+        rec.load_avg, rec.cpu_s = (load0, _load1()), time.process_time() - cpu0
         if rec.identity_violations:
             raise IdentityViolation(f"arm {name} ({arms[name].label}), pair {pair}: metric identities "
                                     "failed:\n  " + "\n  ".join(rec.identity_violations))
@@ -177,6 +185,13 @@ def run_pairs(arms: dict[str, Arm], items: Sequence[WorkItem], params: Sequence[
             on_record(rec)
         records.append(rec)
     return records
+
+
+def _load1() -> float:
+    try:
+        return os.getloadavg()[0]
+    except OSError:  # not available on this platform
+        return 0.0
 
 
 def _sum_maps(maps: list[dict]) -> dict:
@@ -255,7 +270,8 @@ def build_report(arms: dict[str, Arm], records: list[RunRecord], settings: dict,
     return {"settings": settings, "bandwidth_bytes_per_s": bandwidth, **summary,
             "ratio": head.get("ratio"), "ci95": head.get("ci95"), "ratios": ratios,
             "runs": [{"arm": r.arm, "pair": r.pair, "tokens": r.tokens, "elapsed_s": r.elapsed_s,
-                      "tokens_per_s": r.tokens_per_s} for r in records]}
+                      "tokens_per_s": r.tokens_per_s, "load_avg_1m": list(r.load_avg), "cpu_s": r.cpu_s}
+                     for r in records]}
 
 
 def _ms(x: float | None) -> str:
@@ -311,7 +327,13 @@ def markdown_report(report: dict, arm_names: Sequence[str]) -> str:
         o = r["outputs_vs_a"]
         ci = "-" if r["lo"] is None else f"[{r['lo']:.3f}, {r['hi']:.3f}]"
         lines.append(f"| {n}/a | {r['ratio']:.3f}x | {ci} | {o['identical']}/{o['total']} |")
-    lines += ["", "| run | arm | pair | tokens | seconds | tok/s |", "|---|---|---|---|---|---|"]
-    lines += [f"| {i} | {r['arm']} | {r['pair']} | {r['tokens']} | {r['elapsed_s']:.2f} | {r['tokens_per_s']:.2f} |"
-              for i, r in enumerate(report["runs"])]
+    lines += ["", f"runs (load = 1-minute load average before / after, on {os.cpu_count()} CPUs; "
+              "CPU/wall = this process's CPU seconds per wall second; a run slowed by another "
+              "process shows a high load and a low CPU/wall):", "",
+              "| run | arm | pair | tokens | seconds | tok/s | load | CPU/wall |", "|---|---|---|---|---|---|---|---|"]
+    for i, r in enumerate(report["runs"]):
+        la = r.get("load_avg_1m") or [0.0, 0.0]
+        share = r.get("cpu_s", 0.0) / r["elapsed_s"] if r["elapsed_s"] else 0.0
+        lines.append(f"| {i} | {r['arm']} | {r['pair']} | {r['tokens']} | {r['elapsed_s']:.2f} | "
+                     f"{r['tokens_per_s']:.2f} | {la[0]:.1f} / {la[1]:.1f} | {share:.2f} |")
     return "\n".join(lines)

@@ -9,7 +9,8 @@ An arm spec is ``peer:NAME:MODE[,key=value...]``:
   (a worker script speaking JSON lines), its ``max_num_seqs`` set to C so it keeps C in flight;
 - ``peer:llamacpp:plain`` / ``peer:llamacpp:lookup[,k=4]`` (llama-cpp-python on the same GGUF,
   concurrency 1 only: its Python API decodes one sequence).
-Common keys: ``model=`` (default: compare's --peer-model, else "default"), ``dtype=`` (hf, vllm).
+Common keys: ``model=`` (default: compare's --peer-model, else "default"), ``dtype=`` (hf, vllm;
+hf defaults to float32 for a GGUF, which transformers keeps packed, else bfloat16).
 
 A peer whose package, interpreter or model format is missing raises `PeerUnavailable` with a
 message saying what is missing; compare prints it and goes on without that arm.
@@ -86,7 +87,10 @@ class HFArm:
                                   f"{mode} for one sequence); got {concurrency}")
         self.label, self.mode, self.opts, self.torch = label, mode, opts, torch
         self.eos = list(eos_ids) or None
-        self.dtype = getattr(torch, opts.get("dtype", "bfloat16"))
+        # transformers keeps GGUF weights packed and computes in float32; asking for bf16 there
+        # only adds casts, so a GGUF peer defaults to float32 (an HF folder to bf16, like ours).
+        gguf = _model_path(opts)[1] == "gguf"
+        self.dtype = getattr(torch, opts.get("dtype", "float32" if gguf else "bfloat16"))
         self.model = self._load(opts.get("model", "default"))
         self.assistant = None
         if mode == "assistant":

@@ -36,6 +36,7 @@ def _throughput(plt, report: dict, arm_names: Sequence[str], out_dir: str) -> st
             tps = report[name]["tokens_per_s"]
             ax.plot(range(len(tps)), tps, marker="o", label=f"{name}: {report[name]['label']}")
     ax.set_xlabel("pair")
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_ylabel("tokens/s")
     st = report["settings"]
     ax.set_title(f"{st['workload']}, concurrency {st['concurrency']}")
@@ -63,6 +64,7 @@ def _ratios(plt, report: dict, out_dir: str) -> str | None:
             ax.axhspan(est["lo"], est["hi"], color=line.get_color(), alpha=0.12)
     ax.axhline(1.0, color="black", lw=0.8)
     ax.set_xlabel("pair")
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_ylabel("throughput ratio vs a")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
