@@ -28,6 +28,7 @@ class ShortGroup:
     num_reqs: int
     width: int
     token_start: int  # flat index of the group's first token when token_index is None
+    packed_mask: torch.Tensor | None = None  # [B, 1, W*G, C], built by the first layer, reused
 
 
 @dataclass
@@ -139,11 +140,19 @@ def _short_attention(q: torch.Tensor, kv_cache: torch.Tensor, g: ShortGroup, sca
         qb = q[g.token_start: g.token_start + g.num_reqs * g.width].view(g.num_reqs, g.width, H, D)
     else:
         qb = q[g.token_index]  # [B, W, H, D]
-    kb = kv_cache[0][g.kv_slots]  # [B, C, Hkv, D]
-    vb = kv_cache[1][g.kv_slots]
-    o = F.scaled_dot_product_attention(qb.transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2),
-                                       attn_mask=g.mask, scale=scale, enable_gqa=True)
-    o = o.transpose(1, 2)  # [B, W, H, D]
+    kb = kv_cache[0][g.kv_slots].transpose(1, 2)  # [B, Hkv, C, D]
+    vb = kv_cache[1][g.kv_slots].transpose(1, 2)
+    B, W, Hkv = g.num_reqs, g.width, kb.shape[1]
+    G = H // Hkv
+    # Pack the G query heads that share a KV head into the query axis: [B, Hkv, W*G, D].
+    # Same math as GQA, but SDPA sees W*G queries instead of one; measured here its bf16
+    # one-query path is ~5x slower at batch 64 x 1k context.
+    qp = qb.view(B, W, Hkv, G, D).permute(0, 2, 1, 3, 4).reshape(B, Hkv, W * G, D)
+    if g.mask is not None and g.packed_mask is None:  # [B, 1, W, C] -> [B, 1, W*G, C]
+        C = g.mask.shape[-1]
+        g.packed_mask = g.mask.unsqueeze(3).expand(B, 1, W, G, C).reshape(B, 1, W * G, C)
+    o = F.scaled_dot_product_attention(qp, kb, vb, attn_mask=g.packed_mask, scale=scale)
+    o = o.view(B, Hkv, W, G, D).permute(0, 2, 1, 3, 4).reshape(B, W, H, D)
     if g.token_index is None:
         out[g.token_start: g.token_start + g.num_reqs * g.width] = o.reshape(-1, H, D)
     else:
