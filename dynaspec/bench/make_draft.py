@@ -34,7 +34,8 @@ def make_layer_draft(model: str, num_layers: int, out: str) -> str:
         keep[name] = t.contiguous()
     save_file(keep, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
     config = {
-        "architectures": [_ARCH_CLASS[a.architecture]], "vocab_size": a.vocab_size,
+        "architectures": [_ARCH_CLASS[a.architecture]], "model_type": a.architecture,
+        "vocab_size": a.vocab_size,
         "hidden_size": a.hidden_size, "intermediate_size": a.intermediate_size,
         "num_hidden_layers": num_layers, "num_attention_heads": a.num_attention_heads,
         "num_key_value_heads": a.num_key_value_heads, "head_dim": a.head_dim,
