@@ -247,7 +247,10 @@ def main():
     except Exception as exc:
         say({"error": f"cannot import vllm in {sys.executable}: {type(exc).__name__}: {exc}"})
         return
-    kw = {"model": cfg["model"], "dtype": cfg["dtype"], "max_num_seqs": cfg["max_num_seqs"], "seed": 0}
+    # On the CPU backend gpu_memory_utilization is the share of host memory vLLM reserves; its
+    # default (0.92) fails to start beside another engine on a 24 GiB machine.
+    kw = {"model": cfg["model"], "dtype": cfg["dtype"], "max_num_seqs": cfg["max_num_seqs"], "seed": 0,
+          "gpu_memory_utilization": 0.3}
     if cfg.get("tokenizer"):
         kw["tokenizer"] = cfg["tokenizer"]
     if cfg.get("k"):
