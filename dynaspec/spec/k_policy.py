@@ -159,9 +159,13 @@ class TablePolicy:
         k = self.plan.k_for(view.num_reqs, ctx)
         caps = {}
         for r in view.requests:
-            cap, reason = hard_cap(k, r)
+            cap, reason = self._refine(*hard_cap(k, r), r)
             caps[r.request_id] = drafter_gate(cap, reason, r)
         return _step_k(k, ctx, caps)
+
+    def _refine(self, cap: int, reason: str | None, r: RequestView) -> tuple[int, str | None]:
+        """Hook for policies that lower a request's cap further (the table keeps it)."""
+        return cap, reason
 
 
 def _interpolated_cost(costs: dict[int, float], width: int) -> float:
@@ -179,7 +183,7 @@ def _interpolated_cost(costs: dict[int, float], width: int) -> float:
     return max(1e-9, costs[lo] + slope * (width - lo))
 
 
-class AdaptivePolicy:
+class AdaptivePolicy(TablePolicy):
     """Per-request K under the table's ceiling, from each request's acceptance history.
 
     For a request with history it picks the k in [min_k, cap] that maximises expected tokens
@@ -199,7 +203,7 @@ class AdaptivePolicy:
             bad = {w: c for w, c in cost_per_width.items() if w < 1 or not c > 0}
             if not cost_per_width or bad:
                 raise ValueError(f"cost_per_width needs widths >= 1 with costs > 0, got {cost_per_width}")
-        self.plan = plan
+        super().__init__(plan)
         self.costs = dict(cost_per_width) if cost_per_width else None
         self.min_k = min_k
 
@@ -218,17 +222,9 @@ class AdaptivePolicy:
                 best_k, best = k, value
         return best_k
 
-    def decide(self, view: StepView) -> StepK:
-        ctx = context_statistic(view.requests)
-        k = self.plan.k_for(view.num_reqs, ctx)
-        caps = {}
-        for r in view.requests:
-            cap, reason = hard_cap(k, r)
-            chosen = self.choose(cap, r.history)
-            if chosen < cap:
-                cap, reason = chosen, "adaptive"
-            caps[r.request_id] = drafter_gate(cap, reason, r)
-        return _step_k(k, ctx, caps)
+    def _refine(self, cap: int, reason: str | None, r: RequestView) -> tuple[int, str | None]:
+        chosen = self.choose(cap, r.history)
+        return (chosen, "adaptive") if chosen < cap else (cap, reason)
 
 
 POLICIES = ("table", "adaptive")
