@@ -34,9 +34,6 @@ class ModelArchConfig:
     attention_bias: bool = False  # qkv bias (Qwen2)
     qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
 
-    def __hash__(self) -> int:  # rope_scaling is a dict; hash by identity of fields that matter
-        return hash((self.architecture, self.hidden_size, self.num_hidden_layers))
-
 
 @dataclass(frozen=True)
 class ModelConfig:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from dynaspec.models.tokenizer import IncrementalDetokenizer
 from dynaspec.outputs import RequestOutput
 from dynaspec.request import Request, RequestStatus
 
@@ -12,7 +13,8 @@ from dynaspec.request import Request, RequestStatus
 @dataclass
 class RequestState:
     request: Request
-    text: str = ""
+    detok: IncrementalDetokenizer
+    text: str = ""  # the output text, cut before a stop string
     logprobs: list = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
     stop_hit: bool = False
@@ -24,7 +26,7 @@ class OutputProcessor:
         self.states: dict[str, RequestState] = {}
 
     def add(self, req: Request) -> None:
-        self.states[req.request_id] = RequestState(req)
+        self.states[req.request_id] = RequestState(req, IncrementalDetokenizer(self.tokenizer))
 
     def process(self, req: Request, new_tokens: list[int], finished: bool,
                 logprobs: list | None) -> RequestOutput:
@@ -38,7 +40,7 @@ class OutputProcessor:
         if logprobs:
             st.logprobs.extend(logprobs)
         if new_tokens or finished:
-            self._update_text(st, req)
+            self._update_text(st, req, new_tokens, finished)
         status = req.status
         if st.stop_hit and not status.finished:
             status = RequestStatus.FINISHED_STOPPED
@@ -55,9 +57,14 @@ class OutputProcessor:
             del self.states[req.request_id]
         return out
 
-    def _update_text(self, st: RequestState, req: Request) -> None:
-        prev = len(st.text)
-        text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+    def _update_text(self, st: RequestState, req: Request, new_tokens: list[int],
+                     finished: bool) -> None:
+        # Incremental: decoding the whole output every step would be O(n^2) per request.
+        prev = len(st.detok.text)
+        st.detok.feed(new_tokens)
+        if finished:
+            st.detok.flush()
+        text = st.detok.text
         stops = req.sampling_params.stop
         if stops:
             window = max(len(s) for s in stops)

@@ -57,3 +57,17 @@ def test_kv_pool_size_is_deterministic(tiny_llama_dir):
     assert a == b and a["num_blocks"] > 0
     c = LLM(model=str(tiny_llama_dir), num_kv_blocks=37).engine.pool_report()
     assert c["num_blocks"] == 37 and c["num_tokens"] == 37 * 16
+
+
+def test_stop_string_cuts_text_and_finishes(tiny_llama_dir, check_integrity):
+    llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=64)
+    check_integrity(llm.engine)
+    prompt = random_prompts(1, 200, seed=4, lo=10, hi=11)[0]
+    full = llm.generate([prompt], greedy(24, ignore_eos=True))[0]
+    assert full.text == llm.tokenizer.decode(full.token_ids)
+    stop = full.text[len(full.text) // 2:][:3]
+    assert stop.strip(), "need a visible stop string"
+    cut = llm.generate([prompt], greedy(24, ignore_eos=True, stop=[stop]))[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[: full.text.find(stop)]
+    assert len(cut.token_ids) < len(full.token_ids)
