@@ -12,7 +12,7 @@ import json
 import sys
 from typing import TextIO
 
-from dynaspec.spec.plan import ScheduleError, SpecPlan, build_spec_plan
+from dynaspec.spec_decode.plan import ScheduleError, SpecPlan, build_spec_plan
 
 EXIT_INVALID = 2
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from dynaspec.config import EngineConfig
 from dynaspec.engine.output_processor import OutputProcessor
-from dynaspec.engine.setup import EngineParts, build_engine_parts
+from dynaspec.engine.builder import EngineParts, build_engine_parts
 from dynaspec.metrics.stats import (RequestStepSpec, SpecCounters, StepStats,
                                     fold_request_history, fold_step)
 from dynaspec.outputs import RequestOutput, SchedulerOutput

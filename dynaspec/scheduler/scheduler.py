@@ -17,8 +17,8 @@ from dynaspec.config import SchedulerConfig
 from dynaspec.kv.kv_cache_manager import KVCacheManager
 from dynaspec.outputs import RequestResult, RunnerOutput, ScheduledRequest, SchedulerOutput
 from dynaspec.request import Request, RequestStatus
-from dynaspec.spec.k_policy import KPolicy, RequestView, StepView
-from dynaspec.spec.plan import SpecPlan
+from dynaspec.spec_decode.k_policy import KPolicy, RequestView, StepView
+from dynaspec.spec_decode.plan import SpecPlan
 
 
 @dataclass

@@ -19,7 +19,7 @@ from dynaspec.request import Request
 from dynaspec.sample.metadata import SamplingMetadata
 from dynaspec.sample.rejection_sampler import rejection_sample
 from dynaspec.sample.sampler import Sampler
-from dynaspec.spec.base import Drafts, Proposer
+from dynaspec.spec_decode.base import Drafts, Proposer
 
 
 PAD = -1  # never a real token id: rejected by the verifier, counted as invalid "padding"

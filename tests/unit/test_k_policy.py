@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dynaspec.spec.k_policy import (
+from dynaspec.spec_decode.k_policy import (
     AcceptanceHistory,
     AdaptivePolicy,
     RequestView,
@@ -16,7 +16,7 @@ from dynaspec.spec.k_policy import (
     context_statistic,
     make_policy,
 )
-from dynaspec.spec.plan import build_spec_plan
+from dynaspec.spec_decode.plan import build_spec_plan
 
 GRID = "[[1,4,1,512,4],[1,4,513,null,6],[5,16,1,512,2],[5,16,513,null,3],[17,null,1,512,0],[17,null,513,null,1]]"
 

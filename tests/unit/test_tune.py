@@ -7,7 +7,7 @@ import json
 import pytest
 
 from dynaspec.bench import tune
-from dynaspec.spec.plan import build_spec_plan
+from dynaspec.spec_decode.plan import build_spec_plan
 
 
 def memory_bound_cost(weights_s: float = 0.010, per_token_s: float = 0.001, draft_s: float = 0.0):

@@ -13,8 +13,8 @@ from dynaspec.kv.kv_cache_manager import KVCacheManager
 from dynaspec.models.llama import LlamaModel
 from dynaspec.models.loader import load_model_files
 from dynaspec.scheduler.scheduler import Scheduler
-from dynaspec.spec.k_policy import make_policy
-from dynaspec.spec.plan import SpecPlan, build_spec_plan
+from dynaspec.spec_decode.k_policy import make_policy
+from dynaspec.spec_decode.plan import SpecPlan, build_spec_plan
 from dynaspec.worker.model_runner import ModelRunner
 
 log = logging.getLogger("dynaspec")
@@ -91,7 +91,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
 def _history_factory(plan: SpecPlan, policy: str) -> Callable[[], object | None]:
     if not plan.speculating or policy != "adaptive":
         return lambda: None
-    from dynaspec.spec.k_policy import AcceptanceHistory
+    from dynaspec.spec_decode.k_policy import AcceptanceHistory
     return AcceptanceHistory
 
 
@@ -102,8 +102,8 @@ def _build_proposer(config: EngineConfig, plan: SpecPlan, vocab_size: int, devic
     if not plan.speculating:
         return None, 0, None
     if sc.speculator == "ngram":
-        from dynaspec.spec.ngram import NgramProposer
+        from dynaspec.spec_decode.ngram import NgramProposer
         return NgramProposer(sc.prompt_lookup_min, sc.prompt_lookup_max), 0, None
-    from dynaspec.spec.draft_model import DraftModelProposer
+    from dynaspec.spec_decode.draft_model import DraftModelProposer
     prop = DraftModelProposer.load(sc.draft_model, config, vocab_size, device, dtype, plan.max_k)
     return prop, prop.num_kv_tokens, prop.max_len

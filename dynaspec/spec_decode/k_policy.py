@@ -31,7 +31,7 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
-from dynaspec.spec.plan import SpecPlan
+from dynaspec.spec_decode.plan import SpecPlan
 
 REASONS = ("schedule_zero", "drafter_length", "max_tokens", "max_model_len", "adaptive")
 

@@ -19,7 +19,7 @@ from dynaspec.models.llama import LlamaModel
 from dynaspec.request import Request
 from dynaspec.sample.metadata import SamplingMetadata
 from dynaspec.sample.sampler import processed_probs
-from dynaspec.spec.base import Drafts
+from dynaspec.spec_decode.base import Drafts
 
 
 @dataclass
@@ -46,7 +46,7 @@ class DraftModelProposer:
     @staticmethod
     def load(path: str, config, target_vocab: int, device: torch.device, dtype: torch.dtype,
              max_k: int) -> "DraftModelProposer":
-        from dynaspec.engine.setup import num_kv_blocks
+        from dynaspec.engine.builder import num_kv_blocks
         from dynaspec.models.loader import load_model_files
 
         loaded = load_model_files(path)

@@ -25,7 +25,7 @@ from typing import Sequence
 import numpy as np
 
 from dynaspec.request import Request
-from dynaspec.spec.base import Drafts
+from dynaspec.spec_decode.base import Drafts
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 _MIN_CAPACITY = 256
