@@ -85,7 +85,7 @@ class SpecConfig:
     speculator: str = "none"  # none | ngram | draft
     num_spec_tokens: int = 0
     k_schedule: str | None = None  # JSON text or a path to a JSON file
-    k_policy: str = "table"  # table | adaptive
+    k_policy: str = "auto"  # auto (= goodput with a drafter) | goodput | table | adaptive
     draft_model: str | None = None
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
@@ -99,8 +99,8 @@ class SpecConfig:
             raise ValueError(f"--speculator {self.speculator} needs --num-spec-tokens K >= 1")
         if self.speculator == "draft" and not self.draft_model:
             raise ValueError("--speculator draft needs --draft-model PATH")
-        if self.k_policy not in ("table", "adaptive"):
-            raise ValueError(f"unknown k_policy {self.k_policy!r}: choose table or adaptive")
+        if self.k_policy not in ("auto", "goodput", "table", "adaptive"):
+            raise ValueError(f"unknown k_policy {self.k_policy!r}: choose auto, goodput, table or adaptive")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(
                 "need 1 <= prompt_lookup_min <= prompt_lookup_max, got "

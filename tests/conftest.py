@@ -244,3 +244,17 @@ def default_gguf_path() -> str:
         return default_model_path()
     except ModelLoadError as exc:
         pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_cost_cache(tmp_path_factory):
+    """Step cost tables measured by the goodput policy go to a per-run dir, never ~/.cache."""
+    from dynaspec.spec_decode.cost_model import CACHE_ENV
+
+    old = os.environ.get(CACHE_ENV)
+    os.environ[CACHE_ENV] = str(tmp_path_factory.mktemp("dynaspec-cache"))
+    yield
+    if old is None:
+        os.environ.pop(CACHE_ENV, None)
+    else:
+        os.environ[CACHE_ENV] = old

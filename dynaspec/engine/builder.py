@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
-from typing import Callable
-
 import torch
 
 from dynaspec.config import EngineConfig, default_num_threads
@@ -13,7 +12,9 @@ from dynaspec.kv.kv_cache_manager import KVCacheManager
 from dynaspec.models.llama import LlamaModel
 from dynaspec.models.loader import load_model_files
 from dynaspec.scheduler.scheduler import Scheduler
-from dynaspec.spec_decode.k_policy import make_policy
+from dynaspec.spec_decode import cost_model
+from dynaspec.spec_decode.cost_model import CostGrid, StepCostModel
+from dynaspec.spec_decode.k_policy import make_policy, resolve_policy_name
 from dynaspec.spec_decode.plan import SpecPlan, build_spec_plan
 from dynaspec.worker.model_runner import ModelRunner
 
@@ -30,7 +31,6 @@ class EngineParts:
     runner: ModelRunner
     max_model_len: int
     vocab_size: int
-    new_history: Callable[[], object | None]
     drafter_kv_tokens: int
     eos_token_ids: tuple[int, ...]
     model_name: str
@@ -79,20 +79,38 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     log.info("KV pool: %d blocks x %d = %d tokens (%.2f GiB)%s", blocks, cc.block_size,
              blocks * cc.block_size, blocks * cc.block_size * model.kv_bytes_per_token() / 2**30,
              f"; drafter pool {drafter_tokens} tokens" if drafter_tokens else "")
-    policy = make_policy(plan, sc.k_policy) if plan.speculating else None
+    policy = None
+    if plan.speculating:
+        cost = None
+        if resolve_policy_name(sc.k_policy, True) == "goodput":
+            cost = _step_cost_model(config, model, kv_caches, blocks, max_model_len, plan)
+        policy = make_policy(plan, sc.k_policy, cost_model=cost)
     sched = Scheduler(config.scheduler, kv, plan, policy, max_model_len, loaded.eos_token_ids,
                       drafter_max_len)
     runner = ModelRunner(model, kv_caches, cc.block_size, proposer, mc.seed)
     return EngineParts(loaded.tokenizer, plan, model, kv, sched, runner, max_model_len,
-                       arch.vocab_size, _history_factory(plan, sc.k_policy), drafter_tokens,
-                       loaded.eos_token_ids, mc.model)
+                       arch.vocab_size, drafter_tokens, loaded.eos_token_ids, mc.model)
 
 
-def _history_factory(plan: SpecPlan, policy: str) -> Callable[[], object | None]:
-    if not plan.speculating or policy != "adaptive":
-        return lambda: None
-    from dynaspec.spec_decode.k_policy import AcceptanceHistory
-    return AcceptanceHistory
+def _step_cost_model(config: EngineConfig, model: LlamaModel, kv_caches: list[torch.Tensor],
+                     num_blocks: int, max_model_len: int, plan: SpecPlan) -> StepCostModel:
+    """The cached cost table for this machine and these settings, else a fresh profile."""
+    mc, cc = config.model, config.cache
+    grid = CostGrid.default(config.scheduler.max_num_seqs, max_model_len, plan.max_width)
+    key = cost_model.cache_key(model=os.path.abspath(mc.model) if os.path.exists(mc.model) else mc.model,
+                               dtype=model.dtype, device=model.device, threads=torch.get_num_threads(),
+                               block_size=cc.block_size,
+                               quantization=getattr(mc, "quantization", "none"),
+                               execution=getattr(getattr(config, "execution", None), "mode", "eager"))
+    cost = cost_model.load_cached(key, grid)
+    if cost is None:
+        from dynaspec.engine.cost_profile import profile_step_costs
+        cost = profile_step_costs(model, kv_caches, cc.block_size, num_blocks, grid)
+        saved = cost_model.save_cached(key, cost)
+        log.info("step cost table saved to %s", saved or "nowhere (cache dir not writable)")
+    for line in cost.describe():
+        log.info("%s", line)
+    return cost
 
 
 def _build_proposer(config: EngineConfig, plan: SpecPlan, vocab_size: int, device: torch.device,

@@ -77,9 +77,6 @@ class LLMEngine:
         self.scheduler.add_request(req)
         self.outputs.add(req)
         self.request_records[request_id] = []
-        history = self.parts.new_history()
-        if history is not None:
-            self.scheduler.histories[request_id] = history
         return request_id
 
     def abort_request(self, request_id: str) -> bool:

@@ -24,7 +24,7 @@ from typing import Any, Iterable, Mapping
 # drafter_kv: the draft model's own KV pool had no room; token_budget: the step's token budget
 # could not fit this request's drafts.
 SKIP_REASONS = frozenset(("schedule_zero", "drafter_length", "max_tokens", "max_model_len",
-                          "no_match", "prefill", "drafter_kv", "token_budget"))  # fmt: skip
+                          "no_match", "prefill", "drafter_kv", "token_budget", "adaptive"))  # fmt: skip
 INVALID_REASONS, ALL_INVALID = frozenset({"padding", "async_placeholder", "grammar"}), "all_invalid"
 
 

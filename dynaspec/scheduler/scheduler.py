@@ -43,7 +43,6 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
-        self.histories: dict[str, object] = {}
 
     # ---- request lifecycle -------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -63,7 +62,8 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = status
         self.kv.free(req)
-        self.histories.pop(request_id, None)
+        if self.policy is not None:
+            self.policy.forget(request_id)
         return req
 
     def has_unfinished(self) -> bool:
@@ -156,8 +156,7 @@ class Scheduler:
             room = None if self.drafter_max_len is None else self.drafter_max_len - r.num_tokens
             views.append(RequestView(r.request_id, r.num_tokens,
                                      r.sampling_params.max_tokens - r.num_output_tokens,
-                                     self.max_model_len - r.num_tokens, room,
-                                     self.histories.get(r.request_id)))
+                                     self.max_model_len - r.num_tokens, room))
         decision = self.policy.decide(StepView(tuple(views), len(scheduled)))
         for s in scheduled:
             if s.draft_budget == 0:
@@ -172,6 +171,8 @@ class Scheduler:
     def update(self, out: SchedulerOutput, res: RunnerOutput) -> list[StepUpdate]:
         """Append verified tokens, roll back rejected drafts, cache verified blocks, finish requests."""
         updates = []
+        if self.policy is not None:
+            self._observe_step(out, res)
         for s, r in zip(out.scheduled, res.results):
             req = s.request
             if req.status is not RequestStatus.RUNNING:
@@ -186,13 +187,24 @@ class Scheduler:
             emitted, status = self._append_checked(req, r.token_ids)
             if status is None:
                 self.kv.cache_full_blocks(req, req.num_computed_tokens)
-                history = self.histories.get(req.request_id)
-                if history is not None and r.num_draft_tokens:
-                    history.update(r.num_draft_tokens, r.num_accepted_tokens)
+                if self.policy is not None:
+                    self.policy.observe(req.request_id, r.num_draft_tokens, r.num_accepted_tokens,
+                                        req.num_tokens)
             else:
                 self.finish_request(req.request_id, status)
             updates.append(StepUpdate(req, emitted, r, status is not None))
         return updates
+
+    def _observe_step(self, out: SchedulerOutput, res: RunnerOutput) -> None:
+        """Feed a pure decode/verify step's timing to the policy's cost model (before the
+        step's tokens are appended, so contexts are the ones the decision saw)."""
+        if not out.scheduled or any(not s.sampling or s.num_new_tokens != 1 for s in out.scheduled):
+            return  # prefill chunks in the step: not the shape the cost model describes
+        ctx = -(-sum(s.request.num_tokens for s in out.scheduled) // len(out.scheduled))
+        verified = [r.num_draft_tokens + r.num_padding_tokens for r in res.results]
+        self.policy.observe_step(len(out.scheduled), ctx, 1 + max(verified), res.forward_seconds
+                                 + res.sample_seconds + res.prepare_seconds, res.draft_seconds,
+                                 sum(r.num_draft_tokens for r in res.results))
 
     def _append_checked(self, req: Request, tokens: list[int]) -> tuple[list[int], RequestStatus | None]:
         """Append tokens one by one; stop at EOS, a stop token, max_tokens or max_model_len."""

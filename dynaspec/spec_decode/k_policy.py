@@ -113,7 +113,16 @@ class StepK:
 
 
 class KPolicy(Protocol):
+    """``decide`` is pure; the ``observe*``/``forget`` writers run after a step's result."""
+
     def decide(self, view: StepView) -> StepK: ...
+
+    def observe(self, request_id: str, num_drafted: int, num_accepted: int, ctx: int) -> None: ...
+
+    def observe_step(self, num_reqs: int, ctx: int, width: int, target_seconds: float,
+                     draft_seconds: float, num_drafted: int) -> None: ...
+
+    def forget(self, request_id: str) -> None: ...
 
 
 def context_statistic(requests: tuple[RequestView, ...]) -> int:
@@ -151,8 +160,27 @@ def _step_k(k: int, ctx: int, caps: dict[str, tuple[int, str | None]]) -> StepK:
 class TablePolicy:
     """The plan's table, keyed on (requests in the step, mean decoding context)."""
 
+    # Policies that learn from acceptance keep per-request histories; the table ignores them.
+    keeps_history = False
+
     def __init__(self, plan: SpecPlan) -> None:
         self.plan = plan
+        self.histories: dict[str, AcceptanceHistory] = {}  # the policy owns per-request state
+
+    def history(self, r: RequestView) -> AcceptanceHistory | None:
+        """The view's history when it carries one (tests, a rank's forwarded view), else ours."""
+        return r.history if r.history is not None else self.histories.get(r.request_id)
+
+    def observe(self, request_id: str, num_drafted: int, num_accepted: int, ctx: int) -> None:
+        if self.keeps_history and num_drafted:
+            self.histories.setdefault(request_id, AcceptanceHistory()).update(num_drafted, num_accepted)
+
+    def observe_step(self, num_reqs: int, ctx: int, width: int, target_seconds: float,
+                     draft_seconds: float, num_drafted: int) -> None:
+        """Step timings, for policies with a cost model; the table has none."""
+
+    def forget(self, request_id: str) -> None:
+        self.histories.pop(request_id, None)
 
     def decide(self, view: StepView) -> StepK:
         ctx = context_statistic(view.requests)
@@ -196,6 +224,7 @@ class AdaptivePolicy(TablePolicy):
     """
 
     DEFAULT_MARGINAL_COST = 0.1
+    keeps_history = True
 
     def __init__(self, plan: SpecPlan, cost_per_width: dict[int, float] | None = None,
                  min_k: int = 1) -> None:
@@ -223,16 +252,30 @@ class AdaptivePolicy(TablePolicy):
         return best_k
 
     def _refine(self, cap: int, reason: str | None, r: RequestView) -> tuple[int, str | None]:
-        chosen = self.choose(cap, r.history)
+        chosen = self.choose(cap, self.history(r))
         return (chosen, "adaptive") if chosen < cap else (cap, reason)
 
 
-POLICIES = ("table", "adaptive")
+POLICIES = ("auto", "goodput", "table", "adaptive")
 
 
-def make_policy(plan: SpecPlan, name: str, cost_per_width: dict[int, float] | None = None) -> KPolicy:
-    if name == "table":
+def resolve_policy_name(name: str, speculating: bool) -> str | None:
+    """``auto`` is goodput whenever a drafter runs; None when no policy runs (no drafter)."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown k_policy {name!r}: choose {', '.join(POLICIES)}")
+    if not speculating:
+        return None
+    return "goodput" if name == "auto" else name
+
+
+def make_policy(plan: SpecPlan, name: str, cost_per_width: dict[int, float] | None = None,
+                cost_model=None) -> KPolicy:
+    resolved = resolve_policy_name(name, plan.speculating) or "table"
+    if resolved == "table":
         return TablePolicy(plan)
-    if name == "adaptive":
+    if resolved == "adaptive":
         return AdaptivePolicy(plan, cost_per_width)
-    raise ValueError(f"unknown k_policy {name!r}: choose {' or '.join(POLICIES)}")
+    if cost_model is None:
+        raise ValueError("the goodput policy needs a step cost model (measured at start-up)")
+    from dynaspec.spec_decode.goodput_policy import GoodputPolicy
+    return GoodputPolicy(plan, cost_model)

@@ -22,7 +22,8 @@ def _watch_batches(llm: LLM) -> list:
 
 def test_constant_normalisation_seen_identically(tiny_llama_dir, check_integrity):
     llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=512, speculator="ngram",
-              num_spec_tokens=3, k_schedule="[[1, 8, 5], [9, 16, 4]]", prompt_lookup_min=1)
+              num_spec_tokens=3, k_schedule="[[1, 8, 5], [9, 16, 4]]", prompt_lookup_min=1,
+              k_policy="table")
     check_integrity(llm.engine)
     plan = llm.engine.plan
     assert (plan.kind, plan.max_k, plan.widths) == ("constant", 3, (4,))

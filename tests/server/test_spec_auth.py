@@ -20,7 +20,8 @@ PROMPT = "one two three four five six. one two three four five six. one two thre
 @pytest.fixture(scope="module")
 def server(live_server_factory):
     # A short drain so the shutdown test's long request is surely still running when aborted.
-    return live_server_factory(api_key=KEY, speculator="ngram", num_spec_tokens=4, drain_s=0.2)
+    return live_server_factory(api_key=KEY, speculator="ngram", num_spec_tokens=4, k_policy="table",
+                                drain_s=0.2)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,189 @@
+"""Step cost model: seconds per target step over (requests, context, verify width), per machine.
+
+The goodput policy (``goodput_policy.py``) needs to know what a wider verify costs *here*: on a
+memory-bound batch-1 decode one more verified token is almost free, on a compute-bound batch of
+64 it costs nearly a full token. The model is a grid measured at start-up (``engine/cost_profile``)
+and cached on disk under a key naming the machine (CPU model), the model, dtype, quantization and
+execution path, so a second launch reads it in milliseconds. While serving, every decode step the
+engine runs refreshes the grid point nearest to it by an exponential moving average, so a noisy
+start or a changed load is corrected from the step times actually seen.
+
+Lookup between grid points interpolates linearly in log2(requests), context and width; outside
+the grid it extrapolates along the outermost segment (and never below a tiny positive cost).
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import math
+import os
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+CACHE_ENV = "DYNASPEC_CACHE_DIR"
+
+
+@dataclass(frozen=True)
+class CostGrid:
+    """The axes a profile measures; every axis is sorted and strictly increasing."""
+
+    batches: tuple[int, ...]
+    contexts: tuple[int, ...]
+    widths: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        for name, axis in (("batches", self.batches), ("contexts", self.contexts), ("widths", self.widths)):
+            if not axis or any(v < 1 for v in axis) or list(axis) != sorted(set(axis)):
+                raise ValueError(f"cost grid {name} must be increasing integers >= 1, got {axis}")
+
+    @staticmethod
+    def default(max_num_seqs: int, max_model_len: int, max_width: int) -> "CostGrid":
+        """A few seconds of profiling: batch 1..64 in powers of 4, two contexts, <= 4 widths."""
+        batches = tuple(b for b in (1, 4, 16, 64) if b <= max_num_seqs) or (1,)
+        if max_num_seqs not in batches and max_num_seqs < 64:
+            batches = tuple(sorted(set(batches) | {max_num_seqs}))
+        contexts = tuple(sorted({min(c, max(1, max_model_len - max_width)) for c in (128, 1024)}))
+        widths = tuple(sorted({1, min(2, max_width), max(1, (1 + max_width) // 2), max_width}))
+        return CostGrid(batches, contexts, widths)
+
+
+def _axis_weights(axis: tuple[int, ...], value: float, log: bool) -> list[tuple[int, float]]:
+    """(index, weight) pairs interpolating `value` on `axis`; linear extrapolation outside."""
+    f = (lambda v: math.log2(max(v, 1e-9))) if log else float
+    if len(axis) == 1:
+        return [(0, 1.0)]
+    x = f(value)
+    i = bisect.bisect_right([f(a) for a in axis], x) - 1
+    i = min(max(i, 0), len(axis) - 2)
+    x0, x1 = f(axis[i]), f(axis[i + 1])
+    t = (x - x0) / (x1 - x0)
+    return [(i, 1.0 - t), (i + 1, t)]
+
+
+def _nearest(axis: tuple[int, ...], value: float, log: bool) -> int:
+    f = (lambda v: math.log2(max(v, 1e-9))) if log else float
+    return min(range(len(axis)), key=lambda i: abs(f(axis[i]) - f(value)))
+
+
+class StepCostModel:
+    """``seconds[b][c][w]``: measured seconds of one decode/verify step on this machine."""
+
+    MIN_COST = 1e-6
+
+    def __init__(self, grid: CostGrid, seconds: list[list[list[float]]], alpha: float = 0.1,
+                 source: str = "measured") -> None:
+        shape = (len(grid.batches), len(grid.contexts), len(grid.widths))
+        if (len(seconds), *{len(r) for r in seconds}, *{len(c) for r in seconds for c in r}) != shape:
+            raise ValueError(f"cost table shape does not match the grid {shape}")
+        if any(not s > 0 for r in seconds for c in r for s in c):
+            raise ValueError("every measured step cost must be > 0 seconds")
+        if not 0.0 < alpha <= 1.0:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        self.grid, self.alpha, self.source = grid, alpha, source
+        self.seconds = [[list(c) for c in r] for r in seconds]
+        self.num_observations = 0
+
+    def cost(self, num_reqs: int, ctx: int, width: int) -> float:
+        g = self.grid
+        total = 0.0
+        for bi, bw in _axis_weights(g.batches, num_reqs, log=True):
+            for ci, cw in _axis_weights(g.contexts, ctx, log=False):
+                for wi, ww in _axis_weights(g.widths, width, log=False):
+                    total += bw * cw * ww * self.seconds[bi][ci][wi]
+        return max(self.MIN_COST, total)
+
+    def observe(self, num_reqs: int, ctx: int, width: int, seconds: float) -> None:
+        """Move the nearest grid point toward an observed step, scaled to that point's shape
+        by the model's own ratio, so one observation off-grid corrects its neighbourhood."""
+        if not seconds > 0:
+            return
+        g = self.grid
+        bi, ci, wi = (_nearest(g.batches, num_reqs, True), _nearest(g.contexts, ctx, False),
+                      _nearest(g.widths, width, False))
+        here = self.cost(num_reqs, ctx, width)
+        at_point = self.seconds[bi][ci][wi]
+        target = seconds * at_point / here
+        self.seconds[bi][ci][wi] = max(self.MIN_COST, at_point + self.alpha * (target - at_point))
+        self.num_observations += 1
+
+    def to_json(self) -> dict:
+        g = self.grid
+        return {"batches": list(g.batches), "contexts": list(g.contexts), "widths": list(g.widths),
+                "seconds": self.seconds, "source": self.source}
+
+    @staticmethod
+    def from_json(d: dict, alpha: float = 0.1) -> "StepCostModel":
+        try:
+            grid = CostGrid(tuple(d["batches"]), tuple(d["contexts"]), tuple(d["widths"]))
+            return StepCostModel(grid, d["seconds"], alpha, d.get("source", "cached"))
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"cost table is missing or has a malformed field: {exc}") from exc
+
+    def describe(self) -> list[str]:
+        """Rows for logs and ``schedule explain``: ms per step by (batch, ctx) across widths."""
+        g = self.grid
+        lines = [f"step cost (ms), {self.source}; widths {'/'.join(map(str, g.widths))}:"]
+        for bi, b in enumerate(g.batches):
+            for ci, c in enumerate(g.contexts):
+                cells = " ".join(f"{1e3 * s:7.2f}" for s in self.seconds[bi][ci])
+                lines.append(f"  batch {b:>3} ctx {c:>5}: {cells}")
+        return lines
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cache_dir() -> Path:
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "dynaspec"
+
+
+def cache_key(**parts: object) -> str:
+    """Stable key from the machine and the settings a step's cost depends on."""
+    import torch  # the torch version changes kernels, so it is part of the key
+
+    fields = {"cpu": cpu_model(), "torch": torch.__version__, **{k: str(v) for k, v in parts.items()}}
+    text = json.dumps(fields, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def cache_path(key: str) -> Path:
+    return cache_dir() / "cost" / f"{key}.json"
+
+
+def load_cached(key: str, grid: CostGrid) -> StepCostModel | None:
+    """The cached table for this key when it covers the same grid; None otherwise."""
+    path = cache_path(key)
+    try:
+        model = StepCostModel.from_json(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        return None
+    if model.grid != grid:
+        return None
+    model.source = f"cached {path}"
+    return model
+
+
+def save_cached(key: str, model: StepCostModel) -> Path | None:
+    path = cache_path(key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(model.to_json()))
+        tmp.replace(path)
+    except OSError:
+        return None  # a read-only home must not stop the engine; it re-profiles next launch
+    return path

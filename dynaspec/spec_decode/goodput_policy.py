@@ -1,0 +1,156 @@
+"""The default K policy when a drafter is configured: maximise expected goodput per step.
+
+For the batch being formed it picks the step's K (and each request's K under it) that maximises
+expected tokens emitted per second of step time,
+
+    goodput(k) = sum_r (1 + E_r[accepted | k_r]) / (cost(num_reqs, ctx, 1 + max_r k_r) + draft(k)),
+
+with K = 0 always a candidate, so where speculation does not pay on this machine, at this batch
+size and context, the step runs the plain decode path (no drafter call, no verify width). The
+inputs are the step view, the step cost model measured on this machine (``cost_model.py``),
+the per-request acceptance histories the policy owns, and an engine-wide acceptance history that
+is the prior for requests that have none yet. ``decide`` is pure: it reads that state and
+changes nothing; ``observe*`` calls, made after a step's result, are the only writers.
+
+Requests that stop paying (their own acceptance makes drafting a loss at this batch's costs)
+get 0 drafts, and are re-probed with one draft once ``probe_interval`` tokens have passed since
+they last verified a draft, so a recovery is seen. A probe is only worth it where drafting could
+pay at all: if even ``probe_rate`` acceptance at every position would lose at these costs, no
+request probes and the step stays at K = 0. A new request probes on its first decode step.
+
+The plan's table stays the ceiling (``--num-spec-tokens`` is the maximum, a ``--k-schedule``
+still bounds each bucket); ``allowed_widths`` restricts the choice to widths the execution plan
+can run (None: any width up to the ceiling).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dynaspec.spec_decode.cost_model import StepCostModel
+from dynaspec.spec_decode.k_policy import (AcceptanceHistory, RequestView, StepK, StepView,
+                                           TablePolicy, context_statistic, drafter_gate, hard_cap)
+from dynaspec.spec_decode.plan import SpecPlan
+
+
+@dataclass(frozen=True)
+class GoodputSettings:
+    prior_rate: float = 0.6  # per-position acceptance assumed before anything is observed
+    probe_rate: float = 0.8  # acceptance at which a probe is judged worth its cost
+    probe_interval: int = 16  # tokens without a verified draft before a request is re-probed
+    draft_cost_alpha: float = 0.1  # EMA rate of the drafter's seconds per drafted token
+
+    def __post_init__(self) -> None:
+        for name in ("prior_rate", "probe_rate"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        if self.probe_interval < 1:
+            raise ValueError(f"probe_interval must be >= 1, got {self.probe_interval}")
+
+
+class _FixedRates:
+    """A history-shaped constant rate (the prior before anything is observed)."""
+
+    def __init__(self, rate: float) -> None:
+        self._rate = rate
+
+    def expected_accepted(self, k: int) -> float:
+        return sum(self._rate ** (i + 1) for i in range(k))
+
+
+class GoodputPolicy(TablePolicy):
+    keeps_history = True
+
+    def __init__(self, plan: SpecPlan, cost_model: StepCostModel,
+                 settings: GoodputSettings = GoodputSettings(),
+                 allowed_widths: tuple[int, ...] | None = None) -> None:
+        super().__init__(plan)
+        self.cost_model, self.settings = cost_model, settings
+        self.allowed_widths = None if allowed_widths is None else frozenset(allowed_widths)
+        self.engine_history = AcceptanceHistory(alpha=0.05)  # slow: a prior, not a tracker
+        self.last_draft_ctx: dict[str, int] = {}
+        self.draft_seconds_per_token = 0.0
+        self.last_modelled_goodput: float | None = None  # tokens/s of the last decision
+
+    # ---- writers: called with a step's results --------------------------------------------
+    def observe(self, request_id: str, num_drafted: int, num_accepted: int, ctx: int) -> None:
+        super().observe(request_id, num_drafted, num_accepted, ctx)
+        if num_drafted:
+            self.engine_history.update(num_drafted, num_accepted)
+            self.last_draft_ctx[request_id] = ctx
+
+    def forget(self, request_id: str) -> None:
+        super().forget(request_id)
+        self.last_draft_ctx.pop(request_id, None)
+
+    def observe_step(self, num_reqs: int, ctx: int, width: int, target_seconds: float,
+                     draft_seconds: float, num_drafted: int) -> None:
+        self.cost_model.observe(num_reqs, ctx, width, target_seconds)
+        if num_drafted:
+            per_token = draft_seconds / num_drafted
+            a = self.settings.draft_cost_alpha if self.draft_seconds_per_token else 1.0
+            self.draft_seconds_per_token += a * (per_token - self.draft_seconds_per_token)
+
+    # ---- the pure decision -------------------------------------------------------------------
+    def decide(self, view: StepView) -> StepK:
+        ctx = context_statistic(view.requests)
+        ceiling = self.plan.k_for(view.num_reqs, ctx)
+        caps = {r.request_id: drafter_gate(*hard_cap(ceiling, r), r) for r in view.requests}
+        if ceiling == 0 or not view.requests:
+            self.last_modelled_goodput = None
+            return self._step_k(0, ctx, caps, {})
+        cost = lambda w: self.cost_model.cost(view.num_reqs, ctx, w)  # noqa: E731
+        fixed: dict[str, int] = {}  # requests whose K does not follow the step's (0 or a probe)
+        for r in view.requests:
+            cap = caps[r.request_id][0]
+            if cap > 0 and not self._pays(self._rates(r), cap, cost):
+                fixed[r.request_id] = 1 if self._probe_due(r, ceiling, cost) else 0
+        best_k, best = 0, -1.0
+        for k in range(ceiling + 1):
+            if k and self.allowed_widths is not None and 1 + k not in self.allowed_widths:
+                continue
+            value = self._goodput(view, caps, fixed, k, cost)
+            if value > best * (1 + 1e-9):
+                best_k, best = k, value
+        self.last_modelled_goodput = best
+        return self._step_k(best_k, ctx, caps, fixed)
+
+    def _rates(self, r: RequestView):
+        h = self.history(r)
+        if h is not None and h.num_updates:
+            return h
+        if self.engine_history.num_updates:
+            return self.engine_history
+        return _FixedRates(self.settings.prior_rate)
+
+    @staticmethod
+    def _pays(rates, cap: int, cost) -> bool:
+        """Would any k <= cap beat plain decode if every request drafted like this one?"""
+        plain = 1.0 / cost(1)
+        return any((1.0 + rates.expected_accepted(k)) / cost(1 + k) > plain for k in range(1, cap + 1))
+
+    def _probe_due(self, r: RequestView, ceiling: int, cost) -> bool:
+        last = self.last_draft_ctx.get(r.request_id)
+        stale = last is None or r.context_len - last >= self.settings.probe_interval
+        return stale and self._pays(_FixedRates(self.settings.probe_rate), ceiling, cost)
+
+    def _per_request(self, caps: dict, fixed: dict[str, int], k: int) -> dict[str, int]:
+        return {rid: min(fixed.get(rid, k), cap) for rid, (cap, _) in caps.items()}
+
+    def _goodput(self, view: StepView, caps: dict, fixed: dict[str, int], k: int, cost) -> float:
+        per = self._per_request(caps, fixed, k)
+        tokens = sum(1.0 + self._rates(r).expected_accepted(per[r.request_id]) for r in view.requests)
+        drafted = sum(per.values())
+        width = 1 + max(per.values(), default=0)
+        return tokens / (cost(width) + self.draft_seconds_per_token * drafted)
+
+    def _step_k(self, k: int, ctx: int, caps: dict, fixed: dict[str, int]) -> StepK:
+        per = self._per_request(caps, fixed, k)
+        reasons = {}
+        for rid, (cap, why) in caps.items():
+            if per[rid] < cap:
+                reasons[rid] = "adaptive"  # the policy, not the table, lowered it
+            elif why is not None:
+                reasons[rid] = why
+        # The step's K is the widest K any request verifies: the width the forward really has.
+        return StepK(max(per.values(), default=0), per, reasons, ctx)

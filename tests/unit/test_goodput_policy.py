@@ -1,0 +1,164 @@
+"""GoodputPolicy: K = 0 where speculation loses, the model's K where it wins, collapse and
+re-probe, per-request caps, and purity."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from dynaspec.spec_decode.cost_model import CostGrid, StepCostModel
+from dynaspec.spec_decode.goodput_policy import GoodputPolicy
+from dynaspec.spec_decode.k_policy import RequestView, StepView, make_policy
+from dynaspec.spec_decode.plan import build_spec_plan
+
+WIDTHS = tuple(range(1, 10))
+
+
+def cost_model(per_width) -> StepCostModel:
+    """Cost depends on width only: per_width(w) seconds at every batch and context."""
+    grid = CostGrid((1, 64), (1, 4096), WIDTHS)
+    return StepCostModel(grid, [[[per_width(w) for w in WIDTHS]] * 2] * 2)
+
+
+LOSING = cost_model(lambda w: 0.01 * w)  # compute bound: a verified token costs a full step
+FREE = cost_model(lambda w: 0.01)  # memory bound: verifying more tokens is free
+
+
+def view(*reqs: RequestView, num_reqs: int | None = None) -> StepView:
+    return StepView(tuple(reqs), num_reqs or len(reqs))
+
+
+def rv(rid: str, ctx: int = 100, remaining: int = 1000) -> RequestView:
+    return RequestView(rid, ctx, remaining, 10**6)
+
+
+def feed(policy: GoodputPolicy, rid: str, drafted: int, accepted: int, ctx: int, times: int = 5) -> None:
+    for _ in range(times):
+        policy.observe(rid, drafted, accepted, ctx)
+
+
+def test_losing_cost_model_gives_k0_everywhere_even_with_perfect_acceptance():
+    p = GoodputPolicy(build_spec_plan("ngram", 8, None), LOSING)
+    feed(p, "a", 8, 8, ctx=100)
+    for n in (1, 4, 64):
+        d = p.decide(view(*(rv(f"r{i}") for i in range(n)), rv("a")))
+        assert d.k == 0 and set(d.per_request.values()) == {0}
+        assert set(d.reasons.values()) == {"adaptive"}
+
+
+def test_free_verify_with_perfect_acceptance_takes_the_ceiling():
+    p = GoodputPolicy(build_spec_plan("ngram", 6, None), FREE)
+    feed(p, "a", 6, 6, ctx=100)
+    d = p.decide(view(rv("a")))
+    assert d.k == 6 and d.per_request == {"a": 6} and d.reasons == {}
+
+
+def _brute_force_best(rates, cost) -> int:
+    best_k, best = 0, 1.0 / cost(1)
+    for k in range(1, len(rates) + 1):
+        e, surv = 0.0, 1.0
+        for i in range(k):
+            surv *= rates[i]
+            e += surv
+        if (1 + e) / cost(1 + k) > best * (1 + 1e-9):
+            best_k, best = k, (1 + e) / cost(1 + k)
+    return best_k
+
+
+@pytest.mark.parametrize("accepted", [0, 1, 2, 3, 4])
+def test_picks_the_k_the_cost_model_says(accepted):
+    per_width = lambda w: 0.01 * (1 + 0.3 * (w - 1))  # noqa: E731 - each verified token +30%
+    p = GoodputPolicy(build_spec_plan("ngram", 4, None), cost_model(per_width))
+    feed(p, "a", 4, accepted, ctx=100, times=30)  # history converges to rates 1..1,0
+    rates = [p.histories["a"].rate(i) for i in range(4)]
+    d = p.decide(view(rv("a")))
+    expect = _brute_force_best(rates, per_width)
+    if expect == 0:  # drafting does not pay: the request is cut (a probe only when stale)
+        assert d.per_request["a"] in (0, 1)
+    else:
+        assert d.k == expect and d.per_request == {"a": expect}
+
+
+def test_collapsed_request_stops_drafting_and_is_reprobed():
+    per_width = lambda w: 0.01 * (1 + 0.3 * (w - 1))  # noqa: E731
+    p = GoodputPolicy(build_spec_plan("ngram", 4, None), cost_model(per_width))
+    ctx = 50
+    assert p.decide(view(rv("a", ctx))).per_request["a"] > 0  # new: probes on the first decode
+    cut_at = None
+    for step in range(20):  # acceptance collapses to 0
+        d = p.decide(view(rv("a", ctx)))
+        if d.per_request["a"] == 0:
+            cut_at = step
+            break
+        p.observe("a", d.per_request["a"], 0, ctx)
+        ctx += 1
+    assert cut_at is not None and cut_at <= 3, "a request with 0 acceptance must stop within a few steps"
+    last = p.last_draft_ctx["a"]  # the context at which it last verified a draft
+    interval = p.settings.probe_interval
+    for c in range(ctx, last + interval):  # no draft until the probe interval has passed
+        assert p.decide(view(rv("a", c))).per_request["a"] == 0
+    probe = p.decide(view(rv("a", last + interval)))
+    assert probe.per_request["a"] == 1 and probe.k == 1
+    feed(p, "a", 1, 1, last + interval, times=6)  # the probe shows recovery: drafting resumes
+    assert p.decide(view(rv("a", last + interval + 1))).per_request["a"] >= 1
+
+
+def test_one_poor_request_is_cut_while_the_good_one_drafts():
+    p = GoodputPolicy(build_spec_plan("ngram", 4, None), cost_model(lambda w: 0.01 * (1 + 0.2 * (w - 1))))
+    feed(p, "good", 4, 4, ctx=100)
+    feed(p, "poor", 4, 0, ctx=100)
+    d = p.decide(view(rv("good", 101), rv("poor", 101)))
+    assert d.per_request["good"] == 4 and d.per_request["poor"] == 0
+    assert d.reasons == {"poor": "adaptive"} and d.k == 4
+
+
+def test_hard_caps_and_the_table_ceiling_still_apply():
+    plan = build_spec_plan("ngram", 8, "[[1, 1, 6], [2, null, 2]]")
+    p = GoodputPolicy(plan, FREE)
+    feed(p, "a", 6, 6, 100)
+    feed(p, "b", 6, 6, 100)
+    assert p.decide(view(rv("a"))).k == 6
+    d = p.decide(view(rv("a"), rv("b", remaining=2)))
+    assert d.per_request == {"a": 2, "b": 1} and d.reasons == {"b": "max_tokens"}
+
+
+def test_allowed_widths_restrict_the_choice():
+    p = GoodputPolicy(build_spec_plan("ngram", 6, None), FREE, allowed_widths=(1, 3))
+    feed(p, "a", 6, 6, 100)
+    assert p.decide(view(rv("a"))).k == 2
+
+
+def test_new_requests_use_the_engine_prior():
+    per_width = lambda w: 0.01 * (1 + 0.3 * (w - 1))  # noqa: E731
+    p = GoodputPolicy(build_spec_plan("ngram", 4, None), cost_model(per_width))
+    feed(p, "old", 4, 4, 100, times=40)  # the engine has seen high acceptance
+    p.last_draft_ctx["new"] = 100  # not due a probe: its K comes from the prior alone
+    assert p.decide(view(rv("new", 101))).per_request["new"] == 4
+    q = GoodputPolicy(build_spec_plan("ngram", 4, None), cost_model(per_width))
+    feed(q, "old", 4, 0, 100, times=40)  # ... or has seen none accepted
+    q.last_draft_ctx["new"] = 100
+    assert q.decide(view(rv("new", 101))).per_request["new"] == 0
+
+
+def test_decide_is_pure():
+    p = GoodputPolicy(build_spec_plan("ngram", 4, None), cost_model(lambda w: 0.01 * (1 + 0.1 * w)))
+    feed(p, "a", 4, 2, 100)
+    v = view(rv("a", 120), rv("b", 40), num_reqs=3)
+    def state():
+        hist = {rid: (h.rates, h.num_updates) for rid, h in p.histories.items()}
+        return copy.deepcopy((hist, p.engine_history.rates, p.last_draft_ctx, p.cost_model.seconds))
+
+    before = state()
+    first = p.decide(v)
+    assert all(p.decide(v) == first for _ in range(5))
+    assert state() == before
+
+
+def test_make_policy_auto_is_goodput_and_needs_a_cost_model():
+    plan = build_spec_plan("ngram", 4, None)
+    assert isinstance(make_policy(plan, "auto", cost_model=FREE), GoodputPolicy)
+    with pytest.raises(ValueError, match="cost model"):
+        make_policy(plan, "goodput")
+    with pytest.raises(ValueError, match="unknown k_policy"):
+        make_policy(plan, "fastest")
