@@ -12,6 +12,8 @@ import json
 import sys
 from typing import TextIO
 
+from dynaspec.spec_decode.cost_model import cache_dir
+from dynaspec.spec_decode.k_policy import POLICIES, resolve_policy_name
 from dynaspec.spec_decode.plan import ScheduleError, SpecPlan, build_spec_plan
 
 EXIT_INVALID = 2
@@ -34,6 +36,8 @@ def register(subparsers) -> None:
     explain.add_argument("--speculator", default="ngram", choices=("none", "ngram", "draft"))
     explain.add_argument("--drafter-max-k", type=int, default=None,
                          help="the drafter's own K limit (e.g. a draft model's), if below --num-spec-tokens")
+    explain.add_argument("--k-policy", default="auto", choices=POLICIES,
+                         help="the K policy to describe (auto = goodput when a drafter runs)")
     explain.add_argument("--json", action="store_true", help="print the plan as a JSON object")
     explain.set_defaults(func=run_explain)
 
@@ -49,11 +53,33 @@ def explain(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         kind = "invalid schedule" if isinstance(exc, ScheduleError) else "invalid arguments"
         print(f"dynaspec schedule explain: {kind}: {exc}", file=err)
         return EXIT_INVALID
+    policy = resolve_policy_name(getattr(args, "k_policy", "auto"), plan.speculating)
     if args.json:
-        print(json.dumps(plan.to_json()), file=out)
+        print(json.dumps({**plan.to_json(), "policy": policy}), file=out)
     else:
-        out.write(format_plan(plan))
+        out.write(format_plan(plan) + format_policy(policy))
     return 0
+
+
+_POLICY_TEXT = {
+    None: "none (no drafter runs)",
+    "table": "table: every step runs the effective table's K",
+    "adaptive": "adaptive: the table's K, lowered per request from its acceptance history",
+    "goodput": "goodput: each step picks the K in 0..table K (the ceiling) that maximises "
+               "expected tokens per second, from a step-cost table measured on this machine and "
+               "refreshed while serving, and each request's observed acceptance; K=0 where "
+               "speculation does not pay; requests that stop paying are re-probed every 16 tokens",
+}
+
+
+def format_policy(policy: str | None) -> str:
+    lines = [f"policy: {_POLICY_TEXT[policy]}"]
+    if policy == "goodput":
+        tables = sorted((cache_dir() / "cost").glob("*.json"))
+        where = cache_dir() / "cost"
+        lines.append(f"  cost tables cached in {where}: {len(tables)}" if tables else
+                     f"  no cost table cached yet in {where}: the engine profiles a few seconds at start-up")
+    return "\n".join(lines) + "\n"
 
 
 def _bound(lo: int, hi: int | None) -> str:

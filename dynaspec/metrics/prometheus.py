@@ -12,6 +12,7 @@ counters, so the two always agree):
   _steps{k} (k="0" included; steps with speculation off are not counted here),
   _draft_skips{reason}, _invalid_draft_tokens{reason},
   _draft_seconds, _verify_seconds, _scheduler_seconds.
+K policy: gauge k_policy_goodput_tokens_per_second{kind="modelled"|"observed"} (goodput policy).
 Engine: gauges num_requests_running, num_requests_waiting, kv_cache_usage_perc (a fraction 0..1,
 as vLLM's), kv_pool_size_tokens{pool="target"|"drafter"}; counters prompt_tokens,
 generation_tokens, num_preemptions (from the steps), prefix_cache_queries, prefix_cache_hits (from
@@ -139,6 +140,11 @@ class PrometheusMetrics:
             p + "kv_pool_size_tokens", "KV pool size in tokens, per pool (target, drafter).",
             names + ["pool"], registry=reg,
         )  # fmt: skip
+        self._goodput = Gauge(
+            p + "k_policy_goodput_tokens_per_second", "Decode-step goodput of the K policy, "
+            "as modelled by its cost model and as observed (EMAs over the same steps).",
+            names + ["kind"], registry=reg,
+        )  # fmt: skip
         self._pc_queries = Counter(
             p + "prefix_cache_queries", "Prefix-cache tokens queried.", names, registry=reg
         )
@@ -184,6 +190,10 @@ class PrometheusMetrics:
         self._child(self._kv_usage).set(snap.kv_usage)
         self._child(self._kv_pool, pool="target").set(snap.kv_pool_tokens_target)
         self._child(self._kv_pool, pool="drafter").set(snap.kv_pool_tokens_drafter)
+        for kind in ("modelled", "observed"):
+            value = getattr(snap, f"{kind}_goodput")
+            if value is not None:
+                self._child(self._goodput, kind=kind).set(value)
         last_q, last_h = self._last_prefix or (0, 0)
         q, h = snap.prefix_cache_queries, snap.prefix_cache_hits
         self._child(self._pc_queries).inc(q - last_q if q >= last_q else q)

@@ -146,6 +146,8 @@ class EngineSnapshot:
     prefix_cache_queries: int  # tokens looked up, total since start
     prefix_cache_hits: int  # tokens found, total since start
     num_preemptions_total: int
+    modelled_goodput: float | None = None  # K policy: tokens/s its decisions expected (EMA)
+    observed_goodput: float | None = None  # ... and tokens/s the same decode steps gave (EMA)
 
 
 @dataclass(frozen=True)

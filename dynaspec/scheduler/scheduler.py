@@ -204,7 +204,8 @@ class Scheduler:
         verified = [r.num_draft_tokens + r.num_padding_tokens for r in res.results]
         self.policy.observe_step(len(out.scheduled), ctx, 1 + max(verified), res.forward_seconds
                                  + res.sample_seconds + res.prepare_seconds, res.draft_seconds,
-                                 sum(r.num_draft_tokens for r in res.results))
+                                 sum(r.num_draft_tokens for r in res.results),
+                                 sum(len(r.token_ids) for r in res.results))
 
     def _append_checked(self, req: Request, tokens: list[int]) -> tuple[list[int], RequestStatus | None]:
         """Append tokens one by one; stop at EOS, a stop token, max_tokens or max_model_len."""

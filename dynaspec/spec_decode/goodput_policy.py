@@ -48,6 +48,10 @@ class GoodputSettings:
             raise ValueError(f"probe_interval must be >= 1, got {self.probe_interval}")
 
 
+def _ema(old: float | None, new: float, alpha: float = 0.1) -> float:
+    return new if old is None else old + alpha * (new - old)
+
+
 class _FixedRates:
     """A history-shaped constant rate (the prior before anything is observed)."""
 
@@ -70,7 +74,10 @@ class GoodputPolicy(TablePolicy):
         self.engine_history = AcceptanceHistory(alpha=0.05)  # slow: a prior, not a tracker
         self.last_draft_ctx: dict[str, int] = {}
         self.draft_seconds_per_token = 0.0
-        self.last_modelled_goodput: float | None = None  # tokens/s of the last decision
+        # Records for metrics, written by decide() and observe_step(), never read by decide().
+        self.last_modelled_goodput: float | None = None  # tokens/s the last decision expected
+        self.modelled_goodput: float | None = None  # EMAs over decode steps, paired step by step
+        self.observed_goodput: float | None = None
 
     # ---- writers: called with a step's results --------------------------------------------
     def observe(self, request_id: str, num_drafted: int, num_accepted: int, ctx: int) -> None:
@@ -84,12 +91,19 @@ class GoodputPolicy(TablePolicy):
         self.last_draft_ctx.pop(request_id, None)
 
     def observe_step(self, num_reqs: int, ctx: int, width: int, target_seconds: float,
-                     draft_seconds: float, num_drafted: int) -> None:
+                     draft_seconds: float, num_drafted: int, num_emitted: int) -> None:
         self.cost_model.observe(num_reqs, ctx, width, target_seconds)
+        seconds = target_seconds + draft_seconds
+        if self.last_modelled_goodput is not None and seconds > 0:
+            self.modelled_goodput = _ema(self.modelled_goodput, self.last_modelled_goodput)
+            self.observed_goodput = _ema(self.observed_goodput, num_emitted / seconds)
         if num_drafted:
             per_token = draft_seconds / num_drafted
             a = self.settings.draft_cost_alpha if self.draft_seconds_per_token else 1.0
             self.draft_seconds_per_token += a * (per_token - self.draft_seconds_per_token)
+
+    def goodput_report(self) -> tuple[float | None, float | None]:
+        return self.modelled_goodput, self.observed_goodput
 
     # ---- the pure decision -------------------------------------------------------------------
     def decide(self, view: StepView) -> StepK:

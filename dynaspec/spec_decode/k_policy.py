@@ -120,7 +120,7 @@ class KPolicy(Protocol):
     def observe(self, request_id: str, num_drafted: int, num_accepted: int, ctx: int) -> None: ...
 
     def observe_step(self, num_reqs: int, ctx: int, width: int, target_seconds: float,
-                     draft_seconds: float, num_drafted: int) -> None: ...
+                     draft_seconds: float, num_drafted: int, num_emitted: int) -> None: ...
 
     def forget(self, request_id: str) -> None: ...
 
@@ -176,8 +176,12 @@ class TablePolicy:
             self.histories.setdefault(request_id, AcceptanceHistory()).update(num_drafted, num_accepted)
 
     def observe_step(self, num_reqs: int, ctx: int, width: int, target_seconds: float,
-                     draft_seconds: float, num_drafted: int) -> None:
+                     draft_seconds: float, num_drafted: int, num_emitted: int) -> None:
         """Step timings, for policies with a cost model; the table has none."""
+
+    def goodput_report(self) -> tuple[float | None, float | None]:
+        """(modelled, observed) tokens per second of decode steps; None where not modelled."""
+        return None, None
 
     def forget(self, request_id: str) -> None:
         self.histories.pop(request_id, None)

@@ -162,3 +162,43 @@ def test_make_policy_auto_is_goodput_and_needs_a_cost_model():
         make_policy(plan, "goodput")
     with pytest.raises(ValueError, match="unknown k_policy"):
         make_policy(plan, "fastest")
+
+
+def test_modelled_and_observed_goodput_are_paired_per_decode_step():
+    p = GoodputPolicy(build_spec_plan("ngram", 4, None), FREE)
+    assert p.goodput_report() == (None, None)
+    p.decide(view(rv("a")))
+    p.observe_step(1, 100, 5, 0.02, 0.0, 4, 3)
+    modelled, observed = p.goodput_report()
+    assert modelled == pytest.approx(p.last_modelled_goodput) and observed == pytest.approx(150.0)
+
+
+@pytest.mark.parametrize("flags, policy", [
+    (["--num-spec-tokens", "4"], "goodput"),
+    (["--num-spec-tokens", "4", "--k-policy", "table"], "table"),
+    (["--speculator", "none"], None),
+])
+def test_schedule_explain_json_names_the_policy(flags, policy):
+    import io
+    import json
+
+    from dynaspec.cli.main import build_parser
+
+    from dynaspec.cli.schedule_cmd import explain
+
+    args = build_parser().parse_args(["schedule", "explain", "--json", *flags])
+    out, err = io.StringIO(), io.StringIO()
+    assert explain(args, out, err) == 0
+    assert json.loads(out.getvalue())["policy"] == policy
+
+
+def test_prometheus_exports_goodput_gauges():
+    pytest.importorskip("prometheus_client")
+    from dynaspec.metrics.prometheus import PrometheusMetrics
+    from dynaspec.metrics.stats import EngineSnapshot
+
+    m = PrometheusMetrics()
+    m.observe_snapshot(EngineSnapshot(0, 0, 0.0, 16, 0, 0, 0, 0, 120.5, 98.25))
+    text = m.render().decode()
+    assert 'dynaspec:k_policy_goodput_tokens_per_second{kind="modelled"} 120.5' in text
+    assert 'dynaspec:k_policy_goodput_tokens_per_second{kind="observed"} 98.25' in text
