@@ -121,3 +121,26 @@ def test_bad_settings_are_refused(kw, msg):
     args.update(kw)
     with pytest.raises(ValueError, match=msg):
         EngineConfig.from_kwargs(**args)
+
+
+def test_synthetic_rates_measured_by_the_engine_counters(tiny_llama_dir):
+    """Over >= 5,000 drafts, the engine's own per-position counters show the requested
+    conditional rates: accepted_per_pos[i] / drafted_per_pos[i] = prod_{j<=i} rate_j."""
+    import math
+
+    rates = (0.8, 0.5, 0.5)
+    # A draft model (here the target itself) always drafts K, so every position is exercised.
+    llm = LLM(model=tiny_llama_dir, dtype="float32", speculator="draft", draft_model=tiny_llama_dir,
+              num_spec_tokens=3, rejection_mode="synthetic",
+              synthetic_acceptance=",".join(map(str, rates)), num_kv_blocks=1200, seed=11)
+    prompts = random_prompts(64, 280, seed=21, lo=8, hi=30)
+    llm.generate(prompts, greedy(200, ignore_eos=True))
+    c = llm.engine.counters
+    assert c.num_drafts >= 5000 and not c.check_identities()
+    survive = 1.0
+    for i, rate in enumerate(rates):
+        survive *= rate
+        n = c.drafted_per_pos[i]
+        got = c.accepted_per_pos[i] / n
+        sigma = math.sqrt(survive * (1 - survive) / n)
+        assert abs(got - survive) <= 4 * sigma, f"position {i}: {got:.4f} vs {survive:.4f} (n={n})"
