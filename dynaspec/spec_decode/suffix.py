@@ -224,7 +224,9 @@ class SuffixProposer:
         pattern = index.view()[-self.params.pattern_len(k):]
         local, _ = draft_from(index, pattern, k, self.params, before=index.length - 1)
         best = local
-        if self.cache.enabled:
+        # A global draft scores at most one per token and at most k tokens: a full-length,
+        # probability-1 local draft cannot be beaten (ties go local), so skip the lookup.
+        if self.cache.enabled and local.score < k - 1e-9:
             glob = self.cache.draft(pattern, k, self.params)
             if glob.score > local.score:
                 best = glob

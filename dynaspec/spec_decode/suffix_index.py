@@ -28,6 +28,7 @@ import numpy as np
 _EMPTY = np.zeros(0, dtype=np.int64)
 _MIN_CAPACITY = 256
 _MIN_RECENT = 1024  # recent positions kept in the dict before a merge, at least
+_MAX_GATHER = 1 << 15  # candidates x lengths compared in one gather, at most
 
 
 def _bigram_keys(tokens: np.ndarray) -> np.ndarray:
@@ -114,13 +115,22 @@ class SuffixIndex:
         if cand.size == 0:
             return _EMPTY, 0
         m = 2
-        for d in range(2, pattern.shape[0]):
-            nxt = cand[cand >= d]
-            nxt = nxt[tokens[nxt - d] == pattern[-1 - d]]
+        # Narrow one length at a time while the candidates are many; then settle the rest in
+        # one [candidates, lengths] comparison (fewer numpy calls: this runs every step).
+        while cand.size * (pattern.shape[0] - m) > _MAX_GATHER and m < pattern.shape[0]:
+            nxt = cand[cand >= m]
+            nxt = nxt[tokens[nxt - m] == pattern[-1 - m]]
             if nxt.size == 0:
-                break
-            cand, m = nxt, d + 1
-        return cand, m
+                return cand, m
+            cand, m = nxt, m + 1
+        if m == pattern.shape[0]:
+            return cand, m
+        offsets = np.arange(m, pattern.shape[0])  # [L] lengths still to check, as back offsets
+        idx = cand[:, None] - offsets  # [C, L]
+        eq = (tokens[np.maximum(idx, 0)] == pattern[::-1][offsets]) & (idx >= 0)  # [C, L]
+        run = np.cumprod(eq, axis=1).sum(axis=1)  # [C] extra matched tokens per candidate
+        best = int(run.max())
+        return cand[run == best], m + best
 
     def follow(self, ends: np.ndarray, max_tokens: int, min_prob: float) -> tuple[list[int], list[float]]:
         """The most frequent continuation path after the occurrences ending at `ends`.
@@ -132,6 +142,11 @@ class SuffixIndex:
         """
         tokens, length = self._tokens, self.length
         pos = ends + 1
+        if pos.shape[0] == 1:  # one occurrence (long matches): its continuation, probability 1
+            run = tokens[int(pos[0]): min(length, int(pos[0]) + max_tokens)]
+            dead = np.flatnonzero(run < 0)
+            run = run[: dead[0]] if dead.size else run
+            return run.tolist(), [1.0] * run.shape[0]
         out: list[int] = []
         probs: list[float] = []
         prob = 1.0
