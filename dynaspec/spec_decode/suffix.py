@@ -85,8 +85,6 @@ class SuffixDraft:
         return sum(self.probs)
 
 
-_NO_DRAFT = SuffixDraft([], [], 0)
-
 
 def draft_from(index: SuffixIndex, pattern: np.ndarray, k: int, params: SuffixParams,
                before: int | None = None) -> tuple[SuffixDraft, np.ndarray]:
@@ -94,7 +92,7 @@ def draft_from(index: SuffixIndex, pattern: np.ndarray, k: int, params: SuffixPa
     ends, m = index.match(pattern, before)
     n = params.draft_len(k, m) if m else 0
     if n == 0:
-        return _NO_DRAFT, ends
+        return SuffixDraft([], [], m), ends
     tokens, probs = index.follow(ends, n, params.min_token_prob)
     return SuffixDraft(tokens, probs, m), ends
 
@@ -107,6 +105,10 @@ class GlobalSuffixCache:
             raise ValueError("need max_cached_requests >= 0 and max_cached_tokens >= 1, got "
                              f"{max_cached_requests} and {max_cached_tokens}")
         self.max_requests, self.max_tokens = max_cached_requests, max_cached_tokens
+        self.reset()
+
+    def reset(self) -> None:
+        """Empty the cache (the caps stay)."""
         self.index = SuffixIndex()
         self.entries: OrderedDict[str, tuple[int, int]] = OrderedDict()  # LRU first
         self._starts: list[int] = []  # physical order (ascending), dead entries included
@@ -136,14 +138,11 @@ class GlobalSuffixCache:
 
     def draft(self, pattern: np.ndarray, k: int, params: SuffixParams) -> SuffixDraft:
         if not self.entries:
-            return _NO_DRAFT
+            return SuffixDraft([], [], 0)
         found, ends = draft_from(self.index, pattern, k, params)
         if found.token_ids:
             self._touch(int(ends[-1]))
         return found
-
-    def reset(self) -> None:
-        self.__init__(self.max_requests, self.max_tokens)  # type: ignore[misc]
 
     def stats(self) -> dict:
         return {"requests": len(self.entries), "live_tokens": self.live_tokens,
