@@ -83,8 +83,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     policy = make_policy(plan, sc.k_policy) if plan.speculating else None
     sched = Scheduler(config.scheduler, kv, plan, policy, max_model_len, loaded.eos_token_ids,
                       drafter_max_len)
-    verifier = make_synthetic_verifier(sc.rejection_mode, sc.acceptance_rates, mc.seed) \
-        if plan.speculating else None
+    verifier = make_synthetic_verifier(sc.rejection_mode, sc.acceptance_rates, mc.seed,
+                                       loaded.eos_token_ids) if plan.speculating else None
     runner = ModelRunner(model, kv_caches, cc.block_size, proposer, mc.seed, verifier)
     return EngineParts(loaded.tokenizer, plan, model, kv, sched, runner, max_model_len,
                        arch.vocab_size, _history_factory(plan, sc.k_policy), drafter_tokens,

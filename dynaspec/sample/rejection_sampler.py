@@ -305,16 +305,28 @@ class SyntheticVerifier:
 
     Draws come from a per-request numpy generator seeded by (seed, crc32(request id)), so one
     request's acceptance does not depend on what shares its batch, and a run is reproducible.
+
+    Drafts are cut before their first stop token (`cut`, applied by the runner before the
+    verify forward, so the cut positions are never counted as drafted): a drafter's EOS accepted
+    by a coin flip would end requests early and shrink the very run being measured.
     """
 
-    def __init__(self, rates: Sequence[float], seed: int) -> None:
+    def __init__(self, rates: Sequence[float], seed: int, stop_token_ids: Sequence[int] = ()) -> None:
         rates = tuple(float(r) for r in rates)
         if not rates or any(not 0.0 <= r <= 1.0 for r in rates):
             raise ValueError(f"synthetic acceptance rates must be in [0, 1], got {list(rates)}")
         self.rates = np.asarray(rates, dtype=np.float64)
         self.seed = seed
         self.sampler = Sampler()
+        self.stop_token_ids = frozenset(stop_token_ids)
         self._rngs: dict[str, np.random.Generator] = {}
+
+    def cut(self, drafts: list[int]) -> list[int]:
+        """The draft up to (not including) its first stop token."""
+        for i, t in enumerate(drafts):
+            if t in self.stop_token_ids:
+                return drafts[:i]
+        return drafts
 
     def forget(self, request_id: str) -> None:
         self._rngs.pop(request_id, None)
@@ -355,13 +367,14 @@ class SyntheticVerifier:
         return [ids[:a] + [t] for ids, a, t in zip(draft_token_ids, accepted, final)]
 
 
-def make_synthetic_verifier(mode: str, rates: Sequence[float], seed: int) -> SyntheticVerifier | None:
+def make_synthetic_verifier(mode: str, rates: Sequence[float], seed: int,
+                            stop_token_ids: Sequence[int] = ()) -> SyntheticVerifier | None:
     """None for strict (lossless) verification; logs loudly when the mode is synthetic."""
     if mode == "strict":
         return None
     if mode != "synthetic":
         raise ValueError(f"unknown rejection mode {mode!r}: choose strict or synthetic")
-    verifier = SyntheticVerifier(rates, seed)
+    verifier = SyntheticVerifier(rates, seed, stop_token_ids)
     log.warning("rejection mode SYNTHETIC: drafts are accepted at rates %s, not by the target; "
                 "output is NOT lossless (responses carry \"lossless\": false)", list(rates))
     return verifier

@@ -73,6 +73,8 @@ class ModelRunner:
         for j, req in enumerate(reqs):
             s = out.scheduled[idx[j]]
             d = list(drafts.token_ids[j][: s.draft_budget])
+            if self.synthetic is not None:
+                d = self.synthetic.cut(d)  # no coin-flip EOS (see SyntheticVerifier)
             if s.pad_drafts and len(d) < s.draft_budget:
                 d += [PAD] * (s.draft_budget - len(d))
             if d:

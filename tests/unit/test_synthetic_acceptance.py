@@ -87,3 +87,9 @@ def test_strict_is_no_verifier_and_bad_rates_are_errors():
         SyntheticVerifier((1.2,), 0)
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
         SyntheticVerifier((), 0)
+
+
+def test_drafts_are_cut_before_a_stop_token():
+    v = SyntheticVerifier((1.0,), seed=0, stop_token_ids=(2, 0))
+    assert v.cut([5, 6, 2, 7]) == [5, 6] and v.cut([0, 1]) == [] and v.cut([3, 4]) == [3, 4]
+    assert SyntheticVerifier((1.0,), seed=0).cut([5, 2]) == [5, 2]
