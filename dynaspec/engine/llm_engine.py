@@ -212,6 +212,12 @@ class LLMEngine:
                     final[out.request_id] = out
         return [final[i] for i in ids]
 
+    def reset_drafter_cache(self) -> None:
+        """Empty a drafter's cross-request cache (the suffix drafter's), if it has one."""
+        reset = getattr(self.runner.proposer, "reset_cache", None)
+        if reset is not None:
+            reset()
+
     def check_integrity(self) -> None:
         self.kv.check_integrity()
         if not self.has_unfinished_requests():

@@ -144,3 +144,20 @@ def test_synthetic_rates_measured_by_the_engine_counters(tiny_llama_dir):
         got = c.accepted_per_pos[i] / n
         sigma = math.sqrt(survive * (1 - survive) / n)
         assert abs(got - survive) <= 4 * sigma, f"position {i}: {got:.4f} vs {survive:.4f} (n={n})"
+
+
+def test_bench_passes_start_with_an_empty_suffix_cache(tiny_llama_dir):
+    from dynaspec.bench.compare import EngineArm, make_params
+    from dynaspec.bench.workloads import WorkItem
+
+    kw = dict(model=tiny_llama_dir, dtype="float32", speculator="suffix", num_spec_tokens=4,
+              num_kv_blocks=128, enable_prefix_caching=False)
+    arm = EngineArm("suffix", kw)
+    items = [WorkItem(p, 12, f"p{i}") for i, p in enumerate(random_prompts(2, 280, seed=3))]
+    params = make_params(items, None, 0.0, 0, ignore_eos=True)
+    first = arm.run(items, params, 1, "b-p0")
+    second = arm.run(items, params, 1, "b-p1")
+    assert arm.engine.pool_report()["drafter_cache"]["requests"] == 2, "not 4: reset per pass"
+    counts = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos")
+    assert first.outputs == second.outputs
+    assert [first.spec[c] for c in counts] == [second.spec[c] for c in counts], "passes are alike"
