@@ -80,19 +80,53 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
 
 
+_SPECULATORS = ("none", "ngram", "draft", "suffix")
+_REJECTION_MODES = ("strict", "synthetic")
+
+
+def parse_rates(value: object) -> tuple[float, ...]:
+    """Synthetic acceptance rates from "0.9" / "0.9,0.7" / 0.9 / [0.9, 0.7]; each in [0, 1]."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        parts = [p.strip() for p in value.split(",") if p.strip()]
+    elif isinstance(value, (int, float)):
+        parts = [value]
+    else:
+        parts = list(value)  # type: ignore[call-overload]
+    try:
+        rates = tuple(float(p) for p in parts)
+    except (TypeError, ValueError):
+        raise ValueError(f"synthetic acceptance must be rates like 0.9 or 0.9,0.7, got {value!r}") from None
+    bad = [r for r in rates if not 0.0 <= r <= 1.0]
+    if not rates or bad:
+        raise ValueError(f"synthetic acceptance rates must be in [0, 1], got {value!r}")
+    return rates
+
+
 @dataclass(frozen=True)
 class SpecConfig:
-    speculator: str = "none"  # none | ngram | draft
+    speculator: str = "none"  # none | ngram | draft | suffix
     num_spec_tokens: int = 0
     k_schedule: str | None = None  # JSON text or a path to a JSON file
     k_policy: str = "auto"  # auto (= goodput with a drafter) | goodput | table | adaptive
     draft_model: str | None = None
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
+    # Suffix decoding, with vLLM's meanings and defaults (suffix_decoding_*); see spec_decode/suffix.py.
+    suffix_max_depth: int = 24  # match length + draft length
+    suffix_spec_factor: float = 1.0  # drafts <= factor * match length
+    suffix_min_token_prob: float = 0.1  # stop before a token less likely than this
+    suffix_cache_max_requests: int = 10000  # outputs in the global cache; 0 = no global cache
+    suffix_cache_max_tokens: int = 1_000_000  # tokens in the global cache
+    # strict = lossless verification; synthetic = accept drafts at `synthetic_acceptance`
+    # (per-position conditional rates; the last applies to every later position). NOT lossless.
+    rejection_mode: str = "strict"
+    synthetic_acceptance: str | float | tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
-        if self.speculator not in ("none", "ngram", "draft"):
-            raise ValueError(f"unknown speculator {self.speculator!r}: choose none, ngram or draft")
+        if self.speculator not in _SPECULATORS:
+            raise ValueError(f"unknown speculator {self.speculator!r}: choose {', '.join(_SPECULATORS)}")
         if self.num_spec_tokens < 0:
             raise ValueError(f"num_spec_tokens must be >= 0, got {self.num_spec_tokens}")
         if self.speculator != "none" and self.num_spec_tokens == 0 and self.k_schedule is None:
@@ -106,6 +140,41 @@ class SpecConfig:
                 "need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                 f"{self.prompt_lookup_min}..{self.prompt_lookup_max}"
             )
+        self._check_suffix()
+        self._check_rejection_mode()
+
+    def _check_suffix(self) -> None:
+        if self.suffix_max_depth < 3:
+            raise ValueError(f"suffix_max_depth must be >= 3, got {self.suffix_max_depth}")
+        if not self.suffix_spec_factor > 0:
+            raise ValueError(f"suffix_spec_factor must be > 0, got {self.suffix_spec_factor}")
+        if not 0.0 <= self.suffix_min_token_prob <= 1.0:
+            raise ValueError(f"suffix_min_token_prob must be in [0, 1], got {self.suffix_min_token_prob}")
+        if self.suffix_cache_max_requests < 0:
+            raise ValueError(f"suffix_cache_max_requests must be >= 0, got {self.suffix_cache_max_requests}")
+        if self.suffix_cache_max_tokens < 1:
+            raise ValueError(f"suffix_cache_max_tokens must be >= 1, got {self.suffix_cache_max_tokens}")
+
+    def _check_rejection_mode(self) -> None:
+        if self.rejection_mode not in _REJECTION_MODES:
+            raise ValueError(f"unknown rejection_mode {self.rejection_mode!r}: choose strict or synthetic")
+        rates = parse_rates(self.synthetic_acceptance)  # validates the format either way
+        if self.rejection_mode == "synthetic":
+            if not rates:
+                raise ValueError("--rejection-mode synthetic needs --synthetic-acceptance RATE[,RATE...]")
+            if self.speculator == "none":
+                raise ValueError("--rejection-mode synthetic needs a --speculator to draft tokens")
+        elif rates:
+            raise ValueError("--synthetic-acceptance only applies with --rejection-mode synthetic")
+
+    @property
+    def acceptance_rates(self) -> tuple[float, ...]:
+        return parse_rates(self.synthetic_acceptance)
+
+    @property
+    def lossless(self) -> bool:
+        """False when verification does not follow the target (synthetic mode)."""
+        return self.rejection_mode == "strict"
 
 
 @dataclass(frozen=True)

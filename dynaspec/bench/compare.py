@@ -143,6 +143,9 @@ class EngineArm:
     def run(self, items: Sequence[WorkItem], params: Sequence[SamplingParams], concurrency: int,
             tag: str) -> RunRecord:
         e = self.engine
+        # Every pass starts with an empty suffix cache: one holding the previous pass's outputs
+        # of these same prompts would draft them almost perfectly, which no real traffic sees.
+        getattr(e, "reset_drafter_cache", lambda: None)()
         c0, p0, t0 = e.counters, e.scheduler.num_preemptions, asdict(e.times)
         rec = RunRecord(tag.split("-")[0], -1, 0, 0.0)
         streamed = run_closed_loop(e, items, params, concurrency, rec, tag)

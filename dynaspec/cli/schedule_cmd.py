@@ -33,7 +33,7 @@ def register(subparsers) -> None:
                          help="runtime maximum K; every entry is clamped to it (0 = the schedule's own maximum)")
     explain.add_argument("--k-schedule", default=None,
                          help="JSON (constant, batch rows, grid rows, tuned table) or a path to a JSON file")
-    explain.add_argument("--speculator", default="ngram", choices=("none", "ngram", "draft"))
+    explain.add_argument("--speculator", default="ngram", choices=("none", "ngram", "draft", "suffix"))
     explain.add_argument("--drafter-max-k", type=int, default=None,
                          help="the drafter's own K limit (e.g. a draft model's), if below --num-spec-tokens")
     explain.add_argument("--k-policy", default="auto", choices=POLICIES,

@@ -66,7 +66,7 @@ def _engine(args: argparse.Namespace):
     from dynaspec.config import EngineConfig
     from dynaspec.engine.llm_engine import LLMEngine
     if args.speculator == "none":
-        raise ValueError("dynaspec tune needs --speculator ngram or draft")
+        raise ValueError("dynaspec tune needs --speculator ngram, draft or suffix")
     kw = engine_kwargs(args)
     # K = max so one acceptance run covers every K; no schedule, no prefix cache (the timing
     # pass writes synthetic KV into the pool).

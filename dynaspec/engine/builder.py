@@ -11,6 +11,7 @@ from dynaspec.config import EngineConfig, default_num_threads
 from dynaspec.kv.kv_cache_manager import KVCacheManager
 from dynaspec.models.llama import LlamaModel
 from dynaspec.models.loader import load_model_files
+from dynaspec.sample.rejection_sampler import make_synthetic_verifier
 from dynaspec.scheduler.scheduler import Scheduler
 from dynaspec.spec_decode import cost_model
 from dynaspec.spec_decode.cost_model import CostGrid, StepCostModel
@@ -87,7 +88,9 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         policy = make_policy(plan, sc.k_policy, cost_model=cost)
     sched = Scheduler(config.scheduler, kv, plan, policy, max_model_len, loaded.eos_token_ids,
                       drafter_max_len)
-    runner = ModelRunner(model, kv_caches, cc.block_size, proposer, mc.seed)
+    verifier = make_synthetic_verifier(sc.rejection_mode, sc.acceptance_rates, mc.seed,
+                                       loaded.eos_token_ids) if plan.speculating else None
+    runner = ModelRunner(model, kv_caches, cc.block_size, proposer, mc.seed, verifier)
     return EngineParts(loaded.tokenizer, plan, model, kv, sched, runner, max_model_len,
                        arch.vocab_size, drafter_tokens, loaded.eos_token_ids, mc.model)
 
@@ -122,6 +125,15 @@ def _build_proposer(config: EngineConfig, plan: SpecPlan, vocab_size: int, devic
     if sc.speculator == "ngram":
         from dynaspec.spec_decode.ngram import NgramProposer
         return NgramProposer(sc.prompt_lookup_min, sc.prompt_lookup_max), 0, None
+    if sc.speculator == "suffix":
+        from dynaspec.spec_decode.suffix import SuffixParams, SuffixProposer, memory_bound_bytes
+        prop = SuffixProposer(SuffixParams(sc.suffix_max_depth, sc.suffix_spec_factor,
+                                           sc.suffix_min_token_prob),
+                              sc.suffix_cache_max_requests, sc.suffix_cache_max_tokens)
+        log.info("suffix drafter: global cache of %d outputs / %d tokens (at most %.1f MiB)",
+                 sc.suffix_cache_max_requests, sc.suffix_cache_max_tokens,
+                 memory_bound_bytes(sc.suffix_cache_max_tokens, sc.suffix_cache_max_requests) / 2**20)
+        return prop, 0, None
     from dynaspec.spec_decode.draft_model import DraftModelProposer
     prop = DraftModelProposer.load(sc.draft_model, config, vocab_size, device, dtype, plan.max_k)
     return prop, prop.num_kv_tokens, prop.max_len

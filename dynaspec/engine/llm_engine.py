@@ -70,6 +70,9 @@ class LLMEngine:
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        if not self.lossless and getattr(params, "structured_output", None) is not None:
+            raise ValueError("structured output cannot be combined with --rejection-mode synthetic: "
+                             "synthetic acceptance takes drafts the grammar never checked")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens, which leaves no room to generate within "
                              f"max_model_len {self.max_model_len}")
@@ -176,17 +179,26 @@ class LLMEngine:
                 records.append((spec, sched_out.step_k))
 
     # ---- facts for reports ---------------------------------------------------------------
+    @property
+    def lossless(self) -> bool:
+        """False under --rejection-mode synthetic: output is not the target's (even greedy)."""
+        return self.config.spec.lossless or not self.plan.speculating
+
     def request_spec(self, request_id: str) -> dict | None:
         records = self.request_records.get(request_id)
         if records is None or self.plan.kind == "off":
             return None
-        return fold_request_history(SpecCounters(), records).to_dict()
+        return {**fold_request_history(SpecCounters(), records).to_dict(), "lossless": self.lossless}
 
     def pool_report(self) -> dict:
         p = self.parts
-        return {"num_blocks": p.kv.num_blocks, "block_size": p.kv.block_size,
-                "num_tokens": p.kv.num_blocks * p.kv.block_size,
-                "drafter_num_tokens": p.drafter_kv_tokens}
+        report = {"num_blocks": p.kv.num_blocks, "block_size": p.kv.block_size,
+                  "num_tokens": p.kv.num_blocks * p.kv.block_size,
+                  "drafter_num_tokens": p.drafter_kv_tokens}
+        cache_stats = getattr(self.runner.proposer, "cache_stats", None)
+        if cache_stats is not None:  # the suffix drafter's global cache (memory it holds)
+            report["drafter_cache"] = cache_stats()
+        return report
 
     def generate_sync(self, prompts: list, params: list[SamplingParams]) -> list[RequestOutput]:
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
@@ -196,6 +208,12 @@ class LLMEngine:
                 if out.finished:
                     final[out.request_id] = out
         return [final[i] for i in ids]
+
+    def reset_drafter_cache(self) -> None:
+        """Empty a drafter's cross-request cache (the suffix drafter's), if it has one."""
+        reset = getattr(self.runner.proposer, "reset_cache", None)
+        if reset is not None:
+            reset()
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()

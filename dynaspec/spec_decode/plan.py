@@ -136,7 +136,7 @@ def _off_plan(speculator: str, num_spec_tokens: int, k_schedule: object) -> Spec
     if k_schedule is not None:
         raise ScheduleError(
             f"--k-schedule is set but --speculator is {speculator!r}: a schedule needs a drafter "
-            "(choose --speculator ngram or draft, or drop --k-schedule)"
+            "(choose --speculator ngram, draft or suffix, or drop --k-schedule)"
         )
     if num_spec_tokens > 0:
         raise ScheduleError(

@@ -17,7 +17,7 @@ from dynaspec.models.llama import LlamaModel
 from dynaspec.outputs import BatchDescriptor, RequestResult, RunnerOutput, SchedulerOutput
 from dynaspec.request import Request
 from dynaspec.sample.metadata import SamplingMetadata
-from dynaspec.sample.rejection_sampler import rejection_sample
+from dynaspec.sample.rejection_sampler import SyntheticVerifier, rejection_sample
 from dynaspec.sample.sampler import Sampler
 from dynaspec.spec_decode.base import Drafts, Proposer
 
@@ -35,16 +35,20 @@ def _pad_probs(p: torch.Tensor, n: int) -> torch.Tensor:
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv_caches: list[torch.Tensor], block_size: int,
-                 proposer: Proposer | None, seed: int) -> None:
+                 proposer: Proposer | None, seed: int,
+                 synthetic: SyntheticVerifier | None = None) -> None:
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         self.device = model.device
         self.proposer = proposer
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
         self._seed_source = torch.Generator().manual_seed(seed)
+        self.synthetic = synthetic  # --rejection-mode synthetic: NOT lossless
 
     def forget(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
+        if self.synthetic is not None:
+            self.synthetic.forget(request_id)
         forget = getattr(self.proposer, "forget", None)
         if forget is not None:
             forget(request_id)
@@ -69,6 +73,8 @@ class ModelRunner:
         for j, req in enumerate(reqs):
             s = out.scheduled[idx[j]]
             d = list(drafts.token_ids[j][: s.draft_budget])
+            if self.synthetic is not None:
+                d = self.synthetic.cut(d)  # no coin-flip EOS (see SyntheticVerifier)
             if s.pad_drafts and len(d) < s.draft_budget:
                 d += [PAD] * (s.draft_budget - len(d))
             if d:
@@ -81,9 +87,11 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         t0 = time.perf_counter()
-        forget = getattr(self.proposer, "forget", None)
+        # A preempted request must not keep drafter KV blocks; `preempt` where the drafter
+        # tells preemption from the end of a request (the suffix cache).
+        forget = getattr(self.proposer, "preempt", None) or getattr(self.proposer, "forget", None)
         for rid in out.preempted_ids if forget is not None else ():
-            forget(rid)  # a preempted request must not keep drafter KV blocks
+            forget(rid)
         drafts, draft_probs, draft_skips = self._draft(out)
         t1 = time.perf_counter()
         ids, positions, qlens, clens, tables, logit_rows = [], [], [], [], [], []
@@ -126,8 +134,12 @@ class ModelRunner:
         if any(n for _, n in sampling):
             dt = [drafts.get(r.request_id, []) for r in reqs]
             dp = [draft_probs.get(r.request_id) for r in reqs]
-            tokens = rejection_sample(logits, [n for _, n in sampling], dt,
-                                      dp if any(p is not None for p in dp) else None, md)
+            if self.synthetic is not None:
+                tokens = self.synthetic(logits, [n for _, n in sampling], dt, md,
+                                        [r.request_id for r in reqs])
+            else:
+                tokens = rejection_sample(logits, [n for _, n in sampling], dt,
+                                          dp if any(p is not None for p in dp) else None, md)
         else:
             tokens = [[t] for t in self.sampler(logits, md).token_ids.tolist()]
         row = 0
