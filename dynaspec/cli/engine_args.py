@@ -23,6 +23,7 @@ _FLAGS = [
     ("--prompt-lookup-min", "prompt_lookup_min", int, 2, "shortest n-gram to match"),
     ("--prompt-lookup-max", "prompt_lookup_max", int, 5, "longest n-gram to match"),
     ("--log-stats-interval", "log_stats_interval_s", float, 0.0, "seconds between metric log lines (0 = off)"),
+    ("--structured-output-backend", "structured_output_backend", str, "xgrammar", "grammar library for structured output"),
 ]
 
 
@@ -32,11 +33,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         g.add_argument(flag, dest=dest, type=typ, default=default, help=help_)
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="disable prefix caching")
+    g.add_argument("--structured-any-whitespace", dest="structured_any_whitespace",
+                   action="store_true", help="JSON grammars allow any whitespace (default: compact)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     kw = {dest: getattr(args, dest) for _, dest, *_ in _FLAGS}
     kw["enable_prefix_caching"] = args.enable_prefix_caching
+    kw["structured_any_whitespace"] = args.structured_any_whitespace
     return kw
 
 

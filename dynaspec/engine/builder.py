@@ -15,6 +15,7 @@ from dynaspec.models.loader import load_model_files
 from dynaspec.scheduler.scheduler import Scheduler
 from dynaspec.spec_decode.k_policy import make_policy
 from dynaspec.spec_decode.plan import SpecPlan, build_spec_plan
+from dynaspec.structured.manager import StructuredOutputManager
 from dynaspec.worker.model_runner import ModelRunner
 
 log = logging.getLogger("dynaspec")
@@ -34,6 +35,7 @@ class EngineParts:
     drafter_kv_tokens: int
     eos_token_ids: tuple[int, ...]
     model_name: str
+    structured: StructuredOutputManager
 
 
 def resolve_device(name: str) -> torch.device:
@@ -82,10 +84,15 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     policy = make_policy(plan, sc.k_policy) if plan.speculating else None
     sched = Scheduler(config.scheduler, kv, plan, policy, max_model_len, loaded.eos_token_ids,
                       drafter_max_len)
-    runner = ModelRunner(model, kv_caches, cc.block_size, proposer, mc.seed)
+    # The grammar library loads on the first structured request, not here.
+    so = config.structured
+    structured = StructuredOutputManager(so.structured_output_backend, loaded.tokenizer,
+                                         arch.vocab_size, loaded.eos_token_ids,
+                                         so.structured_any_whitespace)
+    runner = ModelRunner(model, kv_caches, cc.block_size, proposer, mc.seed, structured)
     return EngineParts(loaded.tokenizer, plan, model, kv, sched, runner, max_model_len,
                        arch.vocab_size, _history_factory(plan, sc.k_policy), drafter_tokens,
-                       loaded.eos_token_ids, mc.model)
+                       loaded.eos_token_ids, mc.model, structured)
 
 
 def _history_factory(plan: SpecPlan, policy: str) -> Callable[[], object | None]:
