@@ -89,6 +89,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     structured = StructuredOutputManager(so.structured_output_backend, loaded.tokenizer,
                                          arch.vocab_size, loaded.eos_token_ids,
                                          so.structured_any_whitespace)
+    if hasattr(proposer, "grammar"):  # a draft model drafts under the request's grammar
+        proposer.grammar = structured
     runner = ModelRunner(model, kv_caches, cc.block_size, proposer, mc.seed, structured)
     return EngineParts(loaded.tokenizer, plan, model, kv, sched, runner, max_model_len,
                        arch.vocab_size, _history_factory(plan, sc.k_policy), drafter_tokens,

@@ -14,9 +14,11 @@ import time
 from collections import OrderedDict
 from typing import Sequence
 
+import torch
+
 from dynaspec.outputs import ScheduledRequest
 from dynaspec.request import Request
-from dynaspec.structured.backend import GrammarBackend, Matcher, load_backend
+from dynaspec.structured.backend import GrammarBackend, Matcher, allocate_bitmask, load_backend
 from dynaspec.structured.params import StructuredOutputParams
 from dynaspec.structured.step import GrammarStep
 
@@ -36,6 +38,7 @@ class StructuredOutputManager:
         self.num_cache_hits = 0
         self.compile_seconds = 0.0
         self.matchers: dict[str, Matcher] = {}  # engine thread only
+        self._draft_fed: dict[str, int] = {}  # drafts a borrowed matcher advanced over
 
     # ---- compilation (any thread) ----------------------------------------------------------
     def backend(self) -> GrammarBackend:
@@ -91,6 +94,39 @@ class StructuredOutputManager:
 
     def forget(self, request_id: str) -> None:
         self.matchers.pop(request_id, None)
+        self._draft_fed.pop(request_id, None)
+
+    # ---- draft-model hook: a drafter that follows the grammar (engine thread) ----------------
+    # Drafts that leave the grammar are cut anyway; a drafter masked like the target proposes
+    # only valid ones, so an accurate drafter keeps its acceptance under a grammar. The matcher
+    # is borrowed: it advances over the drafts and `end_drafts` rolls it back before begin_step.
+    def mask_draft_logits(self, reqs: Sequence[Request], logits: torch.Tensor) -> None:
+        """Mask the drafter's next-token logits [len(reqs), vocab] in place, per request, with
+        the grammar state after its output plus the drafts it proposed so far this step."""
+        rows, masks = [], []
+        for j, r in enumerate(reqs):
+            m = self.matchers.get(r.request_id) if r.sampling_params.structured_output else None
+            if m is None or m.is_terminated():
+                continue
+            bitmask = allocate_bitmask(1, logits.shape[1])  # [1, words]
+            m.fill_bitmask(bitmask, 0)
+            rows.append(j)
+            masks.append(bitmask)
+        if rows:
+            full = allocate_bitmask(logits.shape[0], logits.shape[1])  # [len(reqs), words]
+            full[rows] = torch.cat(masks)
+            self.backend().apply_bitmask(logits, full, rows)
+
+    def accept_draft(self, req: Request, token_id: int) -> None:
+        m = self.matchers.get(req.request_id) if req.sampling_params.structured_output else None
+        if m is not None and not m.is_terminated() and m.accept(token_id):
+            self._draft_fed[req.request_id] = self._draft_fed.get(req.request_id, 0) + 1
+
+    def end_drafts(self) -> None:
+        """Roll every borrowed matcher back to the state after its request's output."""
+        for rid, n in self._draft_fed.items():
+            self.matchers[rid].rollback(n)
+        self._draft_fed.clear()
 
     def begin_step(self, scheduled: list[ScheduledRequest], drafts: dict[str, list[int]],
                    draft_probs: dict) -> GrammarStep | None:
