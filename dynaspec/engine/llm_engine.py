@@ -177,7 +177,8 @@ class LLMEngine:
         self.num_generation_tokens_total += num_gen
         step = StepStats(sched_out.step_k, tuple(specs), res.draft_seconds,
                          res.forward_seconds + res.sample_seconds, sched_out.schedule_seconds,
-                         num_prompt, num_gen, len(sched_out.preempted_ids), self._grammar_stats(res))
+                         num_prompt, num_gen, len(sched_out.preempted_ids),
+                         self._grammar_stats(res))
         self.counters = fold_step(self.counters, step)
         self.last_step = step
         self.last_batch = res.batch

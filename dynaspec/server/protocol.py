@@ -46,7 +46,8 @@ class StreamOptions(_Strict):
 class JsonSchemaFormat(_Strict):
     name: str
     description: str | None = None
-    schema_: dict | None = Field(default=None, alias="schema")  # "schema" shadows a BaseModel method
+    # "schema" would shadow a BaseModel method: the field is schema_, the JSON key "schema".
+    schema_: dict | None = Field(default=None, alias="schema")
     strict: bool | None = None  # the schema is always enforced; strict only documents that
 
 

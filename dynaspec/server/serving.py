@@ -114,7 +114,8 @@ class OpenAIServing:
         try:
             await asyncio.to_thread(structured.compile, spec)
         except ValueError as exc:
-            param = "structured_outputs" if req.structured_outputs is not None else "response_format"
+            param = "structured_outputs" if req.structured_outputs is not None \
+                else "response_format"
             raise APIError(400, f"{param}: {exc}", param, "invalid_grammar") from None
 
     async def _collect(self, request: Any, stream: RequestStream, fmt: _Format) -> dict | None:

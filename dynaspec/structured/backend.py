@@ -69,7 +69,8 @@ def load_backend(name: str, tokenizer, vocab_size: int, stop_token_ids: Sequence
                  any_whitespace: bool) -> GrammarBackend:
     """Build the named backend; a missing library raises StructuredOutputUnavailable."""
     if name not in BACKENDS:
-        raise ValueError(f"unknown structured output backend {name!r}: choose {', '.join(BACKENDS)}")
+        raise ValueError(f"unknown structured output backend {name!r}: "
+                         f"choose {', '.join(BACKENDS)}")
     try:
         from dynaspec.structured.xgrammar_backend import XGrammarBackend
     except ImportError as exc:

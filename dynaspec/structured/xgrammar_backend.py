@@ -79,8 +79,8 @@ class XGrammarBackend:
         form = spec.form
         try:
             if form == "json":
-                return self.compiler.compile_json_schema(spec.json, any_whitespace=self.any_whitespace,
-                                                         strict_mode=True)
+                return self.compiler.compile_json_schema(
+                    spec.json, any_whitespace=self.any_whitespace, strict_mode=True)
             if form == "json_object":  # OpenAI's json_object: any JSON object
                 return self.compiler.compile_json_schema('{"type": "object"}',
                                                          any_whitespace=self.any_whitespace)
