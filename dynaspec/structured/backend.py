@@ -60,6 +60,20 @@ def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
 
 
+def apply_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor,
+                        rows: list[int] | None) -> None:
+    """Device-agnostic masking in plain torch (for devices the library's kernel may not serve)."""
+    idx = None if rows is None else torch.tensor(rows, dtype=torch.long, device=logits.device)
+    bm = bitmask.to(logits.device) if idx is None else bitmask.to(logits.device)[idx]  # [G, words]
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)  # [32]
+    allowed = ((bm.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)  # [G, words * 32]
+    allowed = allowed[:, : logits.shape[1]]  # [G, vocab]
+    if idx is None:
+        logits.masked_fill_(~allowed, float("-inf"))
+    else:
+        logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
+
+
 def is_allowed(bitmask: torch.Tensor, row: int, token_id: int) -> bool:
     # Python's >> on a negative int is arithmetic, so the sign bit (token 31 of a word) tests right.
     return (int(bitmask[row, token_id >> 5]) >> (token_id & 31)) & 1 == 1

@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 import xgrammar as xgr
 
-from dynaspec.structured.backend import GrammarCompileError
+from dynaspec.structured.backend import GrammarCompileError, apply_bitmask_torch
 from dynaspec.structured.params import StructuredOutputParams
 
 # "[08:59:19] /project/cpp/regex_converter.cc:94: " in front of every xgrammar error.
@@ -100,8 +100,10 @@ class XGrammarBackend:
 
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor,
                       rows: list[int] | None) -> None:
-        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
-                                        vocab_size=self.vocab_size, indices=rows)
+        if logits.device.type != "cpu":  # xgrammar's GPU kernels need triton or a JIT build
+            apply_bitmask_torch(logits, bitmask, rows)
+            return
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows)
 
 
 _NAMES = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex",

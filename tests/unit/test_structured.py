@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import sys
 
+import torch
+
 import pytest
 
 from dynaspec import LLM, SamplingParams
@@ -84,3 +86,22 @@ def test_bad_grammar_is_refused_at_add_and_the_engine_keeps_serving(tiny_llama_d
         temperature=0, max_tokens=8, structured_output=StructuredOutputParams(regex="ab?c")))[0]
     assert out.text in ("ac", "abc") and out.finish_reason == "stop"
     llm.engine.check_integrity()
+
+
+@pytest.mark.parametrize("rows", [None, [1, 3]])
+def test_torch_masking_matches_the_library_kernel(manager, rows):
+    from dynaspec.structured.backend import apply_bitmask_torch
+    g = torch.Generator().manual_seed(0)
+    vocab = manager.backend().vocab_size
+    logits = torch.randn(4, vocab, generator=g)  # [4, vocab]
+    bitmask = torch.randint(-2**31, 2**31 - 1, (4, (vocab + 31) // 32), generator=g,
+                            dtype=torch.int64).to(torch.int32)  # every bit pattern, sign bit too
+    a, b = logits.clone(), logits.clone()
+    manager.backend().apply_bitmask(a, bitmask, rows)
+    apply_bitmask_torch(b, bitmask, rows)
+    assert torch.equal(a, b) and bool(torch.isinf(a).any())
+    for r in range(4):
+        for t in (0, 31, 32, vocab - 1):
+            want = (rows is not None and r not in rows) or \
+                (int(bitmask[r, t >> 5]) >> (t & 31)) & 1 == 1
+            assert bool(torch.isfinite(a[r, t])) == want
