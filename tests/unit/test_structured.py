@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import sys
 
-import torch
-
 import pytest
+import torch
 
 from dynaspec import LLM, SamplingParams
 from dynaspec.structured import StructuredOutputParams
