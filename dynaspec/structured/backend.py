@@ -88,6 +88,8 @@ def load_backend(name: str, tokenizer, vocab_size: int, stop_token_ids: Sequence
     try:
         from dynaspec.structured.xgrammar_backend import XGrammarBackend
     except ImportError as exc:
+        if (exc.name or "").split(".")[0] not in ("xgrammar", "tvm_ffi"):
+            raise  # a bug of ours, not a missing library
         raise StructuredOutputUnavailable(
             f"structured output needs the xgrammar package ({exc}); install it with: {EXTRA_HINT}"
         ) from None
