@@ -178,6 +178,19 @@ class SpecConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutputConfig:
+    structured_output_backend: str = "xgrammar"
+    # False: JSON grammars emit compact JSON (", " and ": " separators, no free whitespace), so a
+    # small model cannot loop on newlines inside an object; True allows any JSON whitespace.
+    structured_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        if self.structured_output_backend != "xgrammar":
+            raise ValueError(f"unknown structured_output_backend {self.structured_output_backend!r}:"
+                             " choose xgrammar")
+
+
+@dataclass(frozen=True)
 class ObservabilityConfig:
     log_stats_interval_s: float = 0.0  # 0 = no periodic log line
 
@@ -189,6 +202,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    structured: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
 
     @staticmethod
     def from_kwargs(**kwargs) -> "EngineConfig":
@@ -199,6 +213,7 @@ class EngineConfig:
             "scheduler": SchedulerConfig,
             "spec": SpecConfig,
             "observability": ObservabilityConfig,
+            "structured": StructuredOutputConfig,
         }
         values: dict[str, dict] = {name: {} for name in parts}
         for key, value in kwargs.items():

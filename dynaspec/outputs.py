@@ -58,6 +58,8 @@ class RequestResult:
     skip_reason: str | None  # set on a sampling step that verified no draft
     logprobs: list[Any] | None = None  # per emitted token: (logprob, top [(id, logprob)])
     num_padding_tokens: int = 0  # -1 pads verified (invalid, reason "padding")
+    num_grammar_invalid_tokens: int = 0  # drafts cut before verification (invalid, "grammar")
+    grammar_terminated: bool = False  # the request's grammar accepted its stop: finish "stop"
 
 
 @dataclass
@@ -68,6 +70,8 @@ class RunnerOutput:
     forward_seconds: float = 0.0
     sample_seconds: float = 0.0
     batch: BatchDescriptor | None = None
+    grammar_seconds: float = 0.0  # structured output: draft checks, bitmasks, masking
+    grammar_rows: int = 0  # logits rows masked by a grammar
 
 
 @dataclass

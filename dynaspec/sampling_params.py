@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from dynaspec.structured.params import StructuredOutputParams
 
 
 @dataclass(frozen=True)
@@ -17,6 +19,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return per token (0 = chosen only)
+    structured_output: StructuredOutputParams | None = None  # a grammar the output must follow
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -37,6 +40,10 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        so = self.structured_output
+        if so is not None and not isinstance(so, StructuredOutputParams):
+            raise ValueError("structured_output must be a StructuredOutputParams, got "
+                             f"{type(so).__name__}")
 
     @property
     def greedy(self) -> bool:

@@ -18,6 +18,8 @@ def register(sub) -> None:
     d.add_argument("--json", action="store_true")
     add_engine_args(d)
     d.set_defaults(func=run_decode_cmd)
+    from dynaspec.bench import structured_cmd
+    structured_cmd.register(bsub)
     try:
         from dynaspec.bench import compare_cmd
     except ImportError:  # not built in this checkout

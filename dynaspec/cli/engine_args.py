@@ -36,6 +36,7 @@ _FLAGS = [
     ("--synthetic-acceptance", "synthetic_acceptance", str, None,
      "synthetic mode: per-position conditional acceptance RATE[,RATE...]; the last repeats"),
     ("--log-stats-interval", "log_stats_interval_s", float, 0.0, "seconds between metric log lines (0 = off)"),
+    ("--structured-output-backend", "structured_output_backend", str, "xgrammar", "grammar library for structured output"),
 ]
 
 
@@ -45,11 +46,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         g.add_argument(flag, dest=dest, type=typ, default=default, help=help_)
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="disable prefix caching")
+    g.add_argument("--structured-any-whitespace", dest="structured_any_whitespace",
+                   action="store_true", help="JSON grammars allow any whitespace (default: compact)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     kw = {dest: getattr(args, dest) for _, dest, *_ in _FLAGS}
     kw["enable_prefix_caching"] = args.enable_prefix_caching
+    kw["structured_any_whitespace"] = args.structured_any_whitespace
     return kw
 
 

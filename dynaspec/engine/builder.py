@@ -17,6 +17,7 @@ from dynaspec.spec_decode import cost_model
 from dynaspec.spec_decode.cost_model import CostGrid, StepCostModel
 from dynaspec.spec_decode.k_policy import make_policy, resolve_policy_name
 from dynaspec.spec_decode.plan import SpecPlan, build_spec_plan
+from dynaspec.structured.manager import StructuredOutputManager
 from dynaspec.worker.model_runner import ModelRunner
 
 log = logging.getLogger("dynaspec")
@@ -35,6 +36,7 @@ class EngineParts:
     drafter_kv_tokens: int
     eos_token_ids: tuple[int, ...]
     model_name: str
+    structured: StructuredOutputManager
 
 
 def resolve_device(name: str) -> torch.device:
@@ -90,9 +92,16 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
                       drafter_max_len)
     verifier = make_synthetic_verifier(sc.rejection_mode, sc.acceptance_rates, mc.seed,
                                        loaded.eos_token_ids) if plan.speculating else None
-    runner = ModelRunner(model, kv_caches, cc.block_size, proposer, mc.seed, verifier)
+    # The grammar library loads on the first structured request, not here.
+    so = config.structured
+    structured = StructuredOutputManager(so.structured_output_backend, loaded.tokenizer,
+                                         arch.vocab_size, loaded.eos_token_ids,
+                                         so.structured_any_whitespace)
+    if hasattr(proposer, "grammar"):  # a draft model drafts under the request's grammar
+        proposer.grammar = structured
+    runner = ModelRunner(model, kv_caches, cc.block_size, proposer, mc.seed, verifier, structured)
     return EngineParts(loaded.tokenizer, plan, model, kv, sched, runner, max_model_len,
-                       arch.vocab_size, drafter_tokens, loaded.eos_token_ids, mc.model)
+                       arch.vocab_size, drafter_tokens, loaded.eos_token_ids, mc.model, structured)
 
 
 def _step_cost_model(config: EngineConfig, model: LlamaModel, kv_caches: list[torch.Tensor],

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from dynaspec.config import EngineConfig
 from dynaspec.engine.output_processor import OutputProcessor
 from dynaspec.engine.builder import EngineParts, build_engine_parts
-from dynaspec.metrics.stats import (RequestStepSpec, SpecCounters, StepStats,
+from dynaspec.metrics.stats import (GrammarStepStats, RequestStepSpec, SpecCounters, StepStats,
                                     fold_request_history, fold_step)
 from dynaspec.outputs import RequestOutput, SchedulerOutput
 from dynaspec.request import Request, RequestStatus
@@ -32,6 +32,8 @@ class StepTimes:
     sample: float = 0.0
     update: float = 0.0
     steps: int = 0
+    grammar: float = 0.0  # structured output mask work (inside prepare and sample)
+    grammar_steps: int = 0  # steps that masked >= 1 row
 
 
 class LLMEngine:
@@ -45,6 +47,7 @@ class LLMEngine:
         self.runner = parts.runner
         self.kv = parts.kv
         self.max_model_len = parts.max_model_len
+        self.structured = parts.structured
         self.outputs = OutputProcessor(parts.tokenizer)
         self.counters = SpecCounters()
         # Per request (record, step K) pairs, folded once when asked: folding every step costs.
@@ -76,6 +79,8 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens, which leaves no room to generate within "
                              f"max_model_len {self.max_model_len}")
+        if params.structured_output is not None:
+            self.structured.compile(params.structured_output)  # a cache hit when pre-compiled
         req = Request(request_id, ids, params)
         self.scheduler.add_request(req)
         self.outputs.add(req)
@@ -158,10 +163,13 @@ class LLMEngine:
         specs = []
         for u in updates:
             r = u.result
-            pads = {"padding": r.num_padding_tokens} if r.num_padding_tokens else {}
-            skip = r.skip_reason if not r.num_draft_tokens and not pads else None
+            invalid = {"padding": r.num_padding_tokens} if r.num_padding_tokens else {}
+            if r.num_grammar_invalid_tokens:
+                invalid["grammar"] = r.num_grammar_invalid_tokens
+            # A request whose drafts were all invalid is an `all_invalid` skip (in the fold).
+            skip = r.skip_reason if not r.num_draft_tokens and not invalid else None
             specs.append(RequestStepSpec(r.request_id, r.num_draft_tokens, r.num_accepted_tokens,
-                                         len(u.new_token_ids), skip, pads))
+                                         len(u.new_token_ids), skip, invalid))
         num_gen = sum(len(u.new_token_ids) for u in updates)
         num_prompt = sum(s.num_new_tokens for s in sched_out.scheduled if not s.sampling) + \
             sum(s.num_new_tokens - 1 for s in sched_out.scheduled if s.sampling)
@@ -169,7 +177,8 @@ class LLMEngine:
         self.num_generation_tokens_total += num_gen
         step = StepStats(sched_out.step_k, tuple(specs), res.draft_seconds,
                          res.forward_seconds + res.sample_seconds, sched_out.schedule_seconds,
-                         num_prompt, num_gen, len(sched_out.preempted_ids))
+                         num_prompt, num_gen, len(sched_out.preempted_ids),
+                         self._grammar_stats(res))
         self.counters = fold_step(self.counters, step)
         self.last_step = step
         self.last_batch = res.batch
@@ -177,6 +186,14 @@ class LLMEngine:
             records = self.request_records.get(spec.request_id)
             if records is not None:
                 records.append((spec, sched_out.step_k))
+
+    def _grammar_stats(self, res) -> GrammarStepStats | None:
+        compiled = self.structured.drain_compile_seconds()
+        if not res.grammar_rows and not compiled:
+            return None
+        self.times.grammar += res.grammar_seconds
+        self.times.grammar_steps += res.grammar_rows > 0
+        return GrammarStepStats(res.grammar_seconds, res.grammar_rows, compiled)
 
     # ---- facts for reports ---------------------------------------------------------------
     @property

@@ -110,6 +110,15 @@ class RequestStepSpec:
 
 
 @dataclass(frozen=True)
+class GrammarStepStats:
+    """Structured-output work in one step (the grammar-invalid drafts are in the requests)."""
+
+    mask_seconds: float = 0.0  # draft checks, bitmask filling, masking, grammar state updates
+    num_masked_rows: int = 0  # logits rows masked
+    compile_seconds: tuple[float, ...] = ()  # grammars compiled since the previous step
+
+
+@dataclass(frozen=True)
 class StepStats:
     """One engine step. `k` is the step's K; `None` when speculation is off."""
 
@@ -121,6 +130,7 @@ class StepStats:
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     num_preemptions: int = 0
+    grammar: GrammarStepStats | None = None  # None when no request in the step had a grammar
 
     def __post_init__(self) -> None:
         if self.k is not None:

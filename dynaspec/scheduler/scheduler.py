@@ -185,6 +185,9 @@ class Scheduler:
             # NOTE: KV is valid up to the accepted drafts; the bonus token has no KV yet.
             req.num_computed_tokens = req.num_tokens + r.num_accepted_tokens
             emitted, status = self._append_checked(req, r.token_ids)
+            if r.grammar_terminated and len(emitted) == len(r.token_ids) and \
+                    status is not RequestStatus.FINISHED_STOPPED:
+                status = RequestStatus.FINISHED_STOPPED  # its grammar is complete (§7c)
             if status is None:
                 self.kv.cache_full_blocks(req, req.num_computed_tokens)
                 if self.policy is not None:

@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from dynaspec.structured.params import StructuredOutputParams
+
 MAX_TOP_LOGPROBS = 20  # SamplingParams' bound
 
 
@@ -41,6 +43,30 @@ class StreamOptions(_Strict):
     include_usage: bool | None = False
 
 
+class JsonSchemaFormat(_Strict):
+    name: str
+    description: str | None = None
+    # "schema" would shadow a BaseModel method: the field is schema_, the JSON key "schema".
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the schema is always enforced; strict only documents that
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsBody(_Strict):
+    """vLLM's extension: exactly one of json (a schema), regex, grammar (EBNF), choice,
+    json_object."""
+
+    json_: dict | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    grammar: str | None = None
+    choice: list[str] | None = None
+    json_object: bool | None = None
+
+
 class _Common(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -62,6 +88,8 @@ class _Common(_Strict):
     user: str | None = None  # accepted and ignored, as a label only
     metadata: dict[str, str] | None = None  # accepted and ignored
     store: bool | None = None  # accepted and ignored
+    response_format: ResponseFormat | None = None  # on completions too, as vLLM accepts it
+    structured_outputs: StructuredOutputsBody | None = None  # extension (vLLM's)
 
     @field_validator("stop")
     @classmethod
@@ -91,6 +119,27 @@ class _Common(_Strict):
             return APIError(400, "stream_options is only allowed when stream is true",
                             "stream_options")
         return None
+
+    def structured_output(self) -> StructuredOutputParams | None:
+        """The grammar this request asks for, or None; a 400 naming the field when malformed."""
+        rf, so = self.response_format, self.structured_outputs
+        if rf is not None and rf.type != "text" and so is not None:
+            return _bad("give either response_format or structured_outputs, not both",
+                        "structured_outputs")
+        try:
+            if so is not None:
+                return StructuredOutputParams(json=so.json_, regex=so.regex, grammar=so.grammar,
+                                              choice=so.choice, json_object=bool(so.json_object))
+            if rf is None or rf.type == "text":
+                return None
+            if rf.type == "json_object":
+                return StructuredOutputParams(json_object=True)
+        except ValueError as exc:
+            return _bad(str(exc), "structured_outputs")
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            return _bad("response_format of type 'json_schema' needs json_schema.schema",
+                        "response_format.json_schema")
+        return StructuredOutputParams(json=rf.json_schema.schema_)
 
     @property
     def stop_list(self) -> tuple[str, ...]:
@@ -160,17 +209,12 @@ class ChatMessage(_Strict):
         return self.content or ""
 
 
-class ResponseFormat(_Strict):
-    type: str
-
-
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)  # None: up to the context limit
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    response_format: ResponseFormat | None = None
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
@@ -180,9 +224,6 @@ class ChatCompletionRequest(_Common):
             return APIError(400, "tools are not supported", "tools")
         if self.tool_choice not in (None, "none", "auto"):
             return APIError(400, "tool_choice is not supported", "tool_choice")
-        if self.response_format is not None and self.response_format.type != "text":
-            return APIError(400, f"response_format type {self.response_format.type!r} is not "
-                            "supported (only 'text')", "response_format")
         if self.top_logprobs is not None and not self.logprobs:
             return APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
         return super().unsupported()
@@ -196,6 +237,10 @@ class ChatCompletionRequest(_Common):
         # "developer" is OpenAI's newer name for "system"; HF templates only know "system".
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                 for m in self.messages]
+
+
+def _bad(message: str, param: str) -> StructuredOutputParams:
+    raise APIError(400, message, param, "invalid_value")
 
 
 def parse_body(model: type[_Strict], raw: bytes) -> Any:

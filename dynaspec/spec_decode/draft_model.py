@@ -42,6 +42,9 @@ class DraftModelProposer:
         self.num_kv_tokens = num_blocks * block_size
         self.seqs: dict[str, _DraftSeq] = {}
         self.seed = seed
+        # Structured output: set by the builder; masks drafts like the target's (mask_draft_logits,
+        # accept_draft, end_drafts), so a grammar request's drafts follow its grammar.
+        self.grammar = None
 
     @staticmethod
     def load(path: str, config, target_vocab: int, device: torch.device, dtype: torch.dtype,
@@ -76,8 +79,15 @@ class DraftModelProposer:
             n = pos + 1
         return min(n, req.num_tokens - 1)  # always feed >= 1 token to get the next logits
 
-    @torch.inference_mode()
     def propose(self, requests: Sequence[Request], k_per_request: Sequence[int]) -> Drafts:
+        try:
+            return self._propose(requests, k_per_request)
+        finally:
+            if self.grammar is not None:
+                self.grammar.end_drafts()
+
+    @torch.inference_mode()
+    def _propose(self, requests: Sequence[Request], k_per_request: Sequence[int]) -> Drafts:
         active = [(r, k) for r, k in zip(requests, k_per_request) if k > 0]
         out_tokens = {r.request_id: [] for r, _ in active}
         out_probs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r, _ in active}
@@ -109,6 +119,8 @@ class DraftModelProposer:
                 r, k = active[i]
                 seqs[i].num_computed_tokens += len(feeds[i])
                 out_tokens[r.request_id].append(toks[j])
+                if self.grammar is not None:
+                    self.grammar.accept_draft(r, toks[j])
                 if probs[j] is not None:
                     out_probs[r.request_id].append(probs[j])
                 if len(out_tokens[r.request_id]) < k:
@@ -133,6 +145,8 @@ class DraftModelProposer:
                             s.num_computed_tokens + q)], dtype=torch.long, device=self.model.device)
         last = torch.tensor(qlens, device=self.model.device).cumsum(0) - 1
         logits = self.model.forward(ids, pos, self.kv_caches, md, last)  # [num_reqs, vocab]
+        if self.grammar is not None:
+            self.grammar.mask_draft_logits(reqs, logits)
         greedy = [r.sampling_params.greedy for r in reqs]
         if all(greedy):
             return logits.argmax(-1).tolist(), [None] * len(reqs)

@@ -20,6 +20,7 @@ from dynaspec.sample.metadata import SamplingMetadata
 from dynaspec.sample.rejection_sampler import SyntheticVerifier, rejection_sample
 from dynaspec.sample.sampler import Sampler
 from dynaspec.spec_decode.base import Drafts, Proposer
+from dynaspec.structured.manager import StructuredOutputManager
 
 
 PAD = -1  # never a real token id: rejected by the verifier, counted as invalid "padding"
@@ -36,7 +37,8 @@ def _pad_probs(p: torch.Tensor, n: int) -> torch.Tensor:
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv_caches: list[torch.Tensor], block_size: int,
                  proposer: Proposer | None, seed: int,
-                 synthetic: SyntheticVerifier | None = None) -> None:
+                 synthetic: SyntheticVerifier | None = None,
+                 structured: StructuredOutputManager | None = None) -> None:
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         self.device = model.device
         self.proposer = proposer
@@ -44,11 +46,14 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self._seed_source = torch.Generator().manual_seed(seed)
         self.synthetic = synthetic  # --rejection-mode synthetic: NOT lossless
+        self.structured = structured
 
     def forget(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
         if self.synthetic is not None:
             self.synthetic.forget(request_id)
+        if self.structured is not None:
+            self.structured.forget(request_id)
         forget = getattr(self.proposer, "forget", None)
         if forget is not None:
             forget(request_id)
@@ -94,6 +99,9 @@ class ModelRunner:
             forget(rid)
         drafts, draft_probs, draft_skips = self._draft(out)
         t1 = time.perf_counter()
+        # Structured output: cut grammar-invalid drafts before they are verified (DESIGN §7c).
+        grammar = self.structured.begin_step(out.scheduled, drafts, draft_probs) \
+            if self.structured is not None else None
         ids, positions, qlens, clens, tables, logit_rows = [], [], [], [], [], []
         sampling = []  # (scheduled index, num drafts)
         for i, s in enumerate(out.scheduled):
@@ -116,12 +124,19 @@ class ModelRunner:
         t2 = time.perf_counter()
         logits = self.model.forward(input_ids, pos, self.kv_caches, md, rows)  # [R, vocab]
         t3 = time.perf_counter()
+        if grammar is not None:
+            grammar.mask(logits, sampling)
         results = self._sample(out, logits, sampling, drafts, draft_probs, draft_skips)
+        if grammar is not None:
+            grammar.commit(results)
         t4 = time.perf_counter()
         width = qlens[0] if qlens and all(q == qlens[0] for q in qlens) and \
             len(sampling) == len(qlens) else None
         batch = BatchDescriptor(len(ids), len(qlens), width)
-        return RunnerOutput(results, t2 - t1, t1 - t0, t3 - t2, t4 - t3, batch)
+        res = RunnerOutput(results, t2 - t1, t1 - t0, t3 - t2, t4 - t3, batch)
+        if grammar is not None:
+            res.grammar_seconds, res.grammar_rows = grammar.seconds, grammar.num_rows
+        return res
 
     def _sample(self, out: SchedulerOutput, logits: torch.Tensor, sampling: list[tuple[int, int]],
                 drafts: dict, draft_probs: dict, draft_skips: dict) -> list[RequestResult]:
@@ -158,7 +173,8 @@ class ModelRunner:
 
 
 def _logprobs(rows: torch.Tensor, tokens: list[int], top_n: int) -> list:
-    lp = torch.log_softmax(rows.float(), dim=-1)  # [len(tokens), vocab]
+    # Clamped: a grammar-masked token has logprob -inf, which JSON cannot carry.
+    lp = torch.log_softmax(rows.float(), dim=-1).clamp_(min=-9999.0)  # [len(tokens), vocab]
     out = []
     for j, t in enumerate(tokens):
         top = torch.topk(lp[j], top_n) if top_n > 0 else None
