@@ -73,7 +73,7 @@ class LLMEngine:
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
-        if not self.lossless and getattr(params, "structured_output", None) is not None:
+        if not self.lossless and params.structured_output is not None:
             raise ValueError("structured output cannot be combined with --rejection-mode synthetic: "
                              "synthetic acceptance takes drafts the grammar never checked")
         if len(ids) >= self.max_model_len:

@@ -90,18 +90,14 @@ def test_synthetic_mode_marks_output_not_lossless(tiny_llama_dir, prompts12, che
 
 
 def test_synthetic_refuses_structured_output(tiny_llama_dir):
-    from dataclasses import dataclass
-
     from dynaspec import SamplingParams
-
-    @dataclass(frozen=True)
-    class WithGrammar(SamplingParams):  # stands in for issue 15's SamplingParams field
-        structured_output: object = None
+    from dynaspec.structured.params import StructuredOutputParams
 
     llm = LLM(model=tiny_llama_dir, dtype="float32", speculator="ngram", num_spec_tokens=2,
               rejection_mode="synthetic", synthetic_acceptance=0.5, num_kv_blocks=64)
+    grammar = StructuredOutputParams(choice=("yes", "no"))
     with pytest.raises(ValueError, match="structured output cannot be combined"):
-        llm.engine.add_request([5, 6, 7], WithGrammar(max_tokens=4, structured_output={"type": "json"}))
+        llm.engine.add_request([5, 6, 7], SamplingParams(max_tokens=4, structured_output=grammar))
     assert not llm.engine.has_unfinished_requests()
 
 
@@ -132,7 +128,8 @@ def test_synthetic_rates_measured_by_the_engine_counters(tiny_llama_dir):
     # A draft model (here the target itself) always drafts K, so every position is exercised.
     llm = LLM(model=tiny_llama_dir, dtype="float32", speculator="draft", draft_model=tiny_llama_dir,
               num_spec_tokens=3, rejection_mode="synthetic",
-              synthetic_acceptance=",".join(map(str, rates)), num_kv_blocks=1200, seed=11)
+              synthetic_acceptance=",".join(map(str, rates)), num_kv_blocks=1200, seed=11,
+              k_policy="table")  # every step drafts K: the rates need every position
     prompts = random_prompts(64, 280, seed=21, lo=8, hi=30)
     llm.generate(prompts, greedy(200, ignore_eos=True))
     c = llm.engine.counters
@@ -151,7 +148,7 @@ def test_bench_passes_start_with_an_empty_suffix_cache(tiny_llama_dir):
     from dynaspec.bench.workloads import WorkItem
 
     kw = dict(model=tiny_llama_dir, dtype="float32", speculator="suffix", num_spec_tokens=4,
-              num_kv_blocks=128, enable_prefix_caching=False)
+              num_kv_blocks=128, enable_prefix_caching=False, k_policy="table")
     arm = EngineArm("suffix", kw)
     items = [WorkItem(p, 12, f"p{i}") for i, p in enumerate(random_prompts(2, 280, seed=3))]
     params = make_params(items, None, 0.0, 0, ignore_eos=True)
