@@ -36,7 +36,10 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from dynaspec.extras import require
+
+require("prometheus_client", "server", "Prometheus metrics")
+from prometheus_client import CollectorRegistry  # noqa: E402, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from dynaspec.metrics.stats import (
