@@ -46,6 +46,7 @@ class LLMEngine:
         self.kv = parts.kv
         self.max_model_len = parts.max_model_len
         self.outputs = OutputProcessor(parts.tokenizer)
+        self.scheduler.stop_check = self.outputs.check_stop  # the scheduler decides every end
         self.counters = SpecCounters()
         # Per request (record, step K) pairs, folded once when asked: folding every step costs.
         self.request_records: dict[str, list] = {}
@@ -121,12 +122,12 @@ class LLMEngine:
 
     def _emit(self, u: StepUpdate) -> RequestOutput | None:
         req = u.request
-        out = self.outputs.process(req, u.new_token_ids, u.finished, u.result.logprobs)
-        if u.finished or out.finished:
-            out.spec = self.request_spec(req.request_id)
-        if out.finished and not u.finished:  # a stop string ended it
-            self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+        lp = u.result.logprobs
+        # Tokens past the request's end were dropped by the scheduler; so are their logprobs.
+        lp = lp[:len(u.new_token_ids)] if lp is not None else None
+        out = self.outputs.process(req, u.new_token_ids, u.finished, lp)
         if out.finished:
+            out.spec = self.request_spec(req.request_id)
             self.finished_times.append({**out.metrics, "num_prompt_tokens": req.num_prompt_tokens,
                                         "num_generation_tokens": req.num_output_tokens})
             self.runner.forget(req.request_id)

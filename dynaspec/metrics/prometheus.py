@@ -39,8 +39,9 @@ from typing import Mapping
 from dynaspec.extras import require
 
 require("prometheus_client", "server", "Prometheus metrics")
-from prometheus_client import CollectorRegistry  # noqa: E402, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,  # noqa: E402
+                               generate_latest)
+from prometheus_client.exposition import CONTENT_TYPE_LATEST  # noqa: E402
 
 from dynaspec.metrics.stats import (
     EngineSnapshot,

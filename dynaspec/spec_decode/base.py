@@ -27,3 +27,12 @@ class Drafts:
 
 class Proposer(Protocol):
     def propose(self, requests: Sequence[Request], k_per_request: Sequence[int]) -> Drafts: ...
+
+    def forget(self, request_id: str) -> None:
+        """Drop the request's state (buffers, drafter KV); called when it finishes, is aborted
+        or preempted. Unknown ids are ignored."""
+        ...
+
+    def num_cached(self) -> int:
+        """Requests it holds state for (0 once every request is forgotten: leak checks)."""
+        ...

@@ -66,6 +66,9 @@ class DraftModelProposer:
         if seq is not None:
             self.kv.free(seq)
 
+    def num_cached(self) -> int:
+        return len(self.seqs)
+
     def _catch_up_start(self, seq: _DraftSeq, req: Request) -> int:
         """First position whose drafter KV is not known to hold the request's verified token."""
         n = seq.num_computed_tokens

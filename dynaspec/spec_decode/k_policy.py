@@ -33,9 +33,6 @@ from typing import Protocol
 
 from dynaspec.spec_decode.plan import SpecPlan
 
-REASONS = ("schedule_zero", "drafter_length", "max_tokens", "max_model_len", "adaptive")
-
-
 class AcceptanceHistory:
     """Per request: EMA of the conditional acceptance rate at each draft position.
 
@@ -108,7 +105,7 @@ class StepView:
 class StepK:
     k: int  # the step's K from the plan
     per_request: dict[str, int]  # request_id -> drafts allowed this step (<= k)
-    reasons: dict[str, str]  # request_id -> why its cap is below k (see REASONS)
+    reasons: dict[str, str]  # request_id -> why its cap is below k (metrics.stats.SKIP_REASONS)
     ctx_stat: int  # the context statistic used for the lookup
 
 

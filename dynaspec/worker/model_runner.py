@@ -45,9 +45,8 @@ class ModelRunner:
 
     def forget(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
-        forget = getattr(self.proposer, "forget", None)
-        if forget is not None:
-            forget(request_id)
+        if self.proposer is not None:
+            self.proposer.forget(request_id)
 
     def _generator(self, req: Request) -> torch.Generator:
         g = self.generators.get(req.request_id)
@@ -81,9 +80,9 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         t0 = time.perf_counter()
-        forget = getattr(self.proposer, "forget", None)
-        for rid in out.preempted_ids if forget is not None else ():
-            forget(rid)  # a preempted request must not keep drafter KV blocks
+        if self.proposer is not None:
+            for rid in out.preempted_ids:
+                self.proposer.forget(rid)  # a preempted request must not keep drafter KV blocks
         drafts, draft_probs, draft_skips = self._draft(out)
         t1 = time.perf_counter()
         ids, positions, qlens, clens, tables, logit_rows = [], [], [], [], [], []
