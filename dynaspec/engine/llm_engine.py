@@ -56,6 +56,7 @@ class LLMEngine:
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
         self.finished_times: list[dict] = []  # drained by the server's metrics
+        self.aborts_by_phase: dict[str, int] = {}  # where aborted requests were (reliability)
         self._next_id = 0
 
     # ---- requests ------------------------------------------------------------------------
@@ -84,6 +85,11 @@ class LLMEngine:
         return request_id
 
     def abort_request(self, request_id: str) -> bool:
+        req = self.scheduler.requests.get(request_id)
+        if req is not None:
+            phase = ("waiting" if req.status is not RequestStatus.RUNNING else
+                     "prefill" if req.num_computed_tokens < req.num_prompt_tokens else "decode")
+            self.aborts_by_phase[phase] = self.aborts_by_phase.get(phase, 0) + 1
         req = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         self._forget(request_id)
         return req is not None

@@ -21,6 +21,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from dynaspec.server.async_engine import AsyncEngine
 from dynaspec.server.protocol import (ChatCompletionRequest, CompletionRequest, APIError,
@@ -114,6 +115,10 @@ def _install_error_handlers(app: FastAPI) -> None:
         msg = {404: f"no route {request.method} {request.url.path}",
                405: f"method {request.method} is not allowed on {request.url.path}"}
         return _error(APIError(exc.status_code, msg.get(exc.status_code, str(exc.detail))))
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(_: Request, exc: ClientDisconnect) -> Response:
+        return Response(status_code=499)  # left while sending its body: nobody to answer
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:

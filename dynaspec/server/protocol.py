@@ -41,7 +41,8 @@ StopField = Annotated[Any, WithJsonSchema({"anyOf": [{"type": "string", "minLeng
                                                      {**_STR_LIST, "maxItems": 16},
                                                      {"type": "null"}]})]
 PromptField = Annotated[Any, WithJsonSchema({"anyOf": [
-    {"type": "string"}, {"type": "array", "items": {"type": "integer"}, "minItems": 1}]})]
+    {"type": "string", "minLength": 1},
+    {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}]})]
 ContentField = Annotated[Any, WithJsonSchema({"anyOf": [
     {"type": "string"}, {"type": "array", "items": {"$ref": "#/components/schemas/TextPart"}},
     {"type": "null"}]})]
