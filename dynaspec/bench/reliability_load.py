@@ -114,7 +114,7 @@ def _abort_plan(rng: random.Random, i: int, model: str,
                 scale: float) -> tuple[dict, int | None, float | None]:
     """A request and where its client leaves: after n streamed chunks, or after a delay."""
     kind = rng.choice(("queued", "prefill", "stream", "non_stream"))
-    words = rng.randint(_n(300, scale), _n(700, scale)) if kind == "prefill" else \
+    words = rng.randint(_n(500, scale), _n(1000, scale)) if kind == "prefill" else \
         rng.randint(_n(5, scale), _n(80, scale))
     body = {"model": model, "prompt": prompt_text(rng, words),
             # Outputs shrink less than prompts: a request must live long enough to be cut.
@@ -128,7 +128,7 @@ def _abort_plan(rng: random.Random, i: int, model: str,
     return body, None, delay
 
 
-def run_abort(server: LocalServer, num_requests: int, seed: int, concurrency: int = 96,
+def run_abort(server: LocalServer, num_requests: int, seed: int, concurrency: int = 32,
               scale: float = 1.0) -> dict:
     rng = random.Random(seed)
     plans = [_abort_plan(rng, i, server.model_name, scale) for i in range(num_requests)]
