@@ -222,11 +222,13 @@ def run_soak(server: LocalServer, duration_s: float, concurrency: int, seed: int
 
     asyncio.run(go())
     leaks = server.leak_report()
-    slope = slope_mb_per_min(samples)
+    warm_s = min(60.0, duration_s / 4)  # the first minute fills caches and pools: not a leak
+    slope = slope_mb_per_min([s for s in samples if s[0] >= warm_s])
     checks = {"0 errors": not errors, "pool whole, no leaked state": leaks["leaks"] == {},
               "a normal request answers afterwards": server.normal_request() == "ok"}
     return {"duration_s": duration_s, "concurrency": concurrency, "requests": len(latencies) + len(errors),
             "errors": len(errors), "error_examples": errors[:3],
             "latency_s": latency_summary(latencies), "rss_mb_samples": [round(r, 1) for _, r in samples],
             "rss_slope_mb_per_min": None if slope is None else round(slope, 3),
+            "rss_slope_after_s": warm_s,
             "seconds": round(time.monotonic() - t0, 1), **leaks, "checks": checks}
