@@ -43,7 +43,7 @@ def test_overload_preempts_and_matches_the_unloaded_run(tiny_llama_dir):
 
 def test_abort_storm_leaks_nothing(tiny_llama_dir):
     kw = _kwargs("abort", tiny_llama_dir, max_model_len=256, max_num_batched_tokens=32)
-    result = run_scenario("abort", kw, requests=60, seed=2, scale=0.05)
+    result = run_scenario("abort", kw, requests=60, seed=2, scale=0.03)
     _assert_passed(result)
     assert result["aborted_in_engine"] >= 3, result["aborted_where"]
 
@@ -51,7 +51,7 @@ def test_abort_storm_leaks_nothing(tiny_llama_dir):
 def test_abort_storm_with_a_draft_model_frees_drafter_kv(tiny_llama_dir):
     kw = _kwargs("abort", tiny_llama_dir, max_model_len=256, max_num_batched_tokens=32,
                  speculator="draft", draft_model=tiny_llama_dir, num_spec_tokens=3)
-    result = run_scenario("abort", kw, requests=30, seed=4, scale=0.05)
+    result = run_scenario("abort", kw, requests=30, seed=4, scale=0.03)
     _assert_passed(result)
     assert result["held"]["drafter_kv_blocks_held"] == 0 and result["aborted_in_engine"] >= 1
 
