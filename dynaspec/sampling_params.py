@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from dynaspec.structured.params import StructuredOutputParams
 
 
+_MAX_TOP_K = 2**31 - 1  # above any vocabulary; bounded so it fits the sampler's int64 tensor
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0  # 0 = greedy
@@ -32,8 +35,12 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
+        # Bounds checked here, not where tensors are built: an out-of-range value there fails
+        # the whole step, every other request in it included (found by bench reliability fuzz).
+        if not -1 <= self.top_k <= _MAX_TOP_K:
+            raise ValueError(f"top_k must be -1, 0 (off) or in [1, {_MAX_TOP_K}], got {self.top_k}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise ValueError(f"seed must be a 64-bit integer, got {self.seed}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:

@@ -1,4 +1,4 @@
-"""`dynaspec bench decode|compare`: benchmarks that print numbers."""
+"""`dynaspec bench decode|compare|reliability`: benchmarks that print numbers."""
 
 from __future__ import annotations
 
@@ -18,13 +18,11 @@ def register(sub) -> None:
     d.add_argument("--json", action="store_true")
     add_engine_args(d)
     d.set_defaults(func=run_decode_cmd)
-    from dynaspec.bench import structured_cmd
-    structured_cmd.register(bsub)
-    try:
-        from dynaspec.bench import compare_cmd
-    except ImportError:  # not built in this checkout
-        return
+    from dynaspec.bench import compare_cmd, reliability, structured_cmd
+
     compare_cmd.register(bsub)
+    reliability.register(bsub)
+    structured_cmd.register(bsub)
 
 
 def run_decode_cmd(args: argparse.Namespace) -> int:

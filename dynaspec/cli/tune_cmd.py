@@ -124,8 +124,10 @@ def run_tune_cmd(args: argparse.Namespace) -> int:
 
 def _plot(args: argparse.Namespace, choices: list[dict]) -> None:
     path = args.plot or os.path.splitext(args.out)[0] + ".png"
+    from dynaspec.extras import MissingExtraError
+
     try:
         from dynaspec.bench.plots import plot_heatmap
         _say(f"wrote {plot_heatmap(choices, path, f'tuned K: {args.speculator}, {args.workload}')}")
-    except RuntimeError as exc:
+    except MissingExtraError as exc:
         _say(f"no heatmap: {exc}")

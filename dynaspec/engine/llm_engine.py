@@ -49,6 +49,7 @@ class LLMEngine:
         self.max_model_len = parts.max_model_len
         self.structured = parts.structured
         self.outputs = OutputProcessor(parts.tokenizer)
+        self.scheduler.stop_check = self.outputs.check_stop  # the scheduler decides every end
         self.counters = SpecCounters()
         # Per request (record, step K) pairs, folded once when asked: folding every step costs.
         self.request_records: dict[str, list] = {}
@@ -58,6 +59,7 @@ class LLMEngine:
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
         self.finished_times: list[dict] = []  # drained by the server's metrics
+        self.aborts_by_phase: dict[str, int] = {}  # where aborted requests were (reliability)
         self._next_id = 0
 
     # ---- requests ------------------------------------------------------------------------
@@ -88,6 +90,11 @@ class LLMEngine:
         return request_id
 
     def abort_request(self, request_id: str) -> bool:
+        req = self.scheduler.requests.get(request_id)
+        if req is not None:
+            phase = ("waiting" if req.status is not RequestStatus.RUNNING else
+                     "prefill" if req.num_computed_tokens < req.num_prompt_tokens else "decode")
+            self.aborts_by_phase[phase] = self.aborts_by_phase.get(phase, 0) + 1
         req = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         self._forget(request_id)
         return req is not None
@@ -126,12 +133,12 @@ class LLMEngine:
 
     def _emit(self, u: StepUpdate) -> RequestOutput | None:
         req = u.request
-        out = self.outputs.process(req, u.new_token_ids, u.finished, u.result.logprobs)
-        if u.finished or out.finished:
-            out.spec = self.request_spec(req.request_id)
-        if out.finished and not u.finished:  # a stop string ended it
-            self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+        lp = u.result.logprobs
+        # Tokens past the request's end were dropped by the scheduler; so are their logprobs.
+        lp = lp[:len(u.new_token_ids)] if lp is not None else None
+        out = self.outputs.process(req, u.new_token_ids, u.finished, lp)
         if out.finished:
+            out.spec = self.request_spec(req.request_id)
             self.finished_times.append({**out.metrics, "num_prompt_tokens": req.num_prompt_tokens,
                                         "num_generation_tokens": req.num_output_tokens})
             self.runner.forget(req.request_id)

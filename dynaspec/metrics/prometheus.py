@@ -42,8 +42,12 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from dynaspec.extras import require
+
+require("prometheus_client", "server", "Prometheus metrics")
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,  # noqa: E402
+                               generate_latest)
+from prometheus_client.exposition import CONTENT_TYPE_LATEST  # noqa: E402
 
 from dynaspec.metrics.stats import (
     EngineSnapshot,

@@ -8,9 +8,10 @@ and refused with a message naming them, so a client never gets a silently differ
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator
+from pydantic.json_schema import models_json_schema
 
 from dynaspec.structured.params import StructuredOutputParams
 
@@ -33,6 +34,20 @@ class APIError(Exception):
         kind = self._TYPES.get(self.status, "invalid_request_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param,
                           "code": self.code}}
+
+
+# Fields typed Any are checked by a validator (one clear message); their published schema says
+# what the validator accepts, so /openapi.json tells clients and fuzzers the real contract.
+_STR_LIST = {"type": "array", "items": {"type": "string", "minLength": 1}}
+StopField = Annotated[Any, WithJsonSchema({"anyOf": [{"type": "string", "minLength": 1},
+                                                     {**_STR_LIST, "maxItems": 16},
+                                                     {"type": "null"}]})]
+PromptField = Annotated[Any, WithJsonSchema({"anyOf": [
+    {"type": "string", "minLength": 1},
+    {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}]})]
+ContentField = Annotated[Any, WithJsonSchema({"anyOf": [
+    {"type": "string"}, {"type": "array", "items": {"$ref": "#/components/schemas/TextPart"}},
+    {"type": "null"}]})]
 
 
 class _Strict(BaseModel):
@@ -76,7 +91,7 @@ class _Common(_Strict):
     top_k: int | None = Field(default=None, ge=-1)  # extension (vLLM's)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)  # extension
     seed: int | None = None
-    stop: Any = None  # a string or a list of strings (checked below, one clear message)
+    stop: StopField = None  # a string or a list of strings (checked below, one clear message)
     stop_token_ids: list[int] | None = None  # extension
     ignore_eos: bool | None = None  # extension
     stream: bool | None = False
@@ -147,7 +162,7 @@ class _Common(_Strict):
 
 
 class CompletionRequest(_Common):
-    prompt: Any
+    prompt: PromptField
     max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's legacy default
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool | None = False
@@ -186,7 +201,7 @@ class TextPart(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Any = None  # a string or a list of text parts (checked below)
+    content: ContentField = None  # a string or a list of text parts (checked below)
     name: str | None = None
     tool_call_id: str | None = None
 
@@ -275,3 +290,17 @@ def validation_error(exc: ValidationError) -> APIError:
 def _is_type_tag(part: Any) -> bool:
     return isinstance(part, str) and (part in ("str", "int", "float", "bool", "list", "dict")
                                       or "[" in part or part.startswith("function-"))
+
+
+def openapi_components() -> dict:
+    """JSON schemas of the request bodies (and what they refer to) plus the error body, keyed
+    by name for OpenAPI's components/schemas."""
+    _, defs = models_json_schema([(m, "validation") for m in (CompletionRequest, ChatCompletionRequest,
+                                                             TextPart)],
+                                 ref_template="#/components/schemas/{model}")
+    error = {"type": "object", "required": ["message", "type", "param", "code"],
+             "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                            "param": {"type": ["string", "null"]},
+                            "code": {"type": ["string", "null"]}}}
+    return {**defs["$defs"], "ErrorResponse": {"type": "object", "required": ["error"],
+                                               "properties": {"error": error}}}

@@ -27,3 +27,17 @@ class Drafts:
 
 class Proposer(Protocol):
     def propose(self, requests: Sequence[Request], k_per_request: Sequence[int]) -> Drafts: ...
+
+    def forget(self, request_id: str) -> None:
+        """Drop the request's state (buffers, drafter KV); called when it finishes, is aborted
+        or preempted. Unknown ids are ignored."""
+        ...
+
+    def preempt(self, request_id: str) -> None:
+        """The request was preempted and will be recomputed: drop what it holds (drafter KV).
+        Drafters that keep finished outputs (the suffix cache) keep nothing from it here."""
+        ...
+
+    def num_cached(self) -> int:
+        """Requests it holds state for (0 once every request is forgotten: leak checks)."""
+        ...

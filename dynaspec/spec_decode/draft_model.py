@@ -69,6 +69,12 @@ class DraftModelProposer:
         if seq is not None:
             self.kv.free(seq)
 
+    def preempt(self, request_id: str) -> None:
+        self.forget(request_id)  # nothing outlives a request here: preemption is an end
+
+    def num_cached(self) -> int:
+        return len(self.seqs)
+
     def _catch_up_start(self, seq: _DraftSeq, req: Request) -> int:
         """First position whose drafter KV is not known to hold the request's verified token."""
         n = seq.num_computed_tokens

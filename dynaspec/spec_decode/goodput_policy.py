@@ -90,6 +90,9 @@ class GoodputPolicy(TablePolicy):
         super().forget(request_id)
         self.last_draft_ctx.pop(request_id, None)
 
+    def num_cached(self) -> int:
+        return len(self.histories.keys() | self.last_draft_ctx.keys())
+
     def observe_step(self, num_reqs: int, ctx: int, width: int, target_seconds: float,
                      draft_seconds: float, num_drafted: int, num_emitted: int) -> None:
         self.cost_model.observe(num_reqs, ctx, width, target_seconds)

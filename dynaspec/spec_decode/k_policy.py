@@ -33,9 +33,6 @@ from typing import Protocol
 
 from dynaspec.spec_decode.plan import SpecPlan
 
-REASONS = ("schedule_zero", "drafter_length", "max_tokens", "max_model_len", "adaptive")
-
-
 class AcceptanceHistory:
     """Per request: EMA of the conditional acceptance rate at each draft position.
 
@@ -108,7 +105,7 @@ class StepView:
 class StepK:
     k: int  # the step's K from the plan
     per_request: dict[str, int]  # request_id -> drafts allowed this step (<= k)
-    reasons: dict[str, str]  # request_id -> why its cap is below k (see REASONS)
+    reasons: dict[str, str]  # request_id -> why its cap is below k (metrics.stats.SKIP_REASONS)
     ctx_stat: int  # the context statistic used for the lookup
 
 
@@ -123,6 +120,8 @@ class KPolicy(Protocol):
                      draft_seconds: float, num_drafted: int, num_emitted: int) -> None: ...
 
     def forget(self, request_id: str) -> None: ...
+
+    def num_cached(self) -> int: ...
 
 
 def context_statistic(requests: tuple[RequestView, ...]) -> int:
@@ -185,6 +184,10 @@ class TablePolicy:
 
     def forget(self, request_id: str) -> None:
         self.histories.pop(request_id, None)
+
+    def num_cached(self) -> int:
+        """Requests it holds state for (0 once every request is forgotten: leak checks)."""
+        return len(self.histories)
 
     def decide(self, view: StepView) -> StepK:
         ctx = context_statistic(view.requests)

@@ -153,6 +153,9 @@ class NgramProposer:
         """Drop a finished request's buffer. Unknown ids are ignored (idempotent)."""
         self._buffers.pop(request_id, None)
 
+    def preempt(self, request_id: str) -> None:
+        self.forget(request_id)  # nothing outlives a request here: preemption is an end
+
     def num_cached(self) -> int:
         return len(self._buffers)
 

@@ -54,9 +54,8 @@ class ModelRunner:
             self.synthetic.forget(request_id)
         if self.structured is not None:
             self.structured.forget(request_id)
-        forget = getattr(self.proposer, "forget", None)
-        if forget is not None:
-            forget(request_id)
+        if self.proposer is not None:
+            self.proposer.forget(request_id)
 
     def _generator(self, req: Request) -> torch.Generator:
         g = self.generators.get(req.request_id)
@@ -92,11 +91,9 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         t0 = time.perf_counter()
-        # A preempted request must not keep drafter KV blocks; `preempt` where the drafter
-        # tells preemption from the end of a request (the suffix cache).
-        forget = getattr(self.proposer, "preempt", None) or getattr(self.proposer, "forget", None)
-        for rid in out.preempted_ids if forget is not None else ():
-            forget(rid)
+        if self.proposer is not None:
+            for rid in out.preempted_ids:
+                self.proposer.preempt(rid)  # a preempted request must not keep drafter KV blocks
         drafts, draft_probs, draft_skips = self._draft(out)
         t1 = time.perf_counter()
         # Structured output: cut grammar-invalid drafts before they are verified (DESIGN §7c).
