@@ -22,6 +22,13 @@ _FLAGS = [
     ("--draft-model", "draft_model", str, None, "draft model (HF folder or .gguf) for --speculator draft"),
     ("--prompt-lookup-min", "prompt_lookup_min", int, 2, "shortest n-gram to match"),
     ("--prompt-lookup-max", "prompt_lookup_max", int, 5, "longest n-gram to match"),
+    ("--execution", "execution", str, "auto",
+     "decode/verify path: eager, compiled (torch.compile / CUDA graphs) or auto (compiled where "
+     "the admission table measured it faster)"),
+    ("--admission", "admission", str, None, "admission JSON from `dynaspec bench admission` "
+     "(default: next to a --k-schedule file)"),
+    ("--compile-budget-s", "compile_budget_s", float, 900.0,
+     "total seconds spent compiling/capturing shapes; later shapes run eager"),
     ("--log-stats-interval", "log_stats_interval_s", float, 0.0, "seconds between metric log lines (0 = off)"),
 ]
 

@@ -111,10 +111,18 @@ class LlamaModel:
                 md, logits_indices: torch.Tensor, attn: AttentionBackend | None = None) -> torch.Tensor:
         """input_ids, positions: [T]; logits_indices: [R]; md: the metadata `attn` built for this
         step (default backend: eager paged SDPA). Returns float32 logits [R, vocab]."""
-        attn = self.attn if attn is None else attn
+        return self.forward_traceable(input_ids, positions, kv_caches, md, logits_indices,
+                                      self.attn if attn is None else attn)
+
+    def forward_traceable(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                          kv_caches: list[torch.Tensor], md, logits_indices: torch.Tensor | None,
+                          attn: AttentionBackend) -> torch.Tensor:
+        """`forward` without inference mode, which torch.compile cannot trace through while the
+        step writes the KV cache in place; compiled callers run it under `torch.no_grad()`."""
         x = self.embed[input_ids]  # [T, hidden]
         cos, sin = self.rope.lookup(positions, self.dtype)
         for layer, kv in zip(self.layers, kv_caches):
             x = layer.forward(x, cos, sin, kv, md, attn)
-        h = rms_norm(x[logits_indices], self.norm, self.cfg.rms_norm_eps)  # [R, hidden]
+        x = x if logits_indices is None else x[logits_indices]  # None: every token's logits
+        h = rms_norm(x, self.norm, self.cfg.rms_norm_eps)  # [R, hidden]
         return self.lm_head(h).float()

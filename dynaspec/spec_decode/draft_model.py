@@ -43,9 +43,15 @@ class DraftModelProposer:
         self.seqs: dict[str, _DraftSeq] = {}
         self.seed = seed
 
+    @property
+    def k_limit(self) -> int:
+        """Most drafts one step can ever ask of this drafter: its positions minus the one
+        token of context every request has. The plan is clamped to it (DESIGN §2)."""
+        return max(0, self.max_len - 1)
+
     @staticmethod
-    def load(path: str, config, target_vocab: int, device: torch.device, dtype: torch.dtype,
-             max_k: int) -> "DraftModelProposer":
+    def load(path: str, config, target_vocab: int, device: torch.device,
+             dtype: torch.dtype) -> "DraftModelProposer":
         from dynaspec.engine.builder import num_kv_blocks
         from dynaspec.models.loader import load_model_files
 
