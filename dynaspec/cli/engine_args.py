@@ -29,6 +29,8 @@ _FLAGS = [
      "(default: next to a --k-schedule file)"),
     ("--compile-budget-s", "compile_budget_s", float, 900.0,
      "total seconds spent compiling/capturing shapes; later shapes run eager"),
+    ("--compile-backend", "compile_backend", str, "inductor",
+     "torch.compile backend for --execution compiled on the CPU (inductor; aot_eager for tests)"),
     ("--log-stats-interval", "log_stats_interval_s", float, 0.0, "seconds between metric log lines (0 = off)"),
 ]
 

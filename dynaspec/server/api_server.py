@@ -144,7 +144,8 @@ def _v1_router(serving: OpenAIServing, api_key: str | None, max_body_bytes: int)
         eng = serving.engine
         return {"id": serving.model_name, "object": "model", "created": created,
                 "owned_by": "dynaspec", "max_model_len": eng.max_model_len,
-                "dynaspec": {"spec_plan": eng.engine.plan.to_json()}}
+                "dynaspec": {"spec_plan": eng.engine.plan.to_json(),
+                             "execution_plan": eng.engine.exec_plan.to_json()}}
 
     @router.get("/models")
     async def models() -> dict:

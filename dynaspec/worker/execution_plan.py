@@ -91,6 +91,17 @@ class AdmissionTable:
         return AdmissionTable(entries, path, dict(data.get("meta", {})))
 
 
+def bucket_ks(plan: SpecPlan, buckets: tuple[int, ...]) -> list[tuple[int, tuple[int, int], int]]:
+    """(bucket, (first, last) requests it covers, K) for every K the plan's table gives in a
+    bucket's batch range (any context range)."""
+    out, prev = [], 0
+    for b in buckets:
+        ks = sorted({r[4] for r in plan.table if r[0] <= b and (r[1] is None or r[1] > prev)})
+        out.extend((b, (prev + 1, b), k) for k in ks)
+        prev = b
+    return out
+
+
 def default_admission_path(k_schedule: str | None) -> str | None:
     """Next to the K table when the schedule is a file (tuned.json -> tuned.admission.json)."""
     if k_schedule and os.path.isfile(k_schedule):
@@ -104,6 +115,7 @@ class ExecutionPlan:
     graph_path: str  # the fixed-shape path on this device: "compiled" (CPU) or "cuda_graph"
     buckets: tuple[int, ...]
     widths: tuple[int, ...]
+    shapes: tuple[tuple[int, int], ...]  # (bucket, width) pairs the plan can produce
     admission: AdmissionTable | None = None
 
     def __post_init__(self) -> None:
@@ -114,12 +126,15 @@ class ExecutionPlan:
     def build(plan: SpecPlan, max_num_seqs: int, mode: str = "eager", device_type: str = "cpu",
               admission: AdmissionTable | None = None) -> "ExecutionPlan":
         path = "cuda_graph" if device_type == "cuda" else "compiled"
-        return ExecutionPlan(mode, path, batch_buckets(max_num_seqs), tuple(plan.widths), admission)
+        buckets = batch_buckets(max_num_seqs)
+        shapes = tuple((b, 1 + k) for b, _, k in bucket_ks(plan, buckets))
+        return ExecutionPlan(mode, path, buckets, tuple(plan.widths), shapes, admission)
 
     @property
     def grid(self) -> tuple[tuple[int, int], ...]:
-        """Every (padded request count, width) a fixed-shape step can have."""
-        return tuple((b, w) for w in self.widths for b in self.buckets)
+        """Every (padded request count, width) a fixed-shape step can have: per bucket, the
+        widths of the K values the table gives anywhere in the bucket's batch range."""
+        return self.shapes
 
     def bucket_for(self, num_reqs: int) -> int | None:
         i = bisect.bisect_left(self.buckets, num_reqs)
@@ -143,7 +158,7 @@ class ExecutionPlan:
         if width is not None and width not in self.widths:
             raise ValueError(f"step width {width} is not one the plan produces {self.widths}")
         bucket = self.bucket_for(num_reqs) if width is not None else None
-        if bucket is None:
+        if bucket is None or (bucket, width) not in self.shapes:
             return BatchDescriptor("eager", num_reqs, width, num_tokens)
         path, _ = self.path_for(bucket, width)
         if path == "eager":
@@ -153,4 +168,6 @@ class ExecutionPlan:
     def to_json(self) -> dict:
         return {"mode": self.mode, "graph_path": self.graph_path, "buckets": list(self.buckets),
                 "widths": list(self.widths),
+                "shapes": [{"num_reqs_padded": b, "width": w, "path": self.path_for(b, w)[0]}
+                           for b, w in self.shapes],
                 "admission": self.admission.source if self.admission else None}
