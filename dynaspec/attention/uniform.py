@@ -84,8 +84,12 @@ def uniform_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cach
                       context_lens: torch.Tensor, block_size: int, width: int,
                       scale: float) -> torch.Tensor:
     """q: [B*W, H, D]; k, v: [B*W, Hkv, D]; kv_cache: [2, S, Hkv, D]. Returns [B*W, H, D]."""
-    kv_cache[0].index_copy_(0, slot_mapping, k)
-    kv_cache[1].index_copy_(0, slot_mapping, v)
+    # index_put_ on the cache itself, not index_copy_ on the kv_cache[0] view: compiled, a
+    # mutated view is functionalised into a copy of the whole cache every step (measured:
+    # 1.8 s per step for a 1 GiB pool), while index_put_ on the input is written in place.
+    which = torch.zeros_like(slot_mapping)
+    kv_cache.index_put_((which, slot_mapping), k)
+    kv_cache.index_put_((which + 1, slot_mapping), v)
     B, NB = block_tables.shape
     W, H, D = width, q.shape[1], q.shape[2]
     Hkv = k.shape[1]
