@@ -117,6 +117,7 @@ class ExecutionConfig:
     execution: str = "auto"  # eager | compiled | auto
     admission: str | None = None  # admission JSON; default: next to a --k-schedule file
     compile_budget_s: float = 900.0  # total build seconds; shapes past it run eager
+    precompile: bool = False  # build every fixed-shape grid shape at start-up, not on first use
     # torch.compile backend on the CPU: inductor (the real path); aot_eager traces and runs the
     # same fixed-shape graph without code generation (fast to build; used by tests).
     compile_backend: str = "inductor"

@@ -41,11 +41,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         g.add_argument(flag, dest=dest, type=typ, default=default, help=help_)
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="disable prefix caching")
+    g.add_argument("--precompile", action="store_true",
+                   help="build every compiled/graph shape at start-up instead of on first use")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     kw = {dest: getattr(args, dest) for _, dest, *_ in _FLAGS}
     kw["enable_prefix_caching"] = args.enable_prefix_caching
+    kw["precompile"] = args.precompile
     return kw
 
 

@@ -139,7 +139,14 @@ def _runner(config: EngineConfig, model: LlamaModel, kv_caches: list, blocks: in
         ec = config.execution
         executor = make_executor(model, kv_caches, model.device, ec.compile_budget_s, len(ep.grid),
                                  ec.compile_backend)
-    return ModelRunner(model, kv_caches, cc.block_size, proposer, config.model.seed, buffers, executor)
+    runner = ModelRunner(model, kv_caches, cc.block_size, proposer, config.model.seed, buffers,
+                         executor)
+    if executor is not None and config.execution.precompile:
+        shapes = [s for s in ep.grid if ep.path_for(*s)[0] != "eager"]
+        log.info("precompiling %d %s shapes", len(shapes), ep.graph_path)
+        secs = runner.precompile(shapes)
+        log.info("precompiled %d shapes in %.1f s", len(executor.build_seconds), secs)
+    return runner
 
 
 def _history_factory(plan: SpecPlan, policy: str) -> Callable[[], object | None]:

@@ -184,6 +184,22 @@ class ModelRunner:
         rows = torch.tensor(x.logit_rows, dtype=torch.long, device=logits.device)
         return logits[rows], batch, t2
 
+    def precompile(self, shapes) -> float:
+        """Build the fixed-shape executor for each (padded requests, width) now, with steps made
+        only of padded rows (they write only the scratch block). Returns the seconds spent."""
+        ex, t0 = self.executor, time.perf_counter()
+        for b, w in shapes:
+            if ex is None or not ex.ready(b, w):
+                continue
+            ab = AttentionBatch([], [], [], self.block_size, self.device, b, w, self.buffers.attn)
+            md = ex.backend.build_metadata(ab)
+            ids, pos, _ = self._load([0] * (b * w), list(range(w)) * b, None)
+            try:
+                ex.run(ids, pos, md)
+            except Exception as exc:  # noqa: BLE001 - that shape runs eager
+                ex.fail((b, w), exc)
+        return time.perf_counter() - t0
+
     def _load(self, ids: list[int], positions: list[int], rows: list[int] | None):
         if self.buffers is None or len(ids) > self.buffers.max_tokens:
             t = lambda v: torch.tensor(v, dtype=torch.long, device=self.device)  # noqa: E731

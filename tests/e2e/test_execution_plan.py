@@ -101,10 +101,11 @@ def test_variable_plan_steps_use_a_width_of_the_plan(tiny_llama_dir, check_integ
 
 def test_always_zero_runs_width_1_without_a_drafter(tiny_llama_dir, check_integrity):
     llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=256, speculator="ngram",
-              k_schedule="[[1, 64, 0]]", max_num_seqs=2, **FAST)
+              k_schedule="[[1, 64, 0]]", max_num_seqs=2, precompile=True, **FAST)
     check_integrity(llm.engine)
     assert llm.engine.plan.kind == "always_zero" and llm.engine.runner.proposer is None
     assert llm.engine.exec_plan.grid == ((1, 1), (2, 1))
+    assert set(llm.engine.runner.executor.build_seconds) == {(1, 1), (2, 1)}, "built at start-up"
     seen = _watch(llm)
     llm.generate(random_prompts(2, 280, seed=3, lo=5, hi=12), greedy(6, ignore_eos=True))
     decode = [(o, r) for o, r in seen if _decode_only(o)]
