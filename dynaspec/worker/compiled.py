@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+import types
 from typing import Protocol
 
 import torch
@@ -102,20 +103,32 @@ class CompiledDecode(_Base):
         import torch._dynamo.config as dcfg
         import torch._inductor.config as icfg
 
-        # Every grid shape is one specialisation of the same code (and each engine in a process
-        # its own): the default limit of 8 would silently drop later shapes back to eager.
-        dcfg.recompile_limit = max(dcfg.recompile_limit, 4 * num_shapes + 8)
+        # Dynamo keys its cache (and its recompile limit) on the code object. A private copy of
+        # `_step`'s code gives this executor its own cache, so engines in one process do not
+        # share a budget, and each grid shape is one specialisation of it. Past the limit dynamo
+        # would silently run the step uncompiled: make that an error (the shape then runs eager,
+        # logged) and check below that every new shape really produced a graph.
+        dcfg.recompile_limit = max(dcfg.recompile_limit, num_shapes + 4)
+        dcfg.fail_on_recompile_limit_hit = True
         icfg.fx_graph_cache = True
-        self._fn = torch.compile(self._step, backend=backend, dynamic=False, fullgraph=True)
+        f = type(self)._step
+        fresh = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__,
+                                   f.__closure__)
+        self._fn = torch.compile(types.MethodType(fresh, self), backend=backend, dynamic=False,
+                                 fullgraph=True)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, md: DecodeMetadata) -> torch.Tensor:
+        from torch._dynamo.utils import counters
+
         key = (md.context_lens.shape[0], md.width)
         torch._dynamo.mark_dynamic(md.block_tables, 1)
-        t0 = time.perf_counter()
+        graphs, t0 = counters["stats"]["unique_graphs"], time.perf_counter()
         with torch.no_grad():
             out = self._fn(input_ids, positions, md.slot_mapping, md.block_tables, md.context_lens,
                            md.block_size)
         if key not in self.build_seconds:
+            if counters["stats"]["unique_graphs"] == graphs:
+                raise RuntimeError("torch.compile produced no graph for a new shape (it ran uncompiled)")
             self._built(key, time.perf_counter() - t0)
         return out
 
