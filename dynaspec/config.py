@@ -191,6 +191,27 @@ class StructuredOutputConfig:
 
 
 @dataclass(frozen=True)
+class ExecutionConfig:
+    """How decode/verify steps run (DESIGN §6): `eager` never compiles; `compiled` runs every
+    shape of the grid on the fixed-shape path (torch.compile on CPU, CUDA graphs on CUDA);
+    `auto` runs compiled only where the admission table measured it faster (else eager)."""
+
+    execution: str = "auto"  # eager | compiled | auto
+    admission: str | None = None  # admission JSON; default: next to a --k-schedule file
+    compile_budget_s: float = 900.0  # total build seconds; shapes past it run eager
+    precompile: bool = False  # build every fixed-shape grid shape at start-up, not on first use
+    # torch.compile backend on the CPU: inductor (the real path); aot_eager traces and runs the
+    # same fixed-shape graph without code generation (fast to build; used by tests).
+    compile_backend: str = "inductor"
+
+    def __post_init__(self) -> None:
+        if self.execution not in ("eager", "compiled", "auto"):
+            raise ValueError(f"unknown execution {self.execution!r}: choose eager, compiled or auto")
+        if self.compile_budget_s < 0:
+            raise ValueError(f"compile_budget_s must be >= 0, got {self.compile_budget_s}")
+
+
+@dataclass(frozen=True)
 class ObservabilityConfig:
     log_stats_interval_s: float = 0.0  # 0 = no periodic log line
 
@@ -203,6 +224,7 @@ class EngineConfig:
     spec: SpecConfig = field(default_factory=SpecConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     structured: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
+    execution: ExecutionConfig = field(default_factory=ExecutionConfig)
 
     @staticmethod
     def from_kwargs(**kwargs) -> "EngineConfig":
@@ -214,6 +236,7 @@ class EngineConfig:
             "spec": SpecConfig,
             "observability": ObservabilityConfig,
             "structured": StructuredOutputConfig,
+            "execution": ExecutionConfig,
         }
         values: dict[str, dict] = {name: {} for name in parts}
         for key, value in kwargs.items():

@@ -18,11 +18,41 @@ def register(sub) -> None:
     d.add_argument("--json", action="store_true")
     add_engine_args(d)
     d.set_defaults(func=run_decode_cmd)
+    a = bsub.add_parser("admission", help="measure compiled vs eager per (batch bucket, width)",
+                        description="Paired timing of the fixed-shape (compiled / CUDA graph) and "
+                        "eager decode step for every shape of the execution grid; writes the "
+                        "admission JSON that --execution auto reads.")
+    a.add_argument("--ctx", type=int, default=256, help="context length of the synthetic requests")
+    a.add_argument("--pairs", type=int, default=5, help="alternating eager/compiled pairs per shape")
+    a.add_argument("--steps", type=int, default=5, help="steps per sample (median)")
+    a.add_argument("--out", default=None,
+                   help="output JSON (default: next to a --k-schedule file, else admission.json)")
+    add_engine_args(a)
+    a.set_defaults(func=run_admission_cmd)
     from dynaspec.bench import compare_cmd, reliability, structured_cmd
 
     compare_cmd.register(bsub)
     reliability.register(bsub)
     structured_cmd.register(bsub)
+
+
+def run_admission_cmd(args: argparse.Namespace) -> int:
+    import sys
+
+    from dynaspec.bench.admission import measure_admission
+    from dynaspec.config import EngineConfig
+    from dynaspec.engine.llm_engine import LLMEngine
+    from dynaspec.worker.execution_plan import default_admission_path
+
+    kw = {**engine_kwargs(args), "execution": "compiled", "admission": None}
+    engine = LLMEngine(EngineConfig.from_kwargs(**kw))
+    table = measure_admission(engine, args.ctx, args.pairs, args.steps,
+                              lambda line: print(line, file=sys.stderr, flush=True))
+    out = args.out or default_admission_path(args.k_schedule) or "admission.json"
+    with open(out, "w", encoding="utf-8") as f:
+        json.dump(table.to_json(), f, indent=1)
+    print(f"admission table: {out}")
+    return 0
 
 
 def run_decode_cmd(args: argparse.Namespace) -> int:

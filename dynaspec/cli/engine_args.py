@@ -35,6 +35,15 @@ _FLAGS = [
      "strict (lossless) or synthetic (accept drafts at --synthetic-acceptance; NOT lossless)"),
     ("--synthetic-acceptance", "synthetic_acceptance", str, None,
      "synthetic mode: per-position conditional acceptance RATE[,RATE...]; the last repeats"),
+    ("--execution", "execution", str, "auto",
+     "decode/verify path: eager, compiled (torch.compile / CUDA graphs) or auto (compiled where "
+     "the admission table measured it faster)"),
+    ("--admission", "admission", str, None, "admission JSON from `dynaspec bench admission` "
+     "(default: next to a --k-schedule file)"),
+    ("--compile-budget-s", "compile_budget_s", float, 900.0,
+     "total seconds spent compiling/capturing shapes; later shapes run eager"),
+    ("--compile-backend", "compile_backend", str, "inductor",
+     "torch.compile backend for --execution compiled on the CPU (inductor; aot_eager for tests)"),
     ("--log-stats-interval", "log_stats_interval_s", float, 0.0, "seconds between metric log lines (0 = off)"),
     ("--structured-output-backend", "structured_output_backend", str, "xgrammar", "grammar library for structured output"),
 ]
@@ -48,12 +57,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="disable prefix caching")
     g.add_argument("--structured-any-whitespace", dest="structured_any_whitespace",
                    action="store_true", help="JSON grammars allow any whitespace (default: compact)")
+    g.add_argument("--precompile", action="store_true",
+                   help="build every compiled/graph shape at start-up instead of on first use")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     kw = {dest: getattr(args, dest) for _, dest, *_ in _FLAGS}
     kw["enable_prefix_caching"] = args.enable_prefix_caching
     kw["structured_any_whitespace"] = args.structured_any_whitespace
+    kw["precompile"] = args.precompile
     return kw
 
 

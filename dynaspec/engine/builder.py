@@ -18,6 +18,9 @@ from dynaspec.spec_decode.cost_model import CostGrid, StepCostModel
 from dynaspec.spec_decode.k_policy import make_policy, resolve_policy_name
 from dynaspec.spec_decode.plan import SpecPlan, build_spec_plan
 from dynaspec.structured.manager import StructuredOutputManager
+from dynaspec.worker.compiled import make_executor
+from dynaspec.worker.execution_plan import AdmissionTable, ExecutionPlan, default_admission_path
+from dynaspec.worker.input_buffers import InputBuffers
 from dynaspec.worker.model_runner import ModelRunner
 
 log = logging.getLogger("dynaspec")
@@ -27,6 +30,7 @@ log = logging.getLogger("dynaspec")
 class EngineParts:
     tokenizer: object
     plan: SpecPlan
+    exec_plan: ExecutionPlan
     model: LlamaModel
     kv: KVCacheManager
     scheduler: Scheduler
@@ -70,26 +74,30 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     loaded = load_model_files(mc.model)
     arch = loaded.arch
     max_model_len = min(mc.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
-    plan = build_spec_plan(sc.speculator, sc.num_spec_tokens, sc.k_schedule)
-    proposer, drafter_tokens, drafter_max_len = _build_proposer(config, plan, arch.vocab_size,
-                                                                device, dtype)
+    plan, proposer, drafter_tokens, drafter_max_len = _plan_and_proposer(config, arch.vocab_size,
+                                                                         device, dtype)
     model = LlamaModel(arch, loaded.state_dict, dtype, device, max_model_len + plan.max_k + 1)
     del loaded.state_dict
     blocks = num_kv_blocks(cc.kv_cache_memory_gb, cc.num_kv_blocks, model.kv_bytes_per_token(),
                            cc.block_size)
     kv = KVCacheManager(blocks, cc.block_size, cc.enable_prefix_caching)
-    kv_caches = model.allocate_kv(blocks * cc.block_size)
+    # One scratch block past the pool (id `blocks`): padded rows of fixed-shape steps use it.
+    kv_caches = model.allocate_kv((blocks + 1) * cc.block_size)
     log.info("KV pool: %d blocks x %d = %d tokens (%.2f GiB)%s", blocks, cc.block_size,
              blocks * cc.block_size, blocks * cc.block_size * model.kv_bytes_per_token() / 2**30,
              f"; drafter pool {drafter_tokens} tokens" if drafter_tokens else "")
+    exec_plan = _execution_plan(config, plan, device)
     policy = None
     if plan.speculating:
         cost = None
         if resolve_policy_name(sc.k_policy, True) == "goodput":
             cost = _step_cost_model(config, model, kv_caches, blocks, max_model_len, plan)
-        policy = make_policy(plan, sc.k_policy, cost_model=cost)
+        # Only widths the execution plan runs on its fixed-shape path (plus plain decode), so
+        # the goodput policy never steps off a compiled grid; eager runs any width.
+        widths = None if config.execution.execution == "eager" else tuple(sorted({1, *plan.widths}))
+        policy = make_policy(plan, sc.k_policy, cost_model=cost, allowed_widths=widths)
     sched = Scheduler(config.scheduler, kv, plan, policy, max_model_len, loaded.eos_token_ids,
-                      drafter_max_len)
+                      drafter_max_len, exec_plan)
     verifier = make_synthetic_verifier(sc.rejection_mode, sc.acceptance_rates, mc.seed,
                                        loaded.eos_token_ids) if plan.speculating else None
     # The grammar library loads on the first structured request, not here.
@@ -99,9 +107,65 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
                                          so.structured_any_whitespace)
     if hasattr(proposer, "grammar"):  # a draft model drafts under the request's grammar
         proposer.grammar = structured
-    runner = ModelRunner(model, kv_caches, cc.block_size, proposer, mc.seed, verifier, structured)
-    return EngineParts(loaded.tokenizer, plan, model, kv, sched, runner, max_model_len,
+    runner = _runner(config, model, kv_caches, blocks, proposer, exec_plan,
+                     max_model_len + plan.max_k + 1, verifier, structured)
+    return EngineParts(loaded.tokenizer, plan, exec_plan, model, kv, sched, runner, max_model_len,
                        arch.vocab_size, drafter_tokens, loaded.eos_token_ids, mc.model, structured)
+
+
+def _plan_and_proposer(config: EngineConfig, vocab_size: int, device: torch.device,
+                       dtype: torch.dtype):
+    """The plan is built before the drafter (always_zero loads none), then rebuilt with the
+    drafter's own K limit so clamping and classification see it; a drafter whose limit makes
+    the plan always_zero is dropped again."""
+    sc = config.spec
+    plan = build_spec_plan(sc.speculator, sc.num_spec_tokens, sc.k_schedule)
+    proposer, drafter_tokens, drafter_max_len = _build_proposer(config, plan, vocab_size, device, dtype)
+    limit = getattr(proposer, "k_limit", None)
+    if limit is not None:
+        plan = build_spec_plan(sc.speculator, sc.num_spec_tokens, sc.k_schedule, limit)
+        if not plan.speculating:
+            proposer, drafter_tokens, drafter_max_len = None, 0, None
+    log.info("speculation plan: %s%s", plan.summary(),
+             "".join(f"; {c}" for c in plan.clamped))
+    return plan, proposer, drafter_tokens, drafter_max_len
+
+
+def _execution_plan(config: EngineConfig, plan: SpecPlan, device: torch.device) -> ExecutionPlan:
+    ec = config.execution
+    path = ec.admission or default_admission_path(config.spec.k_schedule)
+    admission = None
+    if ec.execution == "auto" and path is not None:
+        if ec.admission is not None or os.path.isfile(path):
+            admission = AdmissionTable.load(path)
+    ep = ExecutionPlan.build(plan, config.scheduler.max_num_seqs, ec.execution, device.type, admission)
+    fixed = [s for s in ep.grid if ep.path_for(*s)[0] != "eager"]
+    log.info("execution plan: --execution %s, %d of %d grid shapes on %s%s", ec.execution,
+             len(fixed), len(ep.grid), ep.graph_path,
+             f" (admission {admission.source})" if admission else "")
+    return ep
+
+
+def _runner(config: EngineConfig, model: LlamaModel, kv_caches: list, blocks: int, proposer,
+            ep: ExecutionPlan, max_positions: int, verifier, structured) -> ModelRunner:
+    cc, sc = config.cache, config.scheduler
+    max_tokens = max(sc.max_num_batched_tokens, max(ep.buckets) * max(ep.widths))
+    max_reqs = max(sc.max_num_seqs, max(ep.buckets))
+    max_blocks = -(-max_positions // cc.block_size)
+    buffers = InputBuffers.allocate(max_tokens, max_reqs, max_blocks, blocks, model.device)
+    executor = None
+    if any(ep.path_for(*s)[0] != "eager" for s in ep.grid):
+        ec = config.execution
+        executor = make_executor(model, kv_caches, model.device, ec.compile_budget_s, len(ep.grid),
+                                 ec.compile_backend)
+    runner = ModelRunner(model, kv_caches, cc.block_size, proposer, config.model.seed, buffers,
+                         executor, verifier, structured)
+    if executor is not None and config.execution.precompile:
+        shapes = [s for s in ep.grid if ep.path_for(*s)[0] != "eager"]
+        log.info("precompiling %d %s shapes", len(shapes), ep.graph_path)
+        secs = runner.precompile(shapes)
+        log.info("precompiled %d shapes in %.1f s", len(executor.build_seconds), secs)
+    return runner
 
 
 def _step_cost_model(config: EngineConfig, model: LlamaModel, kv_caches: list[torch.Tensor],
@@ -113,7 +177,7 @@ def _step_cost_model(config: EngineConfig, model: LlamaModel, kv_caches: list[to
                                dtype=model.dtype, device=model.device, threads=torch.get_num_threads(),
                                block_size=cc.block_size,
                                quantization=getattr(mc, "quantization", "none"),
-                               execution=getattr(getattr(config, "execution", None), "mode", "eager"))
+                               execution=config.execution.execution)
     cost = cost_model.load_cached(key, grid)
     if cost is None:
         from dynaspec.engine.cost_profile import profile_step_costs
@@ -144,5 +208,5 @@ def _build_proposer(config: EngineConfig, plan: SpecPlan, vocab_size: int, devic
                  memory_bound_bytes(sc.suffix_cache_max_tokens, sc.suffix_cache_max_requests) / 2**20)
         return prop, 0, None
     from dynaspec.spec_decode.draft_model import DraftModelProposer
-    prop = DraftModelProposer.load(sc.draft_model, config, vocab_size, device, dtype, plan.max_k)
+    prop = DraftModelProposer.load(sc.draft_model, config, vocab_size, device, dtype)
     return prop, prop.num_kv_tokens, prop.max_len

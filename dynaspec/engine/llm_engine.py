@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 from dynaspec.config import EngineConfig
@@ -43,6 +44,7 @@ class LLMEngine:
         self.parts = parts
         self.tokenizer = parts.tokenizer
         self.plan = parts.plan
+        self.exec_plan = parts.exec_plan
         self.scheduler = parts.scheduler
         self.runner = parts.runner
         self.kv = parts.kv
@@ -55,7 +57,8 @@ class LLMEngine:
         self.request_records: dict[str, list] = {}
         self.times = StepTimes()
         self.last_step: StepStats | None = None
-        self.last_batch = None  # BatchDescriptor of the latest step
+        self.last_batch = None  # BatchDescriptor of the latest step (as it ran)
+        self.execution_steps: Counter = Counter()  # (path, width label) -> steps
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
         self.finished_times: list[dict] = []  # drained by the server's metrics
@@ -182,13 +185,17 @@ class LLMEngine:
             sum(s.num_new_tokens - 1 for s in sched_out.scheduled if s.sampling)
         self.num_prompt_tokens_total += num_prompt
         self.num_generation_tokens_total += num_gen
+        batch = res.batch
         step = StepStats(sched_out.step_k, tuple(specs), res.draft_seconds,
                          res.forward_seconds + res.sample_seconds, sched_out.schedule_seconds,
                          num_prompt, num_gen, len(sched_out.preempted_ids),
-                         self._grammar_stats(res))
+                         self._grammar_stats(res),
+                         batch.path if batch else None, batch.width_label if batch else None)
         self.counters = fold_step(self.counters, step)
         self.last_step = step
         self.last_batch = res.batch
+        if batch is not None:
+            self.execution_steps[(batch.path, batch.width_label)] += 1
         for spec in specs:
             records = self.request_records.get(spec.request_id)
             if records is not None:

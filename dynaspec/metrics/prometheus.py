@@ -139,6 +139,11 @@ class PrometheusMetrics:
             for suffix, (label, _) in _SPEC_LABELLED.items()
         }
         self._build_engine_metrics(names)
+        self._exec_steps = Counter(
+            PREFIX + "execution_steps", "Engine steps by execution path (eager, compiled, "
+            "cuda_graph) and verify width ('mixed' for prefill+decode steps).",
+            names + ["path", "width"], registry=reg,
+        )  # fmt: skip
         self._last_prefix: tuple[int, int] | None = None
 
     def _build_engine_metrics(self, names: list[str]) -> None:
@@ -197,6 +202,8 @@ class PrometheusMetrics:
             if g.num_masked_rows:
                 self._child(self._hist["structured_output_mask_seconds"]).observe(g.mask_seconds)
                 self._child(self._masked_rows).inc(g.num_masked_rows)
+        if step.path is not None:
+            self._child(self._exec_steps, path=step.path, width=step.width or "mixed").inc()
 
     def _add(self, delta: SpecCounters) -> None:
         for suffix, field_name in _SPEC_SCALARS.items():

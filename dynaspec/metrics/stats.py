@@ -140,6 +140,10 @@ class StepStats:
     num_generation_tokens: int = 0
     num_preemptions: int = 0
     grammar: GrammarStepStats | None = None  # None when no request in the step had a grammar
+    # The execution path and verify width the step ran (BatchDescriptor), for
+    # execution_steps_total{path,width}; width "mixed" for a prefill+decode step.
+    path: str | None = None
+    width: str | None = None
 
     def __post_init__(self) -> None:
         if self.k is not None:

@@ -62,6 +62,17 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+@torch.library.custom_op("dynaspec::mkldnn_linear", mutates_args=())
+def _mkldnn_linear_op(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                      out_features: int) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@_mkldnn_linear_op.register_fake
+def _(x, packed, bias, out_features):
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
 def _mkldnn_linear_ok(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
             and torch.backends.mkldnn.is_available()
@@ -89,5 +100,9 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
+            if torch.compiler.is_compiling():
+                # Inductor lowers the raw op only for frozen constant weights; as an opaque op
+                # it stays the same oneDNN call and the code around it is still fused.
+                return _mkldnn_linear_op(x, self.packed, self.bias, self.out_features)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

@@ -25,6 +25,7 @@ from dynaspec.outputs import RequestResult, RunnerOutput, ScheduledRequest, Sche
 from dynaspec.request import Request, RequestStatus
 from dynaspec.spec_decode.k_policy import KPolicy, RequestView, StepView
 from dynaspec.spec_decode.plan import SpecPlan
+from dynaspec.worker.execution_plan import ExecutionPlan
 
 
 # (request, tokens about to be appended) -> how many of them to keep because a stop string
@@ -62,8 +63,9 @@ class StepUpdate:
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager, plan: SpecPlan,
                  policy: KPolicy | None, max_model_len: int, eos_token_ids: tuple[int, ...],
-                 drafter_max_len: int | None = None) -> None:
+                 drafter_max_len: int | None = None, exec_plan: ExecutionPlan | None = None) -> None:
         self.cfg, self.kv, self.plan, self.policy = cfg, kv, plan, policy
+        self.exec_plan = exec_plan or ExecutionPlan.build(plan, cfg.max_num_seqs)
         self.max_model_len = max_model_len
         self.eos = frozenset(eos_token_ids)
         self.drafter_max_len = drafter_max_len
@@ -110,7 +112,24 @@ class Scheduler:
             self._schedule_waiting(scheduled, budget, reserve)
         step_k = self._decide_k(scheduled) if self.plan.speculating else None
         num_tokens = sum(s.num_new_tokens for s in scheduled)
-        return SchedulerOutput(scheduled, step_k, num_tokens, preempted, time.perf_counter() - t0)
+        batch = self._describe(scheduled, step_k)
+        return SchedulerOutput(scheduled, step_k, num_tokens, preempted, time.perf_counter() - t0,
+                               batch)
+
+    def _describe(self, scheduled: list[ScheduledRequest], step_k: int | None):
+        """The step's BatchDescriptor, from the plan: a decode-only step verifies width 1+K (K
+        from the plan, so the width is one of plan.widths); it may take a fixed-shape path only
+        if every request has KV slots reserved for K drafts, because there every request is
+        padded to the full width."""
+        k = step_k or 0
+        decode_only = bool(scheduled) and all(
+            s.sampling and s.num_new_tokens == 1 and s.num_lookahead >= k for s in scheduled)
+        planned = sum(s.num_new_tokens + s.draft_budget for s in scheduled)
+        batch = self.exec_plan.descriptor(len(scheduled), 1 + k if decode_only else None, planned)
+        if batch.fixed_shape:
+            for s in scheduled:
+                s.pad_drafts = True
+        return batch
 
     def _planned_reserve(self) -> _Reserve:
         """The K decision for the batch this step will most likely form: every running request
@@ -177,9 +196,8 @@ class Scheduler:
 
     def _entry(self, req: Request, num_new: int, la: int, reason: str | None) -> ScheduledRequest:
         # draft_budget starts as the reserved lookahead; _decide_k lowers it to the step's K.
-        pad = (self.plan.kind == "constant" and la > 0 and req.num_cached_tokens > 0
-               and req.num_output_tokens == 0)
-        return ScheduledRequest(req, num_new, la, reason, self.kv.block_table(req.request_id), pad)
+        return ScheduledRequest(req, num_new, la, reason, self.kv.block_table(req.request_id),
+                                num_lookahead=la)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

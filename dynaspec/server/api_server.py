@@ -180,7 +180,8 @@ def _v1_router(serving: OpenAIServing, api_key: str | None, max_body_bytes: int)
         return {"id": serving.model_name, "object": "model", "created": created,
                 "owned_by": "dynaspec", "max_model_len": eng.max_model_len,
                 "dynaspec": {"spec_plan": eng.engine.plan.to_json(),
-                             "lossless": eng.engine.lossless}}
+                             "lossless": eng.engine.lossless,
+                             "execution_plan": eng.engine.exec_plan.to_json()}}
 
     @router.get("/models")
     async def models() -> dict:

@@ -33,6 +33,20 @@ class _DraftSeq:
     generator: torch.Generator | None = None
 
 
+def draft_k_limit(path: str) -> int:
+    """A draft model's K limit (see `DraftModelProposer.k_limit`), read without its weights when
+    it is an HF folder."""
+    import os
+
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
+        from dynaspec.models.hf_loader import _read_json, arch_from_hf_config
+        arch = arch_from_hf_config(_read_json(os.path.join(path, "config.json"), True), path)
+    else:
+        from dynaspec.models.loader import load_model_files
+        arch = load_model_files(path).arch
+    return max(0, arch.max_position_embeddings - 1)
+
+
 class DraftModelProposer:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, max_len: int,
                  seed: int = 0) -> None:
@@ -46,9 +60,15 @@ class DraftModelProposer:
         # accept_draft, end_drafts), so a grammar request's drafts follow its grammar.
         self.grammar = None
 
+    @property
+    def k_limit(self) -> int:
+        """Most drafts one step can ever ask of this drafter: its positions minus the one
+        token of context every request has. The plan is clamped to it (DESIGN §2)."""
+        return max(0, self.max_len - 1)
+
     @staticmethod
-    def load(path: str, config, target_vocab: int, device: torch.device, dtype: torch.dtype,
-             max_k: int) -> "DraftModelProposer":
+    def load(path: str, config, target_vocab: int, device: torch.device,
+             dtype: torch.dtype) -> "DraftModelProposer":
         from dynaspec.engine.builder import num_kv_blocks
         from dynaspec.models.loader import load_model_files
 

@@ -276,7 +276,7 @@ def resolve_policy_name(name: str, speculating: bool) -> str | None:
 
 
 def make_policy(plan: SpecPlan, name: str, cost_per_width: dict[int, float] | None = None,
-                cost_model=None) -> KPolicy:
+                cost_model=None, allowed_widths: tuple[int, ...] | None = None) -> KPolicy:
     resolved = resolve_policy_name(name, plan.speculating) or "table"
     if resolved == "table":
         return TablePolicy(plan)
@@ -285,4 +285,4 @@ def make_policy(plan: SpecPlan, name: str, cost_per_width: dict[int, float] | No
     if cost_model is None:
         raise ValueError("the goodput policy needs a step cost model (measured at start-up)")
     from dynaspec.spec_decode.goodput_policy import GoodputPolicy
-    return GoodputPolicy(plan, cost_model)
+    return GoodputPolicy(plan, cost_model, allowed_widths=allowed_widths)

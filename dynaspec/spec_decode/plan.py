@@ -1,8 +1,8 @@
 """The speculation plan (DESIGN §2): resolved once at start-up, read everywhere.
 
-Scheduler (KV lookahead = ``max_k``), runner (buffers, ``uniform_width``), metrics (per-position
-vectors of length ``max_k``), the execution plan (``widths``) and the server card all read one
-``SpecPlan``; none of them reads the raw configured K, so they cannot disagree about the width
+Scheduler (KV lookahead = ``max_k``, the step's planned width), runner (padding to that width),
+metrics (per-position vectors of length ``max_k``), the execution plan (``widths``: the compile
+grid) and the server card all read one ``SpecPlan``; none of them reads the raw configured K, so they cannot disagree about the width
 (the vLLM bug class in reference/vllm-spec-decode.md §2.5).
 
 Clamping: every entry becomes ``min(K, ceiling)`` where the ceiling is ``--num-spec-tokens``

@@ -37,8 +37,8 @@ def test_constant_normalisation_seen_identically(tiny_llama_dir, check_integrity
         for s, r in zip(out.scheduled, res.results):  # runner: no request verifies past 1+k
             if s in decoding:
                 assert r.num_draft_tokens + r.num_padding_tokens <= 3
-        if res.batch.uniform_width is not None:
-            assert res.batch.uniform_width <= 4
+        assert out.batch.width in (4, None), "the planned width is the plan's, or None (mixed)"
+        assert res.batch.width == out.batch.width
     c = llm.engine.counters  # metrics
     assert set(c.steps_by_k) == {3}
     assert len(c.drafted_per_pos) <= 3 and len(c.accepted_per_pos) <= 3
@@ -48,7 +48,8 @@ def test_constant_normalisation_seen_identically(tiny_llama_dir, check_integrity
 
 def test_prefix_hit_first_decode_is_padded_in_constant_plan(tiny_llama_dir, check_integrity):
     llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=256, speculator="ngram",
-              num_spec_tokens=4, prompt_lookup_min=3, prompt_lookup_max=3)
+              num_spec_tokens=4, prompt_lookup_min=3, prompt_lookup_max=3, max_num_seqs=1,
+              execution="compiled", compile_backend="aot_eager")
     check_integrity(llm.engine)
     prompt = list(range(10, 43))  # 33 tokens: no repeated 3-gram, 32 cacheable
     ref = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=256).generate(
@@ -60,10 +61,15 @@ def test_prefix_hit_first_decode_is_padded_in_constant_plan(tiny_llama_dir, chec
     assert out.num_cached_tokens == 32
     first_out, first_res = seen[0]
     assert first_out.scheduled[0].pad_drafts
-    assert first_res.batch.uniform_width == 5, "the hit request verifies the full width 1+k"
+    assert first_out.batch.width == 5 and first_res.batch.path == "compiled", \
+        "the hit request verifies the full width 1+k on the fixed-shape path"
     assert first_res.results[0].num_padding_tokens == 4
     assert first_res.results[0].num_draft_tokens == 0
     delta = llm.engine.counters - before
-    assert delta.invalid_draft_tokens.get("padding") == 4
+    # Every later decode step is padded to the width too (partial n-gram matches).
+    assert delta.invalid_draft_tokens.get("padding") == sum(r.results[0].num_padding_tokens
+                                                             for _, r in seen) >= 4
+    assert all(r.results[0].num_padding_tokens + r.results[0].num_draft_tokens == 4
+               for o, r in seen if r.results[0].token_ids)
     assert delta.num_draft_tokens == sum(r.results[0].num_draft_tokens for _, r in seen)
     assert_greedy_equal(tiny_llama_dir, prompt, ref, out.token_ids, "padded prefix hit")
