@@ -92,9 +92,9 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         cost = None
         if resolve_policy_name(sc.k_policy, True) == "goodput":
             cost = _step_cost_model(config, model, kv_caches, blocks, max_model_len, plan)
-        # Only widths the execution plan runs on its fixed-shape path (plus plain decode), so
-        # the goodput policy never steps off a compiled grid; eager runs any width.
-        widths = None if config.execution.execution == "eager" else tuple(sorted({1, *plan.widths}))
+        # Only widths the plan produces (plus plain decode, K=0): the execution plan's grid,
+        # metrics and buffers are sized for them, so the policy never steps off it.
+        widths = tuple(sorted({1, *plan.widths}))
         policy = make_policy(plan, sc.k_policy, cost_model=cost, allowed_widths=widths)
     sched = Scheduler(config.scheduler, kv, plan, policy, max_model_len, loaded.eos_token_ids,
                       drafter_max_len, exec_plan)

@@ -158,7 +158,7 @@ class GoodputPolicy(TablePolicy):
         per = self._per_request(caps, fixed, k)
         tokens = sum(1.0 + self._rates(r).expected_accepted(per[r.request_id]) for r in view.requests)
         drafted = sum(per.values())
-        width = 1 + max(per.values(), default=0)
+        width = 1 + self._runnable_k(max(per.values(), default=0))
         return tokens / (cost(width) + self.draft_seconds_per_token * drafted)
 
     def _step_k(self, k: int, ctx: int, caps: dict, fixed: dict[str, int]) -> StepK:
@@ -169,5 +169,10 @@ class GoodputPolicy(TablePolicy):
                 reasons[rid] = "adaptive"  # the policy, not the table, lowered it
             elif why is not None:
                 reasons[rid] = why
-        # The step's K is the widest K any request verifies: the width the forward really has.
-        return StepK(max(per.values(), default=0), per, reasons, ctx)
+        # The step's K: the widest any request verifies, rounded up to a width the plan runs.
+        return StepK(self._runnable_k(max(per.values(), default=0)), per, reasons, ctx)
+
+    def _runnable_k(self, k: int) -> int:
+        if k == 0 or self.allowed_widths is None:
+            return k
+        return min((w - 1 for w in self.allowed_widths if w - 1 >= k), default=k)

@@ -155,7 +155,8 @@ class ExecutionPlan:
     def descriptor(self, num_reqs: int, width: int | None, num_tokens: int) -> BatchDescriptor:
         """`width` is the step's planned verify width for a decode-only step, None for a mixed
         one; `num_tokens` the step's planned token count on the eager path (drafts included)."""
-        if width is not None and width not in self.widths:
+        # Width 1 is plain decode, which a policy may choose (K=0) under any plan.
+        if width is not None and width != 1 and width not in self.widths:
             raise ValueError(f"step width {width} is not one the plan produces {self.widths}")
         bucket = self.bucket_for(num_reqs) if width is not None else None
         if bucket is None or (bucket, width) not in self.shapes:
