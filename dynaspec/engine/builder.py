@@ -12,6 +12,7 @@ from dynaspec.config import EngineConfig, default_num_threads
 from dynaspec.kv.kv_cache_manager import KVCacheManager
 from dynaspec.models.llama import LlamaModel
 from dynaspec.models.loader import load_model_files
+from dynaspec.models.quant_linear import WeightPlan, cpu_info, resolve_quantization
 from dynaspec.scheduler.scheduler import Scheduler
 from dynaspec.spec_decode.k_policy import make_policy
 from dynaspec.spec_decode.plan import SpecPlan, build_spec_plan
@@ -64,14 +65,18 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     mc, cc, sc = config.model, config.cache, config.spec
     torch.set_num_threads(default_num_threads())
     device, dtype = resolve_device(mc.device), resolve_dtype(mc.dtype)
-    loaded = load_model_files(mc.model)
+    quant = resolve_quantization(mc.quantization, device, dtype)
+    loaded = load_model_files(mc.model, keep_quantized=quant != "none")
     arch = loaded.arch
     max_model_len = min(mc.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
     plan = build_spec_plan(sc.speculator, sc.num_spec_tokens, sc.k_schedule)
     proposer, drafter_tokens, drafter_max_len = _build_proposer(config, plan, arch.vocab_size,
                                                                 device, dtype)
-    model = LlamaModel(arch, loaded.state_dict, dtype, device, max_model_len + plan.max_k + 1)
+    weights = WeightPlan(quant, mc.quant_dense_above, dtype, device)
+    model = LlamaModel(arch, loaded.state_dict, dtype, device, max_model_len + plan.max_k + 1, weights)
     del loaded.state_dict
+    log.info("weights: quantization %s, %.1f MB read per decode step; CPU %s", quant,
+             model.weight_bytes_per_step() / 1e6, cpu_info().summary() if device.type == "cpu" else "n/a")
     blocks = num_kv_blocks(cc.kv_cache_memory_gb, cc.num_kv_blocks, model.kv_bytes_per_token(),
                            cc.block_size)
     kv = KVCacheManager(blocks, cc.block_size, cc.enable_prefix_caching)

@@ -84,8 +84,10 @@ class Linear:
         self.weight = None if self.packed is not None else weight
 
     @property
-    def numel(self) -> int:
-        return self.out_features * self.in_features
+    def nbytes(self) -> int:
+        """Bytes of weight one matmul streams."""
+        w = self.packed if self.packed is not None else self.weight
+        return self.out_features * self.in_features * w.element_size()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:

@@ -11,17 +11,19 @@ import torch.nn.functional as F
 
 from dynaspec.attention.paged import AttentionMetadata, paged_attention
 from dynaspec.config import ModelArchConfig
-from dynaspec.models.layers import Linear, RotaryCache, apply_rope, rms_norm, silu_and_mul
+from dynaspec.models.layers import RotaryCache, apply_rope, rms_norm, silu_and_mul
+from dynaspec.models.quant import cat_rows
+from dynaspec.models.quant_linear import WeightPlan, make_embedding, make_linear, make_lm_head
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 
 class DecoderLayer:
-    def __init__(self, w: dict[str, torch.Tensor], cfg: ModelArchConfig) -> None:
-        self.qkv = Linear(w["qkv"], w.get("qkv_bias"))  # [(H + 2*Hkv) * D, hidden]
-        self.o = Linear(w["o"])  # [hidden, H * D]
-        self.gate_up = Linear(w["gate_up"])  # [2 * inter, hidden]
-        self.down = Linear(w["down"])  # [hidden, inter]
+    def __init__(self, w: dict, cfg: ModelArchConfig, plan: WeightPlan) -> None:
+        self.qkv = make_linear(w["qkv"], w.get("qkv_bias"), plan)  # [(H + 2*Hkv) * D, hidden]
+        self.o = make_linear(w["o"], None, plan)  # [hidden, H * D]
+        self.gate_up = make_linear(w["gate_up"], None, plan)  # [2 * inter, hidden]
+        self.down = make_linear(w["down"], None, plan)  # [hidden, inter]
         self.ln1, self.ln2 = w["ln1"], w["ln2"]
         self.q_norm, self.k_norm = w.get("q_norm"), w.get("k_norm")
         self.eps = cfg.rms_norm_eps
@@ -47,38 +49,46 @@ class DecoderLayer:
 
 
 class LlamaModel:
-    """Weights and forward; KV tensors are owned by the caller and passed in per step."""
+    """Weights and forward; KV tensors are owned by the caller and passed in per step.
 
-    def __init__(self, cfg: ModelArchConfig, state_dict: dict[str, torch.Tensor],
-                 dtype: torch.dtype, device: torch.device, max_positions: int) -> None:
+    state_dict values are float tensors or, for weights kept quantized, QuantizedTensors;
+    `weights` says which kernels they become (default: dense, the reference path).
+    """
+
+    def __init__(self, cfg: ModelArchConfig, state_dict: dict, dtype: torch.dtype,
+                 device: torch.device, max_positions: int, weights: WeightPlan | None = None) -> None:
         if cfg.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"unknown architecture {cfg.architecture!r}: supported are "
                              f"{', '.join(SUPPORTED_ARCHITECTURES)}")
         self.cfg, self.dtype, self.device = cfg, dtype, device
+        self.weights = plan = weights or WeightPlan("none", 0, dtype, device)
         sd = state_dict
 
-        def t(name: str) -> torch.Tensor:
+        def raw(name: str):  # a matrix as loaded: the kernel factory converts it
             if name not in sd:
                 raise ValueError(f"missing tensor {name!r} in the checkpoint")
-            return sd[name].to(device=device, dtype=dtype).contiguous()
+            return sd[name]
 
-        self.embed = t("model.embed_tokens.weight")  # [vocab, hidden]
+        def t(name: str) -> torch.Tensor:  # a vector (norm weight, bias) in the compute dtype
+            return raw(name).to(device=device, dtype=dtype).contiguous()
+
         tied = cfg.tie_word_embeddings or "lm_head.weight" not in sd
-        self.lm_head = Linear(self.embed if tied else t("lm_head.weight"))  # [vocab, hidden]
+        self.embed, head = make_embedding(raw("model.embed_tokens.weight"), plan, tied)
+        self.lm_head = head if tied else make_lm_head(raw("lm_head.weight"), plan)  # [vocab, hidden]
         self.norm = t("model.norm.weight")
-        self.layers = [DecoderLayer(self._layer_weights(t, sd, i), cfg)
+        self.layers = [DecoderLayer(self._layer_weights(raw, t, sd, i), cfg, plan)
                        for i in range(cfg.num_hidden_layers)]
         self.rope = RotaryCache(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_positions, device)
 
     @staticmethod
-    def _layer_weights(t, sd: dict, i: int) -> dict[str, torch.Tensor]:
+    def _layer_weights(raw, t, sd: dict, i: int) -> dict:
         p = f"model.layers.{i}."
         a = p + "self_attn."
         w = {
-            "qkv": torch.cat([t(a + "q_proj.weight"), t(a + "k_proj.weight"), t(a + "v_proj.weight")]),
-            "o": t(a + "o_proj.weight"),
-            "gate_up": torch.cat([t(p + "mlp.gate_proj.weight"), t(p + "mlp.up_proj.weight")]),
-            "down": t(p + "mlp.down_proj.weight"),
+            "qkv": cat_rows([raw(a + "q_proj.weight"), raw(a + "k_proj.weight"), raw(a + "v_proj.weight")]),
+            "o": raw(a + "o_proj.weight"),
+            "gate_up": cat_rows([raw(p + "mlp.gate_proj.weight"), raw(p + "mlp.up_proj.weight")]),
+            "down": raw(p + "mlp.down_proj.weight"),
             "ln1": t(p + "input_layernorm.weight"),
             "ln2": t(p + "post_attention_layernorm.weight"),
         }
@@ -93,11 +103,12 @@ class LlamaModel:
         return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * self.dtype.itemsize
 
     def weight_bytes_per_step(self) -> int:
-        """Bytes of weights one forward reads (the bandwidth floor of a decode step)."""
-        n = self.lm_head.numel
+        """Bytes of weights one decode forward reads, in the kernels' formats (quantized bytes
+        where weights are quantized): the bandwidth floor of a decode step."""
+        n = self.lm_head.nbytes
         for layer in self.layers:
-            n += layer.qkv.numel + layer.o.numel + layer.gate_up.numel + layer.down.numel
-        return n * self.dtype.itemsize
+            n += layer.qkv.nbytes + layer.o.nbytes + layer.gate_up.nbytes + layer.down.nbytes
+        return n
 
     def allocate_kv(self, num_slots: int) -> list[torch.Tensor]:
         c = self.cfg
@@ -108,7 +119,7 @@ class LlamaModel:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 md: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T]; logits_indices: [R]. Returns float32 logits [R, vocab]."""
-        x = self.embed[input_ids]  # [T, hidden]
+        x = self.embed(input_ids)  # [T, hidden]
         cos, sin = self.rope.lookup(positions, self.dtype)
         for layer, kv in zip(self.layers, kv_caches):
             x = layer.forward(x, cos, sin, kv, md)
