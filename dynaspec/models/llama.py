@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dynaspec.attention.paged import AttentionMetadata, paged_attention
+from dynaspec.attention.backend import AttentionBackend
+from dynaspec.attention.paged import EagerPagedBackend
 from dynaspec.config import ModelArchConfig
 from dynaspec.models.layers import RotaryCache, apply_rope, rms_norm, silu_and_mul
 from dynaspec.models.quant import cat_rows
@@ -31,7 +32,7 @@ class DecoderLayer:
         self.scale = self.D ** -0.5
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+                kv_cache: torch.Tensor, md, attn: AttentionBackend) -> torch.Tensor:
         T = x.shape[0]
         h = rms_norm(x, self.ln1, self.eps)
         qkv = self.qkv(h)  # [T, (H + 2*Hkv) * D]
@@ -42,8 +43,8 @@ class DecoderLayer:
                             rms_norm(qk[:, self.H:], self.k_norm, self.eps)), dim=1)
         qk = apply_rope(qk, cos, sin)  # q and k rotated in one pass: [T, H + Hkv, D]
         q, k = qk[:, : self.H], qk[:, self.H:]
-        attn = paged_attention(q, k, v, kv_cache, md, self.scale)  # [T, H, D]
-        x = x + self.o(attn.reshape(T, self.H * self.D))
+        a = attn.forward(q, k, v, kv_cache, md, self.scale)  # [T, H, D]
+        x = x + self.o(a.reshape(T, self.H * self.D))
         h = rms_norm(x, self.ln2, self.eps)
         return x + self.down(silu_and_mul(self.gate_up(h)))
 
@@ -79,6 +80,7 @@ class LlamaModel:
         self.layers = [DecoderLayer(self._layer_weights(raw, t, sd, i), cfg, plan)
                        for i in range(cfg.num_hidden_layers)]
         self.rope = RotaryCache(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_positions, device)
+        self.attn: AttentionBackend = EagerPagedBackend()  # used when forward() is given none
 
     @staticmethod
     def _layer_weights(raw, t, sd: dict, i: int) -> dict:
@@ -117,11 +119,13 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                md: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [T]; logits_indices: [R]. Returns float32 logits [R, vocab]."""
+                md, logits_indices: torch.Tensor, attn: AttentionBackend | None = None) -> torch.Tensor:
+        """input_ids, positions: [T]; logits_indices: [R]; md: the metadata `attn` built for this
+        step (default backend: eager paged SDPA). Returns float32 logits [R, vocab]."""
+        attn = self.attn if attn is None else attn
         x = self.embed(input_ids)  # [T, hidden]
         cos, sin = self.rope.lookup(positions, self.dtype)
         for layer, kv in zip(self.layers, kv_caches):
-            x = layer.forward(x, cos, sin, kv, md)
+            x = layer.forward(x, cos, sin, kv, md, attn)
         h = rms_norm(x[logits_indices], self.norm, self.cfg.rms_norm_eps)  # [R, hidden]
         return self.lm_head(h).float()
