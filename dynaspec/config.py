@@ -50,6 +50,9 @@ class ModelConfig:
     # Steps with more tokens than this run a bf16 copy of the quantized weights (the int kernels
     # lose to oneDNN's bf16 GEMM on wide steps); 0 keeps no copy and always runs the int kernels.
     quant_dense_above: int = 8
+    # auto: the in-place C++ paged kernel on the CPU when it builds here (else eager); eager:
+    # gather + SDPA (the reference); cpu_paged: the kernel, an error if it cannot be built.
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -58,6 +61,8 @@ class ModelConfig:
             raise ValueError(f"unknown device {self.device!r}: choose auto, cpu or cuda")
         if self.quantization not in _QUANTIZATIONS:
             raise ValueError(f"unknown quantization {self.quantization!r}: choose one of {', '.join(_QUANTIZATIONS)}")
+        if self.attention_backend not in ("auto", "eager", "cpu_paged"):
+            raise ValueError(f"unknown attention_backend {self.attention_backend!r}: choose auto, eager or cpu_paged")
         if self.quant_dense_above < 0:
             raise ValueError(f"quant_dense_above must be >= 0, got {self.quant_dense_above}")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -13,6 +13,8 @@ _FLAGS = [
      "auto (keep a GGUF's Q4_0/Q4_1/Q8_0 as int4/int8), none (dequantize: reference), int8, int4"),
     ("--quant-dense-above", "quant_dense_above", int, 8,
      "steps with more tokens use a bf16 copy of quantized weights (0 = no copy)"),
+    ("--attention-backend", "attention_backend", str, "auto",
+     "auto (in-place CPU kernel when it builds, else eager), eager, cpu_paged"),
     ("--max-model-len", "max_model_len", int, None, "context limit (default: the model's)"),
     ("--kv-cache-memory-gb", "kv_cache_memory_gb", float, 1.0, "KV pool budget in GiB"),
     ("--num-kv-blocks", "num_kv_blocks", int, None, "fixed KV pool size in blocks (overrides the budget)"),

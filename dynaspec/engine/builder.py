@@ -50,6 +50,25 @@ def resolve_dtype(name: str) -> torch.dtype:
             "float16": torch.float16}[name]
 
 
+def resolve_attention(name: str, device: torch.device):
+    """The target model's attention backend; auto prefers the in-place CPU kernel."""
+    from dynaspec.attention.backend import get_backend
+
+    if name == "auto":
+        if device.type != "cpu":
+            return get_backend("eager")
+        from dynaspec.attention.cpu_paged import available
+
+        ok, why = available()
+        if not ok:
+            log.info("attention: eager (the in-place CPU kernel could not be built: %s)", why)
+            return get_backend("eager")
+        name = "cpu_paged"
+    if name == "cpu_paged" and device.type != "cpu":
+        raise ValueError(f"--attention-backend cpu_paged runs on the CPU only (device {device.type})")
+    return get_backend(name)
+
+
 def num_kv_blocks(budget_gb: float, override: int | None, bytes_per_token: int, block_size: int) -> int:
     """Deterministic: the same flags give the same pool on every launch."""
     if override is not None:
@@ -75,6 +94,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     weights = WeightPlan(quant, mc.quant_dense_above, dtype, device)
     model = LlamaModel(arch, loaded.state_dict, dtype, device, max_model_len + plan.max_k + 1, weights)
     del loaded.state_dict
+    model.attn = resolve_attention(mc.attention_backend, device)
     log.info("weights: quantization %s, %.1f MB read per decode step; CPU %s", quant,
              model.weight_bytes_per_step() / 1e6, cpu_info().summary() if device.type == "cpu" else "n/a")
     blocks = num_kv_blocks(cc.kv_cache_memory_gb, cc.num_kv_blocks, model.kv_bytes_per_token(),

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from dynaspec.attention.paged import build_metadata
+from dynaspec.attention.backend import AttentionBatch
 from dynaspec.models.llama import LlamaModel
 from dynaspec.outputs import BatchDescriptor, RequestResult, RunnerOutput, SchedulerOutput
 from dynaspec.request import Request
@@ -101,7 +101,8 @@ class ModelRunner:
             if s.sampling:
                 logit_rows.extend(range(start + len(toks) - len(d) - 1, start + len(toks)))
                 sampling.append((i, len(d)))
-        md = build_metadata(qlens, clens, tables, self.block_size, self.device)
+        # The model's backend builds its own metadata (eager gather, or the in-place CPU kernel).
+        md = self.model.attn.build_metadata(AttentionBatch(qlens, clens, tables, self.block_size, self.device))
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device).clamp_(min=0)  # [T]; pads embed as 0, their rows are ignored
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)  # [T]
         rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)  # [R]
