@@ -3,22 +3,20 @@
 The eager backend gathers every short request's whole context into a padded [B, Hkv, C, D]
 tensor in every layer before SDPA (a batch-16 step at context 1024 measured 3x the context-128
 step). Here decode rows (up to KERNEL_MAX_QUERY query tokens, any mix of widths) are attended
-straight from the cache by `csrc/paged_decode.cpp`; wider verify rows keep the eager padded
-group and long prefill chunks the eager SDPA path. The kernel is built on first use with torch's extension tooling, on the
-machine that runs it, for the vector ISA that machine reports (AVX-512 / AVX2 / baseline), so a
-build never assumes instructions the CPU lacks. If no compiler is available the backend is
-unavailable (`available()` says why) and the engine keeps the eager one.
+straight from the cache by `dynaspec/csrc/paged_decode.cpp`; wider verify rows keep the eager padded
+group and long prefill chunks the eager SDPA path. The kernel is built on first use on the machine that runs it, for the ISA it reports
+(dynaspec/cpu_kernels.py); without a compiler the backend is unavailable (`available()` says
+why) and the engine keeps the eager one.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 
+from dynaspec import cpu_kernels
 from dynaspec.attention.backend import AttentionBatch, register_backend
 from dynaspec.attention.paged import (
     SHORT_QUERY_MAX, LongSeq, ShortGroup, _build_short, _short_attention, _slots, long_attention,
@@ -30,41 +28,10 @@ log = logging.getLogger("dynaspec")
 # at width 1 and ~1.2x at width 3, and loses 1.2-3x from width 5, where SDPA's blocked GEMM wins.
 # Wider rows (verifies of 4..SHORT_QUERY_MAX tokens) keep the eager padded-gather group.
 KERNEL_MAX_QUERY = 3
-_SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "paged_decode.cpp")
-
-
-def _isa_flags() -> tuple[str, list[str]]:
-    """(tag, compiler flags) for the vector ISA this CPU reports in /proc/cpuinfo."""
-    flags: set[str] = set()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
-    except OSError:
-        pass
-    if {"avx512f", "avx512bw", "avx512vl", "fma", "f16c"} <= flags:
-        return "avx512", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c"]
-    if {"avx2", "fma", "f16c"} <= flags:
-        return "avx2", ["-mavx2", "-mfma", "-mf16c"]
-    return "base", []
-
-
-@lru_cache(maxsize=1)
-def _load():
-    """The compiled extension module, or the reason it cannot be built (a str)."""
-    try:
-        from torch.utils.cpp_extension import load
-
-        tag, isa = _isa_flags()
-        return load(name=f"dynaspec_paged_decode_{tag}", sources=[_SOURCE],
-                    extra_cflags=["-O3", "-fopenmp", "-fopenmp-simd", *isa], extra_ldflags=["-fopenmp"],
-                    verbose=False)
-    except Exception as exc:  # no compiler, no ninja, a build error: the engine keeps eager
-        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
 
 
 def available() -> tuple[bool, str]:
-    mod = _load()
-    return (not isinstance(mod, str)), ("" if not isinstance(mod, str) else mod)
+    return cpu_kernels.available()
 
 
 @dataclass
@@ -88,7 +55,7 @@ class CpuPagedBackend:
         ok, why = available()
         if not ok:
             raise RuntimeError(f"the cpu_paged attention kernel could not be built: {why}")
-        self._op = _load().paged_decode
+        self._op = cpu_kernels.extension().paged_decode
 
     def supports(self, batch: AttentionBatch) -> bool:
         return batch.device.type == "cpu"

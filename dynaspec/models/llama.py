@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from dynaspec.attention.backend import AttentionBackend
 from dynaspec.attention.paged import EagerPagedBackend
 from dynaspec.config import ModelArchConfig
-from dynaspec.models.layers import RotaryCache, apply_rope, rms_norm, silu_and_mul
+from dynaspec.models.layers import FusedOps, RotaryCache, apply_rope, rms_norm
 from dynaspec.models.quant import cat_rows
 from dynaspec.models.quant_linear import WeightPlan, make_embedding, make_linear, make_lm_head
 
@@ -20,7 +20,8 @@ SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 
 class DecoderLayer:
-    def __init__(self, w: dict, cfg: ModelArchConfig, plan: WeightPlan) -> None:
+    def __init__(self, w: dict, cfg: ModelArchConfig, plan: WeightPlan, ops: FusedOps) -> None:
+        self.ops = ops
         self.qkv = make_linear(w["qkv"], w.get("qkv_bias"), plan)  # [(H + 2*Hkv) * D, hidden]
         self.o = make_linear(w["o"], None, plan)  # [hidden, H * D]
         self.gate_up = make_linear(w["gate_up"], None, plan)  # [2 * inter, hidden]
@@ -31,10 +32,15 @@ class DecoderLayer:
         self.H, self.Hkv, self.D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.scale = self.D ** -0.5
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: torch.Tensor, md, attn: AttentionBackend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: torch.Tensor, md, attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the residual stream [T, hidden]; delta: the previous layer's MLP output, not yet
+        added (so the add fuses with this layer's norm). Returns (residual, this MLP's output)."""
         T = x.shape[0]
-        h = rms_norm(x, self.ln1, self.eps)
+        if delta is None:
+            h = self.ops.rms_norm(x, self.ln1, self.eps)
+        else:
+            x, h = self.ops.add_rms_norm(x, delta, self.ln1, self.eps)
         qkv = self.qkv(h)  # [T, (H + 2*Hkv) * D]
         qk = qkv[:, : (self.H + self.Hkv) * self.D].view(T, self.H + self.Hkv, self.D)
         v = qkv[:, (self.H + self.Hkv) * self.D:].view(T, self.Hkv, self.D)
@@ -44,9 +50,8 @@ class DecoderLayer:
         qk = apply_rope(qk, cos, sin)  # q and k rotated in one pass: [T, H + Hkv, D]
         q, k = qk[:, : self.H], qk[:, self.H:]
         a = attn.forward(q, k, v, kv_cache, md, self.scale)  # [T, H, D]
-        x = x + self.o(a.reshape(T, self.H * self.D))
-        h = rms_norm(x, self.ln2, self.eps)
-        return x + self.down(silu_and_mul(self.gate_up(h)))
+        x, h = self.ops.add_rms_norm(x, self.o(a.reshape(T, self.H * self.D)), self.ln2, self.eps)
+        return x, self.down(self.ops.silu_and_mul(self.gate_up(h)))
 
 
 class LlamaModel:
@@ -77,7 +82,9 @@ class LlamaModel:
         self.embed, head = make_embedding(raw("model.embed_tokens.weight"), plan, tied)
         self.lm_head = head if tied else make_lm_head(raw("lm_head.weight"), plan)  # [vocab, hidden]
         self.norm = t("model.norm.weight")
-        self.layers = [DecoderLayer(self._layer_weights(raw, t, sd, i), cfg, plan)
+        # The fused small ops run wherever the C++ kernels build (fp32 too: same rounding).
+        self.ops = FusedOps(enabled=device.type == "cpu")
+        self.layers = [DecoderLayer(self._layer_weights(raw, t, sd, i), cfg, plan, self.ops)
                        for i in range(cfg.num_hidden_layers)]
         self.rope = RotaryCache(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_positions, device)
         self.attn: AttentionBackend = EagerPagedBackend()  # used when forward() is given none
@@ -125,7 +132,9 @@ class LlamaModel:
         attn = self.attn if attn is None else attn
         x = self.embed(input_ids)  # [T, hidden]
         cos, sin = self.rope.lookup(positions, self.dtype)
+        delta = None
         for layer, kv in zip(self.layers, kv_caches):
-            x = layer.forward(x, cos, sin, kv, md, attn)
-        h = rms_norm(x[logits_indices], self.norm, self.cfg.rms_norm_eps)  # [R, hidden]
+            x, delta = layer.forward(x, delta, cos, sin, kv, md, attn)
+        x = x[logits_indices] + delta[logits_indices]  # [R, hidden]
+        h = self.ops.rms_norm(x, self.norm, self.cfg.rms_norm_eps)
         return self.lm_head(h).float()
