@@ -6,7 +6,8 @@ reports in /proc/cpuinfo at run time (AVX-512 / AVX2 / baseline), never from the
 built a wheel, so an instruction the CPU lacks can never be emitted (llama.cpp built natively
 on one machine died with SIGILL on another). Without a compiler or ninja (`pip install
 'dynaspec[cpu-kernels]'` provides ninja) the kernels are unavailable, `available()` says why,
-and every caller keeps its plain PyTorch path.
+and every caller keeps its plain PyTorch path. Built with -ffp-contract=off: no fused
+multiply-adds the eager ops would not do, so the fused ops round exactly like them.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def _load():
 
         tag, isa = isa_flags()
         return load(name=f"dynaspec_cpu_kernels_{tag}", sources=[os.path.join(_CSRC, s) for s in _SOURCES],
-                    extra_cflags=["-O3", "-fopenmp", "-fopenmp-simd", *isa], extra_ldflags=["-fopenmp"],
+                    extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp", "-fopenmp-simd", *isa], extra_ldflags=["-fopenmp"],
                     verbose=False)
     except Exception as exc:  # no compiler, no ninja, a build error: callers keep plain torch
         lines = str(exc).strip().splitlines()

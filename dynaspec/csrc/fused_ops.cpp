@@ -69,3 +69,35 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   });
   return out;
 }
+
+// In place on the first `heads` heads of each row of qkv ([T, >= heads * D], row stride
+// qkv.stride(0)): HF rotate-half RoPE, x1' = x1*cos - x2*sin, x2' = x2*cos + x1*sin, with cos/sin
+// [T, D/2] in qkv's dtype; every product and sum is rounded to that dtype as the eager ops do.
+void rope_inplace(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t head_dim) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && cos.is_contiguous() && sin.is_contiguous(), "rope: bad layout");
+  TORCH_CHECK(qkv.scalar_type() == cos.scalar_type() && qkv.scalar_type() == sin.scalar_type(), "rope: dtype mismatch");
+  const int64_t T = qkv.size(0), stride = qkv.stride(0), half = head_dim / 2;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope", [&] {
+    using S = scalar_t;
+    S* base = qkv.data_ptr<S>();
+    const S* cp = cos.data_ptr<S>();
+    const S* sp = sin.data_ptr<S>();
+    at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const S* c = cp + t * half;
+        const S* s = sp + t * half;
+        for (int64_t h = 0; h < heads; ++h) {
+          S* x = base + t * stride + h * head_dim;
+          for (int64_t i = 0; i < half; ++i) {
+            const float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[i + half]);
+            const float ci = static_cast<float>(c[i]), si = static_cast<float>(s[i]);
+            const float a = static_cast<float>(static_cast<S>(x1 * ci)), b = static_cast<float>(static_cast<S>(x2 * si));
+            const float e = static_cast<float>(static_cast<S>(x2 * ci)), f = static_cast<float>(static_cast<S>(x1 * si));
+            x[i] = static_cast<S>(a - b);
+            x[i + half] = static_cast<S>(e + f);
+          }
+        }
+      }
+    });
+  });
+}

@@ -152,10 +152,12 @@ void paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor tables, torch
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor add_rms_norm(torch::Tensor residual, torch::Tensor delta, torch::Tensor w, double eps);
 torch::Tensor silu_mul(torch::Tensor gate_up);
+void rope_inplace(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t head_dim);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode/verify attention over the KV cache in place");
   m.def("rms_norm", &rms_norm, "w * rms_normalise(x), row-wise");
   m.def("add_rms_norm", &add_rms_norm, "residual += delta; rms_norm(residual)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a [T, 2*inter] gate|up product");
+  m.def("rope_inplace", &rope_inplace, "rotate-half RoPE in place on the first heads of each row");
 }

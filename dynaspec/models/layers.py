@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 class FusedOps:
     """RMSNorm, residual add + RMSNorm and SwiGLU as one C++ call each on the CPU (dynaspec/csrc/
-    fused_ops.cpp, same rounding as the eager code), or the eager ops where the kernels are not
-    built. A batch-1 step runs ~2,500 small ops; each fused call replaces 3-8 of them."""
+    fused_ops.cpp, same rounding as the eager code), RoPE on q|k in place, or the eager ops where
+    the kernels are not built. A batch-1 step ran ~2,500 small ops; each fused call replaces 3-8."""
 
     def __init__(self, enabled: bool) -> None:
         self.ext = None
@@ -32,6 +32,17 @@ class FusedOps:
             x = x + delta
             return x, rms_norm(x, weight, eps)
         return x, self.ext.add_rms_norm(x, delta, weight, eps)
+
+    def rope_qk(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+                head_dim: int) -> torch.Tensor:
+        """RoPE on the first `heads` heads (q|k) of each row of qkv [T, >= heads*D]; cos/sin
+        [T, 1, D/2]. Returns q|k rotated as [T, heads, D] (a view of qkv on the fused path)."""
+        T = qkv.shape[0]
+        qk = qkv[:, : heads * head_dim]
+        if self.ext is None or qkv.stride(1) != 1:
+            return apply_rope(qk.reshape(T, heads, head_dim), cos, sin)
+        self.ext.rope_inplace(qkv, cos.reshape(T, -1), sin.reshape(T, -1), heads, head_dim)
+        return qk.view(T, heads, head_dim)
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.ext is None or not gate_up.is_contiguous():

@@ -42,12 +42,14 @@ class DecoderLayer:
         else:
             x, h = self.ops.add_rms_norm(x, delta, self.ln1, self.eps)
         qkv = self.qkv(h)  # [T, (H + 2*Hkv) * D]
-        qk = qkv[:, : (self.H + self.Hkv) * self.D].view(T, self.H + self.Hkv, self.D)
         v = qkv[:, (self.H + self.Hkv) * self.D:].view(T, self.Hkv, self.D)
         if self.q_norm is not None:
+            qk = qkv[:, : (self.H + self.Hkv) * self.D].view(T, self.H + self.Hkv, self.D)
             qk = torch.cat((rms_norm(qk[:, : self.H], self.q_norm, self.eps),
                             rms_norm(qk[:, self.H:], self.k_norm, self.eps)), dim=1)
-        qk = apply_rope(qk, cos, sin)  # q and k rotated in one pass: [T, H + Hkv, D]
+            qk = apply_rope(qk, cos, sin)  # [T, H + Hkv, D]
+        else:  # q and k rotated in one pass, in place in qkv on the fused path: [T, H + Hkv, D]
+            qk = self.ops.rope_qk(qkv, cos, sin, self.H + self.Hkv, self.D)
         q, k = qk[:, : self.H], qk[:, self.H:]
         a = attn.forward(q, k, v, kv_cache, md, self.scale)  # [T, H, D]
         x, h = self.ops.add_rms_norm(x, self.o(a.reshape(T, self.H * self.D)), self.ln2, self.eps)

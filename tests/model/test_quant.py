@@ -155,3 +155,18 @@ def test_default_model_quantized_agrees_with_reference(default_gguf_path):
     print(f"default model Q4_1/Q8_0 kernels vs dequantized bf16: top-1 {top1:.4f} over {len(ids)} "
           f"positions, max |dlogit| {err_max:.3f}, mean {err_mean:.4f}")
     assert top1 >= 0.95 and err_mean < 0.25
+
+
+def test_default_model_quantized_agrees_with_llama_cpp(default_gguf_path):
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    loaded = load_model_files(default_gguf_path, keep_quantized=True)
+    ids = loaded.tokenizer.encode("def add(a, b):\n    return a + b\n\nThe capital of France is Paris. " * 3)[:96]
+    llm = llama_cpp.Llama(model_path=default_gguf_path, n_ctx=256, n_threads=torch.get_num_threads(),
+                          logits_all=True, verbose=False)
+    llm.eval(ids)
+    theirs = torch.tensor(np.array(llm.scores[: len(ids)]), dtype=torch.float32)  # [T, vocab]
+    _, q = _pair(loaded, "auto")
+    top1, err_max, err_mean = agreement(theirs, _logits(q, ids))
+    print(f"quantized vs llama.cpp: top-1 {top1:.4f} over {len(ids)} positions, "
+          f"max |dlogit| {err_max:.3f}, mean {err_mean:.4f}")
+    assert top1 >= 0.93 and err_mean < 0.5
