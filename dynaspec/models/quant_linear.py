@@ -141,6 +141,16 @@ class Int8Embedding:
         return rows.to(self.dtype)
 
 
+class QuantEmbedding:
+    """Rows of a GGUF table looked up from its own blocks, dequantized exactly on lookup."""
+
+    def __init__(self, table: QuantizedTensor, dtype: torch.dtype) -> None:
+        self.table, self.dtype = table, dtype
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.table.rows(ids).dequantize().to(self.dtype)  # [T, hidden]
+
+
 @dataclass(frozen=True)
 class WeightPlan:
     """How the model turns checkpoint weights into kernels: resolved once at start-up."""
@@ -187,28 +197,41 @@ def _kernel(w: QuantizedTensor, bias: torch.Tensor | None) -> Int4Linear | Int8L
 
 
 def make_embedding(w: QuantizedTensor | torch.Tensor, plan: WeightPlan, tied: bool):
-    """(embedding, lm_head if tied else None). Quantized: one per-channel int8 table serves both,
-    as llama.cpp keeps its output matrix at 8 bits (4-bit logits lose too much)."""
+    """(embedding, lm_head if tied else None).
+
+    A GGUF table keeps the file's own precision: rows are looked up from its blocks exactly, and
+    a tied head runs its Q4 blocks through the int4 kernel, or a Q8_0 table (per-32 scales, which
+    the int8 kernel cannot take) as exact bf16: requantizing it to per-channel int8 measured
+    top-1 0.94 against 0.96 for bf16 over 2,000 positions of the default model, for no speed
+    gain at one thread. Float weights under int8/int4 get one per-channel int8 table for both.
+    """
     if not _quantize_head(w, plan):
         dense = (w.dequantize() if isinstance(w, QuantizedTensor) else w).to(device=plan.device, dtype=plan.dtype)
         return DenseEmbedding(dense.contiguous()), (Linear(dense.contiguous()) if tied else None)
+    if isinstance(w, QuantizedTensor):
+        return QuantEmbedding(w, plan.dtype), (make_lm_head(w, plan) if tied else None)
     head = _int8_head(w, plan)
     return Int8Embedding(head.kernel, plan.dtype), (head if tied else None)
 
 
 def make_lm_head(w: QuantizedTensor | torch.Tensor, plan: WeightPlan):
-    """An untied lm_head: per-channel int8 when quantizing, like the tied one."""
-    if _quantize_head(w, plan):
-        return _int8_head(w, plan)
-    return make_linear(w, None, WeightPlan("none", 0, plan.dtype, plan.device))
+    """The output matrix: Q4 blocks through the int4 kernel, Q8_0 as exact bf16, float weights
+    as per-channel int8 under int8/int4 (see make_embedding)."""
+    if not _quantize_head(w, plan):
+        return make_linear(w, None, WeightPlan("none", 0, plan.dtype, plan.device))
+    if isinstance(w, QuantizedTensor):
+        if w.kind == "q4":
+            return make_linear(w, None, plan)
+        return Linear(w.dequantize().to(device=plan.device, dtype=plan.dtype).contiguous())
+    return _int8_head(w, plan)
 
 
 def _quantize_head(w: QuantizedTensor | torch.Tensor, plan: WeightPlan) -> bool:
     return plan.quantized and (isinstance(w, QuantizedTensor) or plan.mode in ("int8", "int4"))
 
 
-def _int8_head(w: QuantizedTensor | torch.Tensor, plan: WeightPlan) -> QuantLinear:
-    table = Int8Linear(to_per_channel_int8(w), None)
+def _int8_head(w: torch.Tensor, plan: WeightPlan) -> QuantLinear:
+    table = Int8Linear(quantize_int8(w), None)
     dense = None
     if plan.dense_above > 0:
         dense = Linear((table.q.float() * table.scale_f32[:, None]).to(plan.dtype).contiguous())
