@@ -35,6 +35,25 @@ inline float exp_nonpos(float x) {
   return p * scale;
 }
 
+// acc[d] += sum_t p[t] * v[t][d], v: [n, D] fp32.
+inline void axpy_rows(float* __restrict acc, const float* __restrict p, const float* __restrict v,
+                      int64_t n, int64_t D) {
+  for (int64_t t = 0; t < n; ++t) {
+    const float pt = p[t];
+    const float* __restrict vt = v + t * D;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) acc[d] += pt * vt[d];
+  }
+}
+
+// dot of two fp32 rows of length D.
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t D) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t d = 0; d < D; ++d) s += a[d] * b[d];
+  return s;
+}
+
 template <typename T>
 inline void to_float(const T* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
@@ -80,13 +99,7 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
         for (int64_t r = 0; r < R; ++r) {
           const float* qr = qf.data() + r * D;
           float* srow = sf.data() + r * C + blk * block_size;
-          for (int64_t t = 0; t < n; ++t) {
-            const float* kt = kf.data() + t * D;
-            float s = 0.f;
-#pragma omp simd reduction(+ : s)
-            for (int64_t d = 0; d < D; ++d) s += qr[d] * kt[d];
-            srow[t] = s;
-          }
+          for (int64_t t = 0; t < n; ++t) srow[t] = dot(qr, kf.data() + t * D, D);
         }
       }
       // Softmax per row over its visible keys.
@@ -94,7 +107,8 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
         const int64_t visible = C - W + r / G + 1;
         float* srow = sf.data() + r * C;
         float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < visible; ++t) mx = std::max(mx, srow[t]);
+#pragma omp simd reduction(max : mx)
+        for (int64_t t = 0; t < visible; ++t) mx = srow[t] > mx ? srow[t] : mx;
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t t = 0; t < visible; ++t) {
@@ -112,13 +126,7 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
         for (int64_t t = 0; t < n; ++t) to_float(vp + ((base + t) * Hkv + h) * D, vf.data() + t * D, D);
         for (int64_t r = 0; r < R; ++r) {
           const float* prow = sf.data() + r * C + blk * block_size;
-          float* acc = accf.data() + r * D;
-          for (int64_t t = 0; t < n; ++t) {
-            const float p = prow[t];
-            const float* vt = vf.data() + t * D;
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) acc[d] += p * vt[d];
-          }
+          axpy_rows(accf.data() + r * D, prow, vf.data(), n, D);
         }
       }
       for (int64_t j = 0; j < W; ++j)
