@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field
 
 _DTYPES = ("bfloat16", "float32", "float16", "auto")
+_QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -42,12 +43,28 @@ class ModelConfig:
     device: str = "auto"  # auto = cuda if available else cpu
     max_model_len: int | None = None  # None = the model's own limit
     seed: int = 0
+    # auto: a GGUF's Q4_0/Q4_1/Q8_0 weights run as int4/int8 weight-only kernels, HF weights as
+    # they are; int8/int4: HF weights quantized at load too; none: everything dequantized
+    # (the reference path). Only on the CPU in bf16; auto falls back to none elsewhere.
+    quantization: str = "auto"
+    # Steps with more tokens than this run a bf16 copy of the quantized weights (the int kernels
+    # lose to oneDNN's bf16 GEMM on wide steps); 0 keeps no copy and always runs the int kernels.
+    quant_dense_above: int = 8
+    # auto: the in-place C++ paged kernel on the CPU when it builds here (else eager); eager:
+    # gather + SDPA (the reference); cpu_paged: the kernel, an error if it cannot be built.
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}: choose one of {', '.join(_DTYPES)}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"unknown device {self.device!r}: choose auto, cpu or cuda")
+        if self.quantization not in _QUANTIZATIONS:
+            raise ValueError(f"unknown quantization {self.quantization!r}: choose one of {', '.join(_QUANTIZATIONS)}")
+        if self.attention_backend not in ("auto", "eager", "cpu_paged"):
+            raise ValueError(f"unknown attention_backend {self.attention_backend!r}: choose auto, eager or cpu_paged")
+        if self.quant_dense_above < 0:
+            raise ValueError(f"quant_dense_above must be >= 0, got {self.quant_dense_above}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

@@ -14,6 +14,9 @@ which shapes they accept.
   graph can be built once per shape. It reads the block table in place from the runner's
   persistent buffers; the context lengths are a tensor, so a longer context never changes a
   shape that is compiled.
+- ``cpu_paged``: decode/verify rows of any mix of widths attended straight from the paged cache
+  by a small C++ kernel built for this CPU, prefill chunks by SDPA,
+  `dynaspec.attention.cpu_paged.CpuPagedBackend`.
 
 KV layout shared by all backends: per layer `kv_cache` is [2, num_slots, Hkv, D]; slot
 `block * block_size + offset`. The runner allocates one scratch block past the pool's blocks
@@ -111,4 +114,4 @@ def backend_names() -> tuple[str, ...]:
 
 def _ensure_builtin() -> None:
     # Imported lazily: the built-in modules import this one for the protocol.
-    from dynaspec.attention import paged, uniform  # noqa: F401
+    from dynaspec.attention import cpu_paged, paged, uniform  # noqa: F401

@@ -119,7 +119,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     out = torch.empty_like(q)
     if md.short is not None:
         _short_attention(q, kv_cache, md.short, scale, out)
-    for seq in md.long:
+    long_attention(q, k, v, kv_cache, md.long, scale, out)
+    return out
+
+
+def long_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                   seqs: list[LongSeq], scale: float, out: torch.Tensor) -> None:
+    """One SDPA call per prefill chunk, into its rows of out (the step's K/V already written)."""
+    for seq in seqs:
         s, e = seq.token_start, seq.token_start + seq.query_len
         qi = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
         if seq.kv_slots is None:
@@ -134,7 +141,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
                                            vi.transpose(0, 1).unsqueeze(0), attn_mask=mask,
                                            is_causal=causal, scale=scale, enable_gqa=True)
         out[s:e] = o[0].transpose(0, 1)
-    return out
 
 
 def _short_attention(q: torch.Tensor, kv_cache: torch.Tensor, g: ShortGroup, scale: float,

@@ -12,6 +12,7 @@ from dynaspec.kv.kv_cache_manager import KVCacheManager
 from dynaspec.models.llama import LlamaModel
 from dynaspec.models.loader import load_model_files
 from dynaspec.sample.rejection_sampler import make_synthetic_verifier
+from dynaspec.models.quant_linear import WeightPlan, cpu_info, resolve_quantization
 from dynaspec.scheduler.scheduler import Scheduler
 from dynaspec.spec_decode import cost_model
 from dynaspec.spec_decode.cost_model import CostGrid, StepCostModel
@@ -56,6 +57,38 @@ def resolve_dtype(name: str) -> torch.dtype:
             "float16": torch.float16}[name]
 
 
+def _release_load_memory() -> None:
+    """Hand the loader's freed float32/uint8 intermediates back to the OS (glibc keeps freed
+    heap pages otherwise: measured here, ~120 MB of resident memory for the default model)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
+
+
+def resolve_attention(name: str, device: torch.device):
+    """The target model's attention backend; auto prefers the in-place CPU kernel."""
+    from dynaspec.attention.backend import get_backend
+
+    if name == "auto":
+        if device.type != "cpu":
+            return get_backend("eager")
+        from dynaspec.attention.cpu_paged import available
+
+        ok, why = available()
+        if not ok:
+            log.info("attention: eager (the in-place CPU kernel could not be built: %s)", why)
+            return get_backend("eager")
+        name = "cpu_paged"
+    if name == "cpu_paged" and device.type != "cpu":
+        raise ValueError(f"--attention-backend cpu_paged runs on the CPU only (device {device.type})")
+    return get_backend(name)
+
+
 def num_kv_blocks(budget_gb: float, override: int | None, bytes_per_token: int, block_size: int) -> int:
     """Deterministic: the same flags give the same pool on every launch."""
     if override is not None:
@@ -71,13 +104,19 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     mc, cc, sc = config.model, config.cache, config.spec
     torch.set_num_threads(default_num_threads())
     device, dtype = resolve_device(mc.device), resolve_dtype(mc.dtype)
-    loaded = load_model_files(mc.model)
+    quant = resolve_quantization(mc.quantization, device, dtype)
+    loaded = load_model_files(mc.model, keep_quantized=quant != "none")
     arch = loaded.arch
     max_model_len = min(mc.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
     plan, proposer, drafter_tokens, drafter_max_len = _plan_and_proposer(config, arch.vocab_size,
                                                                          device, dtype)
-    model = LlamaModel(arch, loaded.state_dict, dtype, device, max_model_len + plan.max_k + 1)
+    weights = WeightPlan(quant, mc.quant_dense_above, dtype, device)
+    model = LlamaModel(arch, loaded.state_dict, dtype, device, max_model_len + plan.max_k + 1, weights)
     del loaded.state_dict
+    _release_load_memory()
+    model.attn = resolve_attention(mc.attention_backend, device)
+    log.info("weights: quantization %s, %.1f MB read per decode step; CPU %s", quant,
+             model.weight_bytes_per_step() / 1e6, cpu_info().summary() if device.type == "cpu" else "n/a")
     blocks = num_kv_blocks(cc.kv_cache_memory_gb, cc.num_kv_blocks, model.kv_bytes_per_token(),
                            cc.block_size)
     kv = KVCacheManager(blocks, cc.block_size, cc.enable_prefix_caching)
