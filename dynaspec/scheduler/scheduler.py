@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from dynaspec.config import SchedulerConfig
 from dynaspec.kv.kv_cache_manager import KVCacheManager
 from dynaspec.outputs import RequestResult, RunnerOutput, ScheduledRequest, SchedulerOutput
 from dynaspec.request import Request, RequestStatus
-from dynaspec.spec_decode.k_policy import KPolicy, RequestView, StepView
+from dynaspec.spec_decode.k_policy import KPolicy, RequestView, StepK, StepView
 from dynaspec.spec_decode.plan import SpecPlan
 from dynaspec.worker.execution_plan import ExecutionPlan
 
@@ -66,6 +66,7 @@ class Scheduler:
                  drafter_max_len: int | None = None, exec_plan: ExecutionPlan | None = None) -> None:
         self.cfg, self.kv, self.plan, self.policy = cfg, kv, plan, policy
         self.exec_plan = exec_plan or ExecutionPlan.build(plan, cfg.max_num_seqs)
+        self._may_pad = any(self.exec_plan.path_for(*shape)[0] != "eager" for shape in self.exec_plan.grid)
         self.max_model_len = max_model_len
         self.eos = frozenset(eos_token_ids)
         self.drafter_max_len = drafter_max_len
@@ -110,7 +111,7 @@ class Scheduler:
         budget = self._schedule_running(scheduled, preempted, budget, reserve)
         if not preempted:
             self._schedule_waiting(scheduled, budget, reserve)
-        step_k = self._decide_k(scheduled) if self.plan.speculating else None
+        step_k = self._decide_k(scheduled, reserve.k) if self.plan.speculating else None
         num_tokens = sum(s.num_new_tokens for s in scheduled)
         batch = self._describe(scheduled, step_k)
         return SchedulerOutput(scheduled, step_k, num_tokens, preempted, time.perf_counter() - t0,
@@ -122,10 +123,14 @@ class Scheduler:
         if every request has KV slots reserved for K drafts, because there every request is
         padded to the full width."""
         k = step_k or 0
-        decode_only = bool(scheduled) and all(
-            s.sampling and s.num_new_tokens == 1 and s.num_lookahead >= k for s in scheduled)
+        decode_only = bool(scheduled) and all(s.sampling and s.num_new_tokens == 1 for s in scheduled)
         planned = sum(s.num_new_tokens + s.draft_budget for s in scheduled)
         batch = self.exec_plan.descriptor(len(scheduled), 1 + k if decode_only else None, planned)
+        if batch.fixed_shape and any(s.num_lookahead < k for s in scheduled):
+            # A request reserved fewer slots than K (its cap, or the batch changed since the
+            # reservation): padding it to the full width would write past them, so run eager.
+            batch = replace(batch, path="eager", num_reqs_padded=len(scheduled),
+                            num_tokens_padded=planned)
         if batch.fixed_shape:
             for s in scheduled:
                 s.pad_drafts = True
@@ -190,6 +195,8 @@ class Scheduler:
         if num_new != 1 or computed + num_new != req.num_tokens:
             return 0, "prefill"
         want, reason = reserve.of(req.request_id)
+        if self._may_pad:  # a fixed-shape step pads every decoding row to 1+K: reserve them all
+            want, reason = max(want, reserve.k), (reason if reserve.k == 0 else None)
         if want == 0:
             return 0, reason
         return (want, None) if budget >= 1 + want else (0, "token_budget")
@@ -214,10 +221,14 @@ class Scheduler:
                            r.sampling_params.max_tokens - r.num_output_tokens,
                            self.max_model_len - r.num_tokens, room)
 
-    def _decide_k(self, scheduled: list[ScheduledRequest]) -> int:
-        """Apply the K policy to the batch just formed: the verifying batch is this batch."""
+    def _decide_k(self, scheduled: list[ScheduledRequest], reserved_k: int) -> int:
+        """Apply the K policy to the batch just formed: the verifying batch is this batch. Its K
+        never exceeds the K whose slots were reserved (the batch can differ from the planned
+        one), so every decoding request has KV for the step's width."""
         views = [self._view(s.request) for s in scheduled if s.draft_budget > 0]
         decision = self.policy.decide(StepView(tuple(views), len(scheduled)))
+        if decision.k > reserved_k:
+            decision = _clamped(decision, reserved_k)
         for s in scheduled:
             if s.draft_budget == 0:
                 continue
@@ -290,3 +301,9 @@ class Scheduler:
             emitted, status = emitted[:kept], RequestStatus.FINISHED_STOPPED
         req.output_token_ids.extend(emitted)
         return emitted, status
+
+
+def _clamped(d: StepK, k: int) -> StepK:
+    """The decision with its K lowered to `k` (a K the plan produced for the reservation)."""
+    per = {rid: min(c, k) for rid, c in d.per_request.items()}
+    return StepK(k, per, d.reasons, d.ctx_stat)

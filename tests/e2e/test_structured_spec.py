@@ -58,6 +58,7 @@ def _params(**kw) -> SamplingParams:
 
 
 def _generate(model: str, prompts, params: SamplingParams, **engine_kw):
+    engine_kw.setdefault("k_policy", "table")  # every step drafts: the comparison needs drafts
     llm = LLM(model=model, dtype="float32", num_kv_blocks=512, **engine_kw)
     return llm, llm.generate(prompts, params)
 
@@ -137,6 +138,15 @@ class _FakeProposer:
         self.fn = fn
         self.proposed: list[list[int]] = []
 
+    def forget(self, request_id: str) -> None:
+        pass
+
+    def preempt(self, request_id: str) -> None:
+        pass
+
+    def num_cached(self) -> int:
+        return 0
+
     def propose(self, requests, k_per_request) -> Drafts:
         out = [list(self.fn(r, k))[:k] for r, k in zip(requests, k_per_request)]
         self.proposed.extend(out)
@@ -144,7 +154,7 @@ class _FakeProposer:
 
 
 def _fake_engine(model: str, fn):
-    llm = LLM(model=model, dtype="float32", num_kv_blocks=256, speculator="ngram",
+    llm = LLM(k_policy="table", model=model, dtype="float32", num_kv_blocks=256, speculator="ngram",
               num_spec_tokens=3)
     llm.engine.runner.proposer = _FakeProposer(fn)
     return llm
@@ -188,7 +198,7 @@ def test_drafts_are_cut_at_the_first_grammar_rejection(tiny_llama_dir, prompts, 
 def test_terminated_grammar_finishes_stop_even_with_ignore_eos(tiny_llama_dir, prompts):
     choice = StructuredOutputParams(choice=("fox", "lazy dog", "add(a, b)"))
     for kw in ({}, dict(speculator="ngram", num_spec_tokens=4, prompt_lookup_min=1)):
-        llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=128, **kw)
+        llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=128, k_policy="table", **kw)
         outs = llm.generate(prompts[:4], SamplingParams(temperature=0.0, max_tokens=32,
                                                         ignore_eos=True, structured_output=choice))
         for o in outs:
@@ -197,7 +207,7 @@ def test_terminated_grammar_finishes_stop_even_with_ignore_eos(tiny_llama_dir, p
 
 
 def test_random_sampling_with_speculation_follows_the_grammar(tiny_llama_dir, prompts):
-    llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=512, speculator="draft",
+    llm = LLM(k_policy="table", model=tiny_llama_dir, dtype="float32", num_kv_blocks=512, speculator="draft",
               draft_model=tiny_llama_dir, num_spec_tokens=3)
     params = [SamplingParams(temperature=1.0, seed=i, max_tokens=100, structured_output=SPEC)
               for i in range(len(prompts))]
@@ -211,7 +221,7 @@ def test_random_sampling_with_speculation_follows_the_grammar(tiny_llama_dir, pr
 
 def test_ngram_constrained_under_preemption(tiny_llama_dir, prompts, baseline):
     """A preempted request keeps its output and so its grammar state; output is unchanged."""
-    llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=40, block_size=8,
+    llm = LLM(k_policy="table", model=tiny_llama_dir, dtype="float32", num_kv_blocks=40, block_size=8,
               speculator="ngram", num_spec_tokens=3, prompt_lookup_min=1)
     outs = llm.generate(prompts, _params())
     assert llm.engine.scheduler.num_preemptions > 0

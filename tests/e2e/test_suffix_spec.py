@@ -25,7 +25,7 @@ def baseline(tiny_llama_dir, prompts12):
 
 
 def _run(model, prompts, check, **kw):
-    llm = LLM(model=model, dtype="float32", speculator="suffix", **kw)
+    llm = LLM(model=model, dtype="float32", speculator="suffix", k_policy="table", **kw)
     check(llm.engine)
     outs = llm.generate(prompts, greedy(MAX_TOKENS, ignore_eos=True))
     return [o.token_ids for o in outs], llm
@@ -63,7 +63,7 @@ def test_suffix_under_preemption(tiny_llama_dir, prompts12, baseline, check_inte
 
 def test_global_cache_drafts_a_repeated_request(tiny_llama_dir, prompts12, baseline, check_integrity):
     """A prompt seen before: its earlier output, now in the global cache, drafts the answer."""
-    llm = LLM(model=tiny_llama_dir, dtype="float32", speculator="suffix", num_spec_tokens=8,
+    llm = LLM(k_policy="table", model=tiny_llama_dir, dtype="float32", speculator="suffix", num_spec_tokens=8,
               num_kv_blocks=256, enable_prefix_caching=False)
     check_integrity(llm.engine)
     prompt = prompts12[8]  # not repetitive: its own context offers few matches
@@ -79,7 +79,7 @@ def test_global_cache_drafts_a_repeated_request(tiny_llama_dir, prompts12, basel
 
 
 def test_synthetic_mode_marks_output_not_lossless(tiny_llama_dir, prompts12, check_integrity):
-    llm = LLM(model=tiny_llama_dir, dtype="float32", speculator="ngram", num_spec_tokens=4,
+    llm = LLM(k_policy="table", model=tiny_llama_dir, dtype="float32", speculator="ngram", num_spec_tokens=4,
               prompt_lookup_min=1, rejection_mode="synthetic", synthetic_acceptance="0.9",
               num_kv_blocks=256)
     check_integrity(llm.engine)
@@ -93,7 +93,7 @@ def test_synthetic_refuses_structured_output(tiny_llama_dir):
     from dynaspec import SamplingParams
     from dynaspec.structured.params import StructuredOutputParams
 
-    llm = LLM(model=tiny_llama_dir, dtype="float32", speculator="ngram", num_spec_tokens=2,
+    llm = LLM(k_policy="table", model=tiny_llama_dir, dtype="float32", speculator="ngram", num_spec_tokens=2,
               rejection_mode="synthetic", synthetic_acceptance=0.5, num_kv_blocks=64)
     grammar = StructuredOutputParams(choice=("yes", "no"))
     with pytest.raises(ValueError, match="structured output cannot be combined"):

@@ -271,13 +271,15 @@ def test_k_of_a_lone_request_is_reserved_in_budget_and_kv():
 
 def test_draft_budget_never_exceeds_what_was_reserved():
     # Predicted a batch of 2 (K=0), but the queued request finds no KV room, so the batch is
-    # 1 (K=4): the running request verifies no drafts, since no slots were reserved for them.
+    # 1 (K=4): the step's K is clamped to the reserved K=0, since no slots were reserved for
+    # drafts, so the running request verifies none and the step is plain decode (width 1).
     sch = make(spec=VARIABLE, num_blocks=3, block_size=4)
     add(sch, "a", 1)
     step(sch)
     add(sch, "b", 40)
     out = sch.schedule()
-    assert [s.request.request_id for s in out.scheduled] == ["a"] and out.step_k == 4
+    assert [s.request.request_id for s in out.scheduled] == ["a"] and out.step_k == 0
+    assert out.batch.width == 1
     assert out.scheduled[0].draft_budget == 0 and out.scheduled[0].skip_reason == "schedule_zero"
     # max_num_seqs 1: the queue cannot join, so the prediction is a batch of 1 and K=4.
     sch = make(spec=VARIABLE, max_seqs=1, block_size=4)
