@@ -35,7 +35,7 @@ from typing import Sequence
 import numpy as np
 
 from dynaspec.request import Request
-from dynaspec.spec_decode.base import Drafts
+from dynaspec.spec_decode.base import Drafts, deterministic_drafts
 from dynaspec.spec_decode.suffix_index import SuffixIndex
 
 _MIN_COMPACT = 4096  # dead tokens tolerated before a compaction, at least
@@ -204,19 +204,7 @@ class SuffixProposer:
         self.num_global_drafts = self.num_local_drafts = 0
 
     def propose(self, requests: Sequence[Request], k_per_request: Sequence[int]) -> Drafts:
-        if len(requests) != len(k_per_request):
-            raise ValueError(f"{len(requests)} requests but {len(k_per_request)} k values")
-        token_ids: list[list[int]] = []
-        skip_reasons: list[str | None] = []
-        for request, k in zip(requests, k_per_request):
-            if k <= 0:
-                token_ids.append([])
-                skip_reasons.append(None)  # the caller decided and records why
-                continue
-            draft = self._draft_one(request, k)
-            token_ids.append(draft)
-            skip_reasons.append(None if draft else "no_match")
-        return Drafts(token_ids=token_ids, probs=None, skip_reasons=skip_reasons)
+        return deterministic_drafts(requests, k_per_request, self._draft_one)
 
     def _draft_one(self, request: Request, k: int) -> list[int]:
         index = self._synced_index(request)

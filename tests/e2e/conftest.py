@@ -93,3 +93,16 @@ def tiny_draft_dir(tiny_llama_dir, tmp_path_factory) -> str:
           for k, v in load_file(path).items()}
     save_file(sd, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
     return out
+
+
+def watch_steps(llm) -> list:
+    """Record every step's (SchedulerOutput, RunnerOutput) as the engine runs it."""
+    seen, orig = [], llm.engine.runner.execute
+
+    def execute(out):
+        res = orig(out)
+        seen.append((out, res))
+        return res
+
+    llm.engine.runner.execute = execute
+    return seen

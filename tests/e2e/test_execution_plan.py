@@ -16,22 +16,10 @@ import pytest
 
 from dynaspec import LLM
 
-from .conftest import assert_greedy_equal, greedy, random_prompts
+from .conftest import assert_greedy_equal, greedy, random_prompts, watch_steps
 
 SEED_SCHEDULE = "[[1, 8, 5], [9, 16, 4]]"
 FAST = dict(execution="compiled", compile_backend="aot_eager")
-
-
-def _watch(llm: LLM) -> list:
-    seen, orig = [], llm.engine.runner.execute
-
-    def execute(out):
-        res = orig(out)
-        seen.append((out, res))
-        return res
-
-    llm.engine.runner.execute = execute
-    return seen
 
 
 def _decode_only(out) -> bool:
@@ -48,7 +36,7 @@ def test_seed_case_every_decode_step_is_width_4_and_compiled(tiny_llama_dir, che
     prompts = random_prompts(4, 280, seed=5, lo=8, hi=30, repetitive=True)
     prompts.append(list(range(10, 43)))  # no repeated 2-gram: n-gram finds no match
     llm.generate(prompts, greedy(10, ignore_eos=True))
-    seen = _watch(llm)
+    seen = watch_steps(llm)
     before = llm.engine.counters
     llm.generate([prompts[-1]], greedy(6, ignore_eos=True))  # prefix hit: first decode padded
     llm.generate(prompts[:3], greedy(10, ignore_eos=True))
@@ -85,7 +73,7 @@ def test_variable_plan_steps_use_a_width_of_the_plan(tiny_llama_dir, check_integ
     plan = llm.engine.plan
     assert plan.kind == "variable" and plan.widths == (2, 4)
     assert llm.engine.exec_plan.grid == ((1, 4), (2, 2), (4, 2))
-    seen = _watch(llm)
+    seen = watch_steps(llm)
     prompts = random_prompts(3, 280, seed=2, lo=6, hi=20, repetitive=True)
     llm.generate(prompts, greedy(12, ignore_eos=True))
     llm.generate(prompts[:1], greedy(6, ignore_eos=True))  # alone: the batch-1 row, K 3
@@ -106,7 +94,7 @@ def test_always_zero_runs_width_1_without_a_drafter(tiny_llama_dir, check_integr
     assert llm.engine.plan.kind == "always_zero" and llm.engine.runner.proposer is None
     assert llm.engine.exec_plan.grid == ((1, 1), (2, 1))
     assert set(llm.engine.runner.executor.build_seconds) == {(1, 1), (2, 1)}, "built at start-up"
-    seen = _watch(llm)
+    seen = watch_steps(llm)
     llm.generate(random_prompts(2, 280, seed=3, lo=5, hi=12), greedy(6, ignore_eos=True))
     decode = [(o, r) for o, r in seen if _decode_only(o)]
     assert decode and all(o.batch.width == 1 and r.batch.path == "compiled" for o, r in decode)
@@ -169,7 +157,7 @@ def test_auto_runs_compiled_only_for_measured_winners(tiny_llama_dir, tmp_path, 
               num_spec_tokens=2, prompt_lookup_min=1, max_num_seqs=2, execution="auto",
               admission=str(adm), compile_backend="aot_eager")
     check_integrity(llm.engine)
-    seen = _watch(llm)
+    seen = watch_steps(llm)
     llm.generate(random_prompts(2, 280, seed=4, lo=6, hi=14, repetitive=True), greedy(8, ignore_eos=True))
     paths = {(o.num_reqs, r.batch.path) for o, r in seen if _decode_only(o)}
     assert (2, "compiled") in paths and (1, "compiled") not in paths

@@ -4,20 +4,7 @@ from __future__ import annotations
 
 from dynaspec import LLM
 
-from .conftest import assert_greedy_equal, greedy, random_prompts
-
-
-def _watch_batches(llm: LLM) -> list:
-    seen = []
-    orig = llm.engine.runner.execute
-
-    def execute(out):
-        res = orig(out)
-        seen.append((out, res))
-        return res
-
-    llm.engine.runner.execute = execute
-    return seen
+from .conftest import assert_greedy_equal, greedy, random_prompts, watch_steps
 
 
 def test_constant_normalisation_seen_identically(tiny_llama_dir, check_integrity):
@@ -27,7 +14,7 @@ def test_constant_normalisation_seen_identically(tiny_llama_dir, check_integrity
     check_integrity(llm.engine)
     plan = llm.engine.plan
     assert (plan.kind, plan.max_k, plan.widths) == ("constant", 3, (4,))
-    seen = _watch_batches(llm)
+    seen = watch_steps(llm)
     prompts = random_prompts(12, 280, seed=11, lo=5, hi=40, repetitive=True)
     llm.generate(prompts, greedy(16, ignore_eos=True))
     for out, res in seen:
@@ -55,7 +42,7 @@ def test_prefix_hit_first_decode_is_padded_in_constant_plan(tiny_llama_dir, chec
     ref = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=256).generate(
         [prompt], greedy(8, ignore_eos=True))[0].token_ids
     llm.generate([prompt], greedy(8, ignore_eos=True))
-    seen = _watch_batches(llm)
+    seen = watch_steps(llm)
     before = llm.engine.counters
     out = llm.generate([prompt], greedy(8, ignore_eos=True))[0]
     assert out.num_cached_tokens == 32
