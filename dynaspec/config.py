@@ -89,6 +89,9 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
+    # Form step N+1 and finish step N-1's outputs while step N's forward runs on a worker
+    # thread (DESIGN §7b; engine/async_loop.py). Output is the same as without it.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:

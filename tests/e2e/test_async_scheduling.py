@@ -1,0 +1,140 @@
+"""--async-scheduling: the same greedy output as the sync step, token for token (DESIGN §7b).
+
+Each comparison runs the same prompts through a sync and an async engine (fp32, tiny model),
+batched, with and without n-gram speculation, with stop strings and max_tokens that cut in the
+middle of an accepted run, and checks the books (identities, emitted == returned, pool clean).
+The pipeline's order is fixed (the engine thread waits for each forward before it applies it),
+so these runs are deterministic whatever the thread timing.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dynaspec import LLM, SamplingParams
+
+from .conftest import assert_greedy_equal, greedy, random_prompts
+
+
+def _engine(model: str, async_scheduling: bool, **kw) -> LLM:
+    kw.setdefault("num_kv_blocks", 512)
+    if kw.get("speculator", "none") != "none":
+        kw.setdefault("k_policy", "table")  # drafts on every step: the comparison needs them
+    return LLM(model=model, dtype="float32", enable_prefix_caching=False,
+               async_scheduling=async_scheduling, **kw)
+
+
+def _both(model: str, prompts, params, **kw):
+    outs = {}
+    for mode in (False, True):
+        llm = _engine(model, mode, **kw)
+        outs[mode] = (llm.generate(prompts, params), llm)
+    return outs[False], outs[True]
+
+
+def _check_books(llm: LLM, outs, streamed: int | None = None) -> None:
+    c = llm.engine.counters
+    assert c.check_identities() == []
+    returned = sum(len(o.token_ids) for o in outs) if streamed is None else streamed
+    assert c.num_emitted_tokens == returned
+    for o in outs:
+        if o.spec is not None:
+            assert o.spec["num_emitted_tokens"] == len(o.token_ids)
+    llm.engine.check_integrity()
+    assert not llm.engine.step_in_flight
+    assert not llm.engine.runner.generators, "runner state leaked"
+    proposer = llm.engine.runner.proposer
+    if proposer is not None:
+        assert proposer.num_cached() == 0, "drafter state leaked"
+
+
+@pytest.fixture(scope="module")
+def prompts12():
+    return random_prompts(6, 280, seed=21, lo=4, hi=50, repetitive=True) + \
+        random_prompts(6, 280, seed=22, lo=4, hi=50)
+
+
+@pytest.mark.parametrize("spec", [{}, {"speculator": "ngram", "num_spec_tokens": 4,
+                                       "prompt_lookup_min": 1}])
+def test_async_equals_sync_batched(tiny_llama_dir, prompts12, spec):
+    # Different max_tokens per request: some end mid-verify while others keep running.
+    params = [greedy(8 + 5 * (i % 4), ignore_eos=True) for i in range(len(prompts12))]
+    (ref, sync_llm), (got, async_llm) = _both(tiny_llama_dir, prompts12, params, **spec)
+    for i, (p, a, b) in enumerate(zip(prompts12, ref, got)):
+        assert len(b.token_ids) == params[i].max_tokens, f"prompt {i}"
+        assert b.finish_reason == a.finish_reason == "length"
+        assert_greedy_equal(tiny_llama_dir, p, a.token_ids, b.token_ids, f"async {spec} prompt {i}")
+    _check_books(sync_llm, ref)
+    _check_books(async_llm, got)
+    if spec:
+        c = async_llm.engine.counters
+        assert c.num_accepted_tokens > 0, "the workload must exercise acceptance"
+
+
+def test_max_tokens_cuts_mid_verify(tiny_llama_dir, prompts12):
+    """max_tokens ends requests inside accepted runs; the async caps were formed before the
+    previous step landed, so some budgeted slots turn out past max_tokens: async_placeholder."""
+    spec = {"speculator": "ngram", "num_spec_tokens": 6, "prompt_lookup_min": 1}
+    prompts = [p for p in prompts12[:6]]  # repetitive: long accepted runs
+    params = [greedy(m, ignore_eos=True) for m in (3, 5, 7, 9, 11, 13)]
+    (ref, _), (got, llm) = _both(tiny_llama_dir, prompts, params, **spec)
+    for i, (p, a, b) in enumerate(zip(prompts, ref, got)):
+        assert len(b.token_ids) == params[i].max_tokens
+        assert_greedy_equal(tiny_llama_dir, p, a.token_ids, b.token_ids, f"max_tokens prompt {i}")
+    _check_books(llm, got)
+    c = llm.engine.counters
+    assert "async_placeholder" not in c.draft_skips  # a reason of invalid tokens, never a skip
+    assert c.num_draft_tokens == sum(c.drafted_per_pos)
+
+
+def _stop_case(llm_ref: LLM, prompt: list[int], n: int) -> str | None:
+    """A stop string taken from the middle of the reference output (so it cuts mid-step)."""
+    out = llm_ref.generate([prompt], greedy(n, ignore_eos=True))[0]
+    text = out.text
+    return text[len(text) // 2: len(text) // 2 + 2] if len(text) >= 6 else None
+
+
+def test_stop_strings_cut_the_same(tiny_llama_dir, prompts12):
+    spec = {"speculator": "ngram", "num_spec_tokens": 4, "prompt_lookup_min": 1}
+    ref_llm = _engine(tiny_llama_dir, False, **spec)
+    prompts, params = [], []
+    for p in prompts12:
+        stop = _stop_case(ref_llm, p, 24)
+        if stop and stop.strip():
+            prompts.append(p)
+            params.append(SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
+                                         stop=[stop]))
+    assert len(prompts) >= 4, "the workload must produce stop strings"
+    (ref, _), (got, llm) = _both(tiny_llama_dir, prompts, params, **spec)
+    for i, (a, b) in enumerate(zip(ref, got)):
+        assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason), i
+    assert any(o.finish_reason == "stop" for o in got)
+    _check_books(llm, got)
+
+
+def test_stop_string_and_abort_while_in_flight_account_drafts(tiny_llama_dir, prompts12):
+    """A request ended while its next step is in flight: that step's row counts
+    async_placeholder (never num_draft_tokens) and it emits nothing more."""
+    spec = {"speculator": "ngram", "num_spec_tokens": 4, "prompt_lookup_min": 1}
+    llm = _engine(tiny_llama_dir, True, **spec)
+    eng = llm.engine
+    ids = [eng.add_request(p, greedy(40, ignore_eos=True)) for p in prompts12[:4]]
+    streamed = 0
+    for _ in range(6):
+        streamed += sum(len(o.new_token_ids) for o in eng.step())
+    assert eng.pipeline.inflight is not None
+    inflight = [s.request.request_id for s in eng.pipeline.inflight.out.scheduled]
+    victim = inflight[0]
+    assert eng.abort_request(victim)
+    before = eng.counters
+    outs = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            outs[o.request_id] = o
+            streamed += len(o.new_token_ids)
+    assert victim not in outs, "an aborted request emits nothing more"
+    assert set(outs) == set(ids) - {victim}
+    delta = eng.counters - before
+    assert delta.invalid_draft_tokens.get("async_placeholder", 0) > 0
+    assert delta.check_identities() == []
+    _check_books(llm, list(outs.values()), streamed)
