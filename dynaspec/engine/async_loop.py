@@ -182,6 +182,7 @@ class AsyncStepLoop:
         if landed is None:
             return outs
         t0 = time.perf_counter()
+        self._orphan_ended(landed)
         if self.check_stop is not None:
             for u in landed.updates:
                 if not u.new_token_ids:
@@ -192,3 +193,19 @@ class AsyncStepLoop:
                     u.new_token_ids, u.finished = u.new_token_ids[:kept], True
         landed.update_seconds += time.perf_counter() - t0
         return outs + self.finish(landed)
+
+    @staticmethod
+    def _orphan_ended(landed: LandedStep) -> None:
+        """Requests aborted (or failed) after the step landed never get its tokens: their
+        records become orphans (nothing emitted, the row invalid), like those ended in flight."""
+        gone = {RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR}
+        if not any(u.request.status in gone for u in landed.updates):
+            return
+        entries = {s.request.request_id: s for s in landed.out.scheduled}
+        kept = []
+        for u in landed.updates:
+            if u.request.status not in gone:
+                kept.append(u)
+            elif spec := orphan_spec(entries[u.request.request_id], u.result, landed.out.step_k):
+                landed.orphans.append(spec)
+        landed.updates = kept
