@@ -138,3 +138,58 @@ def test_stop_string_and_abort_while_in_flight_account_drafts(tiny_llama_dir, pr
     assert delta.invalid_draft_tokens.get("async_placeholder", 0) > 0
     assert delta.check_identities() == []
     _check_books(llm, list(outs.values()), streamed)
+
+
+def test_1000_aborts_during_in_flight_steps_leak_nothing(tiny_llama_dir, prompts12):
+    """Requests aborted at every point of the pipeline (queued, in the step in flight, landed
+    but not returned): every KV block comes back and no runner state is left."""
+    llm = _engine(tiny_llama_dir, True, num_kv_blocks=64, speculator="ngram", num_spec_tokens=3,
+                  prompt_lookup_min=1, max_num_seqs=8)
+    eng = llm.engine
+    in_flight_aborts = aborts = 0
+    keep = eng.add_request(prompts12[0], greedy(30, ignore_eos=True))  # served throughout
+    kept_out = []
+    for round_ in range(125):
+        ids = [eng.add_request(prompts12[(round_ + i) % 12], greedy(16, ignore_eos=True))
+               for i in range(8)]
+        for _ in range(1 + round_ % 3):
+            kept_out += [o for o in eng.step() if o.request_id == keep]
+        running = {s.request.request_id for s in eng.pipeline.inflight.out.scheduled} \
+            if eng.pipeline.inflight is not None else set()
+        for rid in ids:
+            in_flight_aborts += rid in running
+            eng.abort_request(rid)
+            aborts += 1
+    while eng.has_unfinished_requests():
+        kept_out += [o for o in eng.step() if o.request_id == keep]
+    assert aborts == 1000 and in_flight_aborts > 300
+    assert kept_out[-1].finished and len(kept_out[-1].token_ids) == 30
+    eng.check_integrity()
+    assert eng.kv.num_free_blocks() == eng.kv.num_blocks, "leaked blocks"
+    assert not eng.runner.generators and eng.runner.proposer.num_cached() == 0
+    assert not eng.outputs.states and not eng.request_records
+    assert eng.counters.check_identities() == []
+
+
+def test_worker_failure_fails_only_that_steps_requests(tiny_llama_dir, prompts12):
+    llm = _engine(tiny_llama_dir, True, speculator="ngram", num_spec_tokens=3, prompt_lookup_min=1)
+    eng = llm.engine
+    run, calls = eng.runner.run, []
+
+    def flaky(prepared):  # the 4th forward raises (on the worker thread)
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("injected forward failure")
+        return run(prepared)
+
+    eng.runner.run = flaky
+    first = [eng.add_request(p, greedy(12, ignore_eos=True)) for p in prompts12[:3]]
+    outs: dict = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            outs[o.request_id] = o
+    assert all(outs[r].finish_reason == "error" and "injected" in outs[r].error for r in first)
+    later = llm.generate(prompts12[3:5], greedy(12, ignore_eos=True))  # keeps serving
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 12 for o in later)
+    eng.check_integrity()
+    assert not eng.runner.generators and eng.runner.proposer.num_cached() == 0

@@ -243,3 +243,28 @@ def test_abort_while_in_flight_leaks_nothing():
     for r in reqs[2:]:
         assert r.output_token_ids == [_tok(p) for p in range(30)]
     h.assert_clean()
+
+
+def test_prometheus_carries_the_async_invalid_counters():
+    """The steps the pipeline produced, exported: invalid tokens by reason, all_invalid skips,
+    and draft tokens that exclude them, equal to the folded counters."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from dynaspec.metrics.prometheus import PrometheusMetrics
+
+    h = Harness()
+    h.add("a", max_tokens=7)  # all invalid in step 2
+    h.add("b", max_tokens=8)  # partly invalid in step 2
+    h.run()
+    m = PrometheusMetrics()
+    for st in h.steps:
+        m.observe_step(st)
+    got = {(s.name, tuple(sorted(s.labels.items()))): s.value
+           for fam in text_string_to_metric_families(m.render().decode()) for s in fam.samples}
+    c, p = h.counters, "dynaspec:spec_decode_"
+    assert c.invalid_draft_tokens["async_placeholder"] == 7
+    assert got[(f"{p}invalid_draft_tokens_total", (("reason", "async_placeholder"),))] == 7
+    assert got[(f"{p}draft_skips_total", (("reason", "all_invalid"),))] == c.draft_skips["all_invalid"] == 1
+    assert got[(f"{p}num_draft_tokens_total", ())] == c.num_draft_tokens == 9
+    assert got[(f"{p}num_drafts_total", ())] == c.num_drafts == 3
+    h.assert_clean()
