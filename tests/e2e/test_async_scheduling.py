@@ -193,3 +193,39 @@ def test_worker_failure_fails_only_that_steps_requests(tiny_llama_dir, prompts12
     assert all(o.finish_reason == "length" and len(o.token_ids) == 12 for o in later)
     eng.check_integrity()
     assert not eng.runner.generators and eng.runner.proposer.num_cached() == 0
+
+
+def test_structured_output_async_equals_sync(tiny_llama_dir):
+    """Grammar cuts happen in prepare on the landed state; the grammar advances in run."""
+    pytest.importorskip("xgrammar")
+    from dynaspec.structured import StructuredOutputParams
+
+    schema = {"type": "object", "properties": {"kind": {"enum": ["fox", "dog"]},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["kind", "n"], "additionalProperties": False}
+    ref_llm = _engine(tiny_llama_dir, False)
+    tok = ref_llm.tokenizer
+    texts = ['{"kind": "fox", "n": 12} {"kind": "dog", "n": 3} ', "The quick brown fox. " * 3]
+    prompts = [tok.encode(t)[:100] for t in texts]
+    params = SamplingParams(temperature=0.0, max_tokens=60,
+                            structured_output=StructuredOutputParams(json=schema))
+    spec = {"speculator": "ngram", "num_spec_tokens": 3, "prompt_lookup_min": 1}
+    (ref, _), (got, llm) = _both(tiny_llama_dir, prompts, params, **spec)
+    for a, b in zip(ref, got):
+        assert (b.token_ids, b.finish_reason) == (a.token_ids, a.finish_reason)
+    _check_books(llm, got)
+
+
+def test_fixed_shape_path_under_async(tiny_llama_dir, prompts12):
+    """The compiled (fixed-shape) path on the worker thread: rows padded to the width, the
+    cut slots among the pads counted async_placeholder, not padding."""
+    spec = {"speculator": "ngram", "num_spec_tokens": 3, "prompt_lookup_min": 1,
+            "execution": "compiled", "compile_backend": "aot_eager"}
+    params = [greedy(6 + 3 * (i % 3), ignore_eos=True) for i in range(6)]
+    (ref, _), (got, llm) = _both(tiny_llama_dir, prompts12[:6], params, **spec)
+    for i, (p, a, b) in enumerate(zip(prompts12, ref, got)):
+        assert_greedy_equal(tiny_llama_dir, p, a.token_ids, b.token_ids, f"compiled prompt {i}")
+    assert any(path != "eager" for path, _ in llm.engine.execution_steps)
+    c = llm.engine.counters
+    assert c.invalid_draft_tokens.get("padding", 0) > 0
+    _check_books(llm, got)
