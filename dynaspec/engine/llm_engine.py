@@ -34,6 +34,18 @@ class StepTimes:
     steps: int = 0
 
 
+def check_prompt_ids(ids: list[int], vocab: int, max_model_len: int) -> None:
+    """Raises ValueError naming what is wrong with a prompt (also the DP front end's check)."""
+    if not ids:
+        raise ValueError("prompt is empty")
+    bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+    if len(ids) >= max_model_len:
+        raise ValueError(f"prompt has {len(ids)} tokens, which leaves no room to generate within "
+                         f"max_model_len {max_model_len}")
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -64,15 +76,7 @@ class LLMEngine:
         if request_id is None:
             request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise ValueError("prompt is empty")
-        vocab = self.parts.vocab_size
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens, which leaves no room to generate within "
-                             f"max_model_len {self.max_model_len}")
+        check_prompt_ids(ids, self.parts.vocab_size, self.max_model_len)
         req = Request(request_id, ids, params)
         self.scheduler.add_request(req)
         self.outputs.add(req)

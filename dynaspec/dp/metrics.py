@@ -1,0 +1,89 @@
+"""/metrics under data parallelism: every series per rank (label ``rank="0"``...) and summed
+over the ranks (``rank="all"``), in one exposition.
+
+Each rank's reports (its steps, snapshots and finished requests) feed that rank's own
+``PrometheusMetrics`` and the ``all`` one, each on its own registry; ``render`` merges the
+families so each metric name appears once. Sum over ranks with ``{rank="all"}`` (or
+``sum without (rank) (...{rank!="all"})``); never a bare ``sum(...)`` over both.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from dynaspec.metrics.stats import EngineSnapshot, FinishedRequestTimes, StepStats
+
+
+class DPMetrics:
+    """Quacks like ``PrometheusMetrics`` for the AsyncEngine, which feeds it nothing under DP
+    (the DP engine reports no ``last_step`` and no finished times); the front end feeds it."""
+
+    def __init__(self, world_size: int, labels: dict[str, str]) -> None:
+        from dynaspec.metrics.prometheus import PrometheusMetrics
+
+        self.lock = threading.Lock()
+        self.ranks = [PrometheusMetrics(labels={**labels, "rank": str(r)}) for r in range(world_size)]
+        self.total = PrometheusMetrics(labels={**labels, "rank": "all"})
+        self.snapshots: dict[int, EngineSnapshot] = {}
+
+    # ---- fed by the front end (its engine thread) --------------------------------------------
+    def rank_step(self, rank: int, step: StepStats) -> None:
+        with self.lock:
+            self.ranks[rank].observe_step(step)
+            self.total.observe_step(step)
+
+    def rank_finished(self, rank: int, t: dict) -> None:
+        times = FinishedRequestTimes(t.get("ttft_s"), tuple(t.get("inter_token_s") or ()),
+                                     t.get("e2e_s", 0.0), t.get("num_prompt_tokens", 0),
+                                     t.get("num_generation_tokens", 0))
+        with self.lock:
+            self.ranks[rank].observe_finished(times)
+            self.total.observe_finished(times)
+
+    def rank_snapshot(self, rank: int, snap: EngineSnapshot) -> None:
+        with self.lock:
+            self.snapshots[rank] = snap
+            self.ranks[rank].observe_snapshot(snap)
+            self.total.observe_snapshot(sum_snapshots(list(self.snapshots.values())))
+
+    # ---- the AsyncEngine's calls: nothing to do, the front end feeds us ------------------------
+    def observe_step(self, step: StepStats) -> None: ...
+
+    def observe_snapshot(self, snap: EngineSnapshot) -> None: ...
+
+    def observe_finished(self, times: FinishedRequestTimes) -> None: ...
+
+    def render(self) -> bytes:
+        from prometheus_client import CollectorRegistry, generate_latest
+
+        with self.lock:
+            families: dict[str, object] = {}
+            for m in [*self.ranks, self.total]:
+                for fam in m.registry.collect():
+                    merged = families.get(fam.name)
+                    if merged is None:
+                        families[fam.name] = fam
+                    else:
+                        merged.samples.extend(fam.samples)  # type: ignore[attr-defined]
+            registry = CollectorRegistry(auto_describe=False)
+            registry.register(_Fixed(list(families.values())))
+            return generate_latest(registry)
+
+
+class _Fixed:
+    def __init__(self, families: list) -> None:
+        self.families = families
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        return iter(self.families)
+
+
+def sum_snapshots(snaps: list[EngineSnapshot]) -> EngineSnapshot:
+    """Counts summed; KV usage pooled over the ranks' blocks; goodput left per rank (None)."""
+    tokens = sum(s.kv_pool_tokens_target for s in snaps)
+    usage = sum(s.kv_usage * s.kv_pool_tokens_target for s in snaps) / tokens if tokens else 0.0
+    return EngineSnapshot(sum(s.num_running for s in snaps), sum(s.num_waiting for s in snaps),
+                          usage, tokens, sum(s.kv_pool_tokens_drafter for s in snaps),
+                          sum(s.prefix_cache_queries for s in snaps),
+                          sum(s.prefix_cache_hits for s in snaps),
+                          sum(s.num_preemptions_total for s in snaps))
