@@ -42,7 +42,7 @@ def rank_main(spec: RankSpec) -> None:
     die_with_parent()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(levelname)s dynaspec.dp rank {spec.rank}: %(message)s")
-    conn = Client((spec.control_addr, spec.control_port), authkey=spec.authkey)
+    conn = _connect(spec)
     conn.send(("hello", spec.rank))
     code = 0
     try:
@@ -63,6 +63,18 @@ def rank_main(spec: RankSpec) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _connect(spec: RankSpec) -> Connection:
+    """The front end may still be starting (another machine): retry until the start timeout."""
+    deadline = time.monotonic() + spec.start_timeout_s
+    while True:
+        try:
+            return Client((spec.control_addr, spec.control_port), authkey=spec.authkey)
+        except (ConnectionRefusedError, FileNotFoundError, TimeoutError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 def _send(conn: Connection, msg: object) -> None:
