@@ -177,6 +177,8 @@ class DPEngine:
             if kind == "msg" and isinstance(msg, RankReady):
                 self.ready[rank] = msg
                 self.free_blocks[rank] = msg.pool["num_blocks"]
+            elif kind == "msg" and isinstance(msg, TickReport):
+                self._handle(kind, rank, msg)  # a rank already stepping while others get ready
             elif kind == "msg" and msg[0] == "failed":
                 raise RuntimeError(f"data-parallel rank {rank} failed to start: {msg[2]}")
             elif kind in ("exit", "eof"):
@@ -252,6 +254,7 @@ class DPEngine:
         if rec is None:
             return False
         self.load[rec.rank] -= 1
+        self._backlog = [o for o in self._backlog if o.request_id != request_id]
         self._send(rec.rank, ("abort", request_id))
         return True
 
