@@ -364,6 +364,9 @@ class DPEngine:
             except queue.Empty:
                 pass
         answers = self._replies.pop(qid)
+        for r in range(self.world_size):
+            if isinstance(answers[r], Exception):
+                raise answers[r]
         return [answers[r] for r in range(self.world_size)]
 
     def pool_report(self) -> dict:
@@ -437,13 +440,17 @@ class _FailureWatch:
             self.longest_gap = max(self.longest_gap, now - self.last_heard[rank])
         self.last_heard[rank] = now
         if isinstance(msg, tuple) and msg[0] == "failed" and len(self.eng.ready) == self.eng.world_size:
-            self.reported.add(rank)
+            _, _, text, victim = msg
+            if victim:  # its step exchange failed: a peer is the culprit
+                self.reported.add(rank)
+            else:
+                self.dead[rank] = f"failed: {text}"
             self._problem()
 
     def on_exit(self, rank: int, code: int | None) -> None:
         if code == EXIT_COLLECTIVE:
             self.reported.add(rank)  # it left because a peer failed: a victim, not the culprit
-        if rank not in self.reported and not self.eng._closing:
+        if rank not in self.reported and rank not in self.dead and not self.eng._closing:
             self.dead[rank] = f"died (exit code {code})"
             self._problem()
 

@@ -34,7 +34,7 @@ log = logging.getLogger("dynaspec.dp")
 
 IDLE_POLL_S = 1.0
 EXIT_COLLECTIVE = 3
-EXIT_START = 4
+EXIT_ERROR = 4
 
 
 def rank_main(spec: RankSpec) -> None:
@@ -49,13 +49,13 @@ def rank_main(spec: RankSpec) -> None:
         engine, agreement = _start(spec)
         conn.send(_ready(spec, engine))
         code = RankLoop(engine, agreement, conn, spec.rank).run()
-    except CollectiveError as exc:
-        _send(conn, ("failed", spec.rank, str(exc)))
+    except CollectiveError as exc:  # a peer failed: this rank is a victim
+        _send(conn, ("failed", spec.rank, str(exc), True))
         code = EXIT_COLLECTIVE
-    except Exception as exc:  # noqa: BLE001 - reported to the front end, which names the rank
+    except Exception as exc:  # noqa: BLE001 - this rank failed: the front end names it
         log.exception("rank failed")
-        _send(conn, ("failed", spec.rank, f"{type(exc).__name__}: {exc}"))
-        code = EXIT_START
+        _send(conn, ("failed", spec.rank, f"{type(exc).__name__}: {exc}", False))
+        code = EXIT_ERROR
     finally:
         conn.close()
     # Leave without tearing the process group down: a peer may be gone, and destroying a gloo
@@ -100,7 +100,7 @@ def _start(spec: RankSpec):
         torch.cuda.set_device(spec.rank % torch.cuda.device_count())
     dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", store=store,
                             rank=spec.rank, world_size=spec.world_size, timeout=timeout)
-    engine = LLMEngine(spec.config)
+    engine = _build_engine(spec, store, LLMEngine)
     pc = spec.config.parallel
     agreement = StepAgreement(torch_gather(spec.world_size), spec.rank, spec.world_size,
                               engine.plan.max_k, pc.dp_rank_timeout_s, IDLE_POLL_S)
@@ -109,6 +109,23 @@ def _start(spec: RankSpec):
         share_cost_model(engine.scheduler.policy, spec.rank)
     dist.barrier()  # every rank built: the first step exchange starts on an even footing
     return engine, agreement
+
+
+def _build_engine(spec: RankSpec, store, engine_cls):  # type: ignore[no-untyped-def]
+    """Rank 0 builds first when the goodput policy profiles step costs: the other ranks then
+    read its cached table (same machine) instead of profiling all at once, contending for the
+    cores and measuring each other; only rank 0's table is used anyway (share_cost_model)."""
+    from dynaspec.spec_decode.k_policy import resolve_policy_name
+
+    sc = spec.config.spec
+    profiles = sc.speculator != "none" and resolve_policy_name(sc.k_policy, True) == "goodput"
+    key = "dynaspec/rank0-built"
+    if profiles and spec.rank != 0:
+        store.wait([key])
+    engine = engine_cls(spec.config)
+    if profiles and spec.rank == 0:
+        store.set(key, "1")
+    return engine
 
 
 def _ready(spec: RankSpec, engine) -> RankReady:  # type: ignore[no-untyped-def]
@@ -170,7 +187,11 @@ class RankLoop:
             self.engine.abort_request(msg[1])
             self.logprobs_sent.pop(msg[1], None)
         elif kind == "query":
-            self.conn.send(("reply", msg[1], self.rank, self._query(msg[2])))
+            try:
+                value = self._query(msg[2])
+            except Exception as exc:  # noqa: BLE001 - a failed check is the asker's answer
+                value = exc
+            self.conn.send(("reply", msg[1], self.rank, value))
         elif kind == "stop":
             self.stop_requested = True
 

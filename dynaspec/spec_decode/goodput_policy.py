@@ -173,6 +173,8 @@ class GoodputPolicy(TablePolicy):
     def _step_k(self, k: int, ctx: int, caps: dict, fixed: dict[str, int],
                 agreed: bool = False) -> StepK:
         per = self._per_request(caps, fixed, k)
+        if agreed:  # a probe cannot widen the step the ranks agreed on (K=0: no forward width)
+            per = {rid: min(n, k) for rid, n in per.items()}
         reasons = {}
         for rid, (cap, why) in caps.items():
             if per[rid] < cap:

@@ -62,6 +62,7 @@ def _run_ranks(make_policy, world: int, steps: int, seed: int):
                                           1000) for i in range(n))
                 d = pol.decide(StepView(views, n + rng.randrange(0, 2)))
                 logs[rank].append(d.k)
+                assert all(n <= d.k for n in d.per_request.values()), (d.k, d.per_request)
                 for rid, cap in d.per_request.items():  # local, rank-specific observations
                     pol.observe(rid, cap, rng.randrange(0, cap + 1), 10)
                     if rng.random() < 0.3:
