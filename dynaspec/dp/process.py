@@ -1,9 +1,12 @@
 """Rank processes: ``python -m dynaspec.dp.rank`` with its RankSpec pickled on stdin.
 
 A fresh interpreter rather than multiprocessing's spawn, so a user's script needs no
-``if __name__ == "__main__"`` guard (spawn re-imports the main module). The child asks the
-kernel to kill it when its parent dies (PR_SET_PDEATHSIG), so a front end killed outright
-leaves no rank behind; ``sentinel`` (a pidfd) lets the front end's pump wait on its exit.
+``if __name__ == "__main__"`` guard (spawn re-imports the main module). When started from the
+main thread the child asks the kernel to kill it when its parent dies (PR_SET_PDEATHSIG), so a
+front end killed outright leaves no rank behind. The kernel ties that signal to the *thread*
+that forked, so from any other thread (which may end long before the engine) it is not set;
+the rank still leaves on its own when its control channel closes. ``sentinel`` (a pidfd) lets
+the front end's pump wait on the exit.
 """
 
 from __future__ import annotations
@@ -13,16 +16,24 @@ import pickle
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 from dynaspec.dp.messages import RankSpec
+
+PDEATHSIG_ENV = "DYNASPEC_DP_PDEATHSIG"
 
 
 class RankProcess:
     def __init__(self, spec: RankSpec) -> None:
         self.rank = spec.rank
+        env = dict(os.environ)
+        env[PDEATHSIG_ENV] = "1" if threading.current_thread() is threading.main_thread() else "0"
+        # The child imports the same dynaspec as this process, whatever its working directory.
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         self._popen = subprocess.Popen([sys.executable, "-m", "dynaspec.dp.rank"],
-                                       stdin=subprocess.PIPE, close_fds=True)
+                                       stdin=subprocess.PIPE, close_fds=True, env=env)
         assert self._popen.stdin is not None
         self._popen.stdin.write(pickle.dumps(spec))
         self._popen.stdin.close()
@@ -56,6 +67,8 @@ class RankProcess:
 
 def die_with_parent() -> None:
     """Linux: SIGKILL this process when its parent exits (best effort elsewhere)."""
+    if os.environ.get(PDEATHSIG_ENV) != "1":
+        return
     try:
         import ctypes
 

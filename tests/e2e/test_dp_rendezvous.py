@@ -61,3 +61,27 @@ def test_multi_machine_without_secret_is_refused(tiny_llama_dir, monkeypatch):
     monkeypatch.delenv(SECRET_ENV, raising=False)
     with pytest.raises(ValueError, match=SECRET_ENV):
         LLM(model=tiny_llama_dir, data_parallel_size=2, dp_local_size=1, dp_master_port=29555)
+
+
+def test_front_end_killed_outright_leaves_no_rank(tiny_llama_dir, tmp_path):
+    """SIGKILL the front end (no shutdown code runs): the kernel takes its ranks down too."""
+    script = tmp_path / "front.py"
+    script.write_text(  # no __main__ guard needed: ranks are fresh interpreters
+        "import sys, time\n"
+        "from dynaspec import LLM\n"
+        f"llm = LLM(model={tiny_llama_dir!r}, dtype='float32', num_kv_blocks=32, data_parallel_size=2)\n"
+        "print(' '.join(map(str, llm.engine.rank_pids().values())), flush=True)\n"
+        "time.sleep(600)\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    front = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": root})
+    try:
+        pids = [int(p) for p in front.stdout.readline().split()]
+        assert len(pids) == 2 and all(os.path.exists(f"/proc/{p}") for p in pids)
+        front.kill()
+        front.wait(10)
+        assert_processes_gone(pids)
+    finally:
+        if front.poll() is None:
+            front.kill()
+            front.wait()
