@@ -18,7 +18,8 @@ from tests.e2e.conftest import assert_greedy_equal
 from tests.e2e.dp_helpers import assert_processes_gone
 from tests.server.conftest import MODEL, LiveServer
 
-DP_KWARGS = dict(data_parallel_size=2, dtype="float32", num_kv_blocks=128, max_num_seqs=8,
+DP_KWARGS = dict(data_parallel_size=2, dtype="float32", num_kv_blocks=128, max_num_seqs=4,
+                 max_model_len=256,
                  speculator="ngram", num_spec_tokens=3, dp_rank_timeout_s=5.0)
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time there was",
            "1, 2, 3, 4, 5,"]
@@ -71,6 +72,10 @@ def test_metrics_label_each_rank_and_sum_them(server):
     steps = "dynaspec:spec_decode_steps_total"
     assert _metric(text, steps, "all") == _metric(text, steps, "0") + _metric(text, steps, "1")
     assert text.count("# TYPE dynaspec:spec_decode_steps_total counter") == 1  # one family
+    # The goodput policy (the default) decided K from the shared state: one K per tick.
+    logs = [{t[0]: t[1] for t in log} for log in server.on_engine(lambda e: e.query("decisions"))]
+    common = set(logs[0]) & set(logs[1])
+    assert len(common) >= 10 and all(logs[0][t] == logs[1][t] for t in common)
     health = httpx.get(server.url + "/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"
 
