@@ -54,28 +54,10 @@ class DPMetrics:
     def observe_finished(self, times: FinishedRequestTimes) -> None: ...
 
     def render(self) -> bytes:
-        from prometheus_client import CollectorRegistry, generate_latest
+        from dynaspec.metrics.prometheus import render_merged
 
         with self.lock:
-            families: dict[str, object] = {}
-            for m in [*self.ranks, self.total]:
-                for fam in m.registry.collect():
-                    merged = families.get(fam.name)
-                    if merged is None:
-                        families[fam.name] = fam
-                    else:
-                        merged.samples.extend(fam.samples)  # type: ignore[attr-defined]
-            registry = CollectorRegistry(auto_describe=False)
-            registry.register(_Fixed(list(families.values())))
-            return generate_latest(registry)
-
-
-class _Fixed:
-    def __init__(self, families: list) -> None:
-        self.families = families
-
-    def collect(self):  # type: ignore[no-untyped-def]
-        return iter(self.families)
+            return render_merged([*self.ranks, self.total])
 
 
 def sum_snapshots(snaps: list[EngineSnapshot]) -> EngineSnapshot:

@@ -35,6 +35,7 @@ log = logging.getLogger("dynaspec.dp")
 IDLE_POLL_S = 1.0
 EXIT_COLLECTIVE = 3
 EXIT_ERROR = 4
+HEARTBEAT_TICKS = 5  # an idle rank reports at least every this many ticks (liveness)
 
 
 def rank_main(spec: RankSpec) -> None:
@@ -141,6 +142,8 @@ class RankLoop:
         self.logprobs_sent: dict[str, int] = {}
         self.errors: list[RankOutput] = []  # adds the engine refused, reported with the next tick
         self.last_step = None
+        self.last_snapshot: EngineSnapshot | None = None
+        self.quiet_ticks = 0
 
     def run(self) -> int:
         a, eng = self.agreement, self.engine
@@ -220,9 +223,14 @@ class RankLoop:
         del eng.finished_times[:len(times)]
         step = eng.last_step if ran and eng.last_step is not self.last_step else None
         self.last_step = eng.last_step
-        self.conn.send(TickReport(self.rank, self.agreement.last.index, outputs, step,
-                                  _snapshot(eng), times, eng.kv.num_free_blocks(),
-                                  eng.kv.num_blocks))
+        snap = _snapshot(eng)
+        self.quiet_ticks += 1
+        if not outputs and step is None and not times and snap == self.last_snapshot \
+                and self.quiet_ticks < HEARTBEAT_TICKS:
+            return  # nothing new on an idle tick: only every few ticks a heartbeat
+        self.quiet_ticks, self.last_snapshot = 0, snap
+        self.conn.send(TickReport(self.rank, self.agreement.last.index, outputs, step, snap,
+                                  times, eng.kv.num_free_blocks(), eng.kv.num_blocks))
 
     def _output(self, out) -> RankOutput:  # type: ignore[no-untyped-def]
         new_lp = None

@@ -20,7 +20,7 @@ from tests.server.conftest import MODEL, LiveServer
 
 DP_KWARGS = dict(data_parallel_size=2, dtype="float32", num_kv_blocks=128, max_num_seqs=4,
                  max_model_len=256,
-                 speculator="ngram", num_spec_tokens=3, dp_rank_timeout_s=5.0)
+                 speculator="ngram", num_spec_tokens=3)
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time there was",
            "1, 2, 3, 4, 5,"]
 
