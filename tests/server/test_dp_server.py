@@ -81,7 +81,7 @@ def test_metrics_label_each_rank_and_sum_them(server):
 
 
 async def _cut_after_two_chunks(url: str) -> bool:
-    body = {"model": MODEL, "prompt": "Tell me a long story about a dragon", "max_tokens": 300,
+    body = {"model": MODEL, "prompt": "Tell me a long story about a dragon", "max_tokens": 200,
             "temperature": 0, "ignore_eos": True, "stream": True}
     async with httpx.AsyncClient(timeout=120) as http:
         async with http.stream("POST", url + "/v1/completions", json=body) as resp:
