@@ -32,8 +32,9 @@ from multiprocessing.connection import Connection, Listener, wait
 from dynaspec.config import EngineConfig
 from dynaspec.dp.messages import RankReady, RankSpec, TickReport
 from dynaspec.dp.metrics import DPMetrics, sum_snapshots
+from dynaspec.dp.failure import FailureWatch, reap
 from dynaspec.dp.process import RankProcess
-from dynaspec.dp.rank import EXIT_COLLECTIVE, IDLE_POLL_S, spawn_spec
+from dynaspec.dp.rank import spawn_spec
 from dynaspec.dp.rendezvous import resolve, threads_per_rank
 from dynaspec.engine.llm_engine import check_prompt_ids
 from dynaspec.metrics.stats import EngineSnapshot, SpecCounters, fold_step
@@ -42,9 +43,6 @@ from dynaspec.sampling_params import SamplingParams
 from dynaspec.server.async_engine import EngineUnavailable
 
 log = logging.getLogger("dynaspec.dp")
-
-SETTLE_S = 1.0  # after a first sign of failure, how long to gather the peers' reports
-
 
 @dataclass
 class _Record:
@@ -115,7 +113,7 @@ class DPEngine:
         self._ids = itertools.count()
         self._send_lock = threading.Lock()
         self._closing = False
-        self._watch = _FailureWatch(self)
+        self._watch = FailureWatch(self)
         self.kv, self.scheduler = _KVView(self), _SchedulerView(self)
         try:
             self._start()
@@ -393,7 +391,7 @@ class DPEngine:
         self._closing = True
         for rank in list(self.conns):
             self._send(rank, ("stop",))
-        _reap(self.procs, timeout_s)
+        reap(self.procs, timeout_s)
         for conn in list(self.conns.values()):
             conn.close()
         self.conns.clear()
@@ -405,90 +403,3 @@ class DPEngine:
             atexit.unregister(self.shutdown)
         except Exception:  # noqa: BLE001
             pass
-
-
-def _reap(procs: dict, timeout_s: float) -> None:
-    """Join, then SIGTERM, then SIGKILL (a stopped process only dies by SIGKILL)."""
-    deadline = time.monotonic() + timeout_s
-    for p in procs.values():
-        p.join(max(0.0, deadline - time.monotonic()))
-    for sig in ("terminate", "kill"):
-        alive = [p for p in procs.values() if p.is_alive()]
-        for p in alive:
-            getattr(p, sig)()
-        for p in alive:
-            p.join(3.0)
-    procs.clear()
-
-
-class _FailureWatch:
-    """Runs on the pump thread: turns exits, closed channels, peer reports and silence into one
-    verdict naming the failed rank(s), then stops the engine (module docstring)."""
-
-    def __init__(self, eng: DPEngine) -> None:
-        self.eng = eng
-        self.exited: set[int] = set()
-        self.dead: dict[int, str] = {}
-        self.reported: set[int] = set()  # ranks that saw the exchange fail (alive, victims)
-        self.first: float | None = None
-        self.last_heard: dict[int, float] = {}
-        self.longest_gap = 0.0
-
-    def heard(self, rank: int, msg: object) -> None:
-        now = time.monotonic()
-        if rank in self.last_heard:
-            self.longest_gap = max(self.longest_gap, now - self.last_heard[rank])
-        self.last_heard[rank] = now
-        if isinstance(msg, tuple) and msg[0] == "failed" and len(self.eng.ready) == self.eng.world_size:
-            _, _, text, victim = msg
-            if victim:  # its step exchange failed: a peer is the culprit
-                self.reported.add(rank)
-            else:
-                self.dead[rank] = f"failed: {text}"
-            self._problem()
-
-    def on_exit(self, rank: int, code: int | None) -> None:
-        if code == EXIT_COLLECTIVE:
-            self.reported.add(rank)  # it left because a peer failed: a victim, not the culprit
-        if rank not in self.reported and rank not in self.dead and not self.eng._closing:
-            self.dead[rank] = f"died (exit code {code})"
-            self._problem()
-
-    def on_eof(self, rank: int) -> None:
-        if rank not in self.reported and not self.eng._closing and rank not in self.procs_local():
-            self.dead[rank] = "closed its control channel (process or machine gone)"
-            self._problem()
-
-    def procs_local(self) -> set[int]:
-        return set(self.eng.procs)  # local ranks are judged by their exit, not their channel
-
-    def _problem(self) -> None:
-        if self.first is None:
-            self.first = time.monotonic()
-
-    def check(self) -> None:
-        eng = self.eng
-        if eng.failure is not None or eng._closing or len(eng.ready) < eng.world_size:
-            return
-        now = time.monotonic()
-        pc = eng.config.parallel
-        silence = 2 * (pc.dp_rank_timeout_s + IDLE_POLL_S) + 2 * self.longest_gap
-        for rank, t in self.last_heard.items():
-            if now - t > silence and rank not in self.dead and rank not in self.reported:
-                self._problem()  # nobody reported yet, but this rank went quiet
-        if self.first is None or now - self.first < SETTLE_S:
-            return
-        culprits = dict(self.dead)
-        if not culprits:
-            quiet = sorted(set(range(eng.world_size)) - self.reported)
-            culprits = {r: f"stopped answering (no step within {pc.dp_rank_timeout_s:.1f} s past "
-                           "the longest step)" for r in quiet}
-        if not culprits:
-            culprits = {r: "lost its peers" for r in range(eng.world_size)}
-        eng._culprits = culprits
-        eng.failure = "; ".join(f"data-parallel rank {r} {why}" for r, why in sorted(culprits.items()))
-        log.error("%s: failing its requests and shutting the data-parallel engine down", eng.failure)
-        eng._inbox.put(("failure", -1, None))  # wake step() so in-flight requests fail now
-        for rank in list(eng.conns):
-            eng._send(rank, ("stop",))
-        _reap(eng.procs, 2.0)
