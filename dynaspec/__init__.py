@@ -2,6 +2,7 @@
 
 from dynaspec.config import EngineConfig
 from dynaspec.sampling_params import SamplingParams
+from dynaspec.structured.params import StructuredOutputParams
 
 
 def __getattr__(name: str):
@@ -12,4 +13,4 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputParams", "EngineConfig"]

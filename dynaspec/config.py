@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field
 
 _DTYPES = ("bfloat16", "float32", "float16", "auto")
+_QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -42,12 +43,28 @@ class ModelConfig:
     device: str = "auto"  # auto = cuda if available else cpu
     max_model_len: int | None = None  # None = the model's own limit
     seed: int = 0
+    # auto: a GGUF's Q4_0/Q4_1/Q8_0 weights run as int4/int8 weight-only kernels, HF weights as
+    # they are; int8/int4: HF weights quantized at load too; none: everything dequantized
+    # (the reference path). Only on the CPU in bf16; auto falls back to none elsewhere.
+    quantization: str = "auto"
+    # Steps with more tokens than this run a bf16 copy of the quantized weights (the int kernels
+    # lose to oneDNN's bf16 GEMM on wide steps); 0 keeps no copy and always runs the int kernels.
+    quant_dense_above: int = 8
+    # auto: the in-place C++ paged kernel on the CPU when it builds here (else eager); eager:
+    # gather + SDPA (the reference); cpu_paged: the kernel, an error if it cannot be built.
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}: choose one of {', '.join(_DTYPES)}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"unknown device {self.device!r}: choose auto, cpu or cuda")
+        if self.quantization not in _QUANTIZATIONS:
+            raise ValueError(f"unknown quantization {self.quantization!r}: choose one of {', '.join(_QUANTIZATIONS)}")
+        if self.attention_backend not in ("auto", "eager", "cpu_paged"):
+            raise ValueError(f"unknown attention_backend {self.attention_backend!r}: choose auto, eager or cpu_paged")
+        if self.quant_dense_above < 0:
+            raise ValueError(f"quant_dense_above must be >= 0, got {self.quant_dense_above}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
@@ -80,19 +97,53 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
 
 
+_SPECULATORS = ("none", "ngram", "draft", "suffix")
+_REJECTION_MODES = ("strict", "synthetic")
+
+
+def parse_rates(value: object) -> tuple[float, ...]:
+    """Synthetic acceptance rates from "0.9" / "0.9,0.7" / 0.9 / [0.9, 0.7]; each in [0, 1]."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        parts = [p.strip() for p in value.split(",") if p.strip()]
+    elif isinstance(value, (int, float)):
+        parts = [value]
+    else:
+        parts = list(value)  # type: ignore[call-overload]
+    try:
+        rates = tuple(float(p) for p in parts)
+    except (TypeError, ValueError):
+        raise ValueError(f"synthetic acceptance must be rates like 0.9 or 0.9,0.7, got {value!r}") from None
+    bad = [r for r in rates if not 0.0 <= r <= 1.0]
+    if not rates or bad:
+        raise ValueError(f"synthetic acceptance rates must be in [0, 1], got {value!r}")
+    return rates
+
+
 @dataclass(frozen=True)
 class SpecConfig:
-    speculator: str = "none"  # none | ngram | draft
+    speculator: str = "none"  # none | ngram | draft | suffix
     num_spec_tokens: int = 0
     k_schedule: str | None = None  # JSON text or a path to a JSON file
     k_policy: str = "auto"  # auto (= goodput with a drafter) | goodput | table | adaptive
     draft_model: str | None = None
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
+    # Suffix decoding, with vLLM's meanings and defaults (suffix_decoding_*); see spec_decode/suffix.py.
+    suffix_max_depth: int = 24  # match length + draft length
+    suffix_spec_factor: float = 1.0  # drafts <= factor * match length
+    suffix_min_token_prob: float = 0.1  # stop before a token less likely than this
+    suffix_cache_max_requests: int = 10000  # outputs in the global cache; 0 = no global cache
+    suffix_cache_max_tokens: int = 1_000_000  # tokens in the global cache
+    # strict = lossless verification; synthetic = accept drafts at `synthetic_acceptance`
+    # (per-position conditional rates; the last applies to every later position). NOT lossless.
+    rejection_mode: str = "strict"
+    synthetic_acceptance: str | float | tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
-        if self.speculator not in ("none", "ngram", "draft"):
-            raise ValueError(f"unknown speculator {self.speculator!r}: choose none, ngram or draft")
+        if self.speculator not in _SPECULATORS:
+            raise ValueError(f"unknown speculator {self.speculator!r}: choose {', '.join(_SPECULATORS)}")
         if self.num_spec_tokens < 0:
             raise ValueError(f"num_spec_tokens must be >= 0, got {self.num_spec_tokens}")
         if self.speculator != "none" and self.num_spec_tokens == 0 and self.k_schedule is None:
@@ -106,6 +157,75 @@ class SpecConfig:
                 "need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                 f"{self.prompt_lookup_min}..{self.prompt_lookup_max}"
             )
+        self._check_suffix()
+        self._check_rejection_mode()
+
+    def _check_suffix(self) -> None:
+        if self.suffix_max_depth < 3:
+            raise ValueError(f"suffix_max_depth must be >= 3, got {self.suffix_max_depth}")
+        if not self.suffix_spec_factor > 0:
+            raise ValueError(f"suffix_spec_factor must be > 0, got {self.suffix_spec_factor}")
+        if not 0.0 <= self.suffix_min_token_prob <= 1.0:
+            raise ValueError(f"suffix_min_token_prob must be in [0, 1], got {self.suffix_min_token_prob}")
+        if self.suffix_cache_max_requests < 0:
+            raise ValueError(f"suffix_cache_max_requests must be >= 0, got {self.suffix_cache_max_requests}")
+        if self.suffix_cache_max_tokens < 1:
+            raise ValueError(f"suffix_cache_max_tokens must be >= 1, got {self.suffix_cache_max_tokens}")
+
+    def _check_rejection_mode(self) -> None:
+        if self.rejection_mode not in _REJECTION_MODES:
+            raise ValueError(f"unknown rejection_mode {self.rejection_mode!r}: choose strict or synthetic")
+        rates = parse_rates(self.synthetic_acceptance)  # validates the format either way
+        if self.rejection_mode == "synthetic":
+            if not rates:
+                raise ValueError("--rejection-mode synthetic needs --synthetic-acceptance RATE[,RATE...]")
+            if self.speculator == "none":
+                raise ValueError("--rejection-mode synthetic needs a --speculator to draft tokens")
+        elif rates:
+            raise ValueError("--synthetic-acceptance only applies with --rejection-mode synthetic")
+
+    @property
+    def acceptance_rates(self) -> tuple[float, ...]:
+        return parse_rates(self.synthetic_acceptance)
+
+    @property
+    def lossless(self) -> bool:
+        """False when verification does not follow the target (synthetic mode)."""
+        return self.rejection_mode == "strict"
+
+
+@dataclass(frozen=True)
+class StructuredOutputConfig:
+    structured_output_backend: str = "xgrammar"
+    # False: JSON grammars emit compact JSON (", " and ": " separators, no free whitespace), so a
+    # small model cannot loop on newlines inside an object; True allows any JSON whitespace.
+    structured_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        if self.structured_output_backend != "xgrammar":
+            raise ValueError(f"unknown structured_output_backend {self.structured_output_backend!r}:"
+                             " choose xgrammar")
+
+
+@dataclass(frozen=True)
+class ExecutionConfig:
+    """How decode/verify steps run (DESIGN §6): `eager` never compiles; `compiled` runs every
+    shape of the grid on the fixed-shape path (torch.compile on CPU, CUDA graphs on CUDA);
+    `auto` runs compiled only where the admission table measured it faster (else eager)."""
+
+    execution: str = "auto"  # eager | compiled | auto
+    admission: str | None = None  # admission JSON; default: next to a --k-schedule file
+    compile_budget_s: float = 900.0  # total build seconds; shapes past it run eager
+    precompile: bool = False  # build every fixed-shape grid shape at start-up, not on first use
+    # torch.compile backend on the CPU: inductor (the real path); aot_eager traces and runs the
+    # same fixed-shape graph without code generation (fast to build; used by tests).
+    compile_backend: str = "inductor"
+
+    def __post_init__(self) -> None:
+        if self.execution not in ("eager", "compiled", "auto"):
+            raise ValueError(f"unknown execution {self.execution!r}: choose eager, compiled or auto")
+        if self.compile_budget_s < 0:
+            raise ValueError(f"compile_budget_s must be >= 0, got {self.compile_budget_s}")
 
 
 @dataclass(frozen=True)
@@ -149,6 +269,8 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    structured: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
+    execution: ExecutionConfig = field(default_factory=ExecutionConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @staticmethod
@@ -160,6 +282,8 @@ class EngineConfig:
             "scheduler": SchedulerConfig,
             "spec": SpecConfig,
             "observability": ObservabilityConfig,
+            "structured": StructuredOutputConfig,
+            "execution": ExecutionConfig,
             "parallel": ParallelConfig,
         }
         values: dict[str, dict] = {name: {} for name in parts}

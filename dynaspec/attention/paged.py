@@ -4,6 +4,8 @@ A step's tokens are flat: request i owns `query_lens[i]` consecutive tokens. Req
 query tokens (decodes and speculative verifies, 1+k each) form one padded batch and run a single
 SDPA call per layer; long prefill chunks run one SDPA call each. The KV of every request is
 gathered from its slots by an index built once per step and shared by all layers.
+
+`EagerPagedBackend` is this module behind the attention seam (`dynaspec.attention.backend`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from dynaspec.attention.backend import AttentionBatch, register_backend
 
 # Requests with at most this many query tokens join the padded short batch.
 SHORT_QUERY_MAX = 16
@@ -115,7 +119,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     out = torch.empty_like(q)
     if md.short is not None:
         _short_attention(q, kv_cache, md.short, scale, out)
-    for seq in md.long:
+    long_attention(q, k, v, kv_cache, md.long, scale, out)
+    return out
+
+
+def long_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                   seqs: list[LongSeq], scale: float, out: torch.Tensor) -> None:
+    """One SDPA call per prefill chunk, into its rows of out (the step's K/V already written)."""
+    for seq in seqs:
         s, e = seq.token_start, seq.token_start + seq.query_len
         qi = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
         if seq.kv_slots is None:
@@ -130,7 +141,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
                                            vi.transpose(0, 1).unsqueeze(0), attn_mask=mask,
                                            is_causal=causal, scale=scale, enable_gqa=True)
         out[s:e] = o[0].transpose(0, 1)
-    return out
 
 
 def _short_attention(q: torch.Tensor, kv_cache: torch.Tensor, g: ShortGroup, scale: float,
@@ -157,3 +167,23 @@ def _short_attention(q: torch.Tensor, kv_cache: torch.Tensor, g: ShortGroup, sca
         out[g.token_start: g.token_start + g.num_reqs * g.width] = o.reshape(-1, H, D)
     else:
         out[g.token_index[g.token_valid]] = o[g.token_valid]
+
+
+class EagerPagedBackend:
+    """Any flat mixed batch; padded rows of a fixed-shape batch are not needed (it is ragged)."""
+
+    name = "eager"
+
+    def supports(self, batch: AttentionBatch) -> bool:
+        return True
+
+    def build_metadata(self, batch: AttentionBatch) -> AttentionMetadata:
+        return build_metadata(list(batch.query_lens), list(batch.context_lens),
+                              [list(t) for t in batch.block_tables], batch.block_size, batch.device)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                md: AttentionMetadata, scale: float) -> torch.Tensor:
+        return paged_attention(q, k, v, kv_cache, md, scale)
+
+
+register_backend(EagerPagedBackend.name, EagerPagedBackend)

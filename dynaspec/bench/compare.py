@@ -138,19 +138,29 @@ class EngineArm:
         e = self.engine
         return {"kind": "engine", "label": self.label, "pool": e.pool_report(),
                 "plan": e.plan.summary(), "weight_bytes_per_step": e.parts.model.weight_bytes_per_step(),
-                "dtype": str(e.parts.model.dtype), "prefix_caching": self.kwargs.get("enable_prefix_caching")}
+                "dtype": str(e.parts.model.dtype), "prefix_caching": self.kwargs.get("enable_prefix_caching"),
+                "execution": e.exec_plan.mode,
+                "build_seconds": {f"{b}x{w}": round(t, 2) for (b, w), t in
+                                  getattr(e.runner.executor, "build_seconds", {}).items()}}
 
     def run(self, items: Sequence[WorkItem], params: Sequence[SamplingParams], concurrency: int,
             tag: str) -> RunRecord:
         e = self.engine
+        # Every pass starts with an empty suffix cache: one holding the previous pass's outputs
+        # of these same prompts would draft them almost perfectly, which no real traffic sees.
+        getattr(e, "reset_drafter_cache", lambda: None)()
         c0, p0, t0 = e.counters, e.scheduler.num_preemptions, asdict(e.times)
+        steps_now = lambda: dict(getattr(e, "execution_steps", {}))  # noqa: E731
+        x0 = steps_now()
         rec = RunRecord(tag.split("-")[0], -1, 0, 0.0)
         streamed = run_closed_loop(e, items, params, concurrency, rec, tag)
         delta = e.counters - c0
         rec.spec = delta.to_dict()
         rec.census = {"steps": delta.num_steps, "steps_by_k": rec.spec["steps_by_k"],
                       "draft_skips": rec.spec["draft_skips"],
-                      "preemptions": e.scheduler.num_preemptions - p0}
+                      "preemptions": e.scheduler.num_preemptions - p0,
+                      "execution": {f"{p}/{w}": n - x0.get((p, w), 0)
+                                    for (p, w), n in steps_now().items() if n > x0.get((p, w), 0)}}
         rec.phase_s = {k: v - t0[k] for k, v in asdict(e.times).items()}
         rec.identity_violations = _violations(e, delta, streamed, rec.tokens)
         e.finished_times.clear()  # the server drains this; nothing does here
@@ -228,7 +238,8 @@ def summarize_arm(recs: list[RunRecord], describe: dict) -> dict:
     census = {"steps": sum(r.census.get("steps", 0) for r in recs),
               "steps_by_k": _sum_maps([r.census.get("steps_by_k", {}) for r in recs]),
               "draft_skips": _sum_maps([r.census.get("draft_skips", {}) for r in recs]),
-              "preemptions": sum(r.census.get("preemptions", 0) for r in recs)}
+              "preemptions": sum(r.census.get("preemptions", 0) for r in recs),
+              "execution": _sum_maps([r.census.get("execution", {}) for r in recs])}
     phases = _sum_maps([r.phase_s for r in recs]) if recs[0].phase_s else {}
     return {**describe, "tokens_per_s": tps,
             "tokens_per_s_mean": sum(tps) / len(tps),
@@ -322,6 +333,11 @@ def markdown_report(report: dict, arm_names: Sequence[str]) -> str:
                      f"{pos} | {sp['draft_seconds']:.2f} / {sp['verify_seconds']:.2f} "
                      f"({_num(sp['draft_share'], '.1%')}) | {by_k} | "
                      f"{c['draft_skips'] or '-'} |")
+    lines += ["", "| arm | steps by execution path/width | compile/capture s per shape |", "|---|---|---|"]
+    for n in arm_names:
+        s = report.get(n)
+        if s is not None and "census" in s:
+            lines.append(f"| {n} | {s['census'].get('execution') or '-'} | {s.get('build_seconds') or '-'} |")
     lines += ["", "| ratio (tok/s) | paired geometric mean | 95% CI | outputs identical to A |", "|---|---|---|---|"]
     for n, r in report["ratios"].items():
         o = r["outputs_vs_a"]

@@ -198,9 +198,11 @@ def _write_outputs(args: argparse.Namespace, report: dict, md: str, arm_names: l
         json.dump(report, fh, indent=1)
     with open(os.path.join(args.out, "compare.md"), "w") as fh:
         fh.write(md + "\n")
+    from dynaspec.extras import MissingExtraError
+
     try:
         from dynaspec.bench.plots import plot_compare
         for path in plot_compare(report, arm_names, args.out):
             _say(f"wrote {path}")
-    except RuntimeError as exc:  # matplotlib missing: the numbers are still written
+    except MissingExtraError as exc:  # matplotlib missing: the numbers are still written
         _say(f"no plots: {exc}")

@@ -12,6 +12,7 @@ from dataclasses import asdict
 import torch
 
 from dynaspec.engine.llm_engine import LLMEngine, StepTimes
+from dynaspec.models.quant_linear import cpu_info
 from dynaspec.sampling_params import SamplingParams
 
 
@@ -46,7 +47,7 @@ def run_decode(engine: LLMEngine, batch: int, prompt_len: int, gen_tokens: int) 
     t = engine.times
     split = {k: v / max(t.steps, 1) * 1e3 for k, v in asdict(t).items() if k != "steps"}
     step_ms = elapsed / max(t.steps, 1) * 1e3
-    return {"batch": batch, "tokens_per_s": tokens / elapsed, "step_ms": step_ms,
+    return {"batch": batch, "context": prompt_len, "tokens_per_s": tokens / elapsed, "step_ms": step_ms,
             "steps": t.steps, "phase_ms": split,
             "outside_forward_pct": 100 * (1 - split["forward"] / step_ms) if step_ms else 0.0}
 
@@ -54,16 +55,18 @@ def run_decode(engine: LLMEngine, batch: int, prompt_len: int, gen_tokens: int) 
 def report(engine: LLMEngine, results: list[dict], bandwidth: float) -> str:
     wbytes = engine.parts.model.weight_bytes_per_step()
     limit_step_s = wbytes / bandwidth
-    lines = [f"model {engine.parts.model_name}, dtype {engine.parts.model.dtype}, "
-             f"{torch.get_num_threads()} threads",
-             f"weights read per step: {wbytes / 1e6:.1f} MB; read bandwidth {bandwidth / 1e9:.1f} GB/s; "
-             f"bandwidth-limited step {limit_step_s * 1e3:.2f} ms",
-             "| batch | tok/s | step ms | limit tok/s | % of limit | schedule | prepare | forward | sample | update | outside fwd |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    m = engine.parts.model
+    lines = [f"model {engine.parts.model_name}, dtype {m.dtype}, quantization {m.weights.mode}, "
+             f"attention {m.attn.name}, {torch.get_num_threads()} threads",
+             f"CPU: {cpu_info().summary()}",
+             f"weights read per step (kernel formats): {wbytes / 1e6:.1f} MB; read bandwidth "
+             f"{bandwidth / 1e9:.1f} GB/s; bandwidth-limited step {limit_step_s * 1e3:.2f} ms",
+             "| batch | context | tok/s | step ms | limit tok/s | % of limit | schedule | prepare | forward | sample | update | outside fwd |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         limit = r["batch"] / limit_step_s
         p = r["phase_ms"]
-        lines.append(f"| {r['batch']} | {r['tokens_per_s']:.1f} | {r['step_ms']:.2f} | {limit:.1f} | "
+        lines.append(f"| {r['batch']} | {r['context']} | {r['tokens_per_s']:.1f} | {r['step_ms']:.2f} | {limit:.1f} | "
                      f"{100 * r['tokens_per_s'] / limit:.0f}% | {p['schedule']:.2f} | {p['prepare']:.2f} | "
                      f"{p['forward']:.2f} | {p['sample']:.2f} | {p['update']:.2f} | "
                      f"{r['outside_forward_pct']:.1f}% |")

@@ -20,7 +20,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-import httpx
+from dynaspec.extras import require
+
+httpx = require("httpx", "bench", "the load test")
 
 PROMPTS = [
     "Write a haiku about the sea.", "The capital of France is", "List three prime numbers:",

@@ -81,7 +81,7 @@ class HFArm:
             import torch
             import transformers
         except ImportError:
-            raise PeerUnavailable("peer hf needs transformers (pip install transformers)") from None
+            raise PeerUnavailable("peer hf needs transformers: pip install 'dynaspec[peers]'") from None
         if mode != "plain" and concurrency != 1:
             raise PeerUnavailable(f"peer hf {mode} runs at concurrency 1 only (transformers supports "
                                   f"{mode} for one sequence); got {concurrency}")

@@ -11,10 +11,9 @@ from typing import Sequence
 
 
 def _pyplot():
-    try:
-        import matplotlib
-    except ImportError:
-        raise RuntimeError("plots need matplotlib (pip install matplotlib)") from None
+    from dynaspec.extras import require
+
+    matplotlib = require("matplotlib", "bench", "plots")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt

@@ -13,7 +13,6 @@ from dataclasses import asdict, dataclass
 from typing import Iterable, Sequence
 
 import numpy as np
-from scipy import stats as _st
 
 
 @dataclass(frozen=True)
@@ -58,8 +57,71 @@ def paired_ratio(a: Sequence[float], b: Sequence[float], confidence: float = 0.9
     if n < 2:
         return RatioEstimate(math.exp(mean), None, None, n, confidence, None)
     sd = float(d.std(ddof=1))
-    half = float(_st.t.ppf((1 + confidence) / 2, n - 1)) * sd / math.sqrt(n)
+    half = t_quantile((1 + confidence) / 2, n - 1) * sd / math.sqrt(n)
     return RatioEstimate(math.exp(mean), math.exp(mean - half), math.exp(mean + half), n, confidence, sd)
+
+
+def t_quantile(p: float, df: int) -> float:
+    """The p-quantile of Student's t with df degrees of freedom (what scipy's t.ppf returns).
+
+    Computed here so the bench needs only numpy: bisection on the CDF, whose tail is
+    0.5 * I_{df/(df+t^2)}(df/2, 1/2) (the regularized incomplete beta, below), to 1e-12.
+    """
+    if not 0 < p < 1:
+        raise ValueError(f"quantile level must be in (0, 1), got {p}")
+    if df < 1:
+        raise ValueError(f"degrees of freedom must be >= 1, got {df}")
+    if p == 0.5:
+        return 0.0
+    target = max(p, 1 - p)  # solve in the upper half, mirror for the lower
+    lo, hi = 0.0, 1.0
+    while _t_cdf(hi, df) < target:
+        hi *= 2
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _t_cdf(mid, df) < target else (lo, mid)
+        if hi - lo <= 1e-12 * max(1.0, hi):
+            break
+    t = (lo + hi) / 2
+    return t if p > 0.5 else -t
+
+
+def _t_cdf(t: float, df: int) -> float:
+    """P(T <= t) for t >= 0."""
+    return 1.0 - 0.5 * _betainc(df / 2, 0.5, df / (df + t * t))
+
+
+def _betainc(a: float, b: float, x: float) -> float:
+    """Regularized incomplete beta I_x(a, b), by its continued fraction (modified Lentz)."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    if x > (a + 1) / (a + b + 2):  # the fraction converges fast only below this point
+        return 1.0 - _betainc(b, a, 1.0 - x)
+    log_front = a * math.log(x) + b * math.log1p(-x) - math.log(a) - _log_beta(a, b)
+    tiny, c, d = 1e-300, 1.0, 0.0
+    f = None
+    for i in range(400):
+        m = i // 2
+        if i == 0:
+            num = 1.0
+        elif i % 2 == 0:
+            num = m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m))
+        else:
+            num = -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))
+        d = 1.0 + num * d
+        d = 1.0 / (d if abs(d) > tiny else tiny)
+        c = 1.0 + num / c
+        c = c if abs(c) > tiny else tiny
+        f = c * d if f is None else f * c * d
+        if abs(c * d - 1.0) < 1e-15:
+            break
+    return math.exp(log_front) * (f - 1.0)
+
+
+def _log_beta(a: float, b: float) -> float:
+    return math.lgamma(a) + math.lgamma(b) - math.lgamma(a + b)
 
 
 def percentile(values: Iterable[float], q: float) -> float | None:

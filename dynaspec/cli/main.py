@@ -7,6 +7,8 @@ import importlib
 import logging
 import sys
 
+from dynaspec.extras import MissingExtraError
+
 # Subcommand modules; each exposes register(subparsers) and sets args.func.
 _COMMANDS = ["dynaspec.cli.generate", "dynaspec.cli.schedule_cmd", "dynaspec.cli.bench_cmd",
              "dynaspec.cli.serve_cmd", "dynaspec.cli.tune_cmd", "dynaspec.cli.dp_worker_cmd"]
@@ -32,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, MissingExtraError) as exc:
         print(f"dynaspec: error: {exc}", file=sys.stderr)
         return 2
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import TextIO
 
@@ -33,11 +34,19 @@ def register(subparsers) -> None:
                          help="runtime maximum K; every entry is clamped to it (0 = the schedule's own maximum)")
     explain.add_argument("--k-schedule", default=None,
                          help="JSON (constant, batch rows, grid rows, tuned table) or a path to a JSON file")
-    explain.add_argument("--speculator", default="ngram", choices=("none", "ngram", "draft"))
+    explain.add_argument("--speculator", default="ngram", choices=("none", "ngram", "draft", "suffix"))
     explain.add_argument("--drafter-max-k", type=int, default=None,
                          help="the drafter's own K limit (e.g. a draft model's), if below --num-spec-tokens")
     explain.add_argument("--k-policy", default="auto", choices=POLICIES,
                          help="the K policy to describe (auto = goodput when a drafter runs)")
+    explain.add_argument("--draft-model", default=None,
+                         help="a draft model: its position limit clamps K (as the engine does)")
+    explain.add_argument("--max-num-seqs", type=int, default=64, help="batch buckets are capped by it")
+    explain.add_argument("--execution", default="auto", choices=("eager", "compiled", "auto"))
+    explain.add_argument("--admission", default=None,
+                         help="admission JSON (default: next to a --k-schedule file)")
+    explain.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                         help="fixed-shape path: torch.compile (cpu) or CUDA graphs (cuda)")
     explain.add_argument("--data-parallel-size", type=int, default=1,
                          help="engine ranks: describe how the plan applies across them")
     explain.add_argument("--json", action="store_true", help="print the plan as a JSON object")
@@ -50,7 +59,9 @@ def run_explain(args: argparse.Namespace) -> int:
 
 def explain(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     try:
-        plan = build_spec_plan(args.speculator, args.num_spec_tokens, args.k_schedule, args.drafter_max_k)
+        limit = _drafter_limit(args)
+        plan = build_spec_plan(args.speculator, args.num_spec_tokens, args.k_schedule, limit)
+        ep = _execution_plan(args, plan)
     except ValueError as exc:  # ScheduleError included: a bad flag is as invalid as a bad entry
         kind = "invalid schedule" if isinstance(exc, ScheduleError) else "invalid arguments"
         print(f"dynaspec schedule explain: {kind}: {exc}", file=err)
@@ -63,9 +74,13 @@ def explain(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         return EXIT_INVALID
     if args.json:
         print(json.dumps({**plan.to_json(), "policy": policy,
+                          "execution": execution_rows_json(plan, ep),
                           "data_parallel": {"size": dp, "text": format_dp(plan, policy, dp)}}), file=out)
     else:
-        out.write(format_plan(plan) + format_policy(policy) + format_dp(plan, policy, dp) + "\n")
+        out.write(format_plan(plan))
+        if ep is not None:
+            out.write(format_execution(plan, ep))
+        out.write(format_policy(policy) + format_dp(plan, policy, dp) + "\n")
     return 0
 
 
@@ -88,6 +103,56 @@ def format_dp(plan: SpecPlan, policy: str | None, dp: int) -> str:
                  "refreshed by every rank's gathered step times, and the engine-wide acceptance "
                  "gathered from all ranks); each request's own history only lowers its own K")
     return head + tail
+
+
+def _drafter_limit(args: argparse.Namespace) -> int | None:
+    limits = [x for x in (getattr(args, "drafter_max_k", None),) if x is not None]
+    if getattr(args, "draft_model", None):
+        from dynaspec.spec_decode.draft_model import draft_k_limit
+        limits.append(draft_k_limit(args.draft_model))
+    return min(limits) if limits else None
+
+
+def _execution_plan(args: argparse.Namespace, plan: SpecPlan):
+    from dynaspec.worker.execution_plan import AdmissionTable, ExecutionPlan, default_admission_path
+    if not hasattr(args, "execution"):
+        return None  # called by code that predates the execution plan
+    path = args.admission or default_admission_path(args.k_schedule)
+    admission = None
+    if args.execution == "auto" and path is not None and (args.admission or os.path.isfile(path)):
+        admission = AdmissionTable.load(path)
+    return ExecutionPlan.build(plan, args.max_num_seqs, args.execution, args.device, admission)
+
+
+def execution_rows(plan: SpecPlan, ep) -> list[dict]:
+    """Per batch bucket and width: the requests it covers, K, width, path and why."""
+    from dynaspec.worker.execution_plan import bucket_ks
+    rows = []
+    for b, covers, k in bucket_ks(plan, ep.buckets):
+        path, why = ep.path_for(b, 1 + k)
+        rows.append({"requests": covers, "bucket": b, "k": k, "width": 1 + k, "path": path,
+                     "why": why})
+    return rows
+
+
+def execution_rows_json(plan: SpecPlan, ep) -> dict | None:
+    if ep is None:
+        return None
+    return {**ep.to_json(), "rows": [{**r, "requests": list(r["requests"])}
+                                     for r in execution_rows(plan, ep)]}
+
+
+def format_execution(plan: SpecPlan, ep) -> str:
+    src = ep.admission.source if ep.admission else "none"
+    lines = [f"execution plan (--execution {ep.mode}; fixed-shape path {ep.graph_path}; "
+             f"admission {src}):",
+             f"  {'requests':>9}  {'bucket':>6}  {'K':>3}  {'width':>5}  {'path':<10}  why"]
+    for r in execution_rows(plan, ep):
+        lo, hi = r["requests"]
+        lines.append(f"  {_bound(lo, hi):>9}  {r['bucket']:>6}  {r['k']:>3}  {r['width']:>5}  "
+                     f"{r['path']:<10}  {r['why']}")
+    lines.append(f"  mixed prefill+decode steps and batches above {max(ep.buckets)} requests: eager")
+    return "\n".join(lines) + "\n"
 
 
 _POLICY_TEXT = {

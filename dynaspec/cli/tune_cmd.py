@@ -66,7 +66,7 @@ def _engine(args: argparse.Namespace):
     from dynaspec.config import EngineConfig
     from dynaspec.engine.llm_engine import LLMEngine
     if args.speculator == "none":
-        raise ValueError("dynaspec tune needs --speculator ngram or draft")
+        raise ValueError("dynaspec tune needs --speculator ngram, draft or suffix")
     kw = engine_kwargs(args)
     # K = max so one acceptance run covers every K; no schedule, no prefix cache (the timing
     # pass writes synthetic KV into the pool).
@@ -124,8 +124,10 @@ def run_tune_cmd(args: argparse.Namespace) -> int:
 
 def _plot(args: argparse.Namespace, choices: list[dict]) -> None:
     path = args.plot or os.path.splitext(args.out)[0] + ".png"
+    from dynaspec.extras import MissingExtraError
+
     try:
         from dynaspec.bench.plots import plot_heatmap
         _say(f"wrote {plot_heatmap(choices, path, f'tuned K: {args.speculator}, {args.workload}')}")
-    except RuntimeError as exc:
+    except MissingExtraError as exc:
         _say(f"no heatmap: {exc}")

@@ -16,7 +16,11 @@ bit) and each rank applies the same pure K decision to the summed view. What the
   request's own cap, never the step's K.
 
 ``LockstepPolicy`` wraps the engine's policy, so the scheduler calls ``decide`` as it always
-does; the exchange happens inside. A rank with nothing to do still calls it (the scheduler
+does; the exchange happens inside. The scheduler decides twice per step: once for the batch it
+expects (to reserve KV slots for the drafts, ``StepView.planned``), then for the batch it formed
+(the step K, never above the reserved K). Each is agreed: the first with the full row above (the
+tick), the second with a short row of the formed batch's view only, so both decisions, and the
+clamp of one by the other, are the same on every rank. A rank with nothing to do still calls it (the scheduler
 decides K on an empty batch), which is the dummy step: collectives only, no forward, since ranks
 share no collective inside the forward.
 """
@@ -36,6 +40,7 @@ _FIELDS = ("num_reqs", "num_decoding", "sum_ctx", "max_ctx", "num_unfinished", "
            "step_seconds", "obs_ran", "obs_valid", "obs_num_reqs", "obs_ctx", "obs_width",
            "obs_target_s", "obs_draft_s", "obs_drafted", "obs_emitted")
 _IX = {name: i for i, name in enumerate(_FIELDS)}
+_BATCH_FIELDS = ("num_reqs", "num_decoding", "sum_ctx", "max_ctx")  # the formed batch's row
 
 Gather = Callable[[list[float], float], list[list[float]]]  # (row, timeout_s) -> every rank's row
 
@@ -136,7 +141,8 @@ class StepAgreement:
         self.grace_s, self.idle_poll_s = grace_s, idle_poll_s
         self.shared: SharedAcceptance | None = None  # set by LockstepPolicy for goodput
         self.num_ticks = 0
-        self.exchanged = False
+        self.exchanged = False  # the tick of this engine step happened
+        self.batch_exchanged = False  # the formed batch's view of this step was agreed
         self.last: Tick | None = None
         self.longest_step_s = 0.0
         # Set by the rank loop before a step:
@@ -177,13 +183,22 @@ class StepAgreement:
         self.num_ticks += 1
         return tick
 
+    def exchange_batch(self, num_reqs: int, decoding_ctxs: list[int]) -> GlobalStepView:
+        """The second exchange of a step: the global view of the batch each rank formed."""
+        if not self.exchanged or self.batch_exchanged:
+            raise RuntimeError("the formed batch's view is agreed once per engine step, after the "
+                               "tick: ranks would fall out of lockstep")
+        row = [float(num_reqs), float(len(decoding_ctxs)), float(sum(decoding_ctxs)),
+               float(max(decoding_ctxs, default=0))]
+        rows = self.gather(row, self.timeout_s())
+        self.batch_exchanged = True
+        return _global_view(rows)
+
     def _tick(self, rows: list[list[float]]) -> Tick:
         def total(name: str) -> int:
             return int(sum(r[_IX[name]] for r in rows))
 
-        view = GlobalStepView(total("num_reqs"), total("num_decoding"), total("sum_ctx"),
-                              int(max(r[_IX["max_ctx"]] for r in rows)),
-                              int(max(r[_IX["num_reqs"]] for r in rows)))
+        view = _global_view(rows)
         self.longest_step_s = max(self.longest_step_s, *(r[_IX["step_seconds"]] for r in rows))
         return Tick(self.num_ticks, view, total("num_unfinished"),
                     any(r[_IX["stopping"]] for r in rows), self.longest_step_s,
@@ -210,11 +225,21 @@ class StepAgreement:
         return reached, hits
 
 
+def _global_view(rows: list[list[float]]) -> GlobalStepView:
+    """Sums over the ranks' rows; both row layouts start with the four _BATCH_FIELDS."""
+    def total(i: int) -> int:
+        return int(sum(r[i] for r in rows))
+
+    return GlobalStepView(total(0), total(1), total(2), int(max(r[3] for r in rows)),
+                          int(max(r[0] for r in rows)))
+
+
 class LockstepPolicy:
     """Wraps a KPolicy so its step K comes from the global view (module docstring)."""
 
     def __init__(self, inner, agreement: StepAgreement) -> None:
         self.inner, self.agreement = inner, agreement
+        self.reserved_k = 0  # the agreed K this step reserved KV for (the step K's ceiling)
         self.keeps_history = getattr(inner, "keeps_history", False)
         if hasattr(inner, "engine_history"):  # goodput: the engine-wide prior must be shared
             inner.engine_history = agreement.shared = SharedAcceptance(agreement.max_k)
@@ -225,15 +250,21 @@ class LockstepPolicy:
 
     def decide(self, view: StepView) -> StepK:
         a = self.agreement
-        tick = a.exchange(view.num_reqs, [r.context_len for r in view.requests])
+        ctxs = [r.context_len for r in view.requests]
+        if not view.planned:  # the formed batch: its own agreed view; K capped as the scheduler will
+            g = a.exchange_batch(view.num_reqs, ctxs)
+            decision = self.inner.decide(replace(view, global_view=g))
+            a.decisions.append((a.last.index, min(decision.k, self.reserved_k), g.num_reqs,
+                                g.ctx_stat, view.num_reqs))
+            return decision
+        tick = a.exchange(view.num_reqs, ctxs)
         obs = a.shared_step_observation(tick)
         if obs is not None:
             self.inner.observe_step(*obs)
         if a.shared is not None:
             a.shared.apply(*a.shared_acceptance(tick))
         decision = self.inner.decide(replace(view, global_view=tick.view))
-        a.decisions.append((tick.index, decision.k, tick.view.num_reqs, tick.view.ctx_stat,
-                            view.num_reqs))
+        self.reserved_k = decision.k
         return decision
 
     def observe(self, request_id: str, num_drafted: int, num_accepted: int, ctx: int) -> None:

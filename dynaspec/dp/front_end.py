@@ -36,7 +36,8 @@ from dynaspec.dp.failure import FailureWatch, reap
 from dynaspec.dp.process import RankProcess
 from dynaspec.dp.rank import spawn_spec
 from dynaspec.dp.rendezvous import resolve, threads_per_rank
-from dynaspec.engine.llm_engine import check_prompt_ids
+from dynaspec.engine.llm_engine import StepTimes, check_request
+from dynaspec.structured.manager import StructuredOutputManager
 from dynaspec.metrics.stats import EngineSnapshot, SpecCounters, fold_step
 from dynaspec.outputs import RequestOutput
 from dynaspec.sampling_params import SamplingParams
@@ -104,6 +105,7 @@ class DPEngine:
         self.counters = SpecCounters()
         self.last_step = None  # AsyncEngine feeds /metrics from this: the front end does instead
         self.finished_times: list[dict] = []  # likewise (always empty here)
+        self.times = StepTimes()  # .steps counts rank steps reported (the server's progress)
         self.failure: str | None = None
         self._culprits: dict[int, str] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -123,6 +125,11 @@ class DPEngine:
         r0 = self.ready[0]
         self.tokenizer, self.max_model_len, self.vocab_size = r0.tokenizer, r0.max_model_len, r0.vocab_size
         self.plan, self.model_name = r0.plan, r0.model_name
+        self.exec_plan, self.lossless = r0.exec_plan, r0.lossless
+        so = config.structured  # grammars are checked here too, so a bad one is a clear 400
+        self.structured = StructuredOutputManager(so.structured_output_backend, self.tokenizer,
+                                                  self.vocab_size, r0.eos_token_ids,
+                                                  so.structured_any_whitespace)
         atexit.register(self.shutdown)
         log.info("data parallel: %d ranks ready (%s)", self.world_size,
                  ", ".join(f"rank {r}: pid {i.pid} on {i.host}" for r, i in sorted(self.ready.items())))
@@ -229,7 +236,8 @@ class DPEngine:
         if self.failure is not None or self._closing:
             raise EngineUnavailable(self.failure or "the data-parallel engine is shut down")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        check_prompt_ids(ids, self.vocab_size, self.max_model_len)
+        check_request(ids, params, self.vocab_size, self.max_model_len, self.lossless,
+                      self.structured)
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         if request_id in self.records:
@@ -319,6 +327,7 @@ class DPEngine:
         self.snapshots[rep.rank], self.free_blocks[rep.rank] = rep.snapshot, rep.kv_free_blocks
         if rep.step is not None:
             self.counters = fold_step(self.counters, rep.step)
+            self.times.steps += 1
         if self.metrics is not None:
             if rep.step is not None:
                 self.metrics.rank_step(rep.rank, rep.step)

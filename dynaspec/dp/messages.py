@@ -41,6 +41,9 @@ class RankReady:
     pool: dict
     pid: int
     host: str
+    exec_plan: Any = None  # ExecutionPlan (the same on every rank: same config)
+    lossless: bool = True
+    eos_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -132,7 +132,8 @@ def _build_engine(spec: RankSpec, store, engine_cls):  # type: ignore[no-untyped
 def _ready(spec: RankSpec, engine) -> RankReady:  # type: ignore[no-untyped-def]
     return RankReady(spec.rank, engine.tokenizer if spec.rank == 0 else None, engine.max_model_len,
                      engine.parts.vocab_size, engine.plan, engine.parts.model_name,
-                     engine.pool_report(), os.getpid(), socket.gethostname())
+                     engine.pool_report(), os.getpid(), socket.gethostname(), engine.exec_plan,
+                     engine.lossless, engine.parts.eos_token_ids)
 
 
 class RankLoop:
@@ -150,7 +151,7 @@ class RankLoop:
         idle = False
         while True:
             self._commands(block=idle)
-            a.exchanged = False
+            a.exchanged = a.batch_exchanged = False
             a.num_unfinished = eng.num_running + eng.num_waiting
             a.stopping = self.stop_requested
             steps, t0 = eng.times.steps, time.perf_counter()

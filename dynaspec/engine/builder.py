@@ -11,11 +11,17 @@ from dynaspec.config import EngineConfig, default_num_threads
 from dynaspec.kv.kv_cache_manager import KVCacheManager
 from dynaspec.models.llama import LlamaModel
 from dynaspec.models.loader import load_model_files
+from dynaspec.sample.rejection_sampler import make_synthetic_verifier
+from dynaspec.models.quant_linear import WeightPlan, cpu_info, resolve_quantization
 from dynaspec.scheduler.scheduler import Scheduler
 from dynaspec.spec_decode import cost_model
 from dynaspec.spec_decode.cost_model import CostGrid, StepCostModel
 from dynaspec.spec_decode.k_policy import make_policy, resolve_policy_name
 from dynaspec.spec_decode.plan import SpecPlan, build_spec_plan
+from dynaspec.structured.manager import StructuredOutputManager
+from dynaspec.worker.compiled import make_executor
+from dynaspec.worker.execution_plan import AdmissionTable, ExecutionPlan, default_admission_path
+from dynaspec.worker.input_buffers import InputBuffers
 from dynaspec.worker.model_runner import ModelRunner
 
 log = logging.getLogger("dynaspec")
@@ -25,6 +31,7 @@ log = logging.getLogger("dynaspec")
 class EngineParts:
     tokenizer: object
     plan: SpecPlan
+    exec_plan: ExecutionPlan
     model: LlamaModel
     kv: KVCacheManager
     scheduler: Scheduler
@@ -34,6 +41,7 @@ class EngineParts:
     drafter_kv_tokens: int
     eos_token_ids: tuple[int, ...]
     model_name: str
+    structured: StructuredOutputManager
 
 
 def resolve_device(name: str) -> torch.device:
@@ -47,6 +55,38 @@ def resolve_device(name: str) -> torch.device:
 def resolve_dtype(name: str) -> torch.dtype:
     return {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "float32": torch.float32,
             "float16": torch.float16}[name]
+
+
+def _release_load_memory() -> None:
+    """Hand the loader's freed float32/uint8 intermediates back to the OS (glibc keeps freed
+    heap pages otherwise: measured here, ~120 MB of resident memory for the default model)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
+
+
+def resolve_attention(name: str, device: torch.device):
+    """The target model's attention backend; auto prefers the in-place CPU kernel."""
+    from dynaspec.attention.backend import get_backend
+
+    if name == "auto":
+        if device.type != "cpu":
+            return get_backend("eager")
+        from dynaspec.attention.cpu_paged import available
+
+        ok, why = available()
+        if not ok:
+            log.info("attention: eager (the in-place CPU kernel could not be built: %s)", why)
+            return get_backend("eager")
+        name = "cpu_paged"
+    if name == "cpu_paged" and device.type != "cpu":
+        raise ValueError(f"--attention-backend cpu_paged runs on the CPU only (device {device.type})")
+    return get_backend(name)
 
 
 def num_kv_blocks(budget_gb: float, override: int | None, bytes_per_token: int, block_size: int) -> int:
@@ -64,32 +104,107 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     mc, cc, sc = config.model, config.cache, config.spec
     torch.set_num_threads(config.parallel.num_threads or default_num_threads())
     device, dtype = resolve_device(mc.device), resolve_dtype(mc.dtype)
-    loaded = load_model_files(mc.model)
+    quant = resolve_quantization(mc.quantization, device, dtype)
+    loaded = load_model_files(mc.model, keep_quantized=quant != "none")
     arch = loaded.arch
     max_model_len = min(mc.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
-    plan = build_spec_plan(sc.speculator, sc.num_spec_tokens, sc.k_schedule)
-    proposer, drafter_tokens, drafter_max_len = _build_proposer(config, plan, arch.vocab_size,
-                                                                device, dtype)
-    model = LlamaModel(arch, loaded.state_dict, dtype, device, max_model_len + plan.max_k + 1)
+    plan, proposer, drafter_tokens, drafter_max_len = _plan_and_proposer(config, arch.vocab_size,
+                                                                         device, dtype)
+    weights = WeightPlan(quant, mc.quant_dense_above, dtype, device)
+    model = LlamaModel(arch, loaded.state_dict, dtype, device, max_model_len + plan.max_k + 1, weights)
     del loaded.state_dict
+    _release_load_memory()
+    model.attn = resolve_attention(mc.attention_backend, device)
+    log.info("weights: quantization %s, %.1f MB read per decode step; CPU %s", quant,
+             model.weight_bytes_per_step() / 1e6, cpu_info().summary() if device.type == "cpu" else "n/a")
     blocks = num_kv_blocks(cc.kv_cache_memory_gb, cc.num_kv_blocks, model.kv_bytes_per_token(),
                            cc.block_size)
     kv = KVCacheManager(blocks, cc.block_size, cc.enable_prefix_caching)
-    kv_caches = model.allocate_kv(blocks * cc.block_size)
+    # One scratch block past the pool (id `blocks`): padded rows of fixed-shape steps use it.
+    kv_caches = model.allocate_kv((blocks + 1) * cc.block_size)
     log.info("KV pool: %d blocks x %d = %d tokens (%.2f GiB)%s", blocks, cc.block_size,
              blocks * cc.block_size, blocks * cc.block_size * model.kv_bytes_per_token() / 2**30,
              f"; drafter pool {drafter_tokens} tokens" if drafter_tokens else "")
+    exec_plan = _execution_plan(config, plan, device)
     policy = None
     if plan.speculating:
         cost = None
         if resolve_policy_name(sc.k_policy, True) == "goodput":
             cost = _step_cost_model(config, model, kv_caches, blocks, max_model_len, plan)
-        policy = make_policy(plan, sc.k_policy, cost_model=cost)
+        # Only widths the plan produces (plus plain decode, K=0): the execution plan's grid,
+        # metrics and buffers are sized for them, so the policy never steps off it.
+        widths = tuple(sorted({1, *plan.widths}))
+        policy = make_policy(plan, sc.k_policy, cost_model=cost, allowed_widths=widths)
     sched = Scheduler(config.scheduler, kv, plan, policy, max_model_len, loaded.eos_token_ids,
-                      drafter_max_len)
-    runner = ModelRunner(model, kv_caches, cc.block_size, proposer, mc.seed)
-    return EngineParts(loaded.tokenizer, plan, model, kv, sched, runner, max_model_len,
-                       arch.vocab_size, drafter_tokens, loaded.eos_token_ids, mc.model)
+                      drafter_max_len, exec_plan)
+    verifier = make_synthetic_verifier(sc.rejection_mode, sc.acceptance_rates, mc.seed,
+                                       loaded.eos_token_ids) if plan.speculating else None
+    # The grammar library loads on the first structured request, not here.
+    so = config.structured
+    structured = StructuredOutputManager(so.structured_output_backend, loaded.tokenizer,
+                                         arch.vocab_size, loaded.eos_token_ids,
+                                         so.structured_any_whitespace)
+    if hasattr(proposer, "grammar"):  # a draft model drafts under the request's grammar
+        proposer.grammar = structured
+    runner = _runner(config, model, kv_caches, blocks, proposer, exec_plan,
+                     max_model_len + plan.max_k + 1, verifier, structured)
+    return EngineParts(loaded.tokenizer, plan, exec_plan, model, kv, sched, runner, max_model_len,
+                       arch.vocab_size, drafter_tokens, loaded.eos_token_ids, mc.model, structured)
+
+
+def _plan_and_proposer(config: EngineConfig, vocab_size: int, device: torch.device,
+                       dtype: torch.dtype):
+    """The plan is built before the drafter (always_zero loads none), then rebuilt with the
+    drafter's own K limit so clamping and classification see it; a drafter whose limit makes
+    the plan always_zero is dropped again."""
+    sc = config.spec
+    plan = build_spec_plan(sc.speculator, sc.num_spec_tokens, sc.k_schedule)
+    proposer, drafter_tokens, drafter_max_len = _build_proposer(config, plan, vocab_size, device, dtype)
+    limit = getattr(proposer, "k_limit", None)
+    if limit is not None:
+        plan = build_spec_plan(sc.speculator, sc.num_spec_tokens, sc.k_schedule, limit)
+        if not plan.speculating:
+            proposer, drafter_tokens, drafter_max_len = None, 0, None
+    log.info("speculation plan: %s%s", plan.summary(),
+             "".join(f"; {c}" for c in plan.clamped))
+    return plan, proposer, drafter_tokens, drafter_max_len
+
+
+def _execution_plan(config: EngineConfig, plan: SpecPlan, device: torch.device) -> ExecutionPlan:
+    ec = config.execution
+    path = ec.admission or default_admission_path(config.spec.k_schedule)
+    admission = None
+    if ec.execution == "auto" and path is not None:
+        if ec.admission is not None or os.path.isfile(path):
+            admission = AdmissionTable.load(path)
+    ep = ExecutionPlan.build(plan, config.scheduler.max_num_seqs, ec.execution, device.type, admission)
+    fixed = [s for s in ep.grid if ep.path_for(*s)[0] != "eager"]
+    log.info("execution plan: --execution %s, %d of %d grid shapes on %s%s", ec.execution,
+             len(fixed), len(ep.grid), ep.graph_path,
+             f" (admission {admission.source})" if admission else "")
+    return ep
+
+
+def _runner(config: EngineConfig, model: LlamaModel, kv_caches: list, blocks: int, proposer,
+            ep: ExecutionPlan, max_positions: int, verifier, structured) -> ModelRunner:
+    cc, sc = config.cache, config.scheduler
+    max_tokens = max(sc.max_num_batched_tokens, max(ep.buckets) * max(ep.widths))
+    max_reqs = max(sc.max_num_seqs, max(ep.buckets))
+    max_blocks = -(-max_positions // cc.block_size)
+    buffers = InputBuffers.allocate(max_tokens, max_reqs, max_blocks, blocks, model.device)
+    executor = None
+    if any(ep.path_for(*s)[0] != "eager" for s in ep.grid):
+        ec = config.execution
+        executor = make_executor(model, kv_caches, model.device, ec.compile_budget_s, len(ep.grid),
+                                 ec.compile_backend)
+    runner = ModelRunner(model, kv_caches, cc.block_size, proposer, config.model.seed, buffers,
+                         executor, verifier, structured)
+    if executor is not None and config.execution.precompile:
+        shapes = [s for s in ep.grid if ep.path_for(*s)[0] != "eager"]
+        log.info("precompiling %d %s shapes", len(shapes), ep.graph_path)
+        secs = runner.precompile(shapes)
+        log.info("precompiled %d shapes in %.1f s", len(executor.build_seconds), secs)
+    return runner
 
 
 def _step_cost_model(config: EngineConfig, model: LlamaModel, kv_caches: list[torch.Tensor],
@@ -101,7 +216,7 @@ def _step_cost_model(config: EngineConfig, model: LlamaModel, kv_caches: list[to
                                dtype=model.dtype, device=model.device, threads=torch.get_num_threads(),
                                block_size=cc.block_size,
                                quantization=getattr(mc, "quantization", "none"),
-                               execution=getattr(getattr(config, "execution", None), "mode", "eager"))
+                               execution=config.execution.execution)
     cost = cost_model.load_cached(key, grid)
     if cost is None:
         from dynaspec.engine.cost_profile import profile_step_costs
@@ -122,6 +237,15 @@ def _build_proposer(config: EngineConfig, plan: SpecPlan, vocab_size: int, devic
     if sc.speculator == "ngram":
         from dynaspec.spec_decode.ngram import NgramProposer
         return NgramProposer(sc.prompt_lookup_min, sc.prompt_lookup_max), 0, None
+    if sc.speculator == "suffix":
+        from dynaspec.spec_decode.suffix import SuffixParams, SuffixProposer, memory_bound_bytes
+        prop = SuffixProposer(SuffixParams(sc.suffix_max_depth, sc.suffix_spec_factor,
+                                           sc.suffix_min_token_prob),
+                              sc.suffix_cache_max_requests, sc.suffix_cache_max_tokens)
+        log.info("suffix drafter: global cache of %d outputs / %d tokens (at most %.1f MiB)",
+                 sc.suffix_cache_max_requests, sc.suffix_cache_max_tokens,
+                 memory_bound_bytes(sc.suffix_cache_max_tokens, sc.suffix_cache_max_requests) / 2**20)
+        return prop, 0, None
     from dynaspec.spec_decode.draft_model import DraftModelProposer
-    prop = DraftModelProposer.load(sc.draft_model, config, vocab_size, device, dtype, plan.max_k)
+    prop = DraftModelProposer.load(sc.draft_model, config, vocab_size, device, dtype)
     return prop, prop.num_kv_tokens, prop.max_len

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from dynaspec.attention.paged import build_metadata
+from dynaspec.attention.backend import AttentionBatch
 from dynaspec.models.llama import LlamaModel
 from dynaspec.spec_decode.cost_model import CostGrid, StepCostModel
 
@@ -31,7 +31,8 @@ def _step_seconds(model: LlamaModel, kv_caches: list[torch.Tensor], block_size: 
     best = float("inf")
     for i in range(reps + 1):  # run 0 warms caches and oneDNN primitives, not timed
         t0 = time.perf_counter()
-        md = build_metadata(qlens, clens, [blocks] * batch, block_size, model.device)
+        md = model.attn.build_metadata(AttentionBatch(qlens, clens, [blocks] * batch, block_size,
+                                                      model.device))
         model.forward(ids, pos, kv_caches, md, rows).argmax(dim=-1).tolist()
         if i:
             best = min(best, time.perf_counter() - t0)

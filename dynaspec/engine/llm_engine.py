@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 from dynaspec.config import EngineConfig
 from dynaspec.engine.output_processor import OutputProcessor
 from dynaspec.engine.builder import EngineParts, build_engine_parts
-from dynaspec.metrics.stats import (RequestStepSpec, SpecCounters, StepStats,
+from dynaspec.metrics.stats import (GrammarStepStats, RequestStepSpec, SpecCounters, StepStats,
                                     fold_request_history, fold_step)
 from dynaspec.outputs import RequestOutput, SchedulerOutput
 from dynaspec.request import Request, RequestStatus
@@ -32,18 +33,27 @@ class StepTimes:
     sample: float = 0.0
     update: float = 0.0
     steps: int = 0
+    grammar: float = 0.0  # structured output mask work (inside prepare and sample)
+    grammar_steps: int = 0  # steps that masked >= 1 row
 
 
-def check_prompt_ids(ids: list[int], vocab: int, max_model_len: int) -> None:
-    """Raises ValueError naming what is wrong with a prompt (also the DP front end's check)."""
+def check_request(ids: list[int], params: SamplingParams, vocab: int, max_model_len: int,
+                  lossless: bool, structured) -> None:
+    """Raises ValueError naming what is wrong with a request (also the DP front end's check);
+    compiles its grammar (a cache hit when pre-compiled) so a bad one is refused here."""
     if not ids:
         raise ValueError("prompt is empty")
     bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
     if bad:
         raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+    if not lossless and params.structured_output is not None:
+        raise ValueError("structured output cannot be combined with --rejection-mode synthetic: "
+                         "synthetic acceptance takes drafts the grammar never checked")
     if len(ids) >= max_model_len:
         raise ValueError(f"prompt has {len(ids)} tokens, which leaves no room to generate within "
                          f"max_model_len {max_model_len}")
+    if params.structured_output is not None:
+        structured.compile(params.structured_output)
 
 
 class LLMEngine:
@@ -53,20 +63,25 @@ class LLMEngine:
         self.parts = parts
         self.tokenizer = parts.tokenizer
         self.plan = parts.plan
+        self.exec_plan = parts.exec_plan
         self.scheduler = parts.scheduler
         self.runner = parts.runner
         self.kv = parts.kv
         self.max_model_len = parts.max_model_len
+        self.structured = parts.structured
         self.outputs = OutputProcessor(parts.tokenizer)
+        self.scheduler.stop_check = self.outputs.check_stop  # the scheduler decides every end
         self.counters = SpecCounters()
         # Per request (record, step K) pairs, folded once when asked: folding every step costs.
         self.request_records: dict[str, list] = {}
         self.times = StepTimes()
         self.last_step: StepStats | None = None
-        self.last_batch = None  # BatchDescriptor of the latest step
+        self.last_batch = None  # BatchDescriptor of the latest step (as it ran)
+        self.execution_steps: Counter = Counter()  # (path, width label) -> steps
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
         self.finished_times: list[dict] = []  # drained by the server's metrics
+        self.aborts_by_phase: dict[str, int] = {}  # where aborted requests were (reliability)
         self._next_id = 0
 
     # ---- requests ------------------------------------------------------------------------
@@ -76,7 +91,8 @@ class LLMEngine:
         if request_id is None:
             request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        check_prompt_ids(ids, self.parts.vocab_size, self.max_model_len)
+        check_request(ids, params, self.parts.vocab_size, self.max_model_len, self.lossless,
+                      self.structured)
         req = Request(request_id, ids, params)
         self.scheduler.add_request(req)
         self.outputs.add(req)
@@ -84,6 +100,11 @@ class LLMEngine:
         return request_id
 
     def abort_request(self, request_id: str) -> bool:
+        req = self.scheduler.requests.get(request_id)
+        if req is not None:
+            phase = ("waiting" if req.status is not RequestStatus.RUNNING else
+                     "prefill" if req.num_computed_tokens < req.num_prompt_tokens else "decode")
+            self.aborts_by_phase[phase] = self.aborts_by_phase.get(phase, 0) + 1
         req = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         self._forget(request_id)
         return req is not None
@@ -122,12 +143,12 @@ class LLMEngine:
 
     def _emit(self, u: StepUpdate) -> RequestOutput | None:
         req = u.request
-        out = self.outputs.process(req, u.new_token_ids, u.finished, u.result.logprobs)
-        if u.finished or out.finished:
-            out.spec = self.request_spec(req.request_id)
-        if out.finished and not u.finished:  # a stop string ended it
-            self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+        lp = u.result.logprobs
+        # Tokens past the request's end were dropped by the scheduler; so are their logprobs.
+        lp = lp[:len(u.new_token_ids)] if lp is not None else None
+        out = self.outputs.process(req, u.new_token_ids, u.finished, lp)
         if out.finished:
+            out.spec = self.request_spec(req.request_id)
             self.finished_times.append({**out.metrics, "num_prompt_tokens": req.num_prompt_tokens,
                                         "num_generation_tokens": req.num_output_tokens})
             self.runner.forget(req.request_id)
@@ -159,38 +180,63 @@ class LLMEngine:
         specs = []
         for u in updates:
             r = u.result
-            pads = {"padding": r.num_padding_tokens} if r.num_padding_tokens else {}
-            skip = r.skip_reason if not r.num_draft_tokens and not pads else None
+            invalid = {"padding": r.num_padding_tokens} if r.num_padding_tokens else {}
+            if r.num_grammar_invalid_tokens:
+                invalid["grammar"] = r.num_grammar_invalid_tokens
+            # A request whose drafts were all invalid is an `all_invalid` skip (in the fold).
+            skip = r.skip_reason if not r.num_draft_tokens and not invalid else None
             specs.append(RequestStepSpec(r.request_id, r.num_draft_tokens, r.num_accepted_tokens,
-                                         len(u.new_token_ids), skip, pads))
+                                         len(u.new_token_ids), skip, invalid))
         num_gen = sum(len(u.new_token_ids) for u in updates)
         num_prompt = sum(s.num_new_tokens for s in sched_out.scheduled if not s.sampling) + \
             sum(s.num_new_tokens - 1 for s in sched_out.scheduled if s.sampling)
         self.num_prompt_tokens_total += num_prompt
         self.num_generation_tokens_total += num_gen
+        batch = res.batch
         step = StepStats(sched_out.step_k, tuple(specs), res.draft_seconds,
                          res.forward_seconds + res.sample_seconds, sched_out.schedule_seconds,
-                         num_prompt, num_gen, len(sched_out.preempted_ids))
+                         num_prompt, num_gen, len(sched_out.preempted_ids),
+                         self._grammar_stats(res),
+                         batch.path if batch else None, batch.width_label if batch else None)
         self.counters = fold_step(self.counters, step)
         self.last_step = step
         self.last_batch = res.batch
+        if batch is not None:
+            self.execution_steps[(batch.path, batch.width_label)] += 1
         for spec in specs:
             records = self.request_records.get(spec.request_id)
             if records is not None:
                 records.append((spec, sched_out.step_k))
 
+    def _grammar_stats(self, res) -> GrammarStepStats | None:
+        compiled = self.structured.drain_compile_seconds()
+        if not res.grammar_rows and not compiled:
+            return None
+        self.times.grammar += res.grammar_seconds
+        self.times.grammar_steps += res.grammar_rows > 0
+        return GrammarStepStats(res.grammar_seconds, res.grammar_rows, compiled)
+
     # ---- facts for reports ---------------------------------------------------------------
+    @property
+    def lossless(self) -> bool:
+        """False under --rejection-mode synthetic: output is not the target's (even greedy)."""
+        return self.config.spec.lossless or not self.plan.speculating
+
     def request_spec(self, request_id: str) -> dict | None:
         records = self.request_records.get(request_id)
         if records is None or self.plan.kind == "off":
             return None
-        return fold_request_history(SpecCounters(), records).to_dict()
+        return {**fold_request_history(SpecCounters(), records).to_dict(), "lossless": self.lossless}
 
     def pool_report(self) -> dict:
         p = self.parts
-        return {"num_blocks": p.kv.num_blocks, "block_size": p.kv.block_size,
-                "num_tokens": p.kv.num_blocks * p.kv.block_size,
-                "drafter_num_tokens": p.drafter_kv_tokens}
+        report = {"num_blocks": p.kv.num_blocks, "block_size": p.kv.block_size,
+                  "num_tokens": p.kv.num_blocks * p.kv.block_size,
+                  "drafter_num_tokens": p.drafter_kv_tokens}
+        cache_stats = getattr(self.runner.proposer, "cache_stats", None)
+        if cache_stats is not None:  # the suffix drafter's global cache (memory it holds)
+            report["drafter_cache"] = cache_stats()
+        return report
 
     def generate_sync(self, prompts: list, params: list[SamplingParams]) -> list[RequestOutput]:
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
@@ -200,6 +246,12 @@ class LLMEngine:
                 if out.finished:
                     final[out.request_id] = out
         return [final[i] for i in ids]
+
+    def reset_drafter_cache(self) -> None:
+        """Empty a drafter's cross-request cache (the suffix drafter's), if it has one."""
+        reset = getattr(self.runner.proposer, "reset_cache", None)
+        if reset is not None:
+            reset()
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()

@@ -1,4 +1,10 @@
-"""Tokens to user-facing outputs: detokenization, stop strings, timing per request."""
+"""Tokens to user-facing outputs: detokenization, stop strings, timing per request.
+
+The scheduler decides when a request ends, stop strings included: it hands the tokens it is
+about to append to `check_stop`, which feeds them to the request's detokenizer (one at a time
+when the request has stop strings) and says how many to keep. `process` then only builds the
+output from text already decoded.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,7 @@ from dataclasses import dataclass, field
 
 from dynaspec.models.tokenizer import IncrementalDetokenizer
 from dynaspec.outputs import RequestOutput
-from dynaspec.request import Request, RequestStatus
+from dynaspec.request import Request
 
 
 @dataclass
@@ -17,7 +23,7 @@ class RequestState:
     text: str = ""  # the output text, cut before a stop string
     logprobs: list = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
-    stop_hit: bool = False
+    stop_hit: bool = False  # text is final: cut before a stop string
 
 
 class OutputProcessor:
@@ -28,9 +34,26 @@ class OutputProcessor:
     def add(self, req: Request) -> None:
         self.states[req.request_id] = RequestState(req, IncrementalDetokenizer(self.tokenizer))
 
+    def check_stop(self, req: Request, tokens: list[int]) -> int | None:
+        """Decode the tokens the scheduler is about to append; when a stop string appears,
+        return how many of them to keep (up to the one completing it), else None."""
+        st = self.states.get(req.request_id)
+        if st is None or st.stop_hit:
+            return None
+        if not req.sampling_params.stop:
+            st.detok.feed(tokens)
+            st.text = st.detok.text
+            return None
+        for i, t in enumerate(tokens):  # one at a time: the same cut with or without drafts
+            prev = len(st.detok.text)
+            st.detok.feed([t])
+            if self._cut(st, req, prev):
+                return i + 1
+        return None
+
     def process(self, req: Request, new_tokens: list[int], finished: bool,
                 logprobs: list | None) -> RequestOutput:
-        """Returns the output; sets `stop_hit` when a stop string ends the request."""
+        """The output after a step whose tokens `check_stop` has already decoded."""
         st = self.states[req.request_id]
         now = time.monotonic()
         if new_tokens:
@@ -39,11 +62,11 @@ class OutputProcessor:
             st.token_times.extend([now] * len(new_tokens))
         if logprobs:
             st.logprobs.extend(logprobs)
-        if new_tokens or finished:
-            self._update_text(st, req, new_tokens, finished)
+        if finished and not st.stop_hit:  # end of stream: pending bytes come out
+            prev = len(st.detok.text)
+            st.detok.flush()
+            self._cut(st, req, prev)
         status = req.status
-        if st.stop_hit and not status.finished:
-            status = RequestStatus.FINISHED_STOPPED
         done = status.finished
         out = RequestOutput(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
@@ -57,25 +80,21 @@ class OutputProcessor:
             del self.states[req.request_id]
         return out
 
-    def _update_text(self, st: RequestState, req: Request, new_tokens: list[int],
-                     finished: bool) -> None:
-        # Incremental: decoding the whole output every step would be O(n^2) per request.
-        prev = len(st.detok.text)
-        st.detok.feed(new_tokens)
-        if finished:
-            st.detok.flush()
+    @staticmethod
+    def _cut(st: RequestState, req: Request, prev: int) -> bool:
+        """Set the text from the detokenizer, cut before the first stop string that ends after
+        `prev` characters (only the new tail is searched: decoding is incremental)."""
         text = st.detok.text
         stops = req.sampling_params.stop
         if stops:
-            window = max(len(s) for s in stops)
-            start = max(0, prev - window + 1)
+            start = max(0, prev - max(len(s) for s in stops) + 1)
             hits = [(i, s) for s in stops if (i := text.find(s, start)) >= 0]
             if hits:
                 cut, which = min(hits)
-                text = text[:cut]
-                st.stop_hit = True
-                req.stop_reason = which
+                st.text, st.stop_hit, req.stop_reason = text[:cut], True, which
+                return True
         st.text = text
+        return False
 
     def abort(self, request_id: str) -> None:
         self.states.pop(request_id, None)

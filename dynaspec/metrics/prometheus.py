@@ -13,6 +13,11 @@ counters, so the two always agree):
   _draft_skips{reason}, _invalid_draft_tokens{reason},
   _draft_seconds, _verify_seconds, _scheduler_seconds.
 K policy: gauge k_policy_goodput_tokens_per_second{kind="modelled"|"observed"} (goodput policy).
+Structured output (from each step's `grammar` record): histograms
+  structured_output_compile_seconds (one observation per grammar compiled),
+  structured_output_mask_seconds (one per step that masked rows: draft checks, bitmasks,
+  masking, grammar state), and the counter structured_output_masked_rows; grammar-rejected
+  drafts are spec_decode_invalid_draft_tokens{reason="grammar"}.
 Engine: gauges num_requests_running, num_requests_waiting, kv_cache_usage_perc (a fraction 0..1,
 as vLLM's), kv_pool_size_tokens{pool="target"|"drafter"}; counters prompt_tokens,
 generation_tokens, num_preemptions (from the steps), prefix_cache_queries, prefix_cache_hits (from
@@ -37,8 +42,12 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from dynaspec.extras import require
+
+require("prometheus_client", "server", "Prometheus metrics")
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,  # noqa: E402
+                               generate_latest)
+from prometheus_client.exposition import CONTENT_TYPE_LATEST  # noqa: E402
 
 from dynaspec.metrics.stats import (
     EngineSnapshot,
@@ -58,6 +67,10 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+GRAMMAR_COMPILE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                           30.0)  # fmt: skip
+GRAMMAR_MASK_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                        0.25, 1.0)  # fmt: skip
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000,
                  100000)  # fmt: skip
 
@@ -126,6 +139,11 @@ class PrometheusMetrics:
             for suffix, (label, _) in _SPEC_LABELLED.items()
         }
         self._build_engine_metrics(names)
+        self._exec_steps = Counter(
+            PREFIX + "execution_steps", "Engine steps by execution path (eager, compiled, "
+            "cuda_graph) and verify width ('mixed' for prefill+decode steps).",
+            names + ["path", "width"], registry=reg,
+        )  # fmt: skip
         self._last_prefix: tuple[int, int] | None = None
 
     def _build_engine_metrics(self, names: list[str]) -> None:
@@ -157,10 +175,18 @@ class PrometheusMetrics:
             ("request_prompt_tokens", "Prompt tokens per finished request.", TOKEN_BUCKETS),
             ("request_generation_tokens", "Generated tokens per finished request.", TOKEN_BUCKETS),
         ]
+        hist += [
+            ("structured_output_compile_seconds", "Seconds to compile one grammar.",
+             GRAMMAR_COMPILE_BUCKETS),
+            ("structured_output_mask_seconds", "Grammar work per step that masked rows.",
+             GRAMMAR_MASK_BUCKETS),
+        ]
         self._hist = {
             name: Histogram(p + name, doc, names, buckets=buckets, registry=reg)
             for name, doc, buckets in hist
         }
+        self._masked_rows = Counter(p + "structured_output_masked_rows",
+                                    "Logits rows masked by a grammar.", names, registry=reg)
 
     def _child(self, metric, **extra: str):  # type: ignore[no-untyped-def]
         labels = {**self._base, **extra}
@@ -169,6 +195,15 @@ class PrometheusMetrics:
     def observe_step(self, step: StepStats) -> None:
         """Add one engine step. Validates (through the fold) before touching any series."""
         self._add(fold_step(SpecCounters(), step))
+        g = step.grammar
+        if g is not None:
+            for dt in g.compile_seconds:
+                self._child(self._hist["structured_output_compile_seconds"]).observe(dt)
+            if g.num_masked_rows:
+                self._child(self._hist["structured_output_mask_seconds"]).observe(g.mask_seconds)
+                self._child(self._masked_rows).inc(g.num_masked_rows)
+        if step.path is not None:
+            self._child(self._exec_steps, path=step.path, width=step.width or "mixed").inc()
 
     def _add(self, delta: SpecCounters) -> None:
         for suffix, field_name in _SPEC_SCALARS.items():

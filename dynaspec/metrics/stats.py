@@ -19,12 +19,21 @@ import operator
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-# Why a request verified no valid draft this step (set by the engine); why a draft token was
-# excluded. ALL_INVALID: counted by the fold when every draft was invalid (the engine may set it).
-# drafter_kv: the draft model's own KV pool had no room; token_budget: the step's token budget
-# could not fit this request's drafts.
-SKIP_REASONS = frozenset(("schedule_zero", "drafter_length", "max_tokens", "max_model_len",
-                          "no_match", "prefill", "drafter_kv", "token_budget", "adaptive"))  # fmt: skip
+# The one list of reasons a request verified no valid draft this step. The K policy sets the
+# first five (spec_decode/k_policy.py), the scheduler prefill/token_budget, the drafters the
+# rest. ALL_INVALID: counted by the fold when every draft was invalid (the engine may set it).
+SKIP_REASONS_DOC = {
+    "schedule_zero": "the step's K is 0",
+    "drafter_length": "the drafts would overflow the drafter's position limit",
+    "max_tokens": "the request has no room for a draft before max_tokens",
+    "max_model_len": "the request has no room for a draft before max_model_len",
+    "adaptive": "the K policy (adaptive or goodput) chose fewer drafts for this request",
+    "prefill": "a prefill chunk does not draft",
+    "token_budget": "the step's token budget could not fit this request's drafts",
+    "no_match": "the n-gram drafter found no match",
+    "drafter_kv": "the draft model's own KV pool had no room",
+}
+SKIP_REASONS = frozenset(SKIP_REASONS_DOC)
 INVALID_REASONS, ALL_INVALID = frozenset({"padding", "async_placeholder", "grammar"}), "all_invalid"
 
 
@@ -110,6 +119,15 @@ class RequestStepSpec:
 
 
 @dataclass(frozen=True)
+class GrammarStepStats:
+    """Structured-output work in one step (the grammar-invalid drafts are in the requests)."""
+
+    mask_seconds: float = 0.0  # draft checks, bitmask filling, masking, grammar state updates
+    num_masked_rows: int = 0  # logits rows masked
+    compile_seconds: tuple[float, ...] = ()  # grammars compiled since the previous step
+
+
+@dataclass(frozen=True)
 class StepStats:
     """One engine step. `k` is the step's K; `None` when speculation is off."""
 
@@ -121,6 +139,11 @@ class StepStats:
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     num_preemptions: int = 0
+    grammar: GrammarStepStats | None = None  # None when no request in the step had a grammar
+    # The execution path and verify width the step ran (BatchDescriptor), for
+    # execution_steps_total{path,width}; width "mixed" for a prefill+decode step.
+    path: str | None = None
+    width: str | None = None
 
     def __post_init__(self) -> None:
         if self.k is not None:

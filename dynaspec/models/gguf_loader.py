@@ -1,7 +1,9 @@
-"""Loading a GGUF file (llama.cpp's format): metadata -> config, tensors -> float32, vocab -> tokenizer."""
+"""Loading a GGUF file (llama.cpp's format): metadata -> config, tensors -> float32 (or kept
+quantized: Q4_0/Q4_1/Q8_0 as QuantizedTensor), vocab -> tokenizer."""
 
 from __future__ import annotations
 
+import logging
 from functools import lru_cache
 
 import gguf
@@ -10,6 +12,7 @@ import torch
 from gguf import quants
 
 from dynaspec.config import ModelArchConfig
+from dynaspec.models.quant import QuantizedTensor, from_gguf_blocks
 from dynaspec.models.loader import (
     END_OF_TURN_TOKENS,
     SUPPORTED_ARCHITECTURES,
@@ -22,7 +25,9 @@ from dynaspec.models.loader import (
 )
 from dynaspec.models.tokenizer import Tokenizer
 
+log = logging.getLogger("dynaspec")
 _REQUIRED = object()
+_KEPT_QUANTIZED = ("Q4_0", "Q4_1", "Q8_0")  # block types with a weight-only kernel (models/quant.py)
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 
 # GGUF per-layer tensor names -> HF names (the "blk.N." prefix becomes "model.layers.N.").
@@ -50,12 +55,13 @@ _PRE_KINDS = {
 }
 
 
-def load_gguf_file(path: str) -> LoadedModel:
+def load_gguf_file(path: str, keep_quantized: bool = False) -> LoadedModel:
+    """keep_quantized: 2-D Q4_0/Q4_1/Q8_0 weights stay QuantizedTensors instead of float32."""
     reader = _open(path)
     meta = _Metadata(reader, path)
     arch = validate_arch(arch_from_gguf(meta, reader), path)
     tokenizer, eos_ids = gguf_tokenizer(meta)
-    tensors = _read_tensors(reader, arch, path)
+    tensors = _read_tensors(reader, arch, path, keep_quantized)
     state_dict = finalize_state_dict(tensors, arch, path)
     return LoadedModel(arch, state_dict, tokenizer, eos_ids, path)
 
@@ -157,19 +163,44 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     return None
 
 
-def _read_tensors(reader, arch: ModelArchConfig, path: str) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
-    out: dict[str, torch.Tensor] = {}
+def _read_tensors(reader, arch: ModelArchConfig, path: str, keep_quantized: bool) -> dict:  # type: ignore[no-untyped-def]
+    out: dict[str, torch.Tensor | QuantizedTensor] = {}
+    dequantized: set[str] = set()
     for tensor in progress(reader.tensors, len(reader.tensors), "loading weights"):
         name = hf_tensor_name(tensor.name)
         if name is None:  # e.g. rope_freqs or tensors of other heads: not part of this model
             continue
-        weight = _dequantize(tensor, path)
+        kind = tensor.tensor_type.name
+        if keep_quantized and kind in _KEPT_QUANTIZED and len(tensor.shape) == 2:
+            weight = _quantized(tensor, path)
+        else:
+            weight = _dequantize(tensor, path)
+            if keep_quantized and kind not in ("F32", "F16", "BF16") and len(tensor.shape) == 2:
+                dequantized.add(kind)
         # Only llama-arch files are permuted; llama.cpp runs qwen2/qwen3 with NEOX-style RoPE.
         if arch.architecture == "llama" and (".q_proj." in name or ".k_proj." in name):
             heads = arch.num_attention_heads if ".q_proj." in name else arch.num_key_value_heads
-            weight = unpermute_qk(weight, heads)
+            weight = _unpermute(weight, heads)
         out[name] = weight
+    if dequantized:
+        log.info("%s: GGUF types %s have no weight-only kernel here; those weights are dequantized",
+                 path, ", ".join(sorted(dequantized)))
     return out
+
+
+def _unpermute(weight: torch.Tensor | QuantizedTensor, heads: int) -> torch.Tensor | QuantizedTensor:
+    if isinstance(weight, QuantizedTensor):  # rows are whole blocks: reorder them, not the values
+        order = unpermute_qk(torch.arange(weight.shape[0])[:, None], heads)[:, 0]
+        return weight.rows(order)
+    return unpermute_qk(weight, heads)
+
+
+def _quantized(tensor, path: str) -> QuantizedTensor:  # type: ignore[no-untyped-def]
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # [N, K]
+    try:
+        return from_gguf_blocks(np.asarray(tensor.data), tensor.tensor_type.name, shape)
+    except ValueError as exc:  # a short read of a truncated file shows up as a reshape error
+        raise ModelLoadError(f"{path}: cannot read tensor {tensor.name!r} (corrupt or truncated?): {exc}") from exc
 
 
 def _dequantize(tensor, path: str) -> torch.Tensor:  # type: ignore[no-untyped-def]

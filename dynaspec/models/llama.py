@@ -9,76 +9,97 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dynaspec.attention.paged import AttentionMetadata, paged_attention
+from dynaspec.attention.backend import AttentionBackend
+from dynaspec.attention.paged import EagerPagedBackend
 from dynaspec.config import ModelArchConfig
-from dynaspec.models.layers import Linear, RotaryCache, apply_rope, rms_norm, silu_and_mul
+from dynaspec.models.layers import FusedOps, RotaryCache, apply_rope, rms_norm
+from dynaspec.models.quant import cat_rows
+from dynaspec.models.quant_linear import WeightPlan, make_embedding, make_linear, make_lm_head
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 
 class DecoderLayer:
-    def __init__(self, w: dict[str, torch.Tensor], cfg: ModelArchConfig) -> None:
-        self.qkv = Linear(w["qkv"], w.get("qkv_bias"))  # [(H + 2*Hkv) * D, hidden]
-        self.o = Linear(w["o"])  # [hidden, H * D]
-        self.gate_up = Linear(w["gate_up"])  # [2 * inter, hidden]
-        self.down = Linear(w["down"])  # [hidden, inter]
+    def __init__(self, w: dict, cfg: ModelArchConfig, plan: WeightPlan, ops: FusedOps) -> None:
+        self.ops = ops
+        self.qkv = make_linear(w["qkv"], w.get("qkv_bias"), plan)  # [(H + 2*Hkv) * D, hidden]
+        self.o = make_linear(w["o"], None, plan)  # [hidden, H * D]
+        self.gate_up = make_linear(w["gate_up"], None, plan)  # [2 * inter, hidden]
+        self.down = make_linear(w["down"], None, plan)  # [hidden, inter]
         self.ln1, self.ln2 = w["ln1"], w["ln2"]
         self.q_norm, self.k_norm = w.get("q_norm"), w.get("k_norm")
         self.eps = cfg.rms_norm_eps
         self.H, self.Hkv, self.D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.scale = self.D ** -0.5
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: torch.Tensor, md, attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the residual stream [T, hidden]; delta: the previous layer's MLP output, not yet
+        added (so the add fuses with this layer's norm). Returns (residual, this MLP's output)."""
         T = x.shape[0]
-        h = rms_norm(x, self.ln1, self.eps)
+        if delta is None:
+            h = self.ops.rms_norm(x, self.ln1, self.eps)
+        else:
+            x, h = self.ops.add_rms_norm(x, delta, self.ln1, self.eps)
         qkv = self.qkv(h)  # [T, (H + 2*Hkv) * D]
-        qk = qkv[:, : (self.H + self.Hkv) * self.D].view(T, self.H + self.Hkv, self.D)
         v = qkv[:, (self.H + self.Hkv) * self.D:].view(T, self.Hkv, self.D)
         if self.q_norm is not None:
+            qk = qkv[:, : (self.H + self.Hkv) * self.D].view(T, self.H + self.Hkv, self.D)
             qk = torch.cat((rms_norm(qk[:, : self.H], self.q_norm, self.eps),
                             rms_norm(qk[:, self.H:], self.k_norm, self.eps)), dim=1)
-        qk = apply_rope(qk, cos, sin)  # q and k rotated in one pass: [T, H + Hkv, D]
+            qk = apply_rope(qk, cos, sin)  # [T, H + Hkv, D]
+        else:  # q and k rotated in one pass, in place in qkv on the fused path: [T, H + Hkv, D]
+            qk = self.ops.rope_qk(qkv, cos, sin, self.H + self.Hkv, self.D)
         q, k = qk[:, : self.H], qk[:, self.H:]
-        attn = paged_attention(q, k, v, kv_cache, md, self.scale)  # [T, H, D]
-        x = x + self.o(attn.reshape(T, self.H * self.D))
-        h = rms_norm(x, self.ln2, self.eps)
-        return x + self.down(silu_and_mul(self.gate_up(h)))
+        a = attn.forward(q, k, v, kv_cache, md, self.scale)  # [T, H, D]
+        x, h = self.ops.add_rms_norm(x, self.o(a.reshape(T, self.H * self.D)), self.ln2, self.eps)
+        return x, self.down(self.ops.silu_and_mul(self.gate_up(h)))
 
 
 class LlamaModel:
-    """Weights and forward; KV tensors are owned by the caller and passed in per step."""
+    """Weights and forward; KV tensors are owned by the caller and passed in per step.
 
-    def __init__(self, cfg: ModelArchConfig, state_dict: dict[str, torch.Tensor],
-                 dtype: torch.dtype, device: torch.device, max_positions: int) -> None:
+    state_dict values are float tensors or, for weights kept quantized, QuantizedTensors;
+    `weights` says which kernels they become (default: dense, the reference path).
+    """
+
+    def __init__(self, cfg: ModelArchConfig, state_dict: dict, dtype: torch.dtype,
+                 device: torch.device, max_positions: int, weights: WeightPlan | None = None) -> None:
         if cfg.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"unknown architecture {cfg.architecture!r}: supported are "
                              f"{', '.join(SUPPORTED_ARCHITECTURES)}")
         self.cfg, self.dtype, self.device = cfg, dtype, device
+        self.weights = plan = weights or WeightPlan("none", 0, dtype, device)
         sd = state_dict
 
-        def t(name: str) -> torch.Tensor:
+        def raw(name: str):  # a matrix as loaded: the kernel factory converts it
             if name not in sd:
                 raise ValueError(f"missing tensor {name!r} in the checkpoint")
-            return sd[name].to(device=device, dtype=dtype).contiguous()
+            return sd[name]
 
-        self.embed = t("model.embed_tokens.weight")  # [vocab, hidden]
+        def t(name: str) -> torch.Tensor:  # a vector (norm weight, bias) in the compute dtype
+            return raw(name).to(device=device, dtype=dtype).contiguous()
+
         tied = cfg.tie_word_embeddings or "lm_head.weight" not in sd
-        self.lm_head = Linear(self.embed if tied else t("lm_head.weight"))  # [vocab, hidden]
+        self.embed, head = make_embedding(raw("model.embed_tokens.weight"), plan, tied)
+        self.lm_head = head if tied else make_lm_head(raw("lm_head.weight"), plan)  # [vocab, hidden]
         self.norm = t("model.norm.weight")
-        self.layers = [DecoderLayer(self._layer_weights(t, sd, i), cfg)
+        # The fused small ops run wherever the C++ kernels build (fp32 too: same rounding).
+        self.ops = FusedOps(enabled=device.type == "cpu")
+        self.layers = [DecoderLayer(self._layer_weights(raw, t, sd, i), cfg, plan, self.ops)
                        for i in range(cfg.num_hidden_layers)]
         self.rope = RotaryCache(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_positions, device)
+        self.attn: AttentionBackend = EagerPagedBackend()  # used when forward() is given none
 
     @staticmethod
-    def _layer_weights(t, sd: dict, i: int) -> dict[str, torch.Tensor]:
+    def _layer_weights(raw, t, sd: dict, i: int) -> dict:
         p = f"model.layers.{i}."
         a = p + "self_attn."
         w = {
-            "qkv": torch.cat([t(a + "q_proj.weight"), t(a + "k_proj.weight"), t(a + "v_proj.weight")]),
-            "o": t(a + "o_proj.weight"),
-            "gate_up": torch.cat([t(p + "mlp.gate_proj.weight"), t(p + "mlp.up_proj.weight")]),
-            "down": t(p + "mlp.down_proj.weight"),
+            "qkv": cat_rows([raw(a + "q_proj.weight"), raw(a + "k_proj.weight"), raw(a + "v_proj.weight")]),
+            "o": raw(a + "o_proj.weight"),
+            "gate_up": cat_rows([raw(p + "mlp.gate_proj.weight"), raw(p + "mlp.up_proj.weight")]),
+            "down": raw(p + "mlp.down_proj.weight"),
             "ln1": t(p + "input_layernorm.weight"),
             "ln2": t(p + "post_attention_layernorm.weight"),
         }
@@ -93,11 +114,12 @@ class LlamaModel:
         return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * self.dtype.itemsize
 
     def weight_bytes_per_step(self) -> int:
-        """Bytes of weights one forward reads (the bandwidth floor of a decode step)."""
-        n = self.lm_head.numel
+        """Bytes of weights one decode forward reads, in the kernels' formats (quantized bytes
+        where weights are quantized): the bandwidth floor of a decode step."""
+        n = self.lm_head.nbytes
         for layer in self.layers:
-            n += layer.qkv.numel + layer.o.numel + layer.gate_up.numel + layer.down.numel
-        return n * self.dtype.itemsize
+            n += layer.qkv.nbytes + layer.o.nbytes + layer.gate_up.nbytes + layer.down.nbytes
+        return n
 
     def allocate_kv(self, num_slots: int) -> list[torch.Tensor]:
         c = self.cfg
@@ -106,11 +128,23 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                md: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [T]; logits_indices: [R]. Returns float32 logits [R, vocab]."""
-        x = self.embed[input_ids]  # [T, hidden]
+                md, logits_indices: torch.Tensor, attn: AttentionBackend | None = None) -> torch.Tensor:
+        """input_ids, positions: [T]; logits_indices: [R]; md: the metadata `attn` built for this
+        step (default backend: eager paged SDPA). Returns float32 logits [R, vocab]."""
+        return self.forward_traceable(input_ids, positions, kv_caches, md, logits_indices,
+                                      self.attn if attn is None else attn)
+
+    def forward_traceable(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                          kv_caches: list[torch.Tensor], md, logits_indices: torch.Tensor | None,
+                          attn: AttentionBackend) -> torch.Tensor:
+        """`forward` without inference mode, which torch.compile cannot trace through while the
+        step writes the KV cache in place; compiled callers run it under `torch.no_grad()`."""
+        x = self.embed(input_ids)  # [T, hidden]
         cos, sin = self.rope.lookup(positions, self.dtype)
+        delta = None
         for layer, kv in zip(self.layers, kv_caches):
-            x = layer.forward(x, cos, sin, kv, md)
-        h = rms_norm(x[logits_indices], self.norm, self.cfg.rms_norm_eps)  # [R, hidden]
+            x, delta = layer.forward(x, delta, cos, sin, kv, md, attn)
+        if logits_indices is not None:  # None: every token's logits (the fixed-shape path)
+            x, delta = x[logits_indices], delta[logits_indices]
+        h = self.ops.rms_norm(x + delta, self.norm, self.cfg.rms_norm_eps)  # [R, hidden]
         return self.lm_head(h).float()

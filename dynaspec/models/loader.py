@@ -36,14 +36,20 @@ class ModelLoadError(ValueError):
 @dataclass
 class LoadedModel:
     arch: ModelArchConfig
-    state_dict: dict[str, torch.Tensor]  # float32, CPU, HF names; no lm_head.weight when tied
+    # float32 (or QuantizedTensor when loaded with keep_quantized), CPU, HF names; no
+    # lm_head.weight when tied
+    state_dict: dict[str, torch.Tensor]
     tokenizer: Tokenizer
     eos_token_ids: tuple[int, ...]
     source: str  # resolved path of the folder or file that was loaded
 
 
-def load_model_files(model: str) -> LoadedModel:
-    """Load "default", an HF folder (config.json + safetensors) or a .gguf file."""
+def load_model_files(model: str, keep_quantized: bool = False) -> LoadedModel:
+    """Load "default", an HF folder (config.json + safetensors) or a .gguf file.
+
+    keep_quantized: a GGUF's Q4_0/Q4_1/Q8_0 matrices stay QuantizedTensors (models/quant.py)
+    instead of being dequantized to float32.
+    """
     path, kind = resolve_model_path(model)
     if kind == "hf":
         from dynaspec.models.hf_loader import load_hf_folder
@@ -51,7 +57,7 @@ def load_model_files(model: str) -> LoadedModel:
         return load_hf_folder(path)
     from dynaspec.models.gguf_loader import load_gguf_file
 
-    return load_gguf_file(path)
+    return load_gguf_file(path, keep_quantized)
 
 
 def load_tokenizer(model: str) -> Tokenizer:
@@ -145,7 +151,8 @@ def expected_shape(name: str, arch: ModelArchConfig) -> tuple[int, ...]:
 def finalize_state_dict(
     tensors: dict[str, torch.Tensor], arch: ModelArchConfig, source: str
 ) -> dict[str, torch.Tensor]:
-    """Keep exactly the expected tensors, as contiguous float32, after checking names and shapes."""
+    """Keep exactly the expected tensors, as contiguous float32 (QuantizedTensors as they are),
+    after checking names and shapes."""
     out: dict[str, torch.Tensor] = {}
     for name in expected_tensor_names(arch):
         tensor = tensors.get(name)
@@ -156,7 +163,8 @@ def finalize_state_dict(
             raise ModelLoadError(
                 f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, config implies {want}"
             )
-        out[name] = tensor.to(torch.float32).contiguous()
+        quantized = not isinstance(tensor, torch.Tensor)  # a QuantizedTensor, already in its form
+        out[name] = tensor if quantized else tensor.to(torch.float32).contiguous()
     return out
 
 

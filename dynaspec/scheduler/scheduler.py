@@ -2,23 +2,52 @@
 
 A request carries `num_computed_tokens`; the scheduler grants it the tokens it still has to
 compute (chunked under `max_num_batched_tokens`), plus a draft budget on steps where it samples.
+The draft budget (token budget and KV lookahead) is charged for the K the step will choose, not
+the plan's maximum: the policy is asked once for the step's prospective batch before the batch
+is formed, and again for the batch formed (never above what was reserved).
 After verification, `num_computed_tokens` advances past the accepted drafts only, so the slots of
 rejected drafts are rewritten next step. Preemption is by recompute: the victim frees its blocks
 and rejoins the front of the queue; its output so far is kept and its prompt+output recomputed.
+`update` is the one place that decides a request's end (EOS, stop token, stop string through
+`stop_check`, max_tokens, max_model_len), before its blocks are cached or freed.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Callable
 
 from dynaspec.config import SchedulerConfig
 from dynaspec.kv.kv_cache_manager import KVCacheManager
 from dynaspec.outputs import RequestResult, RunnerOutput, ScheduledRequest, SchedulerOutput
 from dynaspec.request import Request, RequestStatus
-from dynaspec.spec_decode.k_policy import KPolicy, RequestView, StepView
+from dynaspec.spec_decode.k_policy import KPolicy, RequestView, StepK, StepView
 from dynaspec.spec_decode.plan import SpecPlan
+from dynaspec.worker.execution_plan import ExecutionPlan
+
+
+# (request, tokens about to be appended) -> how many of them to keep because a stop string
+# ended the request with the last kept one, or None. The engine's output processor provides it.
+StopCheck = Callable[[Request, list[int]], "int | None"]
+
+
+@dataclass(frozen=True)
+class _Reserve:
+    """Draft slots each request may reserve this step, from the K decided for the prospective
+    batch; requests it does not name (admitted from the queue) get `k`."""
+
+    per_request: dict[str, int]
+    reasons: dict[str, str]
+    k: int
+
+    def of(self, request_id: str) -> tuple[int, str | None]:
+        n = self.per_request.get(request_id, self.k)
+        return n, (self.reasons.get(request_id, "schedule_zero") if n == 0 else None)
+
+
+_NO_RESERVE = _Reserve({}, {}, 0)
 
 
 @dataclass
@@ -34,8 +63,10 @@ class StepUpdate:
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager, plan: SpecPlan,
                  policy: KPolicy | None, max_model_len: int, eos_token_ids: tuple[int, ...],
-                 drafter_max_len: int | None = None) -> None:
+                 drafter_max_len: int | None = None, exec_plan: ExecutionPlan | None = None) -> None:
         self.cfg, self.kv, self.plan, self.policy = cfg, kv, plan, policy
+        self.exec_plan = exec_plan or ExecutionPlan.build(plan, cfg.max_num_seqs)
+        self._may_pad = any(self.exec_plan.path_for(*shape)[0] != "eager" for shape in self.exec_plan.grid)
         self.max_model_len = max_model_len
         self.eos = frozenset(eos_token_ids)
         self.drafter_max_len = drafter_max_len
@@ -43,6 +74,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.stop_check: StopCheck | None = None  # stop strings; set by the engine
 
     # ---- request lifecycle -------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -73,41 +105,75 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         t0 = time.perf_counter()
         budget = self.cfg.max_num_batched_tokens
-        lookahead = self.plan.max_k if self.plan.speculating else 0
+        reserve = self._planned_reserve()
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
-        budget = self._schedule_running(scheduled, preempted, budget, lookahead)
+        budget = self._schedule_running(scheduled, preempted, budget, reserve)
         if not preempted:
-            self._schedule_waiting(scheduled, budget, lookahead)
-        step_k = self._decide_k(scheduled) if self.plan.speculating else None
+            self._schedule_waiting(scheduled, budget, reserve)
+        step_k = self._decide_k(scheduled, reserve.k) if self.plan.speculating else None
         num_tokens = sum(s.num_new_tokens for s in scheduled)
-        return SchedulerOutput(scheduled, step_k, num_tokens, preempted, time.perf_counter() - t0)
+        batch = self._describe(scheduled, step_k)
+        return SchedulerOutput(scheduled, step_k, num_tokens, preempted, time.perf_counter() - t0,
+                               batch)
+
+    def _describe(self, scheduled: list[ScheduledRequest], step_k: int | None):
+        """The step's BatchDescriptor, from the plan: a decode-only step verifies width 1+K (K
+        from the plan, so the width is one of plan.widths); it may take a fixed-shape path only
+        if every request has KV slots reserved for K drafts, because there every request is
+        padded to the full width."""
+        k = step_k or 0
+        decode_only = bool(scheduled) and all(s.sampling and s.num_new_tokens == 1 for s in scheduled)
+        planned = sum(s.num_new_tokens + s.draft_budget for s in scheduled)
+        batch = self.exec_plan.descriptor(len(scheduled), 1 + k if decode_only else None, planned)
+        if batch.fixed_shape and any(s.num_lookahead < k for s in scheduled):
+            # A request reserved fewer slots than K (its cap, or the batch changed since the
+            # reservation): padding it to the full width would write past them, so run eager.
+            batch = replace(batch, path="eager", num_reqs_padded=len(scheduled),
+                            num_tokens_padded=planned)
+        if batch.fixed_shape:
+            for s in scheduled:
+                s.pad_drafts = True
+        return batch
+
+    def _planned_reserve(self) -> _Reserve:
+        """The K decision for the batch this step will most likely form: every running request
+        plus the queue up to max_num_seqs. Its caps are what the decoding requests reserve."""
+        if not self.plan.speculating:
+            return _NO_RESERVE
+        room = max(0, self.cfg.max_num_seqs - len(self.running))
+        num_reqs = len(self.running) + min(len(self.waiting), room)
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        decision = self.policy.decide(StepView(tuple(map(self._view, decoding)), num_reqs,
+                                               planned=True))
+        return _Reserve(dict(decision.per_request), dict(decision.reasons), decision.k)
 
     def _schedule_running(self, scheduled: list[ScheduledRequest], preempted: list[str],
-                          budget: int, lookahead: int) -> int:
+                          budget: int, reserve: _Reserve) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            la = self._lookahead(req, num_new, budget, lookahead)
+            la, reason = self._lookahead(req, num_new, budget, reserve)
             while not self.kv.allocate_slots(req, num_new + la):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is req:
                     return budget
-            scheduled.append(self._entry(req, num_new, la))
+            scheduled.append(self._entry(req, num_new, la, reason))
             budget -= num_new + la
             i += 1
         return budget
 
     def _schedule_waiting(self, scheduled: list[ScheduledRequest], budget: int,
-                          lookahead: int) -> None:
+                          reserve: _Reserve) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[0]
             blocks, hit = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else ([], 0)
             num_new = min(req.num_tokens - req.num_computed_tokens - hit, budget)
-            la = self._lookahead(req, num_new, budget, lookahead, computed=req.num_computed_tokens + hit)
+            la, reason = self._lookahead(req, num_new, budget, reserve,
+                                         computed=req.num_computed_tokens + hit)
             if not self.kv.allocate_slots(req, num_new + la, new_computed_blocks=blocks,
                                           num_new_computed_tokens=hit):
                 break
@@ -117,25 +183,29 @@ class Scheduler:
             req.num_computed_tokens += hit
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            scheduled.append(self._entry(req, num_new, la))
+            scheduled.append(self._entry(req, num_new, la, reason))
             budget -= num_new + la
 
-    def _lookahead(self, req: Request, num_new: int, budget: int, lookahead: int,
-                   computed: int | None = None) -> int:
-        """Draft slots to reserve: only a request decoding one token drafts (not a prefill step)."""
+    def _lookahead(self, req: Request, num_new: int, budget: int, reserve: _Reserve,
+                   computed: int | None = None) -> tuple[int, str | None]:
+        """Draft slots to reserve, and why there are none: only a request decoding one token
+        drafts (not a prefill step), as many as its reserve, if the token budget fits them."""
+        if not self.plan.speculating:
+            return 0, None
         computed = req.num_computed_tokens if computed is None else computed
-        sampling = computed + num_new == req.num_tokens
-        return lookahead if sampling and num_new == 1 and budget >= 1 + lookahead else 0
+        if num_new != 1 or computed + num_new != req.num_tokens:
+            return 0, "prefill"
+        want, reason = reserve.of(req.request_id)
+        if self._may_pad:  # a fixed-shape step pads every decoding row to 1+K: reserve them all
+            want, reason = max(want, reserve.k), (reason if reserve.k == 0 else None)
+        if want == 0:
+            return 0, reason
+        return (want, None) if budget >= 1 + want else (0, "token_budget")
 
-    def _entry(self, req: Request, num_new: int, la: int) -> ScheduledRequest:
+    def _entry(self, req: Request, num_new: int, la: int, reason: str | None) -> ScheduledRequest:
         # draft_budget starts as the reserved lookahead; _decide_k lowers it to the step's K.
-        reason = None
-        if self.plan.speculating and la == 0:
-            reason = "prefill" if num_new > 1 or req.num_computed_tokens + num_new < req.num_tokens \
-                else "token_budget"
-        pad = (self.plan.kind == "constant" and la > 0 and req.num_cached_tokens > 0
-               and req.num_output_tokens == 0)
-        return ScheduledRequest(req, num_new, la, reason, self.kv.block_table(req.request_id), pad)
+        return ScheduledRequest(req, num_new, la, reason, self.kv.block_table(req.request_id),
+                                num_lookahead=la)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -146,18 +216,20 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def _decide_k(self, scheduled: list[ScheduledRequest]) -> int:
-        """Apply the K policy to the batch just formed: the verifying batch is this batch."""
-        views = []
-        for s in scheduled:
-            if s.draft_budget == 0:
-                continue
-            r = s.request
-            room = None if self.drafter_max_len is None else self.drafter_max_len - r.num_tokens
-            views.append(RequestView(r.request_id, r.num_tokens,
-                                     r.sampling_params.max_tokens - r.num_output_tokens,
-                                     self.max_model_len - r.num_tokens, room))
+    def _view(self, r: Request) -> RequestView:
+        room = None if self.drafter_max_len is None else self.drafter_max_len - r.num_tokens
+        return RequestView(r.request_id, r.num_tokens,
+                           r.sampling_params.max_tokens - r.num_output_tokens,
+                           self.max_model_len - r.num_tokens, room)
+
+    def _decide_k(self, scheduled: list[ScheduledRequest], reserved_k: int) -> int:
+        """Apply the K policy to the batch just formed: the verifying batch is this batch. Its K
+        never exceeds the K whose slots were reserved (the batch can differ from the planned
+        one), so every decoding request has KV for the step's width."""
+        views = [self._view(s.request) for s in scheduled if s.draft_budget > 0]
         decision = self.policy.decide(StepView(tuple(views), len(scheduled)))
+        if decision.k > reserved_k:
+            decision = _clamped(decision, reserved_k)
         for s in scheduled:
             if s.draft_budget == 0:
                 continue
@@ -185,6 +257,9 @@ class Scheduler:
             # NOTE: KV is valid up to the accepted drafts; the bonus token has no KV yet.
             req.num_computed_tokens = req.num_tokens + r.num_accepted_tokens
             emitted, status = self._append_checked(req, r.token_ids)
+            if r.grammar_terminated and len(emitted) == len(r.token_ids) and \
+                    status is not RequestStatus.FINISHED_STOPPED:
+                status = RequestStatus.FINISHED_STOPPED  # its grammar is complete (§7c)
             if status is None:
                 self.kv.cache_full_blocks(req, req.num_computed_tokens)
                 if self.policy is not None:
@@ -208,15 +283,28 @@ class Scheduler:
                                  sum(len(r.token_ids) for r in res.results))
 
     def _append_checked(self, req: Request, tokens: list[int]) -> tuple[list[int], RequestStatus | None]:
-        """Append tokens one by one; stop at EOS, a stop token, max_tokens or max_model_len."""
+        """Append the tokens up to the first that ends the request: EOS, a stop token,
+        max_tokens, max_model_len, or a stop string (`stop_check`); the rest are dropped."""
         sp = req.sampling_params
-        emitted = []
-        for t in tokens:
-            req.output_token_ids.append(t)
-            emitted.append(t)
+        room = min(sp.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens)
+        n, status = len(tokens), None
+        for i, t in enumerate(tokens):
             if (not sp.ignore_eos and t in self.eos) or t in sp.stop_token_ids:
                 req.stop_reason = t if t in sp.stop_token_ids else None
-                return emitted, RequestStatus.FINISHED_STOPPED
-            if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.max_model_len:
-                return emitted, RequestStatus.FINISHED_LENGTH
-        return emitted, None
+                n, status = i + 1, RequestStatus.FINISHED_STOPPED
+                break
+            if i + 1 >= room:
+                n, status = i + 1, RequestStatus.FINISHED_LENGTH
+                break
+        emitted = tokens[:n]
+        kept = self.stop_check(req, emitted) if self.stop_check is not None else None
+        if kept is not None:  # a stop string ended with token kept-1 (stop_check set stop_reason)
+            emitted, status = emitted[:kept], RequestStatus.FINISHED_STOPPED
+        req.output_token_ids.extend(emitted)
+        return emitted, status
+
+
+def _clamped(d: StepK, k: int) -> StepK:
+    """The decision with its K lowered to `k` (a K the plan produced for the reservation)."""
+    per = {rid: min(c, k) for rid, c in d.per_request.items()}
+    return StepK(k, per, d.reasons, d.ctx_stat)

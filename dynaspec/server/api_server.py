@@ -2,8 +2,11 @@
 
 Bodies are read and validated by hand (size limit first, then strict pydantic models) rather than
 through FastAPI's parameter binding, so every failure is an OpenAI-style error with the status
-OpenAI uses (400 instead of FastAPI's 422) and a message naming the field. No middleware wraps the
-app: BaseHTTPMiddleware would buffer streams and hide client disconnects.
+OpenAI uses (400 instead of FastAPI's 422) and a message naming the field, and a body over the
+limit is refused before it is read whole. The same pydantic models are published as the request
+bodies in /openapi.json (built once, from their JSON schemas), with the error shape for 4xx/5xx,
+so clients and fuzzers read the real contract. No middleware wraps the app: BaseHTTPMiddleware
+would buffer streams and hide client disconnects.
 """
 
 from __future__ import annotations
@@ -18,10 +21,11 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from dynaspec.server.async_engine import AsyncEngine
 from dynaspec.server.protocol import (ChatCompletionRequest, CompletionRequest, APIError,
-                                      parse_body)
+                                      openapi_components, parse_body)
 from dynaspec.server.serving import OpenAIServing
 
 log = logging.getLogger("dynaspec.server")
@@ -59,7 +63,8 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
         await async_engine.shutdown(shutdown_drain_s)
 
     app = FastAPI(title="dynaspec", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+                  openapi_url="/openapi.json")
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     serving = OpenAIServing(async_engine, served_model_name)
     _install_error_handlers(app)
     app.include_router(_v1_router(serving, api_key, max_body_bytes))
@@ -67,6 +72,32 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
     app.state.serving = serving
     app.state.async_engine = async_engine
     return app
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's schema of the routes plus the pydantic bodies and the error shape."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        schema.setdefault("components", {}).setdefault("schemas", {}).update(openapi_components())
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+def _ref(name: str) -> dict:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _body_doc(model: type) -> dict:
+    """The route's OpenAPI extras: the request body and the OpenAI error responses."""
+    error = {"content": {"application/json": {"schema": _ref("ErrorResponse")}}}
+    return {"requestBody": {"required": True,
+                            "content": {"application/json": {"schema": _ref(model.__name__)}}},
+            "responses": {str(code): {"description": why, **error} for code, why in (
+                (400, "invalid request"), (401, "missing or wrong API key"),
+                (404, "unknown model"), (413, "body too large"), (500, "engine error"),
+                (503, "shutting down or aborted"))}}
 
 
 def _error(err: APIError) -> JSONResponse:
@@ -90,6 +121,10 @@ def _install_error_handlers(app: FastAPI) -> None:
         msg = {404: f"no route {request.method} {request.url.path}",
                405: f"method {request.method} is not allowed on {request.url.path}"}
         return _error(APIError(exc.status_code, msg.get(exc.status_code, str(exc.detail))))
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(_: Request, exc: ClientDisconnect) -> Response:
+        return Response(status_code=499)  # left while sending its body: nobody to answer
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:
@@ -136,11 +171,11 @@ def _v1_router(serving: OpenAIServing, api_key: str | None, max_body_bytes: int)
             return result
         return JSONResponse(result) if result is not None else Response(status_code=499)
 
-    @router.post("/completions")
+    @router.post("/completions", openapi_extra=_body_doc(CompletionRequest))
     async def completions(request: Request) -> Response:
         return await run(request, CompletionRequest)
 
-    @router.post("/chat/completions")
+    @router.post("/chat/completions", openapi_extra=_body_doc(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         return await run(request, ChatCompletionRequest)
 
@@ -150,7 +185,9 @@ def _v1_router(serving: OpenAIServing, api_key: str | None, max_body_bytes: int)
         eng = serving.engine
         return {"id": serving.model_name, "object": "model", "created": created,
                 "owned_by": "dynaspec", "max_model_len": eng.max_model_len,
-                "dynaspec": {"spec_plan": eng.engine.plan.to_json()}}
+                "dynaspec": {"spec_plan": eng.engine.plan.to_json(),
+                             "lossless": eng.engine.lossless,
+                             "execution_plan": eng.engine.exec_plan.to_json()}}
 
     @router.get("/models")
     async def models() -> dict:

@@ -2,8 +2,9 @@
 
 The engine is not thread-safe, so exactly one thread ("dynaspec-engine") ever touches it. The
 front talks to it only through a command queue of callables (add, abort, integrity checks, stop);
-the thread runs them between steps, steps while work exists, and hands each step's outputs to the
-per-request asyncio queues with one `loop.call_soon_threadsafe` per step, so the event loop never
+the thread runs them between steps, steps while work exists (and waits on the queue, never
+sleeps, when there is none or when a step could schedule nothing: only a command can change
+that), and hands each step's outputs to the per-request asyncio queues with one `loop.call_soon_threadsafe` per step, so the event loop never
 waits on a step. Prometheus metrics are fed from the same thread (under `metrics_lock`, which the
 /metrics handler also takes to render).
 """
@@ -24,7 +25,7 @@ from dynaspec.metrics.stats import EngineSnapshot, FinishedRequestTimes
 
 log = logging.getLogger("dynaspec.server")
 
-_IDLE_WAIT_S = 0.5  # how long the idle thread sleeps on the command queue before re-checking
+_IDLE_WAIT_S = 0.5  # how long the idle thread waits on the command queue before re-checking
 
 
 class EngineUnavailable(RuntimeError):
@@ -78,6 +79,7 @@ class AsyncEngine:
         self._accepting = True
         self._stop = False
         self._last_step_seen: Any = None
+        self.num_aborted = 0  # requests aborted while still in the engine (engine thread writes)
         # --log-stats-interval: the periodic metrics line, written from the engine thread.
         obs = getattr(getattr(engine, "config", None), "observability", None)
         self._log_line = PeriodicLogger(getattr(obs, "log_stats_interval_s", 0.0))
@@ -149,13 +151,14 @@ class AsyncEngine:
     # ---- the engine thread ---------------------------------------------------------------------
     def _run(self) -> None:
         try:
+            stalled = False  # the last step scheduled nothing: wait for a command first
             while not self._stop:
-                busy = self.engine.has_unfinished_requests()
+                busy = self.engine.has_unfinished_requests() and not stalled
                 ran = self._run_commands(block=not busy)
                 if self._stop:
                     break
                 if self.engine.has_unfinished_requests():
-                    self._step()
+                    stalled = not self._step()
                 elif ran:
                     self._observe()
         except BaseException:  # noqa: BLE001 - never die silently: fail every open stream
@@ -181,16 +184,17 @@ class AsyncEngine:
         except queue.Empty:
             return ran
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """One engine step and its deliveries; False when it could schedule nothing."""
+        steps = self.engine.times.steps
         try:
             outs = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - step() already isolates runner failures
             log.exception("engine step failed; aborting its requests")
             for rid in list(self._streams):
                 self._abort(rid, "error", f"{type(exc).__name__}: {exc}")
-            return
-        if not outs:
-            time.sleep(0.001)  # a step that scheduled nothing: do not spin on the CPU
+            return True
+        progressed = bool(outs) or self.engine.times.steps != steps  # a prefill chunk is progress
         batches: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outs:
             stream = self._streams.get(out.request_id)
@@ -202,6 +206,7 @@ class AsyncEngine:
         for loop, items in batches.items():
             _post(loop, items)
         self._observe()
+        return progressed
 
     @staticmethod
     def _delta(out: Any, stream: RequestStream) -> OutputDelta:
@@ -214,7 +219,8 @@ class AsyncEngine:
                            out.finish_reason, out.error, new_lp, out.spec, dict(out.metrics))
 
     def _abort(self, request_id: str, reason: str, error: str | None = None) -> None:
-        self.engine.abort_request(request_id)
+        if self.engine.abort_request(request_id):
+            self.num_aborted += 1
         if request_id in self._streams:
             self._deliver_final(request_id, reason, error)
         self._observe()

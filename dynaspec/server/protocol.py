@@ -8,9 +8,12 @@ and refused with a message naming them, so a client never gets a silently differ
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator
+from pydantic.json_schema import models_json_schema
+
+from dynaspec.structured.params import StructuredOutputParams
 
 MAX_TOP_LOGPROBS = 20  # SamplingParams' bound
 
@@ -33,12 +36,50 @@ class APIError(Exception):
                           "code": self.code}}
 
 
+# Fields typed Any are checked by a validator (one clear message); their published schema says
+# what the validator accepts, so /openapi.json tells clients and fuzzers the real contract.
+_STR_LIST = {"type": "array", "items": {"type": "string", "minLength": 1}}
+StopField = Annotated[Any, WithJsonSchema({"anyOf": [{"type": "string", "minLength": 1},
+                                                     {**_STR_LIST, "maxItems": 16},
+                                                     {"type": "null"}]})]
+PromptField = Annotated[Any, WithJsonSchema({"anyOf": [
+    {"type": "string", "minLength": 1},
+    {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}]})]
+ContentField = Annotated[Any, WithJsonSchema({"anyOf": [
+    {"type": "string"}, {"type": "array", "items": {"$ref": "#/components/schemas/TextPart"}},
+    {"type": "null"}]})]
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Strict):
     include_usage: bool | None = False
+
+
+class JsonSchemaFormat(_Strict):
+    name: str
+    description: str | None = None
+    # "schema" would shadow a BaseModel method: the field is schema_, the JSON key "schema".
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the schema is always enforced; strict only documents that
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsBody(_Strict):
+    """vLLM's extension: exactly one of json (a schema), regex, grammar (EBNF), choice,
+    json_object."""
+
+    json_: dict | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    grammar: str | None = None
+    choice: list[str] | None = None
+    json_object: bool | None = None
 
 
 class _Common(_Strict):
@@ -50,7 +91,7 @@ class _Common(_Strict):
     top_k: int | None = Field(default=None, ge=-1)  # extension (vLLM's)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)  # extension
     seed: int | None = None
-    stop: Any = None  # a string or a list of strings (checked below, one clear message)
+    stop: StopField = None  # a string or a list of strings (checked below, one clear message)
     stop_token_ids: list[int] | None = None  # extension
     ignore_eos: bool | None = None  # extension
     stream: bool | None = False
@@ -62,6 +103,8 @@ class _Common(_Strict):
     user: str | None = None  # accepted and ignored, as a label only
     metadata: dict[str, str] | None = None  # accepted and ignored
     store: bool | None = None  # accepted and ignored
+    response_format: ResponseFormat | None = None  # on completions too, as vLLM accepts it
+    structured_outputs: StructuredOutputsBody | None = None  # extension (vLLM's)
 
     @field_validator("stop")
     @classmethod
@@ -92,13 +135,34 @@ class _Common(_Strict):
                             "stream_options")
         return None
 
+    def structured_output(self) -> StructuredOutputParams | None:
+        """The grammar this request asks for, or None; a 400 naming the field when malformed."""
+        rf, so = self.response_format, self.structured_outputs
+        if rf is not None and rf.type != "text" and so is not None:
+            return _bad("give either response_format or structured_outputs, not both",
+                        "structured_outputs")
+        try:
+            if so is not None:
+                return StructuredOutputParams(json=so.json_, regex=so.regex, grammar=so.grammar,
+                                              choice=so.choice, json_object=bool(so.json_object))
+            if rf is None or rf.type == "text":
+                return None
+            if rf.type == "json_object":
+                return StructuredOutputParams(json_object=True)
+        except ValueError as exc:
+            return _bad(str(exc), "structured_outputs")
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            return _bad("response_format of type 'json_schema' needs json_schema.schema",
+                        "response_format.json_schema")
+        return StructuredOutputParams(json=rf.json_schema.schema_)
+
     @property
     def stop_list(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
 
 class CompletionRequest(_Common):
-    prompt: Any
+    prompt: PromptField
     max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's legacy default
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool | None = False
@@ -137,7 +201,7 @@ class TextPart(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Any = None  # a string or a list of text parts (checked below)
+    content: ContentField = None  # a string or a list of text parts (checked below)
     name: str | None = None
     tool_call_id: str | None = None
 
@@ -160,17 +224,12 @@ class ChatMessage(_Strict):
         return self.content or ""
 
 
-class ResponseFormat(_Strict):
-    type: str
-
-
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)  # None: up to the context limit
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    response_format: ResponseFormat | None = None
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
@@ -180,9 +239,6 @@ class ChatCompletionRequest(_Common):
             return APIError(400, "tools are not supported", "tools")
         if self.tool_choice not in (None, "none", "auto"):
             return APIError(400, "tool_choice is not supported", "tool_choice")
-        if self.response_format is not None and self.response_format.type != "text":
-            return APIError(400, f"response_format type {self.response_format.type!r} is not "
-                            "supported (only 'text')", "response_format")
         if self.top_logprobs is not None and not self.logprobs:
             return APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
         return super().unsupported()
@@ -196,6 +252,10 @@ class ChatCompletionRequest(_Common):
         # "developer" is OpenAI's newer name for "system"; HF templates only know "system".
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                 for m in self.messages]
+
+
+def _bad(message: str, param: str) -> StructuredOutputParams:
+    raise APIError(400, message, param, "invalid_value")
 
 
 def parse_body(model: type[_Strict], raw: bytes) -> Any:
@@ -230,3 +290,17 @@ def validation_error(exc: ValidationError) -> APIError:
 def _is_type_tag(part: Any) -> bool:
     return isinstance(part, str) and (part in ("str", "int", "float", "bool", "list", "dict")
                                       or "[" in part or part.startswith("function-"))
+
+
+def openapi_components() -> dict:
+    """JSON schemas of the request bodies (and what they refer to) plus the error body, keyed
+    by name for OpenAPI's components/schemas."""
+    _, defs = models_json_schema([(m, "validation") for m in (CompletionRequest, ChatCompletionRequest,
+                                                             TextPart)],
+                                 ref_template="#/components/schemas/{model}")
+    error = {"type": "object", "required": ["message", "type", "param", "code"],
+             "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                            "param": {"type": ["string", "null"]},
+                            "code": {"type": ["string", "null"]}}}
+    return {**defs["$defs"], "ErrorResponse": {"type": "object", "required": ["error"],
+                                               "properties": {"error": error}}}

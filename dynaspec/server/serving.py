@@ -19,6 +19,7 @@ from dynaspec.sampling_params import SamplingParams
 from dynaspec.server.async_engine import AsyncEngine, EngineUnavailable, OutputDelta, RequestStream
 from dynaspec.server.protocol import ChatCompletionRequest, CompletionRequest, APIError
 from dynaspec.server.sse import SSEResponse, TextTracker, sse, wait_disconnect
+from dynaspec.structured.params import StructuredOutputParams
 
 
 class OpenAIServing:
@@ -71,7 +72,8 @@ class OpenAIServing:
                 top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
                 min_p=req.min_p or 0.0, seed=req.seed, max_tokens=limit or room,
                 stop=req.stop_list, stop_token_ids=tuple(req.stop_token_ids or ()),
-                ignore_eos=bool(req.ignore_eos), logprobs=logprobs)
+                ignore_eos=bool(req.ignore_eos), logprobs=logprobs,
+                structured_output=req.structured_output())
         except ValueError as exc:
             raise APIError(400, str(exc), str(exc).split(" ")[0]) from None
 
@@ -83,6 +85,8 @@ class OpenAIServing:
         # Off the event loop: a prompt near the body limit takes a while to render and encode.
         ids = await asyncio.to_thread(self.prompt_ids, req)
         params = self.sampling_params(req, len(ids))
+        if params.structured_output is not None:
+            await self._compile_grammar(req, params.structured_output)
         chat = isinstance(req, ChatCompletionRequest)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         try:
@@ -101,6 +105,18 @@ class OpenAIServing:
             return await self._collect(request, stream, fmt)
         finally:
             _abort_unfinished(stream, self.engine)
+
+    async def _compile_grammar(self, req: CompletionRequest | ChatCompletionRequest,
+                               spec: StructuredOutputParams) -> None:
+        """Compile in a worker thread, before the request is queued: the engine thread then
+        finds it in the cache, so no step waits on a compile; a bad grammar is a 400 here."""
+        structured = self.engine.engine.structured
+        try:
+            await asyncio.to_thread(structured.compile, spec)
+        except ValueError as exc:
+            param = "structured_outputs" if req.structured_outputs is not None \
+                else "response_format"
+            raise APIError(400, f"{param}: {exc}", param, "invalid_grammar") from None
 
     async def _collect(self, request: Any, stream: RequestStream, fmt: _Format) -> dict | None:
         async def collect() -> tuple[OutputDelta, list[int], list]:

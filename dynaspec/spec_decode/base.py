@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 
@@ -27,3 +27,32 @@ class Drafts:
 
 class Proposer(Protocol):
     def propose(self, requests: Sequence[Request], k_per_request: Sequence[int]) -> Drafts: ...
+
+    def forget(self, request_id: str) -> None:
+        """Drop the request's state (buffers, drafter KV); called when it finishes, is aborted
+        or preempted. Unknown ids are ignored."""
+        ...
+
+    def preempt(self, request_id: str) -> None:
+        """The request was preempted and will be recomputed: drop what it holds (drafter KV).
+        Drafters that keep finished outputs (the suffix cache) keep nothing from it here."""
+        ...
+
+    def num_cached(self) -> int:
+        """Requests it holds state for (0 once every request is forgotten: leak checks)."""
+        ...
+
+
+def deterministic_drafts(requests: Sequence[Request], k_per_request: Sequence[int],
+                         draft_one: Callable[[Request, int], list[int]]) -> Drafts:
+    """Drafts of a drafter with no probabilities (n-gram, suffix): one `draft_one(request, k)`
+    per request with k > 0; an empty draft is a `no_match` skip, k <= 0 is the caller's skip."""
+    if len(requests) != len(k_per_request):
+        raise ValueError(f"{len(requests)} requests but {len(k_per_request)} k values")
+    token_ids: list[list[int]] = []
+    skip_reasons: list[str | None] = []
+    for request, k in zip(requests, k_per_request):
+        draft = draft_one(request, k) if k > 0 else []
+        token_ids.append(draft)
+        skip_reasons.append("no_match" if k > 0 and not draft else None)
+    return Drafts(token_ids=token_ids, probs=None, skip_reasons=skip_reasons)

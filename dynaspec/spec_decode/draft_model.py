@@ -33,6 +33,20 @@ class _DraftSeq:
     generator: torch.Generator | None = None
 
 
+def draft_k_limit(path: str) -> int:
+    """A draft model's K limit (see `DraftModelProposer.k_limit`), read without its weights when
+    it is an HF folder."""
+    import os
+
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
+        from dynaspec.models.hf_loader import _read_json, arch_from_hf_config
+        arch = arch_from_hf_config(_read_json(os.path.join(path, "config.json"), True), path)
+    else:
+        from dynaspec.models.loader import load_model_files
+        arch = load_model_files(path).arch
+    return max(0, arch.max_position_embeddings - 1)
+
+
 class DraftModelProposer:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, max_len: int,
                  seed: int = 0) -> None:
@@ -42,10 +56,19 @@ class DraftModelProposer:
         self.num_kv_tokens = num_blocks * block_size
         self.seqs: dict[str, _DraftSeq] = {}
         self.seed = seed
+        # Structured output: set by the builder; masks drafts like the target's (mask_draft_logits,
+        # accept_draft, end_drafts), so a grammar request's drafts follow its grammar.
+        self.grammar = None
+
+    @property
+    def k_limit(self) -> int:
+        """Most drafts one step can ever ask of this drafter: its positions minus the one
+        token of context every request has. The plan is clamped to it (DESIGN §2)."""
+        return max(0, self.max_len - 1)
 
     @staticmethod
-    def load(path: str, config, target_vocab: int, device: torch.device, dtype: torch.dtype,
-             max_k: int) -> "DraftModelProposer":
+    def load(path: str, config, target_vocab: int, device: torch.device,
+             dtype: torch.dtype) -> "DraftModelProposer":
         from dynaspec.engine.builder import num_kv_blocks
         from dynaspec.models.loader import load_model_files
 
@@ -66,6 +89,12 @@ class DraftModelProposer:
         if seq is not None:
             self.kv.free(seq)
 
+    def preempt(self, request_id: str) -> None:
+        self.forget(request_id)  # nothing outlives a request here: preemption is an end
+
+    def num_cached(self) -> int:
+        return len(self.seqs)
+
     def _catch_up_start(self, seq: _DraftSeq, req: Request) -> int:
         """First position whose drafter KV is not known to hold the request's verified token."""
         n = seq.num_computed_tokens
@@ -76,8 +105,15 @@ class DraftModelProposer:
             n = pos + 1
         return min(n, req.num_tokens - 1)  # always feed >= 1 token to get the next logits
 
-    @torch.inference_mode()
     def propose(self, requests: Sequence[Request], k_per_request: Sequence[int]) -> Drafts:
+        try:
+            return self._propose(requests, k_per_request)
+        finally:
+            if self.grammar is not None:
+                self.grammar.end_drafts()
+
+    @torch.inference_mode()
+    def _propose(self, requests: Sequence[Request], k_per_request: Sequence[int]) -> Drafts:
         active = [(r, k) for r, k in zip(requests, k_per_request) if k > 0]
         out_tokens = {r.request_id: [] for r, _ in active}
         out_probs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r, _ in active}
@@ -109,6 +145,8 @@ class DraftModelProposer:
                 r, k = active[i]
                 seqs[i].num_computed_tokens += len(feeds[i])
                 out_tokens[r.request_id].append(toks[j])
+                if self.grammar is not None:
+                    self.grammar.accept_draft(r, toks[j])
                 if probs[j] is not None:
                     out_probs[r.request_id].append(probs[j])
                 if len(out_tokens[r.request_id]) < k:
@@ -133,6 +171,8 @@ class DraftModelProposer:
                             s.num_computed_tokens + q)], dtype=torch.long, device=self.model.device)
         last = torch.tensor(qlens, device=self.model.device).cumsum(0) - 1
         logits = self.model.forward(ids, pos, self.kv_caches, md, last)  # [num_reqs, vocab]
+        if self.grammar is not None:
+            self.grammar.mask_draft_logits(reqs, logits)
         greedy = [r.sampling_params.greedy for r in reqs]
         if all(greedy):
             return logits.argmax(-1).tolist(), [None] * len(reqs)

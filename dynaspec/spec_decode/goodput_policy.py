@@ -90,6 +90,9 @@ class GoodputPolicy(TablePolicy):
         super().forget(request_id)
         self.last_draft_ctx.pop(request_id, None)
 
+    def num_cached(self) -> int:
+        return len(self.histories.keys() | self.last_draft_ctx.keys())
+
     def observe_step(self, num_reqs: int, ctx: int, width: int, target_seconds: float,
                      draft_seconds: float, num_drafted: int, num_emitted: int) -> None:
         self.cost_model.observe(num_reqs, ctx, width, target_seconds)
@@ -167,7 +170,7 @@ class GoodputPolicy(TablePolicy):
         per = self._per_request(caps, fixed, k)
         tokens = sum(1.0 + self._rates(r).expected_accepted(per[r.request_id]) for r in view.requests)
         drafted = sum(per.values())
-        width = 1 + max(per.values(), default=0)
+        width = 1 + self._runnable_k(max(per.values(), default=0))
         return tokens / (cost(width) + self.draft_seconds_per_token * drafted)
 
     def _step_k(self, k: int, ctx: int, caps: dict, fixed: dict[str, int],
@@ -181,6 +184,12 @@ class GoodputPolicy(TablePolicy):
                 reasons[rid] = "adaptive"  # the policy, not the table, lowered it
             elif why is not None:
                 reasons[rid] = why
-        # The step's K is the widest K any request verifies: the width the forward really has;
+        # The step's K: the widest any request verifies, rounded up to a width the plan runs;
         # under DP it is the K every rank agreed on (this rank's requests may all verify less).
-        return StepK(k if agreed else max(per.values(), default=0), per, reasons, ctx)
+        k = k if agreed else self._runnable_k(max(per.values(), default=0))
+        return StepK(k, per, reasons, ctx)
+
+    def _runnable_k(self, k: int) -> int:
+        if k == 0 or self.allowed_widths is None:
+            return k
+        return min((w - 1 for w in self.allowed_widths if w - 1 >= k), default=k)

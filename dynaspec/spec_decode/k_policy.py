@@ -33,9 +33,6 @@ from typing import Protocol
 
 from dynaspec.spec_decode.plan import SpecPlan
 
-REASONS = ("schedule_zero", "drafter_length", "max_tokens", "max_model_len", "adaptive")
-
-
 class AcceptanceHistory:
     """Per request: EMA of the conditional acceptance rate at each draft position.
 
@@ -117,6 +114,9 @@ class StepView:
     requests: tuple[RequestView, ...]  # decoding requests of this step (prefill chunks excluded)
     num_reqs: int  # requests in the step, prefill included
     global_view: GlobalStepView | None = None  # set under data parallelism (dynaspec/dp)
+    # True for the scheduler's reservation decision (the batch it expects, before it forms);
+    # False for the decision on the batch that verifies. Under DP each is agreed separately.
+    planned: bool = False
 
     @property
     def batch_size(self) -> int:
@@ -142,7 +142,7 @@ class StepView:
 class StepK:
     k: int  # the step's K from the plan
     per_request: dict[str, int]  # request_id -> drafts allowed this step (<= k)
-    reasons: dict[str, str]  # request_id -> why its cap is below k (see REASONS)
+    reasons: dict[str, str]  # request_id -> why its cap is below k (metrics.stats.SKIP_REASONS)
     ctx_stat: int  # the context statistic used for the lookup
 
 
@@ -157,6 +157,8 @@ class KPolicy(Protocol):
                      draft_seconds: float, num_drafted: int, num_emitted: int) -> None: ...
 
     def forget(self, request_id: str) -> None: ...
+
+    def num_cached(self) -> int: ...
 
 
 def context_statistic(requests: tuple[RequestView, ...]) -> int:
@@ -219,6 +221,10 @@ class TablePolicy:
 
     def forget(self, request_id: str) -> None:
         self.histories.pop(request_id, None)
+
+    def num_cached(self) -> int:
+        """Requests it holds state for (0 once every request is forgotten: leak checks)."""
+        return len(self.histories)
 
     def decide(self, view: StepView) -> StepK:
         ctx = view.ctx_stat
@@ -307,7 +313,7 @@ def resolve_policy_name(name: str, speculating: bool) -> str | None:
 
 
 def make_policy(plan: SpecPlan, name: str, cost_per_width: dict[int, float] | None = None,
-                cost_model=None) -> KPolicy:
+                cost_model=None, allowed_widths: tuple[int, ...] | None = None) -> KPolicy:
     resolved = resolve_policy_name(name, plan.speculating) or "table"
     if resolved == "table":
         return TablePolicy(plan)
@@ -316,4 +322,4 @@ def make_policy(plan: SpecPlan, name: str, cost_per_width: dict[int, float] | No
     if cost_model is None:
         raise ValueError("the goodput policy needs a step cost model (measured at start-up)")
     from dynaspec.spec_decode.goodput_policy import GoodputPolicy
-    return GoodputPolicy(plan, cost_model)
+    return GoodputPolicy(plan, cost_model, allowed_widths=allowed_widths)

@@ -25,7 +25,7 @@ from typing import Sequence
 import numpy as np
 
 from dynaspec.request import Request
-from dynaspec.spec_decode.base import Drafts
+from dynaspec.spec_decode.base import Drafts, deterministic_drafts
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 _MIN_CAPACITY = 256
@@ -133,25 +133,17 @@ class NgramProposer:
         self._buffers: dict[str, _TokenBuffer] = {}
 
     def propose(self, requests: Sequence[Request], k_per_request: Sequence[int]) -> Drafts:
-        if len(requests) != len(k_per_request):
-            raise ValueError(f"{len(requests)} requests but {len(k_per_request)} k values")
-        token_ids: list[list[int]] = []
-        skip_reasons: list[str | None] = []
-        for request, k in zip(requests, k_per_request):
-            if k <= 0:
-                # The caller decided not to draft and records why; nothing to say here.
-                token_ids.append([])
-                skip_reasons.append(None)
-                continue
-            tokens = self._tokens(request)
-            draft = ngram_match(tokens, self.min_n, self.max_n, k)
-            token_ids.append(draft.tolist())
-            skip_reasons.append(None if draft.size else "no_match")
-        return Drafts(token_ids=token_ids, probs=None, skip_reasons=skip_reasons)
+        return deterministic_drafts(requests, k_per_request, self._draft_one)
+
+    def _draft_one(self, request: Request, k: int) -> list[int]:
+        return ngram_match(self._tokens(request), self.min_n, self.max_n, k).tolist()
 
     def forget(self, request_id: str) -> None:
         """Drop a finished request's buffer. Unknown ids are ignored (idempotent)."""
         self._buffers.pop(request_id, None)
+
+    def preempt(self, request_id: str) -> None:
+        self.forget(request_id)  # nothing outlives a request here: preemption is an end
 
     def num_cached(self) -> int:
         return len(self._buffers)

@@ -1,8 +1,8 @@
 """The speculation plan (DESIGN §2): resolved once at start-up, read everywhere.
 
-Scheduler (KV lookahead = ``max_k``), runner (buffers, ``uniform_width``), metrics (per-position
-vectors of length ``max_k``), the execution plan (``widths``) and the server card all read one
-``SpecPlan``; none of them reads the raw configured K, so they cannot disagree about the width
+Scheduler (KV lookahead = ``max_k``, the step's planned width), runner (padding to that width),
+metrics (per-position vectors of length ``max_k``), the execution plan (``widths``: the compile
+grid) and the server card all read one ``SpecPlan``; none of them reads the raw configured K, so they cannot disagree about the width
 (the vLLM bug class in reference/vllm-spec-decode.md §2.5).
 
 Clamping: every entry becomes ``min(K, ceiling)`` where the ceiling is ``--num-spec-tokens``
@@ -136,7 +136,7 @@ def _off_plan(speculator: str, num_spec_tokens: int, k_schedule: object) -> Spec
     if k_schedule is not None:
         raise ScheduleError(
             f"--k-schedule is set but --speculator is {speculator!r}: a schedule needs a drafter "
-            "(choose --speculator ngram or draft, or drop --k-schedule)"
+            "(choose --speculator ngram, draft or suffix, or drop --k-schedule)"
         )
     if num_spec_tokens > 0:
         raise ScheduleError(

@@ -4,50 +4,87 @@ Drafters that need nothing from the target (n-gram, a draft model) run here, aft
 formed and before the forward, so the K chosen for a batch is the K that batch verifies.
 A request with d drafts gets d+1 logits rows in the same forward as everyone else's prefill
 chunks and decodes; the rejection sampler returns accepted drafts plus one token per request.
+
+The step's shape and path come from the scheduler's `BatchDescriptor`, never from the inputs:
+on a fixed-shape path every request's drafts are padded to width-1 with -1 and the rows to
+`num_reqs_padded`, and the fixed-shape executor (torch.compile / CUDA graphs) runs it over the
+persistent input buffers; otherwise the eager attention backend runs the ragged batch.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from collections import Counter
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from dynaspec.attention.paged import build_metadata
+from dynaspec.attention.backend import AttentionBatch
 from dynaspec.models.llama import LlamaModel
 from dynaspec.outputs import BatchDescriptor, RequestResult, RunnerOutput, SchedulerOutput
 from dynaspec.request import Request
 from dynaspec.sample.metadata import SamplingMetadata
-from dynaspec.sample.rejection_sampler import rejection_sample
+from dynaspec.sample.rejection_sampler import SyntheticVerifier, rejection_sample
 from dynaspec.sample.sampler import Sampler
 from dynaspec.spec_decode.base import Drafts, Proposer
+from dynaspec.structured.manager import StructuredOutputManager
+from dynaspec.worker.compiled import FixedShapeExecutor
+from dynaspec.worker.input_buffers import InputBuffers
 
+log = logging.getLogger("dynaspec")
 
 PAD = -1  # never a real token id: rejected by the verifier, counted as invalid "padding"
 
 
 def _pad_probs(p: torch.Tensor, n: int) -> torch.Tensor:
-    """Draft probs [d, vocab] -> [n, vocab]; pad rows are uniform (never used: pads reject)."""
+    """Draft probs [d, vocab] -> [n, vocab]. Pad rows are zero: a pad is never accepted, and if
+    every real draft was accepted the token sampled at the first pad must come from
+    max(p - 0, 0) = p, the target itself, exactly as the bonus token would without padding."""
     if p.shape[0] >= n:
         return p[:n]
-    pad = torch.full((n - p.shape[0], p.shape[1]), 1.0 / p.shape[1], dtype=p.dtype, device=p.device)
-    return torch.cat([p, pad])
+    return torch.cat([p, p.new_zeros(n - p.shape[0], p.shape[1])])
+
+
+@dataclass
+class StepInputs:
+    """One step's flat inputs, real requests only (padded rows are added by the fixed path)."""
+
+    ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    query_lens: list[int] = field(default_factory=list)
+    context_lens: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
+    logit_rows: list[int] = field(default_factory=list)
+    sampling: list[tuple[int, int]] = field(default_factory=list)  # (scheduled index, num drafts)
 
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv_caches: list[torch.Tensor], block_size: int,
-                 proposer: Proposer | None, seed: int) -> None:
+                 proposer: Proposer | None, seed: int, buffers: InputBuffers | None = None,
+                 executor: FixedShapeExecutor | None = None,
+                 synthetic: SyntheticVerifier | None = None,
+                 structured: StructuredOutputManager | None = None) -> None:
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         self.device = model.device
         self.proposer = proposer
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
         self._seed_source = torch.Generator().manual_seed(seed)
+        self.synthetic = synthetic  # --rejection-mode synthetic: NOT lossless
+        self.structured = structured
+        self.buffers = buffers
+        self.executor = executor
+        self.steps_by_path: Counter = Counter()  # (path, width label) -> steps actually run
 
     def forget(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
-        forget = getattr(self.proposer, "forget", None)
-        if forget is not None:
-            forget(request_id)
+        if self.synthetic is not None:
+            self.synthetic.forget(request_id)
+        if self.structured is not None:
+            self.structured.forget(request_id)
+        if self.proposer is not None:
+            self.proposer.forget(request_id)
 
     def _generator(self, req: Request) -> torch.Generator:
         g = self.generators.get(req.request_id)
@@ -59,61 +96,135 @@ class ModelRunner:
             self.generators[req.request_id] = g
         return g
 
-    def _draft(self, out: SchedulerOutput) -> tuple[dict[str, list[int]], dict[str, torch.Tensor | None], dict[str, str]]:
-        idx = [i for i, s in enumerate(out.scheduled) if s.draft_budget > 0]
-        if not idx or self.proposer is None:
-            return {}, {}, {}
-        reqs = [out.scheduled[i].request for i in idx]
-        drafts: Drafts = self.proposer.propose(reqs, [out.scheduled[i].draft_budget for i in idx])
+    def _draft(self, out: SchedulerOutput, batch: BatchDescriptor
+               ) -> tuple[dict[str, list[int]], dict[str, torch.Tensor | None], dict[str, str]]:
         tokens, probs, skips = {}, {}, {}
-        for j, req in enumerate(reqs):
-            s = out.scheduled[idx[j]]
-            d = list(drafts.token_ids[j][: s.draft_budget])
-            if s.pad_drafts and len(d) < s.draft_budget:
-                d += [PAD] * (s.draft_budget - len(d))
-            if d:
-                tokens[req.request_id] = d
-                p = drafts.probs[j] if drafts.probs is not None else None
-                probs[req.request_id] = None if p is None else _pad_probs(p, len(d))
-            else:
-                skips[req.request_id] = drafts.skip_reasons[j] or "no_match"
+        idx = [i for i, s in enumerate(out.scheduled) if s.draft_budget > 0]
+        if idx and self.proposer is not None:
+            reqs = [out.scheduled[i].request for i in idx]
+            drafts: Drafts = self.proposer.propose(reqs, [out.scheduled[i].draft_budget for i in idx])
+            for j, req in enumerate(reqs):
+                d = list(drafts.token_ids[j][: out.scheduled[idx[j]].draft_budget])
+                if self.synthetic is not None:
+                    d = self.synthetic.cut(d)  # no coin-flip EOS (see SyntheticVerifier)
+                if d:
+                    tokens[req.request_id] = d
+                    p = drafts.probs[j] if drafts.probs is not None else None
+                    probs[req.request_id] = p
+                else:
+                    skips[req.request_id] = drafts.skip_reasons[j] or "no_match"
+        if batch.fixed_shape:  # every request verifies exactly `width`: pad with -1
+            for s in out.scheduled:
+                rid, d = s.request.request_id, tokens.get(s.request.request_id, [])
+                if s.pad_drafts and s.sampling and len(d) < batch.width - 1:
+                    tokens[rid] = d + [PAD] * (batch.width - 1 - len(d))
+        for rid, p in probs.items():
+            if p is not None:
+                probs[rid] = _pad_probs(p, len(tokens[rid]))
         return tokens, probs, skips
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         t0 = time.perf_counter()
-        forget = getattr(self.proposer, "forget", None)
-        for rid in out.preempted_ids if forget is not None else ():
-            forget(rid)  # a preempted request must not keep drafter KV blocks
-        drafts, draft_probs, draft_skips = self._draft(out)
+        if self.proposer is not None:
+            for rid in out.preempted_ids:
+                self.proposer.preempt(rid)  # a preempted request must not keep drafter KV blocks
+        batch = out.batch or BatchDescriptor("eager", out.num_reqs, None, 0)
+        drafts, draft_probs, draft_skips = self._draft(out, batch)
         t1 = time.perf_counter()
-        ids, positions, qlens, clens, tables, logit_rows = [], [], [], [], [], []
-        sampling = []  # (scheduled index, num drafts)
+        # Structured output: cut grammar-invalid drafts before they are verified (DESIGN §7c).
+        grammar = self.structured.begin_step(out.scheduled, drafts, draft_probs) \
+            if self.structured is not None else None
+        inputs = self._flatten(out, drafts)
+        logits, batch, t2 = self._forward(inputs, batch)  # [R, vocab]
+        t3 = time.perf_counter()
+        if grammar is not None:
+            grammar.mask(logits, inputs.sampling)
+        results = self._sample(out, logits, inputs.sampling, drafts, draft_probs, draft_skips)
+        if grammar is not None:
+            grammar.commit(results)
+        t4 = time.perf_counter()
+        self.steps_by_path[(batch.path, batch.width_label)] += 1
+        res = RunnerOutput(results, t2 - t1, t1 - t0, t3 - t2, t4 - t3, batch)
+        if grammar is not None:
+            res.grammar_seconds, res.grammar_rows = grammar.seconds, grammar.num_rows
+        return res
+
+    def _flatten(self, out: SchedulerOutput, drafts: dict[str, list[int]]) -> StepInputs:
+        x = StepInputs()
         for i, s in enumerate(out.scheduled):
             req, c = s.request, s.request.num_computed_tokens
             d = drafts.get(req.request_id, [])
             toks = req.token_slice(c, c + s.num_new_tokens) + d
-            start = len(ids)
-            ids.extend(toks)
-            positions.extend(range(c, c + len(toks)))
-            qlens.append(len(toks))
-            clens.append(c + len(toks))
-            tables.append(s.block_table)
+            start = len(x.ids)
+            x.ids.extend(toks)
+            x.positions.extend(range(c, c + len(toks)))
+            x.query_lens.append(len(toks))
+            x.context_lens.append(c + len(toks))
+            x.block_tables.append(s.block_table)
             if s.sampling:
-                logit_rows.extend(range(start + len(toks) - len(d) - 1, start + len(toks)))
-                sampling.append((i, len(d)))
-        md = build_metadata(qlens, clens, tables, self.block_size, self.device)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device).clamp_(min=0)  # [T]; pads embed as 0, their rows are ignored
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)  # [T]
-        rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)  # [R]
+                x.logit_rows.extend(range(start + len(toks) - len(d) - 1, start + len(toks)))
+                x.sampling.append((i, len(d)))
+        return x
+
+    def _forward(self, x: StepInputs, batch: BatchDescriptor
+                 ) -> tuple[torch.Tensor, BatchDescriptor, float]:
+        """Runs the step on the descriptor's path; a fixed-shape step whose executor cannot run it
+        (budget spent, build failed) runs eager and reports the eager descriptor."""
+        if batch.fixed_shape:
+            ex = self.executor
+            if ex is not None and ex.path == batch.path and ex.ready(batch.num_reqs_padded, batch.width):
+                try:
+                    return self._forward_fixed(x, batch, ex)
+                except Exception as exc:  # noqa: BLE001 - eager is always correct
+                    ex.fail((batch.num_reqs_padded, batch.width), exc)
+            batch = replace(batch, path="eager", num_tokens_padded=len(x.ids))
+        return self._run_eager(x, batch)
+
+    def _run_eager(self, x: StepInputs, batch: BatchDescriptor):
+        attn = self.model.attn
+        md = attn.build_metadata(AttentionBatch(x.query_lens, x.context_lens, x.block_tables,
+                                                self.block_size, self.device))
+        ids, pos, rows = self._load(x.ids, x.positions, x.logit_rows)
         t2 = time.perf_counter()
-        logits = self.model.forward(input_ids, pos, self.kv_caches, md, rows)  # [R, vocab]
-        t3 = time.perf_counter()
-        results = self._sample(out, logits, sampling, drafts, draft_probs, draft_skips)
-        t4 = time.perf_counter()
-        width = qlens[0] if qlens and all(q == qlens[0] for q in qlens) and \
-            len(sampling) == len(qlens) else None
-        batch = BatchDescriptor(len(ids), len(qlens), width)
-        return RunnerOutput(results, t2 - t1, t1 - t0, t3 - t2, t4 - t3, batch)
+        return self.model.forward(ids, pos, self.kv_caches, md, rows, attn), batch, t2
+
+    def _forward_fixed(self, x: StepInputs, batch: BatchDescriptor, ex: FixedShapeExecutor):
+        W, B, n = batch.width, batch.num_reqs_padded, len(x.query_lens)
+        if any(q != W for q in x.query_lens) or n > B:
+            raise RuntimeError(f"fixed-shape step ({B} x {W}) got query lengths {x.query_lens}")
+        pad_rows = B - n
+        ids = x.ids + [0] * (pad_rows * W)
+        positions = x.positions + list(range(W)) * pad_rows
+        ab = AttentionBatch(x.query_lens, x.context_lens, x.block_tables, self.block_size,
+                            self.device, B, W, self.buffers.attn)
+        md = ex.backend.build_metadata(ab)
+        ids_v, pos_v, _ = self._load(ids, positions, None)
+        t2 = time.perf_counter()
+        logits = ex.run(ids_v, pos_v, md)  # [B*W, vocab]: every row, real and padded
+        rows = torch.tensor(x.logit_rows, dtype=torch.long, device=logits.device)
+        return logits[rows], batch, t2
+
+    def precompile(self, shapes) -> float:
+        """Build the fixed-shape executor for each (padded requests, width) now, with steps made
+        only of padded rows (they write only the scratch block). Returns the seconds spent."""
+        ex, t0 = self.executor, time.perf_counter()
+        for b, w in shapes:
+            if ex is None or not ex.ready(b, w):
+                continue
+            ab = AttentionBatch([], [], [], self.block_size, self.device, b, w, self.buffers.attn)
+            md = ex.backend.build_metadata(ab)
+            ids, pos, _ = self._load([0] * (b * w), list(range(w)) * b, None)
+            try:
+                ex.run(ids, pos, md)
+            except Exception as exc:  # noqa: BLE001 - that shape runs eager
+                ex.fail((b, w), exc)
+        return time.perf_counter() - t0
+
+    def _load(self, ids: list[int], positions: list[int], rows: list[int] | None):
+        if self.buffers is None or len(ids) > self.buffers.max_tokens:
+            t = lambda v: torch.tensor(v, dtype=torch.long, device=self.device)  # noqa: E731
+            return t(ids).clamp_(min=0), t(positions), None if rows is None else t(rows)
+        return self.buffers.load(ids, positions, rows)
 
     def _sample(self, out: SchedulerOutput, logits: torch.Tensor, sampling: list[tuple[int, int]],
                 drafts: dict, draft_probs: dict, draft_skips: dict) -> list[RequestResult]:
@@ -126,8 +237,12 @@ class ModelRunner:
         if any(n for _, n in sampling):
             dt = [drafts.get(r.request_id, []) for r in reqs]
             dp = [draft_probs.get(r.request_id) for r in reqs]
-            tokens = rejection_sample(logits, [n for _, n in sampling], dt,
-                                      dp if any(p is not None for p in dp) else None, md)
+            if self.synthetic is not None:
+                tokens = self.synthetic(logits, [n for _, n in sampling], dt, md,
+                                        [r.request_id for r in reqs])
+            else:
+                tokens = rejection_sample(logits, [n for _, n in sampling], dt,
+                                          dp if any(p is not None for p in dp) else None, md)
         else:
             tokens = [[t] for t in self.sampler(logits, md).token_ids.tolist()]
         row = 0
@@ -146,7 +261,8 @@ class ModelRunner:
 
 
 def _logprobs(rows: torch.Tensor, tokens: list[int], top_n: int) -> list:
-    lp = torch.log_softmax(rows.float(), dim=-1)  # [len(tokens), vocab]
+    # Clamped: a grammar-masked token has logprob -inf, which JSON cannot carry.
+    lp = torch.log_softmax(rows.float(), dim=-1).clamp_(min=-9999.0)  # [len(tokens), vocab]
     out = []
     for j, t in enumerate(tokens):
         top = torch.topk(lp[j], top_n) if top_n > 0 else None

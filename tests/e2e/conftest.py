@@ -21,12 +21,12 @@ def last_logits(model: str, token_ids: list[int]) -> torch.Tensor:
     """Logits after `token_ids`, from one plain prefill of a reference fp32 engine."""
     llm = _reference_llm(model)
     eng = llm.engine
-    from dynaspec.attention.paged import build_metadata
+    from dynaspec.attention.backend import AttentionBatch
 
     n = len(token_ids)
     blocks = list(range((n + 15) // 16))
-    md = build_metadata([n], [n], [blocks], eng.parts.kv.block_size, torch.device("cpu"))
     m = eng.parts.model
+    md = m.attn.build_metadata(AttentionBatch([n], [n], [blocks], eng.parts.kv.block_size, torch.device("cpu")))
     return m.forward(torch.tensor(token_ids), torch.arange(n), eng.runner.kv_caches, md,
                      torch.tensor([n - 1]))[0]
 
@@ -93,3 +93,16 @@ def tiny_draft_dir(tiny_llama_dir, tmp_path_factory) -> str:
           for k, v in load_file(path).items()}
     save_file(sd, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
     return out
+
+
+def watch_steps(llm) -> list:
+    """Record every step's (SchedulerOutput, RunnerOutput) as the engine runs it."""
+    seen, orig = [], llm.engine.runner.execute
+
+    def execute(out):
+        res = orig(out)
+        seen.append((out, res))
+        return res
+
+    llm.engine.runner.execute = execute
+    return seen

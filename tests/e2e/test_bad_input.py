@@ -17,6 +17,9 @@ from dynaspec.cli.main import main as cli_main
     ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
     ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
     ({"top_k": -2}, "top_k must be"),
+    ({"top_k": 2**63}, "top_k must be"),  # found by the fuzzer: it used to fail the whole step
+    ({"seed": 2**64}, "seed must be a 64-bit integer"),
+    ({"seed": -(2**63) - 1}, "seed must be a 64-bit integer"),
     ({"min_p": 2.0}, "min_p must be in"),
 ])
 def test_bad_sampling_params(kwargs, match):

@@ -12,6 +12,7 @@ MAX_TOKENS = 24
 
 
 def _run(model: str, prompts, check, **kw) -> tuple[list[list[int]], LLM]:
+    kw.setdefault("k_policy", "table")  # every step drafts: the comparison needs drafts
     llm = LLM(model=model, dtype="float32", **kw)
     check(llm.engine)
     outs = llm.generate(prompts, greedy(MAX_TOKENS, ignore_eos=True))

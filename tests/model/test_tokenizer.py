@@ -1,9 +1,20 @@
-"""Tokenizer: same ids and chat prompts as transformers, and streaming decode that never splits a character."""
+"""Tokenizer: the default GGUF's ids match llama.cpp's, chat prompts match transformers, and
+streaming decode never splits a character.
+
+The reference for the default GGUF's ids is llama.cpp (llama-cpp-python, vocab_only, no BOS,
+special tokens parsed as ours are): it
+runs the GGUF's own pre-tokenizer. transformers' GGUF conversion does not split numeric
+characters singly as SmolLM2's pre-tokenizer does (`' ²'` -> [3351, 127], llama.cpp and ours
+[216, 19133]), so it is compared only on text without a space before a non-ASCII numeric
+character, where the two agree. LLAMA_CPP_CASES holds ids checked against llama.cpp 0.3.36, so the numeric cases are
+covered even where llama-cpp-python is not installed.
+"""
 
 from __future__ import annotations
 
 import os
 import random
+import unicodedata
 
 import pytest
 from hypothesis import given, settings
@@ -36,6 +47,33 @@ SAMPLES = [
     '{"key": [1, 2, {"nested": null}], "s": "x\\ny"}',
 ]
 
+# (text, ids) from llama-cpp-python 0.3.36 on SmolLM2-135M-Instruct.Q4_1.gguf (add_bos=False). A comment gives transformers' ids where they differ.
+LLAMA_CPP_CASES = [
+    (' ²', [216, 19133]),  # transformers: [3351, 127]
+    (' ³', [216, 39050]),  # transformers: [3351, 128]
+    (' ½', [216, 16738]),  # transformers: [3351, 138]
+    ('x²+y³', [104, 19133, 27, 105, 39050]),
+    (' ¹', [216, 43183]),  # transformers: [3351, 134]
+    ('2² = 4', [34, 19133, 446, 216, 36]),
+    ('10⁻³ m', [33, 32, 32571, 136, 39050, 283]),
+    (' ٣٤', [216, 164, 113, 164, 114]),  # transformers: [16936, 113, 164, 114]
+    (' १२३', [216, 9310, 117, 9310, 118, 9310, 119]),
+    (' Ⅻ', [216, 173, 223, 121]),  # transformers: [4636, 223, 121]
+    ('①②', [173, 235, 250, 173, 235, 111]),
+    (' 12345', [216, 33, 34, 35, 36, 37]),
+    ('3.14159 -12e5', [35, 30, 33, 36, 33, 37, 41, 731, 33, 34, 85, 37]),
+    (' ½ cup', [216, 16738, 7118]),  # transformers: [3351, 138, 7118]
+    ('H₂O and CO₂', [56, 44059, 63, 284, 3214, 44059]),
+    ('a ²1', [81, 216, 19133, 33]),  # transformers: [81, 3351, 127, 33]
+    ('naïve café', [3546, 46494, 37366]),
+    ('日本語のテキスト', [23274, 115, 40993, 179, 120, 248, 26453, 11100, 224, 10391, 251, 10391, 134, 11100, 226]),
+    ('😀 ok 👍🏽', [10813, 242, 218, 10907, 15107, 235, 231, 10813, 233, 138]),
+    ('Straße Ωμέγα', [48513, 34878, 85, 5664, 119, 16674, 34075, 23098, 8998]),
+    ("I'm sure they'll", [57, 5248, 2090, 502, 3060]),
+    ('   x', [256, 1792]),
+    ('\n\n\tdef f():', [1116, 197, 1604, 275, 3734]),
+]
+
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi!"}],
     [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "2+2?"}],
@@ -51,11 +89,14 @@ _CACHE: dict[tuple[str, str], object] = {}
 
 
 def _cached(kind: str, path: str):  # type: ignore[no-untyped-def]
-    # hypothesis re-runs a test body many times and cannot take module fixtures, so the two
+    # hypothesis re-runs a test body many times and cannot take module fixtures, so the
     # default-model tokenizers (seconds to build) are cached here and shared with the fixtures.
     if (kind, path) not in _CACHE:
         if kind == "ours":
             _CACHE[kind, path] = load_tokenizer(path)
+        elif kind == "llama_cpp":
+            llama_cpp = pytest.importorskip("llama_cpp")
+            _CACHE[kind, path] = llama_cpp.Llama(model_path=path, vocab_only=True, verbose=False)
         else:
             from transformers import AutoTokenizer
 
@@ -74,12 +115,51 @@ def theirs(default_gguf_path):  # type: ignore[no-untyped-def]
     return _cached("theirs", default_gguf_path)
 
 
+def _llama_cpp_ids(path: str, text: str) -> list[int]:
+    return _cached("llama_cpp", path).tokenize(text.encode(), add_bos=False, special=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_llama_cpp():  # type: ignore[no-untyped-def]
+    yield  # freed here: llama-cpp-python's __del__ at interpreter exit prints a traceback
+    for key in [k for k in _CACHE if k[0] == "llama_cpp"]:
+        _CACHE.pop(key).close()
+
+
+def test_default_ids_match_llama_cpp_table(ours):
+    for text, ids in LLAMA_CPP_CASES:
+        assert ours.encode(text) == ids, text
+        assert ours.decode(ids) == text
+
+
+def test_default_ids_match_llama_cpp(default_gguf_path, ours):
+    texts = SAMPLES + [t for t, _ in LLAMA_CPP_CASES]
+    for text in texts:
+        assert ours.encode(text) == _llama_cpp_ids(default_gguf_path, text), text
+
+
+@settings(max_examples=150)
+@given(text=st.text(alphabet=st.characters(codec="utf-8"), max_size=60))
+def test_default_ids_match_llama_cpp_property(default_gguf_path, text):
+    assert _cached("ours", default_gguf_path).encode(text) == _llama_cpp_ids(default_gguf_path, text)
+
+
+def _transformers_agrees_on(text: str) -> bool:
+    """False where transformers' GGUF tokenizer differs: it merges a space into a following
+    non-ASCII numeric character (' ²'); other whitespace or characters before one are fine."""
+    return not any(a == " " and not b.isascii() and unicodedata.category(b)[0] == "N"
+                   for a, b in zip(text, text[1:]))
+
+
 def test_default_ids_match_transformers(ours, theirs):
     for text in SAMPLES:
+        assert _transformers_agrees_on(text), text
         ids = ours.encode(text)
         assert ids == theirs.encode(text), text
         assert ours.decode(ids, skip_special_tokens=False) == text
         assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
+    # The known disagreement is real (else the exclusion below would hide nothing).
+    assert theirs.encode(" ²") != ours.encode(" ²") == [216, 19133]
 
 
 def test_default_special_tokens(ours, theirs):
@@ -142,7 +222,7 @@ def test_incremental_detokenizer_incomplete_tail(ours):
     assert text + detok.flush() == ours.decode(ids[:-1])
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(text=st.text(max_size=40), seed=st.integers(0, 2**16))
 def test_incremental_detokenizer_property(default_gguf_path, text, seed):
     tok = _cached("ours", default_gguf_path)
@@ -155,8 +235,8 @@ def test_incremental_detokenizer_property(default_gguf_path, text, seed):
         assert not any("\ufffd" in d for d in deltas)
 
 
-@settings(max_examples=80, deadline=None)
-@given(text=st.text(alphabet=st.characters(codec="utf-8"), max_size=60))
+@settings(max_examples=80)
+@given(text=st.text(alphabet=st.characters(codec="utf-8"), max_size=60).filter(_transformers_agrees_on))
 def test_default_ids_match_transformers_property(default_gguf_path, text):
     ours, theirs = _cached("ours", default_gguf_path), _cached("theirs", default_gguf_path)
     assert ours.encode(text) == theirs.encode(text)

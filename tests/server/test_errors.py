@@ -113,3 +113,11 @@ def test_engine_intact_after_errors(server):
     state = server.wait_idle()
     assert state["free"] == state["blocks"]
     server.on_engine(lambda e: e.check_integrity())
+
+
+@pytest.mark.parametrize("field, value", [("top_k", 2**70), ("seed", 2**70)])
+def test_out_of_range_sampling_value_is_a_400_and_fails_no_one_else(server, field, value):
+    # Found by `bench reliability --scenario fuzz`: this used to pass validation and fail the
+    # whole engine step, so every request batched with it got a 500.
+    r = httpx.post(server.url + "/v1/completions", json={**GOOD, field: value}, timeout=60)
+    assert r.status_code == 400 and field in r.json()["error"]["message"], r.text

@@ -16,7 +16,7 @@ from scipy import stats as st
 
 from dynaspec.bench import compare
 from dynaspec.bench.compare import EngineArm, IdentityViolation, RunRecord, build_report, run_pairs
-from dynaspec.bench.stats import latency_summary, paired_ratio, percentile, run_order
+from dynaspec.bench.stats import latency_summary, paired_ratio, percentile, run_order, t_quantile
 from dynaspec.bench.workloads import WorkItem
 from dynaspec.engine.llm_engine import StepTimes
 from dynaspec.metrics.stats import RequestStepSpec, SpecCounters, StepStats, fold_step
@@ -51,6 +51,22 @@ def test_ratio_ci_agrees_with_scipy_one_sample_t_interval():
     ci = st.ttest_1samp(np.log(b / a), 0.0).confidence_interval(0.9)
     assert math.log(est.lo) == pytest.approx(ci.low) and math.log(est.hi) == pytest.approx(ci.high)
     assert est.lo < est.ratio < est.hi
+
+
+@pytest.mark.parametrize("df", [1, 2, 3, 4, 6, 9, 15, 30, 120, 1000])
+@pytest.mark.parametrize("p", [0.5, 0.6, 0.9, 0.95, 0.975, 0.995, 0.9995, 0.025, 1e-4])
+def test_t_quantile_matches_scipy_without_needing_it(p, df):
+    # The bench computes t quantiles itself so a base install (no scipy) can run it.
+    assert t_quantile(p, df) == pytest.approx(float(st.t.ppf(p, df)), rel=1e-9, abs=1e-12)
+
+
+def test_t_quantile_known_values_and_bad_input():
+    assert t_quantile(0.975, 1) == pytest.approx(12.706204736174698, rel=1e-9)
+    assert t_quantile(0.975, 4) == pytest.approx(2.7764451051977987, rel=1e-9)
+    assert t_quantile(0.025, 4) == -t_quantile(0.975, 4)
+    for p, df in ((0.0, 3), (1.0, 3), (0.9, 0)):
+        with pytest.raises(ValueError):
+            t_quantile(p, df)
 
 
 def test_ratio_with_one_pair_has_no_interval_and_bad_input_is_refused():

@@ -202,3 +202,11 @@ def test_prometheus_exports_goodput_gauges():
     text = m.render().decode()
     assert 'dynaspec:k_policy_goodput_tokens_per_second{kind="modelled"} 120.5' in text
     assert 'dynaspec:k_policy_goodput_tokens_per_second{kind="observed"} 98.25' in text
+
+
+def test_step_k_is_always_a_width_the_plan_runs():
+    per_width = lambda w: 0.01 * (1 + 0.3 * (w - 1))  # noqa: E731
+    p = GoodputPolicy(build_spec_plan("ngram", 4, None), cost_model(per_width), allowed_widths=(1, 5))
+    feed(p, "poor", 4, 0, ctx=10)  # cut, and due a one-draft probe at ctx 26
+    d = p.decide(view(rv("poor", 26)))
+    assert d.per_request == {"poor": 1} and d.k == 4  # the probe rides a width-5 step

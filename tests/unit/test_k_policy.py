@@ -207,3 +207,20 @@ def test_make_policy():
     assert isinstance(make_policy(plan, "adaptive"), AdaptivePolicy)
     with pytest.raises(ValueError, match="unknown k_policy"):
         make_policy(plan, "tuned-ish")
+
+
+def test_every_reason_a_policy_gives_is_a_known_skip_reason():
+    # One list (metrics.stats.SKIP_REASONS): a reason the policy sets must fold without error.
+    from dynaspec.metrics.stats import SKIP_REASONS, RequestStepSpec, SpecCounters, StepStats, fold_step
+
+    views = (req("zero_left", remaining=1), req("room", room=1), req("drafter", drafter_room=0),
+             req("poor", history=_history(4, 0)), req("fine"))
+    reasons = set()
+    for plan in (build_spec_plan("ngram", 4, None), build_spec_plan("ngram", 0, "[[1, 8, 0], [9, 64, 2]]")):
+        for policy in (TablePolicy(plan), AdaptivePolicy(plan, min_k=0)):
+            reasons |= set(policy.decide(StepView(views, num_reqs=len(views))).reasons.values())
+    assert reasons == {"max_tokens", "max_model_len", "drafter_length", "adaptive", "schedule_zero"}
+    assert reasons <= SKIP_REASONS
+    specs = tuple(RequestStepSpec(f"r{i}", 0, 0, 1, why) for i, why in enumerate(sorted(reasons)))
+    counters = fold_step(SpecCounters(), StepStats(0, specs, 0.0, 0.0, 0.0, 0, len(specs), 0))
+    assert dict(counters.draft_skips) == {why: 1 for why in reasons}

@@ -192,3 +192,14 @@ def test_prometheus_client_is_imported_only_by_the_edge_module():
         if pattern.search(p.read_text(encoding="utf-8"))
     ]
     assert offenders == ["metrics/prometheus.py"]
+
+
+def test_execution_steps_by_path_and_width():
+    steps = [StepStats(3, (req("a", 3, 1),), path="compiled", width="4"),
+             StepStats(3, (req("a", 3, 0),), path="compiled", width="4"),
+             StepStats(3, (req("a", 2, 2), req("b", skip="prefill")), path="eager", width="mixed"),
+             StepStats(None, (req("a"),), num_generation_tokens=1)]  # hand-built: no path
+    got = parse(observed(steps))
+    series = {labels: v for (n, labels), v in got.items() if n == f"{P}execution_steps_total"}
+    assert series == {(("path", "compiled"), ("width", "4")): 2.0,
+                      (("path", "eager"), ("width", "mixed")): 1.0}

@@ -89,3 +89,29 @@ def test_humaneval_when_installed():
     items = load_workload("humaneval", TOK, 3, seed=0)
     assert all(x.label.startswith("humaneval:HumanEval/") for x in items)
     assert "def " in TOK.decode(items[0].prompt_ids)
+
+
+def test_agentic_groups_repeat_earlier_requests():
+    from dynaspec.bench.agentic import GROUP
+
+    items = load_workload("agentic", TOK, 9, seed=0)
+    assert items == load_workload("agentic", TOK, 9, seed=0) and len(items) == 9
+    assert len(load_workload("agentic", TOK, 4, seed=1)) == 4
+    kinds = [it.label.split(":")[1] for it in items]
+    assert set(kinds) == {"edit_chain", "retry", "multiturn"}
+    for g in range(0, 9, GROUP):  # a group is adjacent requests of one kind about one thing
+        assert len(set(kinds[g:g + GROUP])) == 1
+        assert len({it.label.split(":")[2] for it in items[g:g + GROUP]}) == 1
+    texts = [TOK.decode(it.prompt_ids) for it in items]
+    chain = [t for t, k in zip(texts, kinds) if k == "edit_chain"]
+    assert any(it.label.endswith(":0-rename") for it in items)
+    assert "_value" in chain[1] and "_value" not in chain[0].split("```")[1]
+    code = [t.split("```")[1] for t in chain]  # the version shown at each step
+    assert "# the result\n" in code[2] and "# the result" not in code[1]
+    retry = [t for t, k in zip(texts, kinds) if k == "retry"]
+    assert "```" not in "".join(retry), "a retry does not show the earlier attempt"
+    assert retry[1].split("Attempt")[0] == retry[0].split("<|assistant|>")[0].rstrip("\n") + "\n\n"
+    turns = [t for t, k in zip(texts, kinds) if k == "multiturn"]
+    assert turns[0] in turns[1] or len(turns[1]) > len(turns[0]), "each turn extends the chat"
+    with pytest.raises(workloads.WorkloadUnavailable, match="no long variant"):
+        load_workload("agentic", TOK, 3, seed=0, long=True)

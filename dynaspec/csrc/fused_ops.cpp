@@ -1,0 +1,103 @@
+// Fused row-wise small ops of a decoder layer, each one call instead of the 5-8 eager ops (and
+// their per-op dispatch) it replaces. Rounding matches the eager code exactly: statistics in
+// fp32, the normalised row rounded to the activation dtype, then multiplied by the weight in
+// that dtype (HF's LlamaRMSNorm); the residual add rounds like torch's add.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+
+namespace {
+
+template <typename T>
+void rms_rows(const T* x, const T* w, T* out, int64_t rows, int64_t n, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * n;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < n; ++i) ss += static_cast<float>(xr[i]) * static_cast<float>(xr[i]);
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+      T* o = out + r * n;
+      for (int64_t i = 0; i < n; ++i)
+        o[i] = static_cast<T>(static_cast<float>(w[i]) * static_cast<float>(static_cast<T>(static_cast<float>(xr[i]) * inv)));
+    }
+  });
+}
+
+}  // namespace
+
+// x: [T, n] contiguous; w: [n]. Returns w * rms_normalise(x).
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && x.scalar_type() == w.scalar_type(), "rms_norm: bad input");
+  auto out = torch::empty_like(x);
+  const int64_t n = x.size(-1), rows = x.numel() / n;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    rms_rows<scalar_t>(x.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, n,
+                       static_cast<float>(eps));
+  });
+  return out;
+}
+
+// residual += delta in place (rounded like torch's add), then returns rms_norm(residual, w).
+torch::Tensor add_rms_norm(torch::Tensor residual, torch::Tensor delta, torch::Tensor w, double eps) {
+  TORCH_CHECK(residual.is_contiguous() && delta.is_contiguous() && residual.sizes() == delta.sizes() &&
+                  residual.scalar_type() == delta.scalar_type(), "add_rms_norm: bad input");
+  const int64_t count = residual.numel();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, residual.scalar_type(), "add", [&] {
+    scalar_t* r = residual.data_ptr<scalar_t>();
+    const scalar_t* d = delta.data_ptr<scalar_t>();
+    for (int64_t i = 0; i < count; ++i) r[i] = static_cast<scalar_t>(static_cast<float>(r[i]) + static_cast<float>(d[i]));
+  });
+  return rms_norm(residual, w, eps);
+}
+
+// gate_up: [T, 2 * inter] -> silu(gate) * up: [T, inter], rounded like the eager silu then mul.
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.is_contiguous(), "silu_mul: contiguous input expected");
+  const int64_t inter = gate_up.size(-1) / 2, rows = gate_up.numel() / (2 * inter);
+  auto out = torch::empty({rows, inter}, gate_up.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_mul", [&] {
+    const scalar_t* g = gate_up.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t i = 0; i < inter; ++i) {
+        const float a = static_cast<float>(g[r * 2 * inter + i]);
+        const scalar_t s = static_cast<scalar_t>(a / (1.f + std::exp(-a)));
+        o[r * inter + i] = static_cast<scalar_t>(static_cast<float>(s) * static_cast<float>(g[r * 2 * inter + inter + i]));
+      }
+  });
+  return out;
+}
+
+// In place on the first `heads` heads of each row of qkv ([T, >= heads * D], row stride
+// qkv.stride(0)): HF rotate-half RoPE, x1' = x1*cos - x2*sin, x2' = x2*cos + x1*sin, with cos/sin
+// [T, D/2] in qkv's dtype; every product and sum is rounded to that dtype as the eager ops do.
+void rope_inplace(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t head_dim) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && cos.is_contiguous() && sin.is_contiguous(), "rope: bad layout");
+  TORCH_CHECK(qkv.scalar_type() == cos.scalar_type() && qkv.scalar_type() == sin.scalar_type(), "rope: dtype mismatch");
+  const int64_t T = qkv.size(0), stride = qkv.stride(0), half = head_dim / 2;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope", [&] {
+    using S = scalar_t;
+    S* base = qkv.data_ptr<S>();
+    const S* cp = cos.data_ptr<S>();
+    const S* sp = sin.data_ptr<S>();
+    at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const S* c = cp + t * half;
+        const S* s = sp + t * half;
+        for (int64_t h = 0; h < heads; ++h) {
+          S* x = base + t * stride + h * head_dim;
+          for (int64_t i = 0; i < half; ++i) {
+            const float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[i + half]);
+            const float ci = static_cast<float>(c[i]), si = static_cast<float>(s[i]);
+            const float a = static_cast<float>(static_cast<S>(x1 * ci)), b = static_cast<float>(static_cast<S>(x2 * si));
+            const float e = static_cast<float>(static_cast<S>(x2 * ci)), f = static_cast<float>(static_cast<S>(x1 * si));
+            x[i] = static_cast<S>(a - b);
+            x[i + half] = static_cast<S>(e + f);
+          }
+        }
+      }
+    });
+  });
+}

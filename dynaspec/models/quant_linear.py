@@ -1,0 +1,238 @@
+"""Weight-only int4/int8 matmuls on the CPU, chosen at run time, behind the model's Linear interface.
+
+Decode is memory-bound, so a batch-1 step costs the bytes of weights it streams: torch's int4
+kernel (`_weight_int4pack_mm_for_cpu`, group 32) reads ~0.56 bytes per weight and its int8 one
+(`_weight_int8pack_mm`, per-channel scales) ~1 byte, against 2 for bf16. Both dequantize inside
+the kernel for every row of x, so they lose to oneDNN's bf16 GEMM once a step has more than a
+few tokens (measured here under load, all matmuls of one SmolLM2-135M step, 2 threads:
+int4/bf16 = 0.4x at 1 token, ~0.8x at 4, 1.3x at 9, 2.2x at 64). A QuantLinear can therefore
+keep a bf16 copy and run it for steps wider than `dense_above` tokens (memory for speed;
+`dense_above=0` keeps no copy). Kernels come from the torch build's own run-time ISA dispatch
+(DEFAULT/AVX2/AVX512), never from what the build machine had.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from dynaspec.models.layers import Linear
+from dynaspec.models.quant import QuantizedTensor, quantize_int4, quantize_int8, to_per_channel_int8
+
+log = logging.getLogger("dynaspec")
+QUANTIZATION_MODES = ("auto", "none", "int8", "int4")
+_ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16")
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    model: str  # /proc/cpuinfo "model name"
+    capability: str  # torch's run-time kernel dispatch level: DEFAULT | AVX2 | AVX512 | ...
+    flags: tuple[str, ...]  # the ISA extensions relevant to the kernels, as the kernel reports them
+
+    def summary(self) -> str:
+        return f"{self.model}; torch kernels {self.capability}; ISA {' '.join(self.flags) or 'none listed'}"
+
+
+@lru_cache(maxsize=1)
+def cpu_info() -> CpuInfo:
+    model, flags = "unknown", set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model == "unknown":
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:  # not Linux: the model name stays unknown, torch still reports its dispatch
+        pass
+    return CpuInfo(model, torch.backends.cpu.get_cpu_capability(), tuple(f for f in _ISA_FLAGS if f in flags))
+
+
+def resolve_quantization(mode: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The mode that will run: "none" where the kernels do not apply, with a log line saying why."""
+    if mode not in QUANTIZATION_MODES:
+        raise ValueError(f"unknown quantization {mode!r}: choose one of {', '.join(QUANTIZATION_MODES)}")
+    if mode == "none":
+        return mode
+    why = None
+    if device.type != "cpu":
+        why = f"the int4/int8 weight-only kernels used here are CPU kernels (device {device.type})"
+    elif dtype != torch.bfloat16:
+        why = f"the kernels take bf16 activations (dtype {dtype})"
+    elif cpu_info().capability == "DEFAULT":
+        why = "this CPU offers torch no vector kernels (no AVX2)"
+    if why is None:
+        return mode
+    if mode != "auto":
+        raise ValueError(f"--quantization {mode} cannot run here: {why}; use --quantization none")
+    log.info("quantization auto -> none: %s; quantized weights are dequantized", why)
+    return "none"
+
+
+class Int4Linear:
+    """y = x W^T (+ b) with W int4, one bf16 scale and zero point per 32 weights along K."""
+
+    def __init__(self, w: QuantizedTensor, bias: torch.Tensor | None) -> None:
+        self.out_features, self.in_features = w.shape
+        self.group_size, self.bias = w.group_size, bias
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.q.to(torch.int32).contiguous(), 1)
+        # [K / group, N, 2]: (scale, zero) in the activation dtype, as the kernel expects them.
+        self.scales_and_zeros = torch.stack([w.scale.t(), w.zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+        self.nbytes = w.nbytes_packed()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, self.group_size,
+                                                       self.scales_and_zeros)
+        return y if self.bias is None else y + self.bias
+
+
+class Int8Linear:
+    """y = x W^T (+ b) with W int8 and one bf16 scale per output channel."""
+
+    def __init__(self, w: QuantizedTensor, bias: torch.Tensor | None) -> None:
+        if w.kind != "q8" or w.group_size != w.shape[1]:
+            raise ValueError("Int8Linear takes per-channel int8 weights (see to_per_channel_int8)")
+        self.out_features, self.in_features = w.shape
+        self.q, self.bias = w.q.contiguous(), bias  # [N, K] int8
+        self.scale_f32 = w.scale.reshape(-1).contiguous()  # [N], kept for exact row lookups
+        self.scales = self.scale_f32.to(torch.bfloat16)
+        self.nbytes = w.nbytes_packed()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.q, self.scales)
+        return y if self.bias is None else y + self.bias
+
+
+class QuantLinear:
+    """A quantized kernel for narrow steps and, optionally, a bf16 copy for steps wider than dense_above."""
+
+    def __init__(self, kernel: Int4Linear | Int8Linear, dense: Linear | None, dense_above: int) -> None:
+        self.kernel, self.dense, self.dense_above = kernel, dense, dense_above
+        self.out_features, self.in_features = kernel.out_features, kernel.in_features
+        self.nbytes = kernel.nbytes  # what a narrow (decode) step reads
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense is not None and x.shape[0] > self.dense_above:
+            return self.dense(x)
+        return self.kernel(x)
+
+
+class DenseEmbedding:
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight  # [vocab, hidden]
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weight[ids]
+
+
+class Int8Embedding:
+    """Rows of a per-channel int8 table (shared with the tied lm_head), dequantized on lookup."""
+
+    def __init__(self, table: Int8Linear, dtype: torch.dtype) -> None:
+        self.table, self.dtype = table, dtype
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.table.q[ids].float() * self.table.scale_f32[ids, None]  # [T, hidden]
+        return rows.to(self.dtype)
+
+
+class QuantEmbedding:
+    """Rows of a GGUF table looked up from its own blocks, dequantized exactly on lookup."""
+
+    def __init__(self, table: QuantizedTensor, dtype: torch.dtype) -> None:
+        self.table, self.dtype = table, dtype
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.table.rows(ids).dequantize().to(self.dtype)  # [T, hidden]
+
+
+@dataclass(frozen=True)
+class WeightPlan:
+    """How the model turns checkpoint weights into kernels: resolved once at start-up."""
+
+    mode: str  # resolved quantization: none | auto | int8 | int4
+    dense_above: int  # steps wider than this use a bf16 copy of quantized weights; 0 = no copy
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def quantized(self) -> bool:
+        return self.mode != "none"
+
+
+def make_linear(w: QuantizedTensor | torch.Tensor, bias: torch.Tensor | None, plan: WeightPlan):
+    """The kernel for one weight [N, K]. GGUF blocks keep their own kind; float weights are
+    quantized only under int8/int4 (auto leaves them as they are)."""
+    if bias is not None:
+        bias = bias.to(device=plan.device, dtype=plan.dtype)
+    if not plan.quantized:
+        dense = w.dequantize() if isinstance(w, QuantizedTensor) else w
+        return Linear(dense.to(device=plan.device, dtype=plan.dtype).contiguous(), bias)
+    if not isinstance(w, QuantizedTensor):
+        if plan.mode == "auto":
+            return Linear(w.to(device=plan.device, dtype=plan.dtype).contiguous(), bias)
+        w = quantize_int4(w) if plan.mode == "int4" else quantize_int8(w)
+    kernel = _kernel(w, bias)
+    if kernel is None:
+        return Linear(w.dequantize().to(plan.dtype).contiguous(), bias)
+    dense = None
+    if plan.dense_above > 0:
+        dense = Linear(w.dequantize().to(plan.dtype).contiguous(), bias)
+    return QuantLinear(kernel, dense, plan.dense_above)
+
+
+def _kernel(w: QuantizedTensor, bias: torch.Tensor | None) -> Int4Linear | Int8Linear | None:
+    try:
+        if w.kind == "q4":
+            return Int4Linear(w, bias)
+        return Int8Linear(to_per_channel_int8(w), bias)
+    except RuntimeError as exc:  # a shape the packing op rejects: this one weight runs dense
+        log.info("weight [%d, %d] runs dense: the %s kernel rejected it (%s)", *w.shape, w.kind, exc)
+        return None
+
+
+def make_embedding(w: QuantizedTensor | torch.Tensor, plan: WeightPlan, tied: bool):
+    """(embedding, lm_head if tied else None).
+
+    A GGUF table keeps the file's own precision: rows are looked up from its blocks exactly, and
+    a tied head runs its Q4 blocks through the int4 kernel, or a Q8_0 table (per-32 scales, which
+    the int8 kernel cannot take) as exact bf16: requantizing it to per-channel int8 measured
+    top-1 0.94 against 0.96 for bf16 over 2,000 positions of the default model, for no speed
+    gain at one thread. Float weights under int8/int4 get one per-channel int8 table for both.
+    """
+    if not _quantize_head(w, plan):
+        dense = (w.dequantize() if isinstance(w, QuantizedTensor) else w).to(device=plan.device, dtype=plan.dtype)
+        return DenseEmbedding(dense.contiguous()), (Linear(dense.contiguous()) if tied else None)
+    if isinstance(w, QuantizedTensor):
+        return QuantEmbedding(w, plan.dtype), (make_lm_head(w, plan) if tied else None)
+    head = _int8_head(w, plan)
+    return Int8Embedding(head.kernel, plan.dtype), (head if tied else None)
+
+
+def make_lm_head(w: QuantizedTensor | torch.Tensor, plan: WeightPlan):
+    """The output matrix: Q4 blocks through the int4 kernel, Q8_0 as exact bf16, float weights
+    as per-channel int8 under int8/int4 (see make_embedding)."""
+    if not _quantize_head(w, plan):
+        return make_linear(w, None, WeightPlan("none", 0, plan.dtype, plan.device))
+    if isinstance(w, QuantizedTensor):
+        if w.kind == "q4":
+            return make_linear(w, None, plan)
+        return Linear(w.dequantize().to(device=plan.device, dtype=plan.dtype).contiguous())
+    return _int8_head(w, plan)
+
+
+def _quantize_head(w: QuantizedTensor | torch.Tensor, plan: WeightPlan) -> bool:
+    return plan.quantized and (isinstance(w, QuantizedTensor) or plan.mode in ("int8", "int4"))
+
+
+def _int8_head(w: torch.Tensor, plan: WeightPlan) -> QuantLinear:
+    table = Int8Linear(quantize_int8(w), None)
+    dense = None
+    if plan.dense_above > 0:
+        dense = Linear((table.q.float() * table.scale_f32[:, None]).to(plan.dtype).contiguous())
+    return QuantLinear(table, dense, plan.dense_above)

@@ -1,0 +1,111 @@
+"""One step of grammar work: check drafts, mask the target's logits, advance the grammar state.
+
+For a request with drafts d_0..d_{n-1}, logits row j verifies d_j (row n is the bonus row). Row j
+must be masked with the grammar state after the accepted output plus d_0..d_{j-1}, exactly the
+state non-speculative decoding would be in at that position, so constrained greedy output with
+speculation equals constrained greedy output without it. `add` walks the drafts through the
+matcher: at position j it fills row j's bitmask, and stops at the first draft that mask rejects
+(the rest are cut and counted `invalid{grammar}`; a -1 pad ends the real drafts and is left as
+is). The matcher then holds the state after the valid drafts; `commit` rolls back the drafts the
+verifier rejected and accepts the one recovered/bonus token, so the state only ever covers
+accepted output.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from dynaspec.outputs import RequestResult
+from dynaspec.structured.backend import GrammarBackend, Matcher, allocate_bitmask, is_allowed
+
+
+@dataclass
+class _Entry:
+    index: int  # position in SchedulerOutput.scheduled
+    request_id: str
+    matcher: Matcher
+    num_fed: int  # valid drafts the matcher advanced over
+    num_invalid: int  # drafts cut by the grammar
+    bitmask: torch.Tensor  # [len(drafts) + 1, words] int32
+
+
+class GrammarStep:
+    def __init__(self, backend: GrammarBackend) -> None:
+        self.backend = backend
+        self.entries: dict[int, _Entry] = {}
+        self.seconds = 0.0  # bitmask filling, draft checks, masking and state updates
+        self.num_rows = 0
+
+    def add(self, index: int, request_id: str, m: Matcher, drafts: dict[str, list[int]],
+            draft_probs: dict) -> None:
+        t0 = time.perf_counter()
+        d = drafts.get(request_id, [])
+        bitmask = allocate_bitmask(len(d) + 1, self.backend.vocab_size)  # [n + 1, words]
+        fed = 0
+        for j in range(len(d) + 1):
+            if m.is_terminated():  # after an accepted stop token nothing more is allowed
+                break
+            m.fill_bitmask(bitmask, j)
+            if j == len(d) or d[j] < 0 or not is_allowed(bitmask, j, d[j]):
+                break
+            if not m.accept(d[j]):
+                raise RuntimeError(f"grammar matcher refused draft {d[j]} its own bitmask allowed")
+            fed += 1
+        invalid = sum(1 for t in d[fed:] if t >= 0)
+        if invalid:
+            d = d[:fed]
+            bitmask = bitmask[: fed + 1]
+            if d:
+                drafts[request_id] = d
+                p = draft_probs.get(request_id)
+                draft_probs[request_id] = None if p is None else p[:fed]
+            else:
+                drafts.pop(request_id, None)
+                draft_probs.pop(request_id, None)
+        self.entries[index] = _Entry(index, request_id, m, fed, invalid, bitmask)
+        self.seconds += time.perf_counter() - t0
+
+    def mask(self, logits: torch.Tensor, sampling: list[tuple[int, int]]) -> None:
+        """Mask grammar rows of `logits` [R, vocab] in place; `sampling` is the runner's row
+        layout: per sampling request in order, (scheduled index, drafts verified)."""
+        t0 = time.perf_counter()
+        rows, spans, start = [], [], 0
+        for i, n in sampling:
+            e = self.entries.get(i)
+            if e is not None:
+                if e.bitmask.shape[0] != n + 1:
+                    raise RuntimeError(f"request {e.request_id!r}: {n} drafts verified but the "
+                                       f"grammar checked {e.bitmask.shape[0] - 1}")
+                rows.extend(range(start, start + n + 1))
+                spans.append((start, e.bitmask))
+            start += n + 1
+        if len(rows) == logits.shape[0]:  # every row is constrained: no gather needed
+            self.backend.apply_bitmask(logits, torch.cat([b for _, b in spans]), None)
+        elif rows:
+            full = allocate_bitmask(logits.shape[0], self.backend.vocab_size)  # [R, words]
+            for at, b in spans:
+                full[at: at + b.shape[0]] = b
+            self.backend.apply_bitmask(logits, full, rows)
+        self.num_rows += len(rows)
+        self.seconds += time.perf_counter() - t0
+
+    def commit(self, results: list[RequestResult]) -> None:
+        """Advance each grammar over its accepted tokens; record cuts and termination."""
+        t0 = time.perf_counter()
+        for i, e in self.entries.items():
+            r = results[i]
+            if not r.token_ids:
+                continue
+            a = r.num_accepted_tokens
+            e.matcher.rollback(e.num_fed - a)  # the state after the accepted drafts
+            if e.matcher.is_terminated():  # an accepted draft was the stop token: drop the bonus
+                r.token_ids = r.token_ids[:a]
+            elif not e.matcher.accept(r.token_ids[a]):
+                raise RuntimeError(f"request {e.request_id!r}: sampled token {r.token_ids[a]} "
+                                   "is outside its grammar mask")
+            r.grammar_terminated = e.matcher.is_terminated()
+            r.num_grammar_invalid_tokens = e.num_invalid
+        self.seconds += time.perf_counter() - t0

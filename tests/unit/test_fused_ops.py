@@ -1,0 +1,54 @@
+"""The fused C++ small ops round exactly like the eager PyTorch ops they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dynaspec import cpu_kernels
+from dynaspec.models.layers import FusedOps, RotaryCache, apply_rope, rms_norm, silu_and_mul
+
+ok, why = cpu_kernels.available()
+pytestmark = pytest.mark.skipif(not ok, reason=f"no C++ toolchain for the kernels: {why}")
+DTYPES = [torch.bfloat16, torch.float32]
+
+
+def _tol(dtype) -> dict:
+    # bf16: bit-exact. fp32: the sum of squares is added in another order (last-bit differences).
+    return dict(rtol=0, atol=0) if dtype != torch.float32 else dict(rtol=1e-6, atol=1e-5)
+
+
+def _x(*shape, dtype, seed=0):
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * 3).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_and_residual_add_match_eager(dtype):
+    ops = FusedOps(enabled=True)
+    x, d, w = _x(7, 576, dtype=dtype), _x(7, 576, dtype=dtype, seed=1), _x(576, dtype=dtype, seed=2)
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), rms_norm(x, w, 1e-5), **_tol(dtype))
+    ref_x = x + d
+    new_x, h = ops.add_rms_norm(x.clone(), d, w, 1e-5)
+    torch.testing.assert_close(new_x, ref_x, rtol=0, atol=0)
+    torch.testing.assert_close(h, rms_norm(ref_x, w, 1e-5), **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_matches_eager(dtype):
+    gu = _x(5, 2 * 96, dtype=dtype, seed=3)
+    got, ref = FusedOps(enabled=True).silu_and_mul(gu), silu_and_mul(gu)
+    # exp differs from torch's vectorised one in the last bit at most; bf16 rounding hides it
+    torch.testing.assert_close(got, ref, rtol=1e-6 if dtype == torch.float32 else 0, atol=1e-6 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_in_place_matches_eager(dtype):
+    T, H, Hkv, D = 6, 4, 2, 16
+    rope = RotaryCache(D, 10000.0, None, 64, torch.device("cpu"))
+    cos, sin = rope.lookup(torch.tensor([0, 3, 7, 8, 30, 63]), dtype)
+    qkv = _x(T, (H + 2 * Hkv) * D, dtype=dtype, seed=4)
+    ref = apply_rope(qkv[:, : (H + Hkv) * D].reshape(T, H + Hkv, D), cos, sin)
+    v_before = qkv[:, (H + Hkv) * D:].clone()
+    got = FusedOps(enabled=True).rope_qk(qkv, cos, sin, H + Hkv, D)
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    torch.testing.assert_close(qkv[:, (H + Hkv) * D:], v_before, rtol=0, atol=0)  # v untouched
