@@ -31,7 +31,7 @@ from multiprocessing.connection import Connection, Listener, wait
 
 from dynaspec.config import EngineConfig
 from dynaspec.dp.messages import RankReady, RankSpec, TickReport
-from dynaspec.dp.metrics import DPMetrics, sum_snapshots
+from dynaspec.dp.metrics import DPMetrics, KVPoolsView, SchedulersView, sum_snapshots
 from dynaspec.dp.failure import FailureWatch, reap
 from dynaspec.dp.process import RankProcess
 from dynaspec.dp.rank import spawn_spec
@@ -51,42 +51,6 @@ class _Record:
     prompt_ids: list[int]
     token_ids: list[int]
     logprobs: list | None
-
-
-class _KVView:
-    """The ranks' KV pools as one, for /health and the periodic log line."""
-
-    def __init__(self, eng: "DPEngine") -> None:
-        self.eng = eng
-
-    @property
-    def num_blocks(self) -> int:
-        return sum(r.pool["num_blocks"] for r in self.eng.ready.values())
-
-    def num_free_blocks(self) -> int:
-        return sum(self.eng.free_blocks.values())
-
-    def usage(self) -> float:
-        return 1.0 - self.num_free_blocks() / self.num_blocks if self.num_blocks else 0.0
-
-    @property
-    def prefix_cache_queries(self) -> int:
-        return sum(s.prefix_cache_queries for s in self.eng.snapshots.values())
-
-    @property
-    def prefix_cache_hits(self) -> int:
-        return sum(s.prefix_cache_hits for s in self.eng.snapshots.values())
-
-
-class _SchedulerView:
-    policy = None  # the K policies live on the ranks; their goodput is in /metrics per rank
-
-    def __init__(self, eng: "DPEngine") -> None:
-        self.eng = eng
-
-    @property
-    def num_preemptions(self) -> int:
-        return sum(s.num_preemptions_total for s in self.eng.snapshots.values())
 
 
 class DPEngine:
@@ -116,7 +80,7 @@ class DPEngine:
         self._send_lock = threading.Lock()
         self._closing = False
         self._watch = FailureWatch(self)
-        self.kv, self.scheduler = _KVView(self), _SchedulerView(self)
+        self.kv, self.scheduler = KVPoolsView(self), SchedulersView(self)
         try:
             self._start()
         except BaseException:

@@ -1,5 +1,6 @@
 """/metrics under data parallelism: every series per rank (label ``rank="0"``...) and summed
-over the ranks (``rank="all"``), in one exposition.
+over the ranks (``rank="all"``), in one exposition; and the ranks' KV pools and schedulers seen
+as one (``KVPoolsView``, ``SchedulersView``) for /health and the periodic log line.
 
 Each rank's reports (its steps, snapshots and finished requests) feed that rank's own
 ``PrometheusMetrics`` and the ``all`` one, each on its own registry; ``render`` merges the
@@ -10,6 +11,7 @@ families so each metric name appears once. Sum over ranks with ``{rank="all"}`` 
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 from dynaspec.metrics.stats import EngineSnapshot, FinishedRequestTimes, StepStats
 
@@ -69,3 +71,39 @@ def sum_snapshots(snaps: list[EngineSnapshot]) -> EngineSnapshot:
                           sum(s.prefix_cache_queries for s in snaps),
                           sum(s.prefix_cache_hits for s in snaps),
                           sum(s.num_preemptions_total for s in snaps))
+
+
+class KVPoolsView:
+    """The ranks' KV pools as one, for /health and the periodic log line."""
+
+    def __init__(self, eng: Any) -> None:
+        self.eng = eng
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(r.pool["num_blocks"] for r in self.eng.ready.values())
+
+    def num_free_blocks(self) -> int:
+        return sum(self.eng.free_blocks.values())
+
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks() / self.num_blocks if self.num_blocks else 0.0
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        return sum(s.prefix_cache_queries for s in self.eng.snapshots.values())
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        return sum(s.prefix_cache_hits for s in self.eng.snapshots.values())
+
+
+class SchedulersView:
+    policy = None  # the K policies live on the ranks; their goodput is in /metrics per rank
+
+    def __init__(self, eng: Any) -> None:
+        self.eng = eng
+
+    @property
+    def num_preemptions(self) -> int:
+        return sum(s.num_preemptions_total for s in self.eng.snapshots.values())
