@@ -237,6 +237,35 @@ class ObservabilityConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Data parallelism (DESIGN §7; dynaspec/dp/). Ranks are processes joined by torch.distributed."""
+
+    data_parallel_size: int = 1  # ranks in all
+    dp_local_size: int | None = None  # ranks this machine starts (None: all of them)
+    dp_rank_start: int = 0  # first rank this machine starts
+    dp_master_addr: str | None = None  # rendezvous host (None: MASTER_ADDR, else 127.0.0.1)
+    dp_master_port: int | None = None  # rendezvous port (None: MASTER_PORT, else a free port)
+    dp_rank_timeout_s: float = 10.0  # a rank is declared stuck this long past the longest step
+    num_threads: int | None = None  # torch threads (None: this process's cores / local ranks)
+
+    def __post_init__(self) -> None:
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        local = self.data_parallel_size if self.dp_local_size is None else self.dp_local_size
+        if not 0 <= local <= self.data_parallel_size:
+            raise ValueError(f"dp_local_size must be in [0, {self.data_parallel_size}], got {local}")
+        if not 0 <= self.dp_rank_start <= self.data_parallel_size - local:
+            raise ValueError(f"dp_rank_start {self.dp_rank_start} + dp_local_size {local} exceeds "
+                             f"data_parallel_size {self.data_parallel_size}")
+        if self.dp_master_port is not None and not 0 < self.dp_master_port < 65535:
+            raise ValueError(f"dp_master_port must be in 1..65534, got {self.dp_master_port}")
+        if not self.dp_rank_timeout_s > 0:
+            raise ValueError(f"dp_rank_timeout_s must be > 0, got {self.dp_rank_timeout_s}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -245,6 +274,7 @@ class EngineConfig:
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     structured: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
     execution: ExecutionConfig = field(default_factory=ExecutionConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @staticmethod
     def from_kwargs(**kwargs) -> "EngineConfig":
@@ -257,6 +287,7 @@ class EngineConfig:
             "observability": ObservabilityConfig,
             "structured": StructuredOutputConfig,
             "execution": ExecutionConfig,
+            "parallel": ParallelConfig,
         }
         values: dict[str, dict] = {name: {} for name in parts}
         for key, value in kwargs.items():

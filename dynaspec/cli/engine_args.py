@@ -52,6 +52,16 @@ _FLAGS = [
      "torch.compile backend for --execution compiled on the CPU (inductor; aot_eager for tests)"),
     ("--log-stats-interval", "log_stats_interval_s", float, 0.0, "seconds between metric log lines (0 = off)"),
     ("--structured-output-backend", "structured_output_backend", str, "xgrammar", "grammar library for structured output"),
+    ("--data-parallel-size", "data_parallel_size", int, 1,
+     "engine ranks (processes), each with its own model, KV pool and scheduler; one K per step"),
+    ("--dp-local-size", "dp_local_size", int, None, "ranks this machine starts (default: all)"),
+    ("--dp-rank-start", "dp_rank_start", int, 0, "first rank this machine starts"),
+    ("--dp-master-addr", "dp_master_addr", str, None, "rendezvous host (default MASTER_ADDR or 127.0.0.1)"),
+    ("--dp-master-port", "dp_master_port", int, None,
+     "rendezvous port; the control channel uses port+1 (default MASTER_PORT or a free port)"),
+    ("--dp-rank-timeout", "dp_rank_timeout_s", float, 10.0,
+     "seconds past the longest step after which a silent rank is declared stuck"),
+    ("--num-threads", "num_threads", int, None, "torch threads per rank (default: cores / local ranks)"),
 ]
 
 

@@ -1,4 +1,4 @@
-"""`dynaspec` command line: generate | serve | bench | tune | schedule."""
+"""`dynaspec` command line: generate | serve | bench | tune | schedule | dp-worker."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from dynaspec.extras import MissingExtraError
 
 # Subcommand modules; each exposes register(subparsers) and sets args.func.
 _COMMANDS = ["dynaspec.cli.generate", "dynaspec.cli.schedule_cmd", "dynaspec.cli.bench_cmd",
-             "dynaspec.cli.serve_cmd", "dynaspec.cli.tune_cmd"]
+             "dynaspec.cli.serve_cmd", "dynaspec.cli.tune_cmd", "dynaspec.cli.dp_worker_cmd"]
 
 
 def build_parser() -> argparse.ArgumentParser:

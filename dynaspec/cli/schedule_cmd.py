@@ -47,6 +47,8 @@ def register(subparsers) -> None:
                          help="admission JSON (default: next to a --k-schedule file)")
     explain.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                          help="fixed-shape path: torch.compile (cpu) or CUDA graphs (cuda)")
+    explain.add_argument("--data-parallel-size", type=int, default=1,
+                         help="engine ranks: describe how the plan applies across them")
     explain.add_argument("--json", action="store_true", help="print the plan as a JSON object")
     explain.set_defaults(func=run_explain)
 
@@ -65,15 +67,42 @@ def explain(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         print(f"dynaspec schedule explain: {kind}: {exc}", file=err)
         return EXIT_INVALID
     policy = resolve_policy_name(getattr(args, "k_policy", "auto"), plan.speculating)
+    dp = getattr(args, "data_parallel_size", 1)
+    if dp < 1:
+        print(f"dynaspec schedule explain: invalid arguments: --data-parallel-size must be >= 1, "
+              f"got {dp}", file=err)
+        return EXIT_INVALID
     if args.json:
         print(json.dumps({**plan.to_json(), "policy": policy,
-                          "execution": execution_rows_json(plan, ep)}), file=out)
+                          "execution": execution_rows_json(plan, ep),
+                          "data_parallel": {"size": dp, "text": format_dp(plan, policy, dp)}}), file=out)
     else:
         out.write(format_plan(plan))
         if ep is not None:
             out.write(format_execution(plan, ep))
-        out.write(format_policy(policy))
+        out.write(format_policy(policy) + format_dp(plan, policy, dp) + "\n")
     return 0
+
+
+def format_dp(plan: SpecPlan, policy: str | None, dp: int) -> str:
+    """How the plan applies under data parallelism (DESIGN §7); vLLM drops the schedule there."""
+    if dp == 1:
+        return "data parallel: off (one rank)"
+    if not plan.speculating:
+        return f"data parallel: {dp} ranks, no speculation: ranks step in lockstep, K is not decided"
+    head = (f"data parallel: {dp} ranks keep this plan (no fallback to the raw maximum): each step "
+            "the ranks all-reduce their step view (requests, decoding requests, sum and max of "
+            "contexts) and apply one K decision to the global view, so every rank runs the same K")
+    if plan.kind == "constant" and policy != "goodput":
+        return head + f"; constant({plan.max_k}) runs K={plan.max_k} on every rank"
+    tail = ("; the batch key is the requests in the step on all ranks together, ctx the mean over "
+            "every rank's decoding requests; per-request caps (max_tokens, max_model_len, drafter "
+            "length) stay local")
+    if policy == "goodput":
+        tail += ("; goodput decides the step K from state every rank shares (rank 0's cost table, "
+                 "refreshed by every rank's gathered step times, and the engine-wide acceptance "
+                 "gathered from all ranks); each request's own history only lowers its own K")
+    return head + tail
 
 
 def _drafter_limit(args: argparse.Namespace) -> int | None:

@@ -41,6 +41,11 @@ def run(args: argparse.Namespace) -> int:
     app = build_app(async_engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
     # On Ctrl-C / SIGTERM: in-flight requests get --shutdown-timeout seconds to finish, the rest
     # are aborted (streams end with an error event and [DONE]), then the engine thread stops.
-    make_server(app, async_engine, args.host, args.port, args.shutdown_timeout,
-                args.log_level).run()
+    try:
+        make_server(app, async_engine, args.host, args.port, args.shutdown_timeout,
+                    args.log_level).run()
+    finally:
+        stop = getattr(async_engine.engine, "shutdown", None)  # data-parallel ranks
+        if stop is not None:
+            stop()
     return 0

@@ -102,7 +102,7 @@ def num_kv_blocks(budget_gb: float, override: int | None, bytes_per_token: int, 
 
 def build_engine_parts(config: EngineConfig) -> EngineParts:
     mc, cc, sc = config.model, config.cache, config.spec
-    torch.set_num_threads(default_num_threads())
+    torch.set_num_threads(config.parallel.num_threads or default_num_threads())
     device, dtype = resolve_device(mc.device), resolve_dtype(mc.dtype)
     quant = resolve_quantization(mc.quantization, device, dtype)
     loaded = load_model_files(mc.model, keep_quantized=quant != "none")

@@ -12,8 +12,19 @@ from dynaspec.sampling_params import SamplingParams
 
 class LLM:
     def __init__(self, model: str = "default", **engine_args) -> None:
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args))
+        config = EngineConfig.from_kwargs(model=model, **engine_args)
+        if config.parallel.data_parallel_size > 1:  # ranks in their own processes (dynaspec/dp)
+            from dynaspec.dp.front_end import DPEngine
+            self.engine = DPEngine(config)
+        else:
+            self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
+
+    def shutdown(self) -> None:
+        """Stop data-parallel ranks now (otherwise at interpreter exit); a no-op without DP."""
+        stop = getattr(self.engine, "shutdown", None)
+        if stop is not None:
+            stop()
 
     def generate(self, prompts: str | Sequence[str] | Sequence[list[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

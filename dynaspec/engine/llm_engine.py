@@ -38,6 +38,25 @@ class StepTimes:
     grammar_steps: int = 0  # steps that masked >= 1 row
 
 
+def check_request(ids: list[int], params: SamplingParams, vocab: int, max_model_len: int,
+                  lossless: bool, structured) -> None:
+    """Raises ValueError naming what is wrong with a request (also the DP front end's check);
+    compiles its grammar (a cache hit when pre-compiled) so a bad one is refused here."""
+    if not ids:
+        raise ValueError("prompt is empty")
+    bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+    if not lossless and params.structured_output is not None:
+        raise ValueError("structured output cannot be combined with --rejection-mode synthetic: "
+                         "synthetic acceptance takes drafts the grammar never checked")
+    if len(ids) >= max_model_len:
+        raise ValueError(f"prompt has {len(ids)} tokens, which leaves no room to generate within "
+                         f"max_model_len {max_model_len}")
+    if params.structured_output is not None:
+        structured.compile(params.structured_output)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -79,20 +98,8 @@ class LLMEngine:
         if request_id is None:
             request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise ValueError("prompt is empty")
-        vocab = self.parts.vocab_size
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
-        if not self.lossless and params.structured_output is not None:
-            raise ValueError("structured output cannot be combined with --rejection-mode synthetic: "
-                             "synthetic acceptance takes drafts the grammar never checked")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens, which leaves no room to generate within "
-                             f"max_model_len {self.max_model_len}")
-        if params.structured_output is not None:
-            self.structured.compile(params.structured_output)  # a cache hit when pre-compiled
+        check_request(ids, params, self.parts.vocab_size, self.max_model_len, self.lossless,
+                      self.structured)
         req = Request(request_id, ids, params)
         self.scheduler.add_request(req)
         self.outputs.add(req)

@@ -249,3 +249,24 @@ class PrometheusMetrics:
     def render(self) -> bytes:
         """The exposition text (Prometheus text format 0.0.4), served with `CONTENT_TYPE`."""
         return generate_latest(self.registry)
+
+
+def render_merged(instances: list[PrometheusMetrics]) -> bytes:
+    """One exposition of several instances' series (data parallelism: one per rank and the sum),
+    each metric family once, its samples from every instance (their constant labels differ)."""
+    families: dict[str, object] = {}
+    for m in instances:
+        for fam in m.registry.collect():
+            merged = families.get(fam.name)
+            if merged is None:
+                families[fam.name] = fam
+            else:
+                merged.samples.extend(fam.samples)  # type: ignore[attr-defined]
+
+    class _Fixed:
+        def collect(self):  # type: ignore[no-untyped-def]
+            return iter(families.values())
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Fixed())  # type: ignore[arg-type]
+    return generate_latest(registry)

@@ -145,7 +145,8 @@ class Scheduler:
         room = max(0, self.cfg.max_num_seqs - len(self.running))
         num_reqs = len(self.running) + min(len(self.waiting), room)
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        decision = self.policy.decide(StepView(tuple(map(self._view, decoding)), num_reqs))
+        decision = self.policy.decide(StepView(tuple(map(self._view, decoding)), num_reqs,
+                                               planned=True))
         return _Reserve(dict(decision.per_request), dict(decision.reasons), decision.k)
 
     def _schedule_running(self, scheduled: list[ScheduledRequest], preempted: list[str],

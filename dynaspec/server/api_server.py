@@ -39,7 +39,13 @@ def build_async_engine(served_model_name: str | None = None, **engine_kwargs: An
     from dynaspec.engine.llm_engine import LLMEngine
     from dynaspec.metrics.prometheus import PrometheusMetrics
 
-    engine = LLMEngine(EngineConfig.from_kwargs(**engine_kwargs))
+    config = EngineConfig.from_kwargs(**engine_kwargs)
+    if config.parallel.data_parallel_size > 1:  # /metrics per rank and summed (dynaspec/dp)
+        from dynaspec.dp.front_end import DPEngine
+        name = served_model_name or config.model.model
+        dp = DPEngine(config, metrics_labels={"model_name": name})
+        return AsyncEngine(dp, dp.metrics)
+    engine = LLMEngine(config)
     name = served_model_name or engine.parts.model_name
     return AsyncEngine(engine, PrometheusMetrics(labels={"model_name": name}))
 
@@ -198,8 +204,10 @@ def _v1_router(serving: OpenAIServing, api_key: str | None, max_body_bytes: int)
 def _add_open_routes(app: FastAPI, async_engine: AsyncEngine) -> None:
     @app.get("/health")
     async def health() -> JSONResponse:
-        ok = async_engine.alive
-        return JSONResponse({"status": "ok" if ok else "engine stopped", **async_engine.state},
+        failure = getattr(async_engine.engine, "failure", None)  # a data-parallel rank is gone
+        ok = async_engine.alive and failure is None
+        status = "ok" if ok else (failure or "engine stopped")
+        return JSONResponse({"status": status, **async_engine.state},
                             status_code=200 if ok else 503)
 
     @app.get("/metrics")

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from dynaspec.spec_decode.cost_model import StepCostModel
 from dynaspec.spec_decode.k_policy import (AcceptanceHistory, RequestView, StepK, StepView,
-                                           TablePolicy, context_statistic, drafter_gate, hard_cap)
+                                           TablePolicy, drafter_gate, hard_cap)
 from dynaspec.spec_decode.plan import SpecPlan
 
 
@@ -110,13 +110,15 @@ class GoodputPolicy(TablePolicy):
 
     # ---- the pure decision -------------------------------------------------------------------
     def decide(self, view: StepView) -> StepK:
-        ctx = context_statistic(view.requests)
-        ceiling = self.plan.k_for(view.num_reqs, ctx)
+        ctx, g = view.ctx_stat, view.global_view
+        ceiling = self.plan.k_for(view.batch_size, ctx)
         caps = {r.request_id: drafter_gate(*hard_cap(ceiling, r), r) for r in view.requests}
-        if ceiling == 0 or not view.requests:
+        if ceiling == 0 or not (view.requests if g is None else g.num_decoding):
             self.last_modelled_goodput = None
-            return self._step_k(0, ctx, caps, {})
-        cost = lambda w: self.cost_model.cost(view.num_reqs, ctx, w)  # noqa: E731
+            return self._step_k(0, ctx, caps, {}, g is not None)
+        # Under DP the lockstep step runs at the busiest rank's pace, so its size prices a width.
+        num_reqs = view.num_reqs if g is None else g.max_rank_reqs
+        cost = lambda w: self.cost_model.cost(num_reqs, ctx, w)  # noqa: E731
         fixed: dict[str, int] = {}  # requests whose K does not follow the step's (0 or a probe)
         for r in view.requests:
             cap = caps[r.request_id][0]
@@ -126,11 +128,21 @@ class GoodputPolicy(TablePolicy):
         for k in range(ceiling + 1):
             if k and self.allowed_widths is not None and 1 + k not in self.allowed_widths:
                 continue
-            value = self._goodput(view, caps, fixed, k, cost)
+            value = (self._goodput(view, caps, fixed, k, cost) if g is None
+                     else self._shared_goodput(num_reqs, k, cost))
             if value > best * (1 + 1e-9):
                 best_k, best = k, value
         self.last_modelled_goodput = best
-        return self._step_k(best_k, ctx, caps, fixed)
+        return self._step_k(best_k, ctx, caps, fixed, g is not None)
+
+    def _shared_goodput(self, num_reqs: int, k: int, cost) -> float:
+        """Data parallel: the step's K from state every rank holds identically (the global view,
+        the shared cost table, draft cost and engine-wide acceptance, kept equal by dynaspec/dp),
+        never from this rank's own requests, so every rank picks the same K."""
+        rates = self.engine_history if self.engine_history.num_updates else \
+            _FixedRates(self.settings.prior_rate)
+        tokens = num_reqs * (1.0 + rates.expected_accepted(k))
+        return tokens / (cost(1 + k) + self.draft_seconds_per_token * k * num_reqs)
 
     def _rates(self, r: RequestView):
         h = self.history(r)
@@ -161,16 +173,21 @@ class GoodputPolicy(TablePolicy):
         width = 1 + self._runnable_k(max(per.values(), default=0))
         return tokens / (cost(width) + self.draft_seconds_per_token * drafted)
 
-    def _step_k(self, k: int, ctx: int, caps: dict, fixed: dict[str, int]) -> StepK:
+    def _step_k(self, k: int, ctx: int, caps: dict, fixed: dict[str, int],
+                agreed: bool = False) -> StepK:
         per = self._per_request(caps, fixed, k)
+        if agreed:  # a probe cannot widen the step the ranks agreed on (K=0: no forward width)
+            per = {rid: min(n, k) for rid, n in per.items()}
         reasons = {}
         for rid, (cap, why) in caps.items():
             if per[rid] < cap:
                 reasons[rid] = "adaptive"  # the policy, not the table, lowered it
             elif why is not None:
                 reasons[rid] = why
-        # The step's K: the widest any request verifies, rounded up to a width the plan runs.
-        return StepK(self._runnable_k(max(per.values(), default=0)), per, reasons, ctx)
+        # The step's K: the widest any request verifies, rounded up to a width the plan runs;
+        # under DP it is the K every rank agreed on (this rank's requests may all verify less).
+        k = k if agreed else self._runnable_k(max(per.values(), default=0))
+        return StepK(k, per, reasons, ctx)
 
     def _runnable_k(self, k: int) -> int:
         if k == 0 or self.allowed_widths is None:

@@ -89,9 +89,46 @@ class RequestView:
 
 
 @dataclass(frozen=True)
+class GlobalStepView:
+    """The step summed over every data-parallel rank (DESIGN §7), all-reduced before deciding.
+
+    Under data parallelism the step's K is a function of this view (and of state every rank
+    holds identically), so all ranks choose one K; per-request caps still come from each rank's
+    own ``StepView.requests``.
+    """
+
+    num_reqs: int  # requests in the step on all ranks, prefill included
+    num_decoding: int  # decoding requests on all ranks
+    sum_ctx: int  # sum of their contexts
+    max_ctx: int  # the longest of them (reported; the K lookup uses the mean, as single-rank)
+    max_rank_reqs: int  # requests on the busiest rank: the lockstep step runs at its pace
+
+    @property
+    def ctx_stat(self) -> int:
+        """The same statistic as ``context_statistic``, over every rank's decoding requests."""
+        return max(1, -(-self.sum_ctx // self.num_decoding)) if self.num_decoding else 1
+
+
+@dataclass(frozen=True)
 class StepView:
     requests: tuple[RequestView, ...]  # decoding requests of this step (prefill chunks excluded)
     num_reqs: int  # requests in the step, prefill included
+    global_view: GlobalStepView | None = None  # set under data parallelism (dynaspec/dp)
+    # True for the scheduler's reservation decision (the batch it expects, before it forms);
+    # False for the decision on the batch that verifies. Under DP each is agreed separately.
+    planned: bool = False
+
+    @property
+    def batch_size(self) -> int:
+        """The batch axis of the K lookup: this step's requests, on every rank under DP."""
+        return self.num_reqs if self.global_view is None else self.global_view.num_reqs
+
+    @property
+    def ctx_stat(self) -> int:
+        """The context axis of the K lookup (module docstring), on every rank under DP."""
+        if self.global_view is None:
+            return context_statistic(self.requests)
+        return self.global_view.ctx_stat
 
     def __post_init__(self) -> None:
         if self.num_reqs < len(self.requests):
@@ -190,8 +227,8 @@ class TablePolicy:
         return len(self.histories)
 
     def decide(self, view: StepView) -> StepK:
-        ctx = context_statistic(view.requests)
-        k = self.plan.k_for(view.num_reqs, ctx)
+        ctx = view.ctx_stat
+        k = self.plan.k_for(view.batch_size, ctx)
         caps = {}
         for r in view.requests:
             cap, reason = self._refine(*hard_cap(k, r), r)

@@ -102,9 +102,10 @@ def bucket_ks(plan: SpecPlan, buckets: tuple[int, ...]) -> list[tuple[int, tuple
     return out
 
 
-def default_admission_path(k_schedule: str | None) -> str | None:
-    """Next to the K table when the schedule is a file (tuned.json -> tuned.admission.json)."""
-    if k_schedule and os.path.isfile(k_schedule):
+def default_admission_path(k_schedule) -> str | None:
+    """Next to the K table when the schedule is a file (tuned.json -> tuned.admission.json);
+    an inline schedule (a list of entries, as `LLM(k_schedule=[...])` takes) has no file."""
+    if isinstance(k_schedule, (str, os.PathLike)) and k_schedule and os.path.isfile(k_schedule):
         return os.path.splitext(k_schedule)[0] + ".admission.json"
     return None
 

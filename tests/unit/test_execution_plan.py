@@ -71,6 +71,7 @@ def test_admission_table_round_trip_and_errors(tmp_path):
     k.write_text("[[1, 64, 4]]")
     assert default_admission_path(str(k)) == str(tmp_path / "tuned.admission.json")
     assert default_admission_path("[[1, 64, 4]]") is None
+    assert default_admission_path([[1, 64, 4]]) is None  # LLM(k_schedule=[...]) is inline
 
 
 def test_unknown_mode_is_an_error():

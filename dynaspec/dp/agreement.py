@@ -1,0 +1,303 @@
+"""Lockstep K agreement across data-parallel ranks (DESIGN §7).
+
+Every engine step each rank forms its batch, then all ranks exchange one small row of numbers
+(``all_gather`` of float64, so every rank holds the same rows and computes the same sums bit for
+bit) and each rank applies the same pure K decision to the summed view. What the row carries:
+
+- the step view: requests in the step, decoding requests, sum and max of their contexts;
+- lockstep control: requests unfinished on the rank (all zero = every rank idles), a stop flag
+  (the ranks leave together, on the same tick, so no collective is left waiting), the rank's
+  last step time (the timeout grows with the longest step any rank has run);
+- the previous step's observations for the K policy's shared state: its shape and time (the
+  goodput cost model and draft cost) and per-position acceptance counts (the engine-wide prior).
+  Each rank applies the *gathered* observations, the same ones in the same order, so the state
+  a decision reads is identical on every rank and the K stays a pure function of the global
+  view plus that state. The policy's per-request histories stay local: they only lower that
+  request's own cap, never the step's K.
+
+``LockstepPolicy`` wraps the engine's policy, so the scheduler calls ``decide`` as it always
+does; the exchange happens inside. The scheduler decides twice per step: once for the batch it
+expects (to reserve KV slots for the drafts, ``StepView.planned``), then for the batch it formed
+(the step K, never above the reserved K). Each is agreed: the first with the full row above (the
+tick), the second with a short row of the formed batch's view only, so both decisions, and the
+clamp of one by the other, are the same on every rank. A rank with nothing to do still calls it (the scheduler
+decides K on an empty batch), which is the dummy step: collectives only, no forward, since ranks
+share no collective inside the forward.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+from collections import deque
+from dataclasses import dataclass, replace
+from typing import Callable
+
+from dynaspec.spec_decode.k_policy import GlobalStepView, StepK, StepView
+
+# Row layout (one float64 per field, then 2 * max_k acceptance counts).
+_FIELDS = ("num_reqs", "num_decoding", "sum_ctx", "max_ctx", "num_unfinished", "stopping",
+           "step_seconds", "obs_ran", "obs_valid", "obs_num_reqs", "obs_ctx", "obs_width",
+           "obs_target_s", "obs_draft_s", "obs_drafted", "obs_emitted")
+_IX = {name: i for i, name in enumerate(_FIELDS)}
+_BATCH_FIELDS = ("num_reqs", "num_decoding", "sum_ctx", "max_ctx")  # the formed batch's row
+
+Gather = Callable[[list[float], float], list[list[float]]]  # (row, timeout_s) -> every rank's row
+
+
+class CollectiveError(RuntimeError):
+    """The step exchange failed or timed out: a peer rank died or stopped answering."""
+
+
+def torch_gather(world_size: int) -> Gather:
+    """All-gather over the default process group on CPU tensors (gloo), with a timeout."""
+    import torch
+    import torch.distributed as dist
+
+    def gather(row: list[float], timeout_s: float) -> list[list[float]]:
+        t = torch.tensor(row, dtype=torch.float64)  # [n]
+        out = [torch.empty_like(t) for _ in range(world_size)]  # world x [n]
+        try:
+            work = dist.all_gather(out, t, async_op=True)
+            work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+        except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError subclasses
+            raise CollectiveError(f"step exchange failed after waiting up to {timeout_s:.1f} s: "
+                                  f"{type(exc).__name__}: {exc}") from exc
+        return [o.tolist() for o in out]
+
+    return gather
+
+
+@dataclass(frozen=True)
+class Tick:
+    """What every rank learns from one exchange (identical on every rank)."""
+
+    index: int
+    view: GlobalStepView
+    num_unfinished: int  # on all ranks, before this step
+    stopping: bool
+    longest_step_s: float  # longest step any rank has reported so far
+    rows: tuple[tuple[float, ...], ...]
+
+
+class SharedAcceptance:
+    """The engine-wide acceptance prior, identical on every rank.
+
+    Duck-types ``AcceptanceHistory`` for the policy: ``update`` (called per request by the policy's
+    ``observe``) only counts this rank's observations; the rates move in ``apply``, with every
+    rank's counts summed. Position i is observed when every earlier draft was accepted; n
+    observations in one step move the EMA as n single updates with rate ``alpha`` would.
+    """
+
+    def __init__(self, max_k: int, alpha: float = 0.05) -> None:
+        self.max_k, self.alpha = max_k, alpha
+        self.rates: list[float] = []
+        self.num_updates = 0
+        self.reached = [0] * max_k
+        self.hits = [0] * max_k
+
+    def update(self, num_drafted: int, num_accepted: int) -> None:
+        for i in range(min(num_accepted + 1, num_drafted, self.max_k)):
+            self.reached[i] += 1
+            self.hits[i] += i < num_accepted
+
+    def take_pending(self) -> list[float]:
+        row = [float(n) for n in self.reached + self.hits]
+        self.reached, self.hits = [0] * self.max_k, [0] * self.max_k
+        return row
+
+    def apply(self, reached: list[float], hits: list[float]) -> None:
+        if not any(reached):
+            return
+        for i, (n, h) in enumerate(zip(reached, hits)):
+            if n <= 0:
+                break  # position i unobserved implies every later position is too
+            rate = h / n
+            if i == len(self.rates):
+                self.rates.append(rate)  # first observation seeds the EMA
+            else:
+                self.rates[i] += (1.0 - (1.0 - self.alpha) ** n) * (rate - self.rates[i])
+        self.num_updates += 1
+
+    def rate(self, position: int) -> float:
+        if not self.rates:
+            return 0.0
+        return self.rates[min(position, len(self.rates) - 1)]
+
+    def expected_accepted(self, k: int) -> float:
+        total, survive = 0.0, 1.0
+        for i in range(k):
+            survive *= self.rate(i)
+            total += survive
+        return total
+
+
+class StepAgreement:
+    """One exchange per engine step; the rank loop sets the control fields before each step."""
+
+    def __init__(self, gather: Gather, rank: int, world_size: int, max_k: int,
+                 grace_s: float, idle_poll_s: float, log_size: int = 100_000) -> None:
+        self.gather, self.rank, self.world_size, self.max_k = gather, rank, world_size, max_k
+        self.grace_s, self.idle_poll_s = grace_s, idle_poll_s
+        self.shared: SharedAcceptance | None = None  # set by LockstepPolicy for goodput
+        self.num_ticks = 0
+        self.exchanged = False  # the tick of this engine step happened
+        self.batch_exchanged = False  # the formed batch's view of this step was agreed
+        self.last: Tick | None = None
+        self.longest_step_s = 0.0
+        # Set by the rank loop before a step:
+        self.num_unfinished = 0
+        self.stopping = False
+        self.step_seconds = 0.0
+        self.ran_step = False  # a real step ran since the previous exchange
+        self.pending_obs: tuple[float, ...] | None = None  # (num_reqs, ctx, width, tgt, draft, drafted, emitted)
+        # (tick, K agreed, global requests, ctx statistic, this rank's requests), for tests/metrics.
+        self.decisions: deque[tuple[int, int, int, int, int]] = deque(maxlen=log_size)
+
+    def timeout_s(self) -> float:
+        """A peer may be busy with its own step (or idling on its command pipe) meanwhile."""
+        return self.grace_s + self.idle_poll_s + 2.0 * self.longest_step_s
+
+    def exchange(self, num_reqs: int, decoding_ctxs: list[int]) -> Tick:
+        if self.exchanged:
+            raise RuntimeError("two step exchanges in one engine step: ranks would fall out of "
+                               "lockstep (the scheduler must decide K once per step)")
+        obs = self.pending_obs
+        row = [0.0] * len(_FIELDS)
+        row[_IX["num_reqs"]] = num_reqs
+        row[_IX["num_decoding"]] = len(decoding_ctxs)
+        row[_IX["sum_ctx"]] = sum(decoding_ctxs)
+        row[_IX["max_ctx"]] = max(decoding_ctxs, default=0)
+        row[_IX["num_unfinished"]] = self.num_unfinished
+        row[_IX["stopping"]] = float(self.stopping)
+        row[_IX["step_seconds"]] = self.step_seconds
+        row[_IX["obs_ran"]] = float(self.ran_step)
+        if obs is not None:
+            row[_IX["obs_valid"]] = 1.0
+            row[_IX["obs_num_reqs"]:_IX["obs_emitted"] + 1] = list(obs)
+        acc = self.shared.take_pending() if self.shared is not None else [0.0] * (2 * self.max_k)
+        rows = self.gather(row + acc, self.timeout_s())
+        self.pending_obs, self.ran_step, self.exchanged = None, False, True
+        tick = self._tick(rows)
+        self.last = tick
+        self.num_ticks += 1
+        return tick
+
+    def exchange_batch(self, num_reqs: int, decoding_ctxs: list[int]) -> GlobalStepView:
+        """The second exchange of a step: the global view of the batch each rank formed."""
+        if not self.exchanged or self.batch_exchanged:
+            raise RuntimeError("the formed batch's view is agreed once per engine step, after the "
+                               "tick: ranks would fall out of lockstep")
+        row = [float(num_reqs), float(len(decoding_ctxs)), float(sum(decoding_ctxs)),
+               float(max(decoding_ctxs, default=0))]
+        rows = self.gather(row, self.timeout_s())
+        self.batch_exchanged = True
+        return _global_view(rows)
+
+    def _tick(self, rows: list[list[float]]) -> Tick:
+        def total(name: str) -> int:
+            return int(sum(r[_IX[name]] for r in rows))
+
+        view = _global_view(rows)
+        self.longest_step_s = max(self.longest_step_s, *(r[_IX["step_seconds"]] for r in rows))
+        return Tick(self.num_ticks, view, total("num_unfinished"),
+                    any(r[_IX["stopping"]] for r in rows), self.longest_step_s,
+                    tuple(tuple(r) for r in rows))
+
+    def shared_step_observation(self, tick: Tick) -> tuple | None:
+        """The previous lockstep step as the cost model should see it, when every rank that
+        ran a step ran a pure decode step (else the step's shape is not what the model prices):
+        the busiest rank's requests, the request-weighted mean context, the widest verify, the
+        slowest rank's target time (the lockstep pace), and draft time / drafted / emitted summed."""
+        ran = [r for r in tick.rows if r[_IX["obs_ran"]]]
+        if not ran or not all(r[_IX["obs_valid"]] for r in ran):
+            return None
+        reqs = [r[_IX["obs_num_reqs"]] for r in ran]
+        ctx = math.ceil(sum(r[_IX["obs_ctx"]] * n for r, n in zip(ran, reqs)) / max(1.0, sum(reqs)))
+        return (int(max(reqs)), max(1, ctx), int(max(r[_IX["obs_width"]] for r in ran)),
+                max(r[_IX["obs_target_s"]] for r in ran), sum(r[_IX["obs_draft_s"]] for r in ran),
+                int(sum(r[_IX["obs_drafted"]] for r in ran)), int(sum(r[_IX["obs_emitted"]] for r in ran)))
+
+    def shared_acceptance(self, tick: Tick) -> tuple[list[float], list[float]]:
+        base, k = len(_FIELDS), self.max_k
+        reached = [sum(r[base + i] for r in tick.rows) for i in range(k)]
+        hits = [sum(r[base + k + i] for r in tick.rows) for i in range(k)]
+        return reached, hits
+
+
+def _global_view(rows: list[list[float]]) -> GlobalStepView:
+    """Sums over the ranks' rows; both row layouts start with the four _BATCH_FIELDS."""
+    def total(i: int) -> int:
+        return int(sum(r[i] for r in rows))
+
+    return GlobalStepView(total(0), total(1), total(2), int(max(r[3] for r in rows)),
+                          int(max(r[0] for r in rows)))
+
+
+class LockstepPolicy:
+    """Wraps a KPolicy so its step K comes from the global view (module docstring)."""
+
+    def __init__(self, inner, agreement: StepAgreement) -> None:
+        self.inner, self.agreement = inner, agreement
+        self.reserved_k = 0  # the agreed K this step reserved KV for (the step K's ceiling)
+        self.keeps_history = getattr(inner, "keeps_history", False)
+        if hasattr(inner, "engine_history"):  # goodput: the engine-wide prior must be shared
+            inner.engine_history = agreement.shared = SharedAcceptance(agreement.max_k)
+
+    @property
+    def histories(self) -> dict:
+        return self.inner.histories
+
+    def decide(self, view: StepView) -> StepK:
+        a = self.agreement
+        ctxs = [r.context_len for r in view.requests]
+        if not view.planned:  # the formed batch: its own agreed view; K capped as the scheduler will
+            g = a.exchange_batch(view.num_reqs, ctxs)
+            decision = self.inner.decide(replace(view, global_view=g))
+            a.decisions.append((a.last.index, min(decision.k, self.reserved_k), g.num_reqs,
+                                g.ctx_stat, view.num_reqs))
+            return decision
+        tick = a.exchange(view.num_reqs, ctxs)
+        obs = a.shared_step_observation(tick)
+        if obs is not None:
+            self.inner.observe_step(*obs)
+        if a.shared is not None:
+            a.shared.apply(*a.shared_acceptance(tick))
+        decision = self.inner.decide(replace(view, global_view=tick.view))
+        self.reserved_k = decision.k
+        return decision
+
+    def observe(self, request_id: str, num_drafted: int, num_accepted: int, ctx: int) -> None:
+        self.inner.observe(request_id, num_drafted, num_accepted, ctx)
+
+    def observe_step(self, num_reqs: int, ctx: int, width: int, target_seconds: float,
+                     draft_seconds: float, num_drafted: int, num_emitted: int) -> None:
+        """Held back: sent with the next exchange and applied, gathered, on every rank."""
+        self.agreement.pending_obs = (num_reqs, ctx, width, target_seconds, draft_seconds,
+                                      num_drafted, num_emitted)
+
+    def forget(self, request_id: str) -> None:
+        self.inner.forget(request_id)
+
+    def goodput_report(self) -> tuple[float | None, float | None]:
+        report = getattr(self.inner, "goodput_report", None)
+        return report() if report is not None else (None, None)
+
+
+def share_cost_model(policy, rank: int) -> None:
+    """Start every rank from rank 0's step cost table (each rank profiled or loaded its own)."""
+    import torch.distributed as dist
+
+    inner = getattr(policy, "inner", policy)
+    cost = getattr(inner, "cost_model", None)
+    if cost is None:
+        return
+    payload = [cost.to_json() if rank == 0 else None]
+    dist.broadcast_object_list(payload, src=0)
+    table = payload[0]
+    if tuple(table["batches"]) != cost.grid.batches or tuple(table["widths"]) != cost.grid.widths \
+            or tuple(table["contexts"]) != cost.grid.contexts:
+        raise RuntimeError("rank 0's step cost grid differs from this rank's: the ranks were "
+                           "started with different settings")
+    cost.seconds = [[list(c) for c in r] for r in table["seconds"]]
+    cost.source = f"rank 0 ({table.get('source', 'measured')})"

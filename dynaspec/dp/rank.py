@@ -1,0 +1,268 @@
+"""One data-parallel rank: a process with its own model, KV pool and scheduler (an LLMEngine).
+
+Start-up: connect to the front end's control listener, join the process group (gloo for the
+CPU tensors of the step exchange; ``cpu:gloo,cuda:nccl`` on CUDA so device collectives use
+NCCL), build the engine, start from rank 0's step cost table, report ready.
+
+The loop, once per engine step on every rank (lockstep):
+  1. run the front end's commands (add, abort, query, stop); when every rank was idle at the
+     last exchange, wait for one (up to ``IDLE_POLL_S``, then tick anyway: a liveness check);
+  2. ``engine.step()``: the scheduler forms the batch and decides K through ``LockstepPolicy``,
+     which exchanges the step view with the other ranks; without speculation the loop makes
+     the exchange itself. A rank with no work exchanges and runs nothing (the dummy step);
+  3. send the front end a ``TickReport`` (new tokens, the step's stats, a snapshot).
+When any rank set the stop flag, every rank leaves after the same exchange. When the exchange
+fails (a peer died or stopped answering), the rank tells the front end and exits with code 3.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import time
+from dataclasses import replace
+from multiprocessing.connection import Client, Connection
+
+from dynaspec.dp.agreement import CollectiveError, LockstepPolicy, StepAgreement, share_cost_model, torch_gather
+from dynaspec.dp.messages import RankOutput, RankReady, RankSpec, TickReport
+from dynaspec.dp.process import die_with_parent
+from dynaspec.metrics.stats import EngineSnapshot
+
+log = logging.getLogger("dynaspec.dp")
+
+IDLE_POLL_S = 1.0
+EXIT_COLLECTIVE = 3
+EXIT_ERROR = 4
+HEARTBEAT_TICKS = 5  # an idle rank reports at least every this many ticks (liveness)
+
+
+def rank_main(spec: RankSpec) -> None:
+    """Entry point of a rank process (spawned locally or by ``dynaspec dp-worker``)."""
+    die_with_parent()
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(levelname)s dynaspec.dp rank {spec.rank}: %(message)s")
+    conn = _connect(spec)
+    conn.send(("hello", spec.rank))
+    code = 0
+    try:
+        engine, agreement = _start(spec)
+        conn.send(_ready(spec, engine))
+        code = RankLoop(engine, agreement, conn, spec.rank).run()
+    except CollectiveError as exc:  # a peer failed: this rank is a victim
+        _send(conn, ("failed", spec.rank, str(exc), True))
+        code = EXIT_COLLECTIVE
+    except Exception as exc:  # noqa: BLE001 - this rank failed: the front end names it
+        log.exception("rank failed")
+        _send(conn, ("failed", spec.rank, f"{type(exc).__name__}: {exc}", False))
+        code = EXIT_ERROR
+    finally:
+        conn.close()
+    # Leave without tearing the process group down: a peer may be gone, and destroying a gloo
+    # group with a dead peer can block. The OS closes the sockets.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _connect(spec: RankSpec) -> Connection:
+    """The front end may still be starting (another machine): retry until the start timeout."""
+    deadline = time.monotonic() + spec.start_timeout_s
+    while True:
+        try:
+            return Client((spec.control_addr, spec.control_port), authkey=spec.authkey)
+        except (ConnectionRefusedError, FileNotFoundError, TimeoutError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+def _send(conn: Connection, msg: object) -> None:
+    try:
+        conn.send(msg)
+    except OSError:
+        pass  # the front end is gone: nothing to tell
+
+
+def _start(spec: RankSpec):
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from dynaspec.engine.builder import resolve_device
+    from dynaspec.engine.llm_engine import LLMEngine
+
+    timeout = datetime.timedelta(seconds=spec.start_timeout_s)
+    store = dist.TCPStore(spec.store_addr, spec.store_port, is_master=False, timeout=timeout)
+    cuda = resolve_device(spec.config.model.device).type == "cuda"
+    if cuda:
+        torch.cuda.set_device(spec.rank % torch.cuda.device_count())
+    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", store=store,
+                            rank=spec.rank, world_size=spec.world_size, timeout=timeout)
+    engine = _build_engine(spec, store, LLMEngine)
+    pc = spec.config.parallel
+    agreement = StepAgreement(torch_gather(spec.world_size), spec.rank, spec.world_size,
+                              engine.plan.max_k, pc.dp_rank_timeout_s, IDLE_POLL_S)
+    if engine.scheduler.policy is not None:
+        engine.scheduler.policy = LockstepPolicy(engine.scheduler.policy, agreement)
+        share_cost_model(engine.scheduler.policy, spec.rank)
+    dist.barrier()  # every rank built: the first step exchange starts on an even footing
+    return engine, agreement
+
+
+def _build_engine(spec: RankSpec, store, engine_cls):  # type: ignore[no-untyped-def]
+    """Rank 0 builds first when the goodput policy profiles step costs: the other ranks then
+    read its cached table (same machine) instead of profiling all at once, contending for the
+    cores and measuring each other; only rank 0's table is used anyway (share_cost_model)."""
+    from dynaspec.spec_decode.k_policy import resolve_policy_name
+
+    sc = spec.config.spec
+    profiles = sc.speculator != "none" and resolve_policy_name(sc.k_policy, True) == "goodput"
+    key = "dynaspec/rank0-built"
+    if profiles and spec.rank != 0:
+        store.wait([key])
+    engine = engine_cls(spec.config)
+    if profiles and spec.rank == 0:
+        store.set(key, "1")
+    return engine
+
+
+def _ready(spec: RankSpec, engine) -> RankReady:  # type: ignore[no-untyped-def]
+    return RankReady(spec.rank, engine.tokenizer if spec.rank == 0 else None, engine.max_model_len,
+                     engine.parts.vocab_size, engine.plan, engine.parts.model_name,
+                     engine.pool_report(), os.getpid(), socket.gethostname(), engine.exec_plan,
+                     engine.lossless, engine.parts.eos_token_ids)
+
+
+class RankLoop:
+    def __init__(self, engine, agreement: StepAgreement, conn: Connection, rank: int) -> None:
+        self.engine, self.agreement, self.conn, self.rank = engine, agreement, conn, rank
+        self.stop_requested = False
+        self.logprobs_sent: dict[str, int] = {}
+        self.errors: list[RankOutput] = []  # adds the engine refused, reported with the next tick
+        self.last_step = None
+        self.last_snapshot: EngineSnapshot | None = None
+        self.quiet_ticks = 0
+
+    def run(self) -> int:
+        a, eng = self.agreement, self.engine
+        idle = False
+        while True:
+            self._commands(block=idle)
+            a.exchanged = a.batch_exchanged = False
+            a.num_unfinished = eng.num_running + eng.num_waiting
+            a.stopping = self.stop_requested
+            steps, t0 = eng.times.steps, time.perf_counter()
+            outs = eng.step()
+            if not a.exchanged:  # no speculation: nothing decided K, but lockstep still holds
+                a.exchange(0, [])
+            ran = eng.times.steps > steps
+            a.step_seconds = time.perf_counter() - t0 if ran else 0.0
+            a.ran_step = ran
+            self._report(outs, ran)
+            tick = a.last
+            if tick.stopping:
+                return 0
+            idle = tick.num_unfinished == 0 and not eng.has_unfinished_requests()
+
+    # ---- commands ----------------------------------------------------------------------------
+    def _commands(self, block: bool) -> None:
+        if block and not self.conn.poll(IDLE_POLL_S):
+            return
+        while self.conn.poll():
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError):
+                self.stop_requested = True  # the front end is gone: leave with the others
+                return
+            self._command(msg)
+
+    def _command(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "add":
+            _, rid, ids, params = msg
+            try:
+                self.engine.add_request(ids, params, rid)
+            except ValueError as exc:
+                self.errors.append(RankOutput(rid, [], "", True, "error", str(exc), None, 0, None))
+        elif kind == "abort":
+            self.engine.abort_request(msg[1])
+            self.logprobs_sent.pop(msg[1], None)
+        elif kind == "query":
+            try:
+                value = self._query(msg[2])
+            except Exception as exc:  # noqa: BLE001 - a failed check is the asker's answer
+                value = exc
+            self.conn.send(("reply", msg[1], self.rank, value))
+        elif kind == "stop":
+            self.stop_requested = True
+
+    def _query(self, name: str):  # type: ignore[no-untyped-def]
+        eng = self.engine
+        if name == "decisions":
+            return list(self.agreement.decisions)
+        if name == "counters":
+            return eng.counters
+        if name == "kv":
+            return {"num_blocks": eng.kv.num_blocks, "num_free_blocks": eng.kv.num_free_blocks(),
+                    "num_unfinished": eng.num_running + eng.num_waiting}
+        if name == "integrity":
+            eng.check_integrity()
+            return True
+        if name == "pid":
+            return os.getpid()
+        raise ValueError(f"unknown query {name!r}")
+
+    # ---- reports -----------------------------------------------------------------------------
+    def _report(self, outs: list, ran: bool) -> None:
+        eng = self.engine
+        outputs, self.errors = self.errors, []
+        outputs += [self._output(o) for o in outs]
+        times = eng.finished_times[:]
+        del eng.finished_times[:len(times)]
+        step = eng.last_step if ran and eng.last_step is not self.last_step else None
+        self.last_step = eng.last_step
+        snap = _snapshot(eng)
+        self.quiet_ticks += 1
+        if not outputs and step is None and not times and snap == self.last_snapshot \
+                and self.quiet_ticks < HEARTBEAT_TICKS:
+            return  # nothing new on an idle tick: only every few ticks a heartbeat
+        self.quiet_ticks, self.last_snapshot = 0, snap
+        self.conn.send(TickReport(self.rank, self.agreement.last.index, outputs, step, snap,
+                                  times, eng.kv.num_free_blocks(), eng.kv.num_blocks))
+
+    def _output(self, out) -> RankOutput:  # type: ignore[no-untyped-def]
+        new_lp = None
+        if out.logprobs is not None:
+            sent = self.logprobs_sent.get(out.request_id, 0)
+            new_lp = list(out.logprobs[sent:])
+            self.logprobs_sent[out.request_id] = len(out.logprobs)
+        if out.finished:
+            self.logprobs_sent.pop(out.request_id, None)
+        return RankOutput(out.request_id, list(out.new_token_ids), out.text, out.finished,
+                          out.finish_reason, out.error, new_lp, out.num_cached_tokens, out.spec,
+                          dict(out.metrics))
+
+
+def _snapshot(eng) -> EngineSnapshot:  # type: ignore[no-untyped-def]
+    pool = eng.pool_report()
+    policy = eng.scheduler.policy
+    modelled, observed = policy.goodput_report() if policy is not None else (None, None)
+    return EngineSnapshot(eng.num_running, eng.num_waiting, eng.kv.usage(), pool["num_tokens"],
+                          pool["drafter_num_tokens"], eng.kv.prefix_cache_queries,
+                          eng.kv.prefix_cache_hits, eng.scheduler.num_preemptions,
+                          modelled, observed)
+
+
+def spawn_spec(spec: RankSpec, num_threads: int) -> RankSpec:
+    """The spec with this rank's thread count written into its config."""
+    pc = replace(spec.config.parallel, num_threads=num_threads)
+    return replace(spec, config=replace(spec.config, parallel=pc))
+
+
+if __name__ == "__main__":  # python -m dynaspec.dp.rank < pickled RankSpec (dp/process.py)
+    import pickle
+
+    rank_main(pickle.load(sys.stdin.buffer))

@@ -1,0 +1,127 @@
+"""Data parallelism with 2 local ranks (gloo, tiny fp32 model): one shared engine for the module.
+
+Order matters and is the file's order: the last test stops a rank (SIGSTOP) and checks that the
+engine names it, fails its requests within the timeout and leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from dynaspec import LLM, SamplingParams
+from dynaspec.spec_decode.plan import build_spec_plan
+from tests.e2e.conftest import assert_greedy_equal, random_prompts
+from tests.e2e.dp_helpers import assert_processes_gone, finish_all
+
+SCHEDULE = [[1, 2, 3], [3, 5, 2], [6, 64, 1]]
+KW = dict(dtype="float32", num_kv_blocks=128, speculator="ngram", num_spec_tokens=3,
+          k_schedule=SCHEDULE, k_policy="table", prompt_lookup_min=1)
+TIMEOUT_S = 3.0
+
+
+@pytest.fixture(scope="module")
+def dp2(tiny_llama_dir):
+    llm = LLM(model=tiny_llama_dir, data_parallel_size=2, dp_rank_timeout_s=TIMEOUT_S, **KW)
+    pids = llm.engine.rank_pids()
+    yield llm
+    llm.shutdown()
+    assert_processes_gone(pids.values())
+
+
+def test_greedy_equals_single_rank(dp2, tiny_llama_dir):
+    prompts = random_prompts(8, 280, seed=3, lo=4, hi=40, repetitive=True)
+    params = SamplingParams(temperature=0, max_tokens=20)
+    got = dp2.generate(prompts, params)
+    ref = LLM(model=tiny_llama_dir, **KW).generate(prompts, params)
+    for i, (p, r, g) in enumerate(zip(prompts, ref, got)):
+        assert g.finish_reason == r.finish_reason or g.token_ids != r.token_ids
+        assert_greedy_equal(tiny_llama_dir, p, r.token_ids, g.token_ids, f"prompt {i}")
+    emitted = [c.num_emitted_tokens for c in dp2.engine.query("counters")]
+    assert all(n > 0 for n in emitted), f"least-loaded routing left a rank idle: {emitted}"
+    assert sum(emitted) == dp2.engine.counters.num_emitted_tokens
+
+
+def test_variable_schedule_same_k_on_every_rank_at_different_load(dp2):
+    eng = dp2.engine
+    start = [len(log) for log in eng.query("decisions")]
+    # Rank 0 carries six requests that finish at different times, rank 1 one long one: the
+    # global batch walks down the schedule's buckets while the ranks' own loads differ.
+    for i in range(6):
+        eng.add_request([5 + i, 6, 7, 5 + i, 6, 7], SamplingParams(
+            temperature=0, max_tokens=3 + 8 * i, ignore_eos=True), dp_rank=0)
+    eng.add_request([9, 10, 11, 9, 10], SamplingParams(temperature=0, max_tokens=80, ignore_eos=True),
+                    dp_rank=1)
+    finish_all(eng)
+    logs = [{t[0]: t for t in log[s:]} for log, s in zip(eng.query("decisions"), start)]
+    # Each rank answered the query at its own moment: compare the ticks both had run.
+    lo, hi = max(min(log) for log in logs), min(max(log) for log in logs)
+    ticks = list(range(lo, hi + 1))
+    assert len(ticks) >= 15 and all(t in log for log in logs for t in ticks), \
+        "ranks did not step in lockstep"
+    plan = build_spec_plan("ngram", 3, SCHEDULE)
+    ks, uneven = set(), 0
+    for t in ticks:
+        (_, k0, n0, c0, local0), (_, k1, n1, c1, local1) = logs[0][t], logs[1][t]
+        assert (k0, n0, c0) == (k1, n1, c1), f"tick {t}: rank 0 {logs[0][t]} vs rank 1 {logs[1][t]}"
+        assert k0 == plan.k_for(n0, c0) and n0 == local0 + local1
+        ks.add(k0)
+        uneven += local0 != local1
+    print(f"{len(ticks)} lockstep ticks, K values {sorted(ks)}, {uneven} with uneven load")
+    assert {1, 2, 3} <= ks, f"the global batch should pass every bucket, K seen {ks}"
+    assert uneven >= len(ticks) // 2
+
+
+def test_abort_frees_blocks_on_the_owning_rank(dp2):
+    eng = dp2.engine
+    # Sampled at temperature 1 the n-gram drafter rarely matches: about one token per step, so
+    # the request runs for ~240 steps and is still running when the abort arrives.
+    rid = eng.add_request([3, 4, 5], SamplingParams(temperature=1.0, seed=7, max_tokens=240,
+                                                    ignore_eos=True), dp_rank=1)
+    got = 0
+    deadline = time.monotonic() + 60
+    while got < 3 and time.monotonic() < deadline:
+        got += sum(len(o.new_token_ids) for o in eng.step() if o.request_id == rid)
+    kv = eng.query("kv")
+    assert kv[1]["num_free_blocks"] < kv[1]["num_blocks"] and kv[1]["num_unfinished"] == 1
+    assert kv[0]["num_free_blocks"] == kv[0]["num_blocks"]
+    assert eng.abort_request(rid) and not eng.has_unfinished_requests()
+    kv = eng.query("kv")  # the abort reaches rank 1 before the query (one ordered channel)
+    assert kv[1]["num_free_blocks"] == kv[1]["num_blocks"] and kv[1]["num_unfinished"] == 0
+    eng.check_integrity()
+
+
+def test_bad_prompt_is_refused_before_routing(dp2):
+    before = dict(dp2.engine.records)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        dp2.engine.add_request([1, 99999], SamplingParams(max_tokens=2))
+    assert dp2.engine.records == before and dp2.engine.load == [0, 0]
+
+
+def test_stuck_rank_is_named_and_its_requests_error(dp2):
+    eng = dp2.engine
+    pids = eng.rank_pids()
+    ids = [eng.add_request([4, 5, 6, 4, 5], SamplingParams(temperature=0, max_tokens=200,
+                                                           ignore_eos=True), dp_rank=r % 2)
+           for r in range(4)]
+    for _ in range(20):
+        eng.step()
+    os.kill(pids[0], signal.SIGSTOP)  # alive but silent: only the timeout can tell
+    t0 = time.monotonic()
+    final = finish_all(eng, timeout_s=60)
+    elapsed = time.monotonic() - t0
+    assert set(final) == set(ids)
+    for i, rid in enumerate(ids):
+        out = final[rid]
+        assert out.finish_reason == "error", out
+        expected = "rank 0 stopped answering" if i % 2 == 0 else "shut down: data-parallel rank 0"
+        assert expected in out.error, out.error
+    # Rank 1 waits grace + idle poll + 2 x the longest step, then the front end settles 1 s.
+    assert elapsed < 2 * (TIMEOUT_S + 1.0) + 10, f"failure took {elapsed:.1f} s to surface"
+    assert "rank 0" in eng.failure
+    assert_processes_gone(pids.values())
+    with pytest.raises(RuntimeError, match="rank 0"):
+        eng.add_request([4, 5], SamplingParams(max_tokens=2))

@@ -1,0 +1,158 @@
+"""Lockstep K agreement without processes: ranks are threads, the all-gather a barrier.
+
+The property under test: with different local batches, different per-request histories and
+different step timings on each rank, every rank's K is the same at every step, because the
+step K depends only on the gathered view and on state every rank updates identically.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+
+from dynaspec.dp.agreement import LockstepPolicy, SharedAcceptance, StepAgreement
+from dynaspec.spec_decode.cost_model import CostGrid, StepCostModel
+from dynaspec.spec_decode.goodput_policy import GoodputPolicy
+from dynaspec.spec_decode.k_policy import GlobalStepView, RequestView, StepView, TablePolicy
+from dynaspec.spec_decode.plan import build_spec_plan
+
+
+class ThreadGroup:
+    """An all_gather over threads: each rank's row lands in a shared slot, a barrier syncs."""
+
+    def __init__(self, world: int) -> None:
+        self.rows: list = [None] * world
+        self.barrier = threading.Barrier(world)
+
+    def gather_for(self, rank: int):
+        def gather(row, timeout_s):
+            self.rows[rank] = list(row)
+            self.barrier.wait(timeout=30)
+            out = [list(r) for r in self.rows]
+            self.barrier.wait(timeout=30)  # nobody overwrites a slot before all have read
+            return out
+        return gather
+
+
+def _cost() -> StepCostModel:
+    grid = CostGrid((1, 4, 16), (16, 512), (1, 2, 3, 4))
+    # Verify gets dearer with width and batch: K depends on the shared state, not a constant.
+    secs = [[[0.001 * b * (1 + 0.4 * (w - 1)) * (1 + c / 1024) for w in grid.widths]
+             for c in grid.contexts] for b in grid.batches]
+    return StepCostModel(grid, secs, alpha=0.3)
+
+
+def _run_ranks(make_policy, world: int, steps: int, seed: int):
+    """Drive `world` policies in lockstep with rank-specific random batches; K log per rank."""
+    group = ThreadGroup(world)
+    logs: list[list[int]] = [[] for _ in range(world)]
+    errors: list[BaseException] = []
+
+    def rank_main(rank: int) -> None:
+        rng = random.Random(seed * 100 + rank)  # each rank its own load and acceptance
+        a = StepAgreement(group.gather_for(rank), rank, world, 3, grace_s=5, idle_poll_s=0)
+        pol = LockstepPolicy(make_policy(), a)
+        try:
+            for step in range(steps):
+                a.exchanged = a.batch_exchanged = False
+                n = rng.randrange(0, 6 if rank else 12)  # rank 0 carries more load
+                views = tuple(RequestView(f"r{rank}-{i}", rng.randrange(5, 900), rng.randrange(1, 9),
+                                          1000) for i in range(n))
+                # The scheduler's two decisions: the expected batch (reservation), then the
+                # formed one, which may have lost requests (budget, preemption).
+                planned = pol.decide(StepView(views, n + rng.randrange(0, 2), planned=True))
+                n = rng.randrange(0, n + 1)
+                d = pol.decide(StepView(views[:n], n))
+                assert a.decisions[-1][1] == min(d.k, planned.k)
+                logs[rank].append(min(d.k, planned.k))
+                assert all(n <= d.k for n in d.per_request.values()), (d.k, d.per_request)
+                for rid, cap in d.per_request.items():  # local, rank-specific observations
+                    pol.observe(rid, cap, rng.randrange(0, cap + 1), 10)
+                    if rng.random() < 0.3:
+                        pol.forget(rid)
+                if n and rng.random() < 0.7:
+                    pol.observe_step(n, 300, 1 + d.k, rng.uniform(0.001, 0.02), 0.0005 * n,
+                                     sum(d.per_request.values()), n)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+            group.barrier.abort()
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    return logs
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_goodput_ranks_agree_on_k_every_step(world):
+    plan = build_spec_plan("ngram", 3, [[1, 4, 3], [5, 12, 2], [13, 64, 1]])
+    logs = _run_ranks(lambda: GoodputPolicy(plan, _cost()), world, steps=120, seed=world)
+    for r in range(1, world):
+        assert logs[r] == logs[0], f"rank {r} chose a different K"
+    assert len(set(logs[0])) >= 2, f"the test never moved K: {set(logs[0])}"
+
+
+def test_table_ranks_agree_and_use_the_global_batch():
+    plan = build_spec_plan("ngram", 3, [[1, 4, 3], [5, 12, 2], [13, 64, 1]])
+    logs = _run_ranks(lambda: TablePolicy(plan), 2, steps=60, seed=7)
+    assert logs[0] == logs[1]
+    assert {1, 2} <= set(logs[0])
+
+
+def test_seed_case_constant_two_is_kept():
+    # --num-spec-tokens 3 with every entry resolving to 2: constant(2), never the raw maximum 3.
+    plan = build_spec_plan("ngram", 3, [[1, 8, 2], [9, 64, 5]])
+    assert plan.kind == "variable"  # 5 clamps to 3, not 2: make every entry resolve to 2
+    plan = build_spec_plan("ngram", 3, [[1, 8, 2], [9, 64, 2]])
+    assert (plan.kind, plan.max_k) == ("constant", 2)
+    logs = _run_ranks(lambda: TablePolicy(plan), 3, steps=30, seed=1)
+    assert all(log == [2] * 30 for log in logs)
+
+
+def test_global_view_statistic_matches_single_rank_definition():
+    g = GlobalStepView(num_reqs=5, num_decoding=3, sum_ctx=10, max_ctx=6, max_rank_reqs=3)
+    assert g.ctx_stat == 4  # ceil(10 / 3)
+    assert GlobalStepView(2, 0, 0, 0, 2).ctx_stat == 1
+    v = StepView((RequestView("a", 7, 5, 100),), 2, g)
+    assert (v.batch_size, v.ctx_stat) == (5, 4)
+    assert (StepView(v.requests, 2).batch_size, StepView(v.requests, 2).ctx_stat) == (2, 7)
+
+
+def test_shared_acceptance_counts_only_move_on_apply():
+    a, b = SharedAcceptance(3), SharedAcceptance(3)
+    a.update(3, 1)  # position 0 hit, position 1 reached and missed
+    a.update(2, 2)  # positions 0 and 1 hit
+    assert a.num_updates == 0 and a.expected_accepted(3) == 0.0
+    pending = a.take_pending()
+    assert pending == [2, 2, 0, 2, 1, 0]
+    for s in (a, b):
+        s.apply(pending[:3], pending[3:])
+    assert a.rates == b.rates == [1.0, 0.5]
+    assert a.expected_accepted(2) == pytest.approx(1.0 + 0.5)
+    a.update(1, 0)
+    assert a.take_pending() == [1, 0, 0, 0, 0, 0]
+
+
+def test_two_exchanges_in_one_step_is_an_error():
+    group = ThreadGroup(1)
+    a = StepAgreement(group.gather_for(0), 0, 1, 2, grace_s=1, idle_poll_s=0)
+    a.exchange(0, [])
+    with pytest.raises(RuntimeError, match="two step exchanges"):
+        a.exchange(0, [])
+
+
+def test_formed_batch_view_is_agreed_once_after_the_tick():
+    group = ThreadGroup(1)
+    a = StepAgreement(group.gather_for(0), 0, 1, 2, grace_s=1, idle_poll_s=0)
+    with pytest.raises(RuntimeError, match="once per engine step, after the tick"):
+        a.exchange_batch(1, [5])
+    a.exchange(2, [5, 9])
+    g = a.exchange_batch(1, [7])
+    assert (g.num_reqs, g.num_decoding, g.sum_ctx, g.max_ctx, g.max_rank_reqs) == (1, 1, 7, 7, 1)
+    with pytest.raises(RuntimeError, match="once per engine step"):
+        a.exchange_batch(1, [7])
