@@ -276,6 +276,12 @@ class EngineConfig:
     execution: ExecutionConfig = field(default_factory=ExecutionConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
+    def __post_init__(self) -> None:
+        if self.scheduler.async_scheduling and self.parallel.data_parallel_size > 1:
+            # DP ranks step in lockstep on one K decision per step; the async pipeline forms a
+            # step before the previous one lands, which that agreement does not cover yet.
+            raise ValueError("--async-scheduling cannot be combined with --data-parallel-size > 1")
+
     @staticmethod
     def from_kwargs(**kwargs) -> "EngineConfig":
         """Build from flat engine args (as the CLI and LLM() take them); unknown names are errors."""

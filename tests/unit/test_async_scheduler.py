@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from dynaspec.config import SchedulerConfig
 from dynaspec.engine.async_loop import AsyncStepLoop
 from dynaspec.engine.step_specs import request_spec
@@ -268,3 +270,19 @@ def test_prometheus_carries_the_async_invalid_counters():
     assert got[(f"{p}num_draft_tokens_total", ())] == c.num_draft_tokens == 9
     assert got[(f"{p}num_drafts_total", ())] == c.num_drafts == 3
     h.assert_clean()
+
+
+def test_async_scheduling_flag_reaches_the_engine_config():
+    from dynaspec.cli.engine_args import parse_engine_args
+    from dynaspec.config import EngineConfig
+
+    on = EngineConfig.from_kwargs(**parse_engine_args(["--async-scheduling"]))
+    off = EngineConfig.from_kwargs(**parse_engine_args([]))
+    assert on.scheduler.async_scheduling is True and off.scheduler.async_scheduling is False
+
+
+def test_async_scheduling_with_data_parallel_is_refused():
+    from dynaspec.config import EngineConfig
+
+    with pytest.raises(ValueError, match="async-scheduling cannot be combined"):
+        EngineConfig.from_kwargs(async_scheduling=True, data_parallel_size=2)
