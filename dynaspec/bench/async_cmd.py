@@ -38,6 +38,7 @@ def register(bsub) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--out", default=None, help="folder for async.json (every run) and async.md")
     p.set_defaults(func=run_async_cmd)
 
 
@@ -124,7 +125,15 @@ def run_async_cmd(args: argparse.Namespace) -> int:
             if arm.engine.pipeline is not None:
                 arm.engine.pipeline.close()
         del arms
-    print(json.dumps(out) if args.json else markdown(rows))
+    md = markdown(rows)
+    if args.out:
+        import os
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "async.json"), "w", encoding="utf-8") as fh:
+            json.dump(out, fh, indent=1)
+        with open(os.path.join(args.out, "async.md"), "w", encoding="utf-8") as fh:
+            fh.write(md + "\n")
+    print(json.dumps(out) if args.json else md)
     return 0
 
 

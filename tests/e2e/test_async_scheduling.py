@@ -83,8 +83,16 @@ def test_max_tokens_cuts_mid_verify(tiny_llama_dir, prompts12):
         assert_greedy_equal(tiny_llama_dir, p, a.token_ids, b.token_ids, f"max_tokens prompt {i}")
     _check_books(llm, got)
     c = llm.engine.counters
+    assert c.invalid_draft_tokens.get("async_placeholder", 0) > 0, "the workload must cut caps"
     assert "async_placeholder" not in c.draft_skips  # a reason of invalid tokens, never a skip
     assert c.num_draft_tokens == sum(c.drafted_per_pos)
+    # Per request, the same rules: no request ended early here, so the per-request counters
+    # add up to the engine's.
+    for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens"):
+        assert sum(o.spec[name] for o in got) == getattr(c, name), name
+    for key in ("async_placeholder", "all_invalid"):
+        field = "invalid_draft_tokens" if key == "async_placeholder" else "draft_skips"
+        assert sum(o.spec[field].get(key, 0) for o in got) == getattr(c, field).get(key, 0), key
 
 
 def _stop_case(llm_ref: LLM, prompt: list[int], n: int) -> str | None:
