@@ -180,25 +180,38 @@ def test_1000_aborts_during_in_flight_steps_leak_nothing(tiny_llama_dir, prompts
 
 
 def test_worker_failure_fails_only_that_steps_requests(tiny_llama_dir, prompts12):
+    """The 4th forward raises on the worker: the requests in that step fail with the error; a
+    request admitted to the next step (formed while the 4th ran) is served to the end."""
     llm = _engine(tiny_llama_dir, True, speculator="ngram", num_spec_tokens=3, prompt_lookup_min=1)
     eng = llm.engine
-    run, calls = eng.runner.run, []
+    prepare, run, launched, doomed = eng.runner.prepare, eng.runner.run, [], []
 
-    def flaky(prepared):  # the 4th forward raises (on the worker thread)
-        calls.append(1)
-        if len(calls) == 4:
+    def counting_prepare(out):  # engine thread: which step is which is deterministic
+        p = prepare(out)
+        launched.append(p)
+        if len(launched) == 4:
+            doomed.append(p)
+        return p
+
+    def flaky(p):
+        if any(p is d for d in doomed):
             raise RuntimeError("injected forward failure")
-        return run(prepared)
+        return run(p)
 
-    eng.runner.run = flaky
+    eng.runner.prepare, eng.runner.run = counting_prepare, flaky
     first = [eng.add_request(p, greedy(12, ignore_eos=True)) for p in prompts12[:3]]
     outs: dict = {}
+    while len(launched) < 4:
+        outs.update((o.request_id, o) for o in eng.step())
+    late = eng.add_request(prompts12[3], greedy(12, ignore_eos=True))
     while eng.has_unfinished_requests():
-        for o in eng.step():
-            outs[o.request_id] = o
+        outs.update((o.request_id, o) for o in eng.step())
+    in_doomed = {s.request.request_id for s in doomed[0].out.scheduled}
+    assert in_doomed == set(first)
     assert all(outs[r].finish_reason == "error" and "injected" in outs[r].error for r in first)
-    later = llm.generate(prompts12[3:5], greedy(12, ignore_eos=True))  # keeps serving
-    assert all(o.finish_reason == "length" and len(o.token_ids) == 12 for o in later)
+    assert outs[late].finish_reason == "length" and len(outs[late].token_ids) == 12
+    again = llm.generate(prompts12[4:6], greedy(12, ignore_eos=True))  # keeps serving
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 12 for o in again)
     eng.check_integrity()
     assert not eng.runner.generators and eng.runner.proposer.num_cached() == 0
 
@@ -236,4 +249,16 @@ def test_fixed_shape_path_under_async(tiny_llama_dir, prompts12):
     assert any(path != "eager" for path, _ in llm.engine.execution_steps)
     c = llm.engine.counters
     assert c.invalid_draft_tokens.get("padding", 0) > 0
+    _check_books(llm, got)
+
+
+def test_draft_model_async_equals_sync(tiny_llama_dir, prompts12):
+    """A draft model drafts at the end of each step (engine thread), from the landed tokens;
+    the target itself as the draft accepts often, so rollback and catch-up are exercised."""
+    spec = {"speculator": "draft", "draft_model": tiny_llama_dir, "num_spec_tokens": 3}
+    params = [greedy(10 + 3 * (i % 3), ignore_eos=True) for i in range(6)]
+    (ref, _), (got, llm) = _both(tiny_llama_dir, prompts12[:6], params, **spec)
+    for i, (p, a, b) in enumerate(zip(prompts12, ref, got)):
+        assert_greedy_equal(tiny_llama_dir, p, a.token_ids, b.token_ids, f"draft prompt {i}")
+    assert llm.engine.counters.num_accepted_tokens > 0
     _check_books(llm, got)
