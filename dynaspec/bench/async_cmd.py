@@ -2,13 +2,14 @@
 
 For each speculation mode (`none`: no drafter; `ngram`: the `--spec` flags) arm A runs the
 engine flags as given (sync step) and arm B the same flags plus `--async-scheduling`; at each
-concurrency the arms alternate over `--pairs` pairs on the same prompts and seeds. Per bucket the
-report gives the paired tokens/s ratio B/A with its 95% CI, and the sync arm's **time outside
-the forward**: wall time minus the forward and verification (`forward` + `sample` phases), the
-Python work (schedule, drafting, inputs, update, detokenize, records) async can overlap. The
-recovered share is, pair by pair, (sync wall - async wall) / sync time outside the forward,
-with a 95% t interval. On a CPU the forward already uses every core (torch threads), so the
-overlap competes with it for cores and for the GIL: the recovered share measures what is left.
+concurrency the arms alternate over `--pairs` pairs on the same prompts and seeds (greedy,
+every request decoding `--max-tokens`: the same work in both arms). Per bucket the report gives
+the paired tokens/s ratio B/A with its 95% CI, and the sync arm's **time outside the forward**:
+wall time minus the forward and verification (`forward` + `sample` phases), i.e. the Python
+work (schedule, drafting, inputs, update, detokenize, records) async can overlap. The recovered
+share is, pair by pair, (sync wall - async wall) / sync time outside the forward, with a 95% t
+interval. On a CPU the forward already uses every core (torch threads), so the overlap competes
+with it for cores and for the GIL: the recovered share measures what is left.
 """
 
 from __future__ import annotations
