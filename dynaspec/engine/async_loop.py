@@ -43,16 +43,16 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
+from dynaspec.engine.step_specs import orphan_spec
 from dynaspec.metrics.stats import RequestStepSpec
 from dynaspec.outputs import RequestOutput, RunnerOutput, ScheduledRequest, SchedulerOutput
 from dynaspec.request import RequestStatus
 from dynaspec.scheduler.scheduler import Scheduler, StepUpdate
-from dynaspec.engine.step_specs import orphan_spec
 
 StopCheck = Callable[[Any, list[int]], "int | None"]
 

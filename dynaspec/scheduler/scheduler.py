@@ -310,7 +310,6 @@ class Scheduler:
         req.output_token_ids.extend(emitted)
         return emitted, status
 
-
     # ---- async scheduling (engine/async_loop.py) -------------------------------------------
     def _keep_preempted(self, req: Request, r: RequestResult) -> StepUpdate:
         """The request was preempted (blocks freed, to be recomputed) by a schedule formed while
