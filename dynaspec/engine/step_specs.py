@@ -8,7 +8,7 @@ skipped). A request-step with no valid draft but some invalid ones is an `all_in
 fold counts it so); one with neither keeps the runner's skip reason.
 
 `orphan_spec` covers the request that ended (stop string, abort, error) while its step was in
-flight, or before a step formed for it could start: the step's result for it is thrown away, so
+flight or before that step's outputs were returned: the step's result for it is thrown away, so
 every slot of its row, verified or not, goes down the invalid-draft channel and it emits nothing.
 """
 
@@ -32,21 +32,15 @@ def request_spec(r: RequestResult, num_emitted: int) -> RequestStepSpec:
                            skip, invalid)
 
 
-def orphan_spec(s: ScheduledRequest, r: RequestResult | None,
-                k: int | None) -> RequestStepSpec | None:
-    """The record of a request that ended before its step's result could be applied: `r` is
-    that result (None when the step never ran for it: then its budgeted slots are the row).
+def orphan_spec(s: ScheduledRequest, r: RequestResult, k: int | None) -> RequestStepSpec | None:
+    """The record of a request whose step result `r` was thrown away because it had ended.
     None when there is nothing to account (speculation off, or no draft slot and no reason)."""
     if k is None:
         return None
-    if r is None:
-        slots, reason = s.draft_budget + s.num_async_invalid, s.skip_reason
-    else:
-        slots = (r.num_draft_tokens + r.num_padding_tokens + r.num_grammar_invalid_tokens
-                 + r.num_async_invalid_tokens)
-        reason = r.skip_reason
+    slots = (r.num_draft_tokens + r.num_padding_tokens + r.num_grammar_invalid_tokens
+             + r.num_async_invalid_tokens)
     if slots:
         return RequestStepSpec(s.request.request_id, 0, 0, 0, None, {ASYNC_PLACEHOLDER: slots})
-    if reason is None:
+    if r.skip_reason is None:
         return None
-    return RequestStepSpec(s.request.request_id, 0, 0, 0, reason)
+    return RequestStepSpec(s.request.request_id, 0, 0, 0, r.skip_reason)
