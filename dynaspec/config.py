@@ -89,6 +89,9 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
+    # Form step N+1 and finish step N-1's outputs while step N's forward runs on a worker
+    # thread (DESIGN §7b; engine/async_loop.py). Output is the same as without it.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -272,6 +275,12 @@ class EngineConfig:
     structured: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
     execution: ExecutionConfig = field(default_factory=ExecutionConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self) -> None:
+        if self.scheduler.async_scheduling and self.parallel.data_parallel_size > 1:
+            # DP ranks step in lockstep on one K decision per step; the async pipeline forms a
+            # step before the previous one lands, which that agreement does not cover yet.
+            raise ValueError("--async-scheduling cannot be combined with --data-parallel-size > 1")
 
     @staticmethod
     def from_kwargs(**kwargs) -> "EngineConfig":

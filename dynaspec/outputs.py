@@ -19,6 +19,9 @@ class ScheduledRequest:
     # request's drafts to width-1 with -1 (invalid "padding", never drafts).
     pad_drafts: bool = False
     num_lookahead: int = 0  # KV slots reserved past the new tokens (an upper bound on drafts)
+    # Async scheduling: budgeted draft slots found invalid once the previous step's tokens were
+    # known (its caps dropped); they go down the invalid-draft channel ("async_placeholder").
+    num_async_invalid: int = 0
 
     @property
     def sampling(self) -> bool:
@@ -74,6 +77,7 @@ class RequestResult:
     num_padding_tokens: int = 0  # -1 pads verified (invalid, reason "padding")
     num_grammar_invalid_tokens: int = 0  # drafts cut before verification (invalid, "grammar")
     grammar_terminated: bool = False  # the request's grammar accepted its stop: finish "stop"
+    num_async_invalid_tokens: int = 0  # budgeted slots invalid under async ("async_placeholder")
 
 
 @dataclass

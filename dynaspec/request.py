@@ -39,6 +39,9 @@ class Request:
     num_preemptions: int = 0
     first_token_time: float | None = None
     stop_reason: str | int | None = None
+    # Async scheduling: tokens the step in flight may still append (1 + its drafts), counted
+    # in num_tokens until its result lands, so the next step is formed for the longest outcome.
+    num_placeholders: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -46,7 +49,7 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_placeholders
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -75,6 +75,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    action="store_true", help="JSON grammars allow any whitespace (default: compact)")
     g.add_argument("--precompile", action="store_true",
                    help="build every compiled/graph shape at start-up instead of on first use")
+    g.add_argument("--async-scheduling", dest="async_scheduling", action="store_true",
+                   help="schedule the next step and finish the previous one's outputs while "
+                   "the current step's forward runs (same output)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -82,6 +85,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     kw["enable_prefix_caching"] = args.enable_prefix_caching
     kw["structured_any_whitespace"] = args.structured_any_whitespace
     kw["precompile"] = args.precompile
+    kw["async_scheduling"] = args.async_scheduling
     return kw
 
 

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from dynaspec.config import EngineConfig
 from dynaspec.engine.output_processor import OutputProcessor
 from dynaspec.engine.builder import EngineParts, build_engine_parts
-from dynaspec.metrics.stats import (GrammarStepStats, RequestStepSpec, SpecCounters, StepStats,
+from dynaspec.engine.step_specs import request_spec
+from dynaspec.metrics.stats import (GrammarStepStats, SpecCounters, StepStats,
                                     fold_request_history, fold_step)
 from dynaspec.outputs import RequestOutput, SchedulerOutput
 from dynaspec.request import Request, RequestStatus
@@ -71,6 +72,12 @@ class LLMEngine:
         self.structured = parts.structured
         self.outputs = OutputProcessor(parts.tokenizer)
         self.scheduler.stop_check = self.outputs.check_stop  # the scheduler decides every end
+        self.pipeline = None  # --async-scheduling: the step runs as a pipeline (async_loop.py)
+        if config.scheduler.async_scheduling:
+            from dynaspec.engine.async_loop import AsyncStepLoop
+            self.scheduler.stop_check = None  # stop strings are checked one step late there
+            self.pipeline = AsyncStepLoop(self.scheduler, self.runner, self.outputs.check_stop,
+                                          self._finish_landed, self._fail_step)
         self.counters = SpecCounters()
         # Per request (record, step K) pairs, folded once when asked: folding every step costs.
         self.request_records: dict[str, list] = {}
@@ -111,11 +118,20 @@ class LLMEngine:
 
     def _forget(self, request_id: str) -> None:
         self.outputs.abort(request_id)
-        self.runner.forget(request_id)
+        self._forget_runner_state(request_id)
         self.request_records.pop(request_id, None)
 
+    def _forget_runner_state(self, request_id: str) -> None:
+        # Under async scheduling a step in flight may still use it: the pipeline waits.
+        (self.pipeline.forget if self.pipeline is not None else self.runner.forget)(request_id)
+
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.step_in_flight
+
+    @property
+    def step_in_flight(self) -> bool:
+        """Async scheduling: a step runs or its outputs are not returned yet."""
+        return self.pipeline is not None and self.pipeline.busy
 
     @property
     def num_running(self) -> int:
@@ -127,6 +143,8 @@ class LLMEngine:
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.pipeline is not None:
+            return self.pipeline.step()
         sched_out = self.scheduler.schedule()
         if not sched_out.scheduled:
             return []
@@ -151,7 +169,7 @@ class LLMEngine:
             out.spec = self.request_spec(req.request_id)
             self.finished_times.append({**out.metrics, "num_prompt_tokens": req.num_prompt_tokens,
                                         "num_generation_tokens": req.num_output_tokens})
-            self.runner.forget(req.request_id)
+            self._forget_runner_state(req.request_id)
             self.request_records.pop(req.request_id, None)
         if not u.new_token_ids and not out.finished:
             return None
@@ -168,7 +186,16 @@ class LLMEngine:
                                       error=f"{type(exc).__name__}: {exc}"))
         return outs
 
-    def _record(self, sched_out: SchedulerOutput, res, updates: list[StepUpdate], t_update: float) -> None:
+    def _finish_landed(self, landed) -> list[RequestOutput]:
+        """Async scheduling: record and emit a step whose result the pipeline applied."""
+        self._record(landed.out, landed.res, landed.updates, landed.update_seconds,
+                     landed.orphans, landed.num_prompt_tokens)
+        # A request aborted since the step landed has no output state left: nothing to emit.
+        outs = [self._emit(u) for u in landed.updates if u.request.request_id in self.outputs.states]
+        return [o for o in outs if o is not None]
+
+    def _record(self, sched_out: SchedulerOutput, res, updates: list[StepUpdate], t_update: float,
+                orphans: tuple = (), num_prompt: int | None = None) -> None:
         t = self.times
         t.steps += 1
         t.schedule += sched_out.schedule_seconds
@@ -177,23 +204,16 @@ class LLMEngine:
         t.forward += res.forward_seconds
         t.sample += res.sample_seconds
         t.update += t_update
-        specs = []
-        for u in updates:
-            r = u.result
-            invalid = {"padding": r.num_padding_tokens} if r.num_padding_tokens else {}
-            if r.num_grammar_invalid_tokens:
-                invalid["grammar"] = r.num_grammar_invalid_tokens
-            # A request whose drafts were all invalid is an `all_invalid` skip (in the fold).
-            skip = r.skip_reason if not r.num_draft_tokens and not invalid else None
-            specs.append(RequestStepSpec(r.request_id, r.num_draft_tokens, r.num_accepted_tokens,
-                                         len(u.new_token_ids), skip, invalid))
+        # A request whose drafts were all invalid is an `all_invalid` skip (in the fold).
+        specs = [request_spec(u.result, len(u.new_token_ids)) for u in updates]
         num_gen = sum(len(u.new_token_ids) for u in updates)
-        num_prompt = sum(s.num_new_tokens for s in sched_out.scheduled if not s.sampling) + \
-            sum(s.num_new_tokens - 1 for s in sched_out.scheduled if s.sampling)
+        if num_prompt is None:
+            num_prompt = sum(s.num_new_tokens for s in sched_out.scheduled if not s.sampling) + \
+                sum(s.num_new_tokens - 1 for s in sched_out.scheduled if s.sampling)
         self.num_prompt_tokens_total += num_prompt
         self.num_generation_tokens_total += num_gen
         batch = res.batch
-        step = StepStats(sched_out.step_k, tuple(specs), res.draft_seconds,
+        step = StepStats(sched_out.step_k, (*specs, *orphans), res.draft_seconds,
                          res.forward_seconds + res.sample_seconds, sched_out.schedule_seconds,
                          num_prompt, num_gen, len(sched_out.preempted_ids),
                          self._grammar_stats(res),

@@ -23,7 +23,8 @@ from dynaspec.config import SchedulerConfig
 from dynaspec.kv.kv_cache_manager import KVCacheManager
 from dynaspec.outputs import RequestResult, RunnerOutput, ScheduledRequest, SchedulerOutput
 from dynaspec.request import Request, RequestStatus
-from dynaspec.spec_decode.k_policy import KPolicy, RequestView, StepK, StepView
+from dynaspec.spec_decode.k_policy import (KPolicy, RequestView, StepK, StepView, drafter_gate,
+                                           hard_cap)
 from dynaspec.spec_decode.plan import SpecPlan
 from dynaspec.worker.execution_plan import ExecutionPlan
 
@@ -217,10 +218,14 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _view(self, r: Request) -> RequestView:
-        room = None if self.drafter_max_len is None else self.drafter_max_len - r.num_tokens
-        return RequestView(r.request_id, r.num_tokens,
-                           r.sampling_params.max_tokens - r.num_output_tokens,
-                           self.max_model_len - r.num_tokens, room)
+        # Async scheduling: a step in flight emits at least one token, so caps are computed for
+        # one (an upper bound on the true caps; recap_drafts lowers them once its tokens land).
+        inflight = 1 if r.num_placeholders else 0
+        ctx = r.num_tokens - r.num_placeholders + inflight
+        room = None if self.drafter_max_len is None else self.drafter_max_len - ctx
+        return RequestView(r.request_id, ctx,
+                           r.sampling_params.max_tokens - r.num_output_tokens - inflight,
+                           self.max_model_len - ctx, room)
 
     def _decide_k(self, scheduled: list[ScheduledRequest], reserved_k: int) -> int:
         """Apply the K policy to the batch just formed: the verifying batch is this batch. Its K
@@ -248,6 +253,8 @@ class Scheduler:
         for s, r in zip(out.scheduled, res.results):
             req = s.request
             if req.status is not RequestStatus.RUNNING:
+                if req.status is RequestStatus.PREEMPTED and r.token_ids:
+                    updates.append(self._keep_preempted(req, r))
                 continue  # finished or aborted while the step ran
             if not r.token_ids:  # partial prefill chunk
                 req.num_computed_tokens += s.num_new_tokens
@@ -302,6 +309,45 @@ class Scheduler:
             emitted, status = emitted[:kept], RequestStatus.FINISHED_STOPPED
         req.output_token_ids.extend(emitted)
         return emitted, status
+
+    # ---- async scheduling (engine/async_loop.py) -------------------------------------------
+    def _keep_preempted(self, req: Request, r: RequestResult) -> StepUpdate:
+        """The request was preempted (blocks freed, to be recomputed) by a schedule formed while
+        its step was in flight. The step ran on intact KV, so its tokens are valid: keep them
+        (the recompute covers them) instead of losing them."""
+        emitted, status = self._append_checked(req, r.token_ids)
+        if status is not None:
+            self.finish_request(req.request_id, status)
+        return StepUpdate(req, emitted, r, status is not None)
+
+    def recap_drafts(self, out: SchedulerOutput) -> None:
+        """`out` was formed while the previous step was in flight, with caps for its fewest
+        tokens. Now that they are known, lower each draft budget to the exact cap (max_tokens,
+        max_model_len, drafter length); the slots cut are placeholders that turned out skipped:
+        invalid `async_placeholder`, never drafts."""
+        if out.step_k is None:
+            return
+        for s in out.scheduled:
+            if s.draft_budget == 0:
+                continue
+            view = self._view(s.request)
+            cap, why = drafter_gate(*hard_cap(out.step_k, view), view)
+            if cap < s.draft_budget:
+                s.num_async_invalid += s.draft_budget - cap
+                s.draft_budget = cap
+                if cap == 0:
+                    s.skip_reason = why
+
+    def end_at_stop_string(self, req: Request, num_drop: int) -> None:
+        """A stop string was found (one step late: stop strings are checked while the next
+        step runs) in the tokens appended last for `req`: drop the `num_drop` after it and
+        finish the request, "stop" even if that step had also ended it by length."""
+        if num_drop:
+            del req.output_token_ids[-num_drop:]
+        if req.request_id in self.requests:
+            self.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+        else:
+            req.status = RequestStatus.FINISHED_STOPPED
 
 
 def _clamped(d: StepK, k: int) -> StepK:

@@ -195,6 +195,8 @@ class AsyncEngine:
                 self._abort(rid, "error", f"{type(exc).__name__}: {exc}")
             return True
         progressed = bool(outs) or self.engine.times.steps != steps  # a prefill chunk is progress
+        # --async-scheduling: a step launched (or landed) with nothing to return yet is progress.
+        progressed = progressed or getattr(self.engine, "step_in_flight", False)
         batches: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outs:
             stream = self._streams.get(out.request_id)

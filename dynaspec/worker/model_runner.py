@@ -17,6 +17,7 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -57,6 +58,22 @@ class StepInputs:
     block_tables: list[list[int]] = field(default_factory=list)
     logit_rows: list[int] = field(default_factory=list)
     sampling: list[tuple[int, int]] = field(default_factory=list)  # (scheduled index, num drafts)
+
+
+@dataclass
+class PreparedStep:
+    """A step ready for the forward: built from the requests on the engine thread."""
+
+    out: SchedulerOutput
+    batch: BatchDescriptor
+    inputs: StepInputs
+    drafts: dict[str, list[int]]  # request id -> the row's draft ids (-1 pads included)
+    draft_probs: dict[str, torch.Tensor | None]
+    draft_skips: dict[str, str]
+    grammar: Any  # structured output's per-step state, or None
+    sampling_md: SamplingMetadata | None  # None when no request samples this step
+    draft_seconds: float = 0.0
+    prepare_seconds: float = 0.0
 
 
 class ModelRunner:
@@ -124,6 +141,12 @@ class ModelRunner:
         return tokens, probs, skips
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        return self.run(self.prepare(out))
+
+    def prepare(self, out: SchedulerOutput) -> PreparedStep:
+        """Drafts, grammar cuts, flat inputs and sampling state: everything read from requests.
+        Runs on the engine thread; `run` then reads only the PreparedStep (async scheduling
+        runs it on a worker thread while the engine mutates requests)."""
         t0 = time.perf_counter()
         if self.proposer is not None:
             for rid in out.preempted_ids:
@@ -135,18 +158,29 @@ class ModelRunner:
         grammar = self.structured.begin_step(out.scheduled, drafts, draft_probs) \
             if self.structured is not None else None
         inputs = self._flatten(out, drafts)
-        logits, batch, t2 = self._forward(inputs, batch)  # [R, vocab]
+        reqs = [out.scheduled[i].request for i, _ in inputs.sampling]
+        md = SamplingMetadata.from_params([r.sampling_params for r in reqs],
+                                          [self._generator(r) for r in reqs], self.device) \
+            if reqs else None
+        return PreparedStep(out, batch, inputs, drafts, draft_probs, draft_skips, grammar, md,
+                            t1 - t0, time.perf_counter() - t1)
+
+    def run(self, p: PreparedStep) -> RunnerOutput:
+        """The target forward and verification of a prepared step."""
+        t_run = time.perf_counter()
+        logits, batch, t2 = self._forward(p.inputs, p.batch)  # [R, vocab]
         t3 = time.perf_counter()
-        if grammar is not None:
-            grammar.mask(logits, inputs.sampling)
-        results = self._sample(out, logits, inputs.sampling, drafts, draft_probs, draft_skips)
-        if grammar is not None:
-            grammar.commit(results)
+        if p.grammar is not None:
+            p.grammar.mask(logits, p.inputs.sampling)
+        results = self._sample(p, logits)
+        if p.grammar is not None:
+            p.grammar.commit(results)
         t4 = time.perf_counter()
         self.steps_by_path[(batch.path, batch.width_label)] += 1
-        res = RunnerOutput(results, t2 - t1, t1 - t0, t3 - t2, t4 - t3, batch)
-        if grammar is not None:
-            res.grammar_seconds, res.grammar_rows = grammar.seconds, grammar.num_rows
+        res = RunnerOutput(results, p.prepare_seconds + (t2 - t_run), p.draft_seconds, t3 - t2,
+                           t4 - t3, batch)
+        if p.grammar is not None:
+            res.grammar_seconds, res.grammar_rows = p.grammar.seconds, p.grammar.num_rows
         return res
 
     def _flatten(self, out: SchedulerOutput, drafts: dict[str, list[int]]) -> StepInputs:
@@ -226,23 +260,21 @@ class ModelRunner:
             return t(ids).clamp_(min=0), t(positions), None if rows is None else t(rows)
         return self.buffers.load(ids, positions, rows)
 
-    def _sample(self, out: SchedulerOutput, logits: torch.Tensor, sampling: list[tuple[int, int]],
-                drafts: dict, draft_probs: dict, draft_skips: dict) -> list[RequestResult]:
+    def _sample(self, p: PreparedStep, logits: torch.Tensor) -> list[RequestResult]:
+        out, sampling, drafts, md = p.out, p.inputs.sampling, p.drafts, p.sampling_md
         results = [RequestResult(s.request.request_id, [], 0, 0, s.skip_reason) for s in out.scheduled]
         if not sampling:
             return results
         reqs = [out.scheduled[i].request for i, _ in sampling]
-        md = SamplingMetadata.from_params([r.sampling_params for r in reqs],
-                                          [self._generator(r) for r in reqs], self.device)
         if any(n for _, n in sampling):
             dt = [drafts.get(r.request_id, []) for r in reqs]
-            dp = [draft_probs.get(r.request_id) for r in reqs]
+            dp = [p.draft_probs.get(r.request_id) for r in reqs]
             if self.synthetic is not None:
                 tokens = self.synthetic(logits, [n for _, n in sampling], dt, md,
                                         [r.request_id for r in reqs])
             else:
                 tokens = rejection_sample(logits, [n for _, n in sampling], dt,
-                                          dp if any(p is not None for p in dp) else None, md)
+                                          dp if any(q is not None for q in dp) else None, md)
         else:
             tokens = [[t] for t in self.sampler(logits, md).token_ids.tolist()]
         row = 0
@@ -251,9 +283,12 @@ class ModelRunner:
             r.token_ids = toks
             pads = sum(1 for t in drafts.get(req.request_id, ()) if t == PAD)
             r.num_draft_tokens, r.num_accepted_tokens = n - pads, len(toks) - 1
-            r.num_padding_tokens = pads
+            # Async: budgeted slots that turned invalid are pads on a fixed-shape row (and not
+            # in the row at all on eager); they are counted apart from padding.
+            r.num_async_invalid_tokens = out.scheduled[i].num_async_invalid
+            r.num_padding_tokens = pads - min(pads, r.num_async_invalid_tokens)
             if n - pads == 0 and r.skip_reason is None and not pads:
-                r.skip_reason = draft_skips.get(req.request_id)
+                r.skip_reason = p.draft_skips.get(req.request_id)
             if req.sampling_params.logprobs is not None:
                 r.logprobs = _logprobs(logits[row: row + len(toks)], toks, req.sampling_params.logprobs)
             row += n + 1
