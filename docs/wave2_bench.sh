@@ -16,4 +16,7 @@ case "$1" in
   b9) $B admission --speculator none --max-num-seqs 1 --pairs 10 --steps 20 --out $D/b9_batch1.json ;;
   b10) $B structured --concurrency 1 --num-prompts 4 --pairs 5 --max-tokens 160 ;;
   b11) $B reliability --scenario abort --requests 1000 ;;
+  b12) python -m dynaspec.bench.dp_stress --model default --dtype float32 --speculator ngram --num-spec-tokens 3 --max-num-seqs 16 --data-parallel-size 2 --concurrency 7,16 --rounds 3 --requests-per-round 340 --max-tokens 8 ;;
+  b13) $B async --concurrency 1,8,32 --pairs 5 --max-tokens 64 --out $D/b13 ;;
+  b14) $B async --concurrency 32 --num-prompts 128 --pairs 5 --max-tokens 64 --spec "--speculator ngram --num-spec-tokens 4 --prompt-lookup-min 2 --k-policy table" --out $D/b14 ;;
 esac
