@@ -50,6 +50,10 @@ class ModelConfig:
     # Steps with more tokens than this run a bf16 copy of the quantized weights (the int kernels
     # lose to oneDNN's bf16 GEMM on wide steps); 0 keeps no copy and always runs the int kernels.
     quant_dense_above: int = 8
+    # The bf16 copy runs with its rows rounded up to a few buckets (dynaspec/models/quant_linear.py):
+    # oneDNN keeps native state per distinct row count, so unbucketed, RSS grows with every new
+    # step size. False runs the exact row count.
+    dense_row_buckets: bool = True
     # auto: the in-place C++ paged kernel on the CPU when it builds here (else eager); eager:
     # gather + SDPA (the reference); cpu_paged: the kernel, an error if it cannot be built.
     attention_backend: str = "auto"

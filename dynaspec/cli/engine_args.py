@@ -71,6 +71,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         g.add_argument(flag, dest=dest, type=typ, default=default, help=help_)
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="disable prefix caching")
+    g.add_argument("--no-dense-row-buckets", dest="dense_row_buckets", action="store_false",
+                   help="run the bf16 copy of quantized weights at the exact row count instead of "
+                   "rounding rows up to a few buckets (which bounds oneDNN's per-shape memory)")
     g.add_argument("--structured-any-whitespace", dest="structured_any_whitespace",
                    action="store_true", help="JSON grammars allow any whitespace (default: compact)")
     g.add_argument("--precompile", action="store_true",
@@ -83,6 +86,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict:
     kw = {dest: getattr(args, dest) for _, dest, *_ in _FLAGS}
     kw["enable_prefix_caching"] = args.enable_prefix_caching
+    kw["dense_row_buckets"] = args.dense_row_buckets
     kw["structured_any_whitespace"] = args.structured_any_whitespace
     kw["precompile"] = args.precompile
     kw["async_scheduling"] = args.async_scheduling

@@ -110,7 +110,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     max_model_len = min(mc.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
     plan, proposer, drafter_tokens, drafter_max_len = _plan_and_proposer(config, arch.vocab_size,
                                                                          device, dtype)
-    weights = WeightPlan(quant, mc.quant_dense_above, dtype, device)
+    weights = WeightPlan(quant, mc.quant_dense_above, dtype, device, mc.dense_row_buckets)
     model = LlamaModel(arch, loaded.state_dict, dtype, device, max_model_len + plan.max_k + 1, weights)
     del loaded.state_dict
     _release_load_memory()

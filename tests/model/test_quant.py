@@ -14,7 +14,8 @@ from dynaspec.models.llama import LlamaModel
 from dynaspec.models.loader import load_model_files
 from dynaspec.models.quant import QuantizedTensor, cat_rows, from_gguf_blocks, quantize_int4, quantize_int8
 from dynaspec.models.quant_linear import (
-    Int4Linear, Int8Linear, QuantLinear, WeightPlan, cpu_info, make_linear, resolve_quantization,
+    Int4Linear, Int8Linear, QuantLinear, WeightPlan, cpu_info, dense_rows, make_linear,
+    resolve_quantization,
 )
 
 CPU = torch.device("cpu")
@@ -90,6 +91,27 @@ def test_wide_steps_use_the_dense_copy_and_agree():
     # Same dequantized weights; only bf16 rounding of outputs of magnitude ~8 differs (1/128 rel).
     torch.testing.assert_close(narrow.float(), wide.float(), rtol=2e-2, atol=8e-2)
     assert make_linear(w, None, WeightPlan("int4", 0, BF16, CPU)).dense is None
+
+
+def test_dense_rows_buckets_bound_the_shapes_and_the_padding():
+    rows = [dense_rows(m) for m in range(1, 2049)]
+    assert all(r >= m and (r - m) <= max(7, m // 8) for m, r in zip(range(1, 2049), rows))
+    assert len(set(rows)) <= 64  # what oneDNN sees: a few dozen row counts, not 2,048
+    assert [dense_rows(m) for m in (9, 64, 65, 129, 257, 513)] == [16, 64, 72, 144, 288, 576]
+
+
+@pytest.mark.parametrize("m", [9, 13, 70, 131, 300])
+def test_dense_copy_with_row_buckets_equals_exact_rows(m):
+    g = torch.Generator().manual_seed(m)
+    w = torch.randn(96, 64, generator=g)
+    x = torch.randn(m, 64, generator=g).to(BF16)
+    padded = make_linear(w, None, WeightPlan("int4", 8, BF16, CPU, dense_row_buckets=True))
+    exact = make_linear(w, None, WeightPlan("int4", 8, BF16, CPU, dense_row_buckets=False))
+    assert padded.row_buckets and not exact.row_buckets
+    y = padded(x)
+    assert y.shape == (m, 96)
+    # GEMM rows are independent: the padded rows change nothing in the real ones, bit for bit.
+    assert torch.equal(y, exact(x))
 
 
 def test_resolve_quantization_falls_back_or_refuses():
