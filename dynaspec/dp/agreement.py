@@ -40,7 +40,7 @@ _FIELDS = ("num_reqs", "num_decoding", "sum_ctx", "max_ctx", "num_unfinished", "
            "step_seconds", "obs_ran", "obs_valid", "obs_num_reqs", "obs_ctx", "obs_width",
            "obs_target_s", "obs_draft_s", "obs_drafted", "obs_emitted")
 _IX = {name: i for i, name in enumerate(_FIELDS)}
-_BATCH_FIELDS = ("num_reqs", "num_decoding", "sum_ctx", "max_ctx")  # the formed batch's row
+# The formed batch's row (exchange_batch) is the first four fields alone: _global_view reads both.
 
 Gather = Callable[[list[float], float], list[list[float]]]  # (row, timeout_s) -> every rank's row
 
@@ -226,12 +226,13 @@ class StepAgreement:
 
 
 def _global_view(rows: list[list[float]]) -> GlobalStepView:
-    """Sums over the ranks' rows; both row layouts start with the four _BATCH_FIELDS."""
-    def total(i: int) -> int:
-        return int(sum(r[i] for r in rows))
+    """Sums over the ranks' rows (tick rows or formed-batch rows)."""
+    def total(name: str) -> int:
+        return int(sum(r[_IX[name]] for r in rows))
 
-    return GlobalStepView(total(0), total(1), total(2), int(max(r[3] for r in rows)),
-                          int(max(r[0] for r in rows)))
+    return GlobalStepView(total("num_reqs"), total("num_decoding"), total("sum_ctx"),
+                          int(max(r[_IX["max_ctx"]] for r in rows)),
+                          int(max(r[_IX["num_reqs"]] for r in rows)))
 
 
 class LockstepPolicy:

@@ -48,7 +48,7 @@ from typing import Any, Callable
 
 import torch
 
-from dynaspec.engine.step_specs import orphan_spec
+from dynaspec.engine.step_specs import orphan_spec, prompt_tokens
 from dynaspec.metrics.stats import RequestStepSpec
 from dynaspec.outputs import RequestOutput, RunnerOutput, ScheduledRequest, SchedulerOutput
 from dynaspec.request import RequestStatus
@@ -65,7 +65,7 @@ class LandedStep:
     res: RunnerOutput
     updates: list[StepUpdate]
     orphans: list[RequestStepSpec]  # requests that ended while it was in flight
-    num_prompt_tokens: int = 0
+    num_prompt_tokens: int
     update_seconds: float = 0.0
 
 
@@ -73,8 +73,9 @@ class LandedStep:
 class _InFlight:
     out: SchedulerOutput
     future: Future
-    # per request: (entry, counter advance, its preemption count, sampling) at launch
-    advanced: list[tuple[ScheduledRequest, int, int, bool]]
+    # per request: (entry, counter advance, its preemption count) at launch
+    advanced: list[tuple[ScheduledRequest, int, int]]
+    num_prompt_tokens: int  # counted at launch, before the advance
 
 
 class AsyncStepLoop:
@@ -136,15 +137,16 @@ class AsyncStepLoop:
         except Exception as exc:  # noqa: BLE001 - as a failed forward: only these requests
             self._failed += self.fail(out, exc)
             return
-        advanced = []
+        advanced, num_prompt = [], prompt_tokens(out.scheduled)
         for s in out.scheduled:
             req, sampling = s.request, s.sampling
             d = len(prepared.drafts.get(req.request_id, ())) if sampling else 0
             if sampling:
                 req.num_placeholders = 1 + d
             req.num_computed_tokens += s.num_new_tokens + d
-            advanced.append((s, s.num_new_tokens + d, req.num_preemptions, sampling))
-        self.inflight = _InFlight(out, self.worker.submit(self.runner.run, prepared), advanced)
+            advanced.append((s, s.num_new_tokens + d, req.num_preemptions))
+        self.inflight = _InFlight(out, self.worker.submit(self.runner.run, prepared), advanced,
+                                  num_prompt)
 
     def _land(self, f: _InFlight) -> None:
         """Wait for the step, undo the launch-time advance, apply the result (sync's update)."""
@@ -155,13 +157,11 @@ class AsyncStepLoop:
             res, exc = None, e
         self.inflight = None
         t0 = time.perf_counter()
-        num_prompt = 0
-        for s, adv, preemptions, sampling in f.advanced:
+        for s, adv, preemptions in f.advanced:
             req = s.request
             req.num_placeholders = 0
             if req.num_preemptions == preemptions:  # a preempted request restarts from 0
                 req.num_computed_tokens -= adv
-            num_prompt += s.num_new_tokens - (1 if sampling else 0)
         if res is None:
             alive = [s for s in f.out.scheduled if s.request.request_id in self.scheduler.requests]
             self._failed += self.fail(SchedulerOutput(alive, f.out.step_k, 0), exc)
@@ -169,7 +169,7 @@ class AsyncStepLoop:
             orphans = [spec for s, r in zip(f.out.scheduled, res.results)
                        if s.request.status.finished and (spec := orphan_spec(s, r, f.out.step_k))]
             updates = self.scheduler.update(f.out, res)
-            self.pending = LandedStep(f.out, res, updates, orphans, num_prompt,
+            self.pending = LandedStep(f.out, res, updates, orphans, f.num_prompt_tokens,
                                       time.perf_counter() - t0)
         for rid in self._forgets:
             self.runner.forget(rid)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from dynaspec.config import EngineConfig
 from dynaspec.engine.output_processor import OutputProcessor
 from dynaspec.engine.builder import EngineParts, build_engine_parts
-from dynaspec.engine.step_specs import request_spec
+from dynaspec.engine.step_specs import prompt_tokens, request_spec
 from dynaspec.metrics.stats import (GrammarStepStats, SpecCounters, StepStats,
                                     fold_request_history, fold_step)
 from dynaspec.outputs import RequestOutput, SchedulerOutput
@@ -148,6 +148,7 @@ class LLMEngine:
         sched_out = self.scheduler.schedule()
         if not sched_out.scheduled:
             return []
+        num_prompt = prompt_tokens(sched_out.scheduled)
         try:
             res = self.runner.execute(sched_out)
         except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving
@@ -155,7 +156,7 @@ class LLMEngine:
             return self._fail_step(sched_out, exc)
         t0 = time.perf_counter()
         updates = self.scheduler.update(sched_out, res)
-        self._record(sched_out, res, updates, time.perf_counter() - t0)
+        self._record(sched_out, res, updates, time.perf_counter() - t0, num_prompt)
         outs = [self._emit(u) for u in updates]
         return [o for o in outs if o is not None]
 
@@ -189,13 +190,13 @@ class LLMEngine:
     def _finish_landed(self, landed) -> list[RequestOutput]:
         """Async scheduling: record and emit a step whose result the pipeline applied."""
         self._record(landed.out, landed.res, landed.updates, landed.update_seconds,
-                     landed.orphans, landed.num_prompt_tokens)
+                     landed.num_prompt_tokens, landed.orphans)
         # A request aborted since the step landed has no output state left: nothing to emit.
         outs = [self._emit(u) for u in landed.updates if u.request.request_id in self.outputs.states]
         return [o for o in outs if o is not None]
 
     def _record(self, sched_out: SchedulerOutput, res, updates: list[StepUpdate], t_update: float,
-                orphans: tuple = (), num_prompt: int | None = None) -> None:
+                num_prompt: int, orphans: tuple = ()) -> None:
         t = self.times
         t.steps += 1
         t.schedule += sched_out.schedule_seconds
@@ -207,9 +208,6 @@ class LLMEngine:
         # A request whose drafts were all invalid is an `all_invalid` skip (in the fold).
         specs = [request_spec(u.result, len(u.new_token_ids)) for u in updates]
         num_gen = sum(len(u.new_token_ids) for u in updates)
-        if num_prompt is None:
-            num_prompt = sum(s.num_new_tokens for s in sched_out.scheduled if not s.sampling) + \
-                sum(s.num_new_tokens - 1 for s in sched_out.scheduled if s.sampling)
         self.num_prompt_tokens_total += num_prompt
         self.num_generation_tokens_total += num_gen
         batch = res.batch

@@ -20,6 +20,14 @@ from dynaspec.outputs import RequestResult, ScheduledRequest
 ASYNC_PLACEHOLDER = "async_placeholder"
 
 
+def prompt_tokens(scheduled: list[ScheduledRequest]) -> int:
+    """Prompt tokens (recomputed ones included) a step computes: every new token except a
+    decoding request's one, the token it sampled last step. Read before the step's result
+    changes the requests' counters (both paths call it then)."""
+    return sum(s.num_new_tokens for s in scheduled
+               if s.request.num_computed_tokens < s.request.num_prompt_tokens)
+
+
 def request_spec(r: RequestResult, num_emitted: int) -> RequestStepSpec:
     """The record of a request whose step result was applied."""
     invalid = {}

@@ -66,6 +66,11 @@ def test_async_equals_sync_batched(tiny_llama_dir, prompts12, spec):
         assert_greedy_equal(tiny_llama_dir, p, a.token_ids, b.token_ids, f"async {spec} prompt {i}")
     _check_books(sync_llm, ref)
     _check_books(async_llm, got)
+    # Both paths count each prompt token once (no preemption, no prefix cache here).
+    assert sync_llm.engine.scheduler.num_preemptions == async_llm.engine.scheduler.num_preemptions == 0
+    prompt_total = sum(len(p) for p in prompts12)
+    assert sync_llm.engine.num_prompt_tokens_total == prompt_total
+    assert async_llm.engine.num_prompt_tokens_total == prompt_total
     if spec:
         c = async_llm.engine.counters
         assert c.num_accepted_tokens > 0, "the workload must exercise acceptance"
