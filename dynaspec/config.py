@@ -47,8 +47,13 @@ class ModelConfig:
     # they are; int8/int4: HF weights quantized at load too; none: everything dequantized
     # (the reference path). Only on the CPU in bf16; auto falls back to none elsewhere.
     quantization: str = "auto"
-    # Steps with more tokens than this run a bf16 copy of the quantized weights (the int kernels
-    # lose to oneDNN's bf16 GEMM on wide steps); 0 keeps no copy and always runs the int kernels.
+    # Quantized weights' CPU kernel: int8dot (dynaspec's int8 dot products for every row count:
+    # flat in width and row-invariant, so batching and speculation cannot change a request's
+    # tokens), torch (torch's int4/int8 weight-only kernels plus a bf16 copy for wide steps),
+    # auto = int8dot where the C++ kernels build here, else torch.
+    linear_kernel: str = "auto"
+    # torch kernel only: steps with more tokens than this run a bf16 copy of the quantized
+    # weights (the int kernels lose to oneDNN's bf16 GEMM on wide steps); 0 keeps no copy.
     quant_dense_above: int = 8
     # The bf16 copy runs with its rows rounded up to a few buckets (dynaspec/models/quant_linear.py):
     # oneDNN keeps native state per distinct row count, so unbucketed, RSS grows with every new
@@ -67,6 +72,8 @@ class ModelConfig:
             raise ValueError(f"unknown quantization {self.quantization!r}: choose one of {', '.join(_QUANTIZATIONS)}")
         if self.attention_backend not in ("auto", "eager", "cpu_paged"):
             raise ValueError(f"unknown attention_backend {self.attention_backend!r}: choose auto, eager or cpu_paged")
+        if self.linear_kernel not in ("auto", "int8dot", "torch"):
+            raise ValueError(f"unknown linear_kernel {self.linear_kernel!r}: choose auto, int8dot or torch")
         if self.quant_dense_above < 0:
             raise ValueError(f"quant_dense_above must be >= 0, got {self.quant_dense_above}")
         if self.max_model_len is not None and self.max_model_len < 2:

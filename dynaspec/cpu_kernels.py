@@ -16,7 +16,7 @@ import os
 from functools import lru_cache
 
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
-_SOURCES = ("paged_decode.cpp", "fused_ops.cpp")
+_SOURCES = ("paged_decode.cpp", "fused_ops.cpp", "int8_gemm.cpp")
 
 
 def isa_flags() -> tuple[str, list[str]]:

@@ -11,8 +11,11 @@ _FLAGS = [
     ("--device", "device", str, "auto", "auto (cuda if available), cpu, cuda"),
     ("--quantization", "quantization", str, "auto",
      "auto (keep a GGUF's Q4_0/Q4_1/Q8_0 as int4/int8), none (dequantize: reference), int8, int4"),
+    ("--linear-kernel", "linear_kernel", str, "auto",
+     "auto (int8dot where the C++ kernels build), int8dot (int8 dot products, flat in width, "
+     "row-invariant), torch (torch's int4/int8 kernels + bf16 copy for wide steps)"),
     ("--quant-dense-above", "quant_dense_above", int, 8,
-     "steps with more tokens use a bf16 copy of quantized weights (0 = no copy)"),
+     "torch linear kernel only: steps with more tokens use a bf16 copy of quantized weights (0 = no copy)"),
     ("--attention-backend", "attention_backend", str, "auto",
      "auto (in-place CPU kernel when it builds, else eager), eager, cpu_paged"),
     ("--max-model-len", "max_model_len", int, None, "context limit (default: the model's)"),

@@ -162,7 +162,14 @@ torch::Tensor add_rms_norm(torch::Tensor residual, torch::Tensor delta, torch::T
 torch::Tensor silu_mul(torch::Tensor gate_up);
 void rope_inplace(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t head_dim);
 
+// int8_gemm.cpp
+torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor d, c10::optional<torch::Tensor> mn,
+                        int64_t N, int64_t G, int64_t bits, int64_t isa);
+int64_t int8_gemm_isa();
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("int8_gemm", &int8_gemm, "x W^T with W in GGUF groups, x quantized to int8 per 32 (row-invariant)");
+  m.def("int8_gemm_isa", &int8_gemm_isa, "0 scalar, 1 AVX2, 2 AVX-VNNI, 3 AVX-512 VNNI");
   m.def("paged_decode", &paged_decode, "paged decode/verify attention over the KV cache in place");
   m.def("rms_norm", &rms_norm, "w * rms_normalise(x), row-wise");
   m.def("add_rms_norm", &add_rms_norm, "residual += delta; rms_norm(residual)");

@@ -12,7 +12,7 @@ from dynaspec.kv.kv_cache_manager import KVCacheManager
 from dynaspec.models.llama import LlamaModel
 from dynaspec.models.loader import load_model_files
 from dynaspec.sample.rejection_sampler import make_synthetic_verifier
-from dynaspec.models.quant_linear import WeightPlan, cpu_info, resolve_quantization
+from dynaspec.models.quant_linear import WeightPlan, cpu_info, linear_kernel_summary, resolve_quantization
 from dynaspec.scheduler.scheduler import Scheduler
 from dynaspec.spec_decode import cost_model
 from dynaspec.spec_decode.cost_model import CostGrid, StepCostModel
@@ -110,13 +110,14 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     max_model_len = min(mc.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
     plan, proposer, drafter_tokens, drafter_max_len = _plan_and_proposer(config, arch.vocab_size,
                                                                          device, dtype)
-    weights = WeightPlan(quant, mc.quant_dense_above, dtype, device, mc.dense_row_buckets)
+    weights = WeightPlan(quant, mc.quant_dense_above, dtype, device, mc.dense_row_buckets, mc.linear_kernel)
     model = LlamaModel(arch, loaded.state_dict, dtype, device, max_model_len + plan.max_k + 1, weights)
     del loaded.state_dict
     _release_load_memory()
     model.attn = resolve_attention(mc.attention_backend, device)
-    log.info("weights: quantization %s, %.1f MB read per decode step; CPU %s", quant,
-             model.weight_bytes_per_step() / 1e6, cpu_info().summary() if device.type == "cpu" else "n/a")
+    log.info("weights: quantization %s, linear kernel %s, %.1f MB read per decode step; CPU %s", quant,
+             linear_kernel_summary(model), model.weight_bytes_per_step() / 1e6,
+             cpu_info().summary() if device.type == "cpu" else "n/a")
     blocks = num_kv_blocks(cc.kv_cache_memory_gb, cc.num_kv_blocks, model.kv_bytes_per_token(),
                            cc.block_size)
     kv = KVCacheManager(blocks, cc.block_size, cc.enable_prefix_caching)

@@ -19,11 +19,17 @@ from functools import lru_cache
 
 import torch
 
+from dynaspec.models import int8_dot
+from dynaspec.models.int8_dot import Int8DotLinear
 from dynaspec.models.layers import Linear
 from dynaspec.models.quant import QuantizedTensor, quantize_int4, quantize_int8, to_per_channel_int8
 
 log = logging.getLogger("dynaspec")
 QUANTIZATION_MODES = ("auto", "none", "int8", "int4")
+# int8dot: dynaspec's int8 dot-product kernel for every row count (flat in width, row-invariant);
+# torch: torch's int4/int8 weight-only kernels plus the bf16 copy for wide steps (the wave-2 path);
+# auto: int8dot where the C++ kernels build, else torch.
+LINEAR_KERNELS = ("auto", "int8dot", "torch")
 _ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16")
 
 
@@ -175,6 +181,20 @@ class WeightPlan:
     dtype: torch.dtype
     device: torch.device
     dense_row_buckets: bool = True  # round the bf16 copy's rows up to dense_rows() buckets
+    kernel: str = "auto"  # LINEAR_KERNELS
+
+    def int8dot(self, w: QuantizedTensor) -> bool:
+        """Whether this weight runs on the int8 dot-product kernel."""
+        if self.kernel not in LINEAR_KERNELS:
+            raise ValueError(f"unknown linear kernel {self.kernel!r}: choose one of {', '.join(LINEAR_KERNELS)}")
+        if self.kernel == "torch" or self.device.type != "cpu":
+            return False
+        if int8_dot.supports(w):
+            return True
+        if self.kernel == "int8dot" and int8_dot.kernel_isa() == "unavailable":
+            raise RuntimeError("--linear-kernel int8dot: the dynaspec CPU kernels are not built here "
+                               "(see the start-up log; --linear-kernel torch runs torch's kernels)")
+        return False
 
     @property
     def quantized(self) -> bool:
@@ -192,7 +212,9 @@ def make_linear(w: QuantizedTensor | torch.Tensor, bias: torch.Tensor | None, pl
     if not isinstance(w, QuantizedTensor):
         if plan.mode == "auto":
             return Linear(w.to(device=plan.device, dtype=plan.dtype).contiguous(), bias)
-        w = quantize_int4(w) if plan.mode == "int4" else quantize_int8(w)
+        w = _quantize_float(w, plan)
+    if plan.int8dot(w):  # one kernel for every row count: no bf16 copy for wide steps
+        return Int8DotLinear(w, bias)
     kernel = _kernel(w, bias)
     if kernel is None:
         return Linear(w.dequantize().to(plan.dtype).contiguous(), bias)
@@ -200,6 +222,18 @@ def make_linear(w: QuantizedTensor | torch.Tensor, bias: torch.Tensor | None, pl
     if plan.dense_above > 0:
         dense = Linear(w.dequantize().to(plan.dtype).contiguous(), bias)
     return QuantLinear(kernel, dense, plan.dense_above, plan.dense_row_buckets)
+
+
+def _quantize_float(w: torch.Tensor, plan: WeightPlan) -> QuantizedTensor:
+    """Float weights under --quantization int4/int8: int4 groups of 32 either way; int8 per group
+    of 32 where the int8 dot kernel will run it, else per channel (torch's int8 kernel)."""
+    if plan.mode == "int4":
+        return quantize_int4(w)
+    if w.shape[1] % 32 == 0:
+        grouped = int8_dot.quantize_grouped_int8(w)
+        if plan.int8dot(grouped):
+            return grouped
+    return quantize_int8(w)
 
 
 def _kernel(w: QuantizedTensor, bias: torch.Tensor | None) -> Int4Linear | Int8Linear | None:
@@ -227,6 +261,8 @@ def make_embedding(w: QuantizedTensor | torch.Tensor, plan: WeightPlan, tied: bo
     if isinstance(w, QuantizedTensor):
         return QuantEmbedding(w, plan.dtype), (make_lm_head(w, plan) if tied else None)
     head = _int8_head(w, plan)
+    if isinstance(head, Int8DotLinear):
+        return QuantEmbedding(head.source, plan.dtype), (head if tied else None)
     return Int8Embedding(head.kernel, plan.dtype), (head if tied else None)
 
 
@@ -236,7 +272,7 @@ def make_lm_head(w: QuantizedTensor | torch.Tensor, plan: WeightPlan):
     if not _quantize_head(w, plan):
         return make_linear(w, None, WeightPlan("none", 0, plan.dtype, plan.device))
     if isinstance(w, QuantizedTensor):
-        if w.kind == "q4":
+        if w.kind == "q4" or plan.int8dot(w):
             return make_linear(w, None, plan)
         return Linear(w.dequantize().to(device=plan.device, dtype=plan.dtype).contiguous())
     return _int8_head(w, plan)
@@ -246,9 +282,23 @@ def _quantize_head(w: QuantizedTensor | torch.Tensor, plan: WeightPlan) -> bool:
     return plan.quantized and (isinstance(w, QuantizedTensor) or plan.mode in ("int8", "int4"))
 
 
-def _int8_head(w: torch.Tensor, plan: WeightPlan) -> QuantLinear:
+def _int8_head(w: torch.Tensor, plan: WeightPlan) -> QuantLinear | Int8DotLinear:
+    grouped = int8_dot.quantize_grouped_int8(w) if w.shape[1] % 32 == 0 else None
+    if grouped is not None and plan.int8dot(grouped):
+        return Int8DotLinear(grouped, None, keep_source=True)
     table = Int8Linear(quantize_int8(w), None)
     dense = None
     if plan.dense_above > 0:
         dense = Linear((table.q.float() * table.scale_f32[:, None]).to(plan.dtype).contiguous())
     return QuantLinear(table, dense, plan.dense_above, plan.dense_row_buckets)
+
+
+def linear_kernel_summary(model) -> str:
+    """Which kernels the model's matrices run on, e.g. "int8dot avx512_vnni (211 matrices)"."""
+    counts: dict[str, int] = {}
+    mats = [model.lm_head] + [m for layer in model.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    for m in mats:
+        name = {Int8DotLinear: f"int8dot {int8_dot.kernel_isa()}", QuantLinear: "torch int4/int8",
+                Linear: "dense"}.get(type(m), type(m).__name__)
+        counts[name] = counts.get(name, 0) + 1
+    return ", ".join(f"{k} ({v} matrices)" for k, v in counts.items())

@@ -9,6 +9,7 @@ import pytest
 
 from dynaspec.cli.main import main
 from dynaspec.engine.llm import LLM
+from dynaspec.models.int8_dot import Int8DotLinear
 from dynaspec.models.quant_linear import QuantLinear
 from dynaspec.sampling_params import SamplingParams
 
@@ -19,10 +20,11 @@ def q41_gguf(tiny_llama_dir, make_tiny_gguf, tmp_path_factory) -> str:
     return make_tiny_gguf(tiny_llama_dir, str(out), tensor_type=gguf.GGMLQuantizationType.Q4_1)
 
 
-def test_engine_keeps_gguf_weights_quantized_and_decodes(q41_gguf):
-    llm = LLM(model=q41_gguf, num_kv_blocks=64, speculator="ngram", num_spec_tokens=3)
+@pytest.mark.parametrize("kernel, cls", [("auto", Int8DotLinear), ("torch", QuantLinear)])
+def test_engine_keeps_gguf_weights_quantized_and_decodes(q41_gguf, kernel, cls):
+    llm = LLM(model=q41_gguf, num_kv_blocks=64, speculator="ngram", num_spec_tokens=3, linear_kernel=kernel)
     model = llm.engine.parts.model
-    assert model.weights.mode == "auto" and isinstance(model.layers[0].gate_up, QuantLinear)
+    assert model.weights.mode == "auto" and isinstance(model.layers[0].gate_up, cls)
     out = llm.generate([[5, 6, 7, 5, 6, 7, 5, 6]], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     assert len(out[0].token_ids) == 12
 

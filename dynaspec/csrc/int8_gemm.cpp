@@ -1,0 +1,355 @@
+// y = x W^T with W kept in its GGUF groups (4-bit or 8-bit integers, a float scale and minimum per
+// group) and x quantized once per call to int8 in blocks of 32 (llama.cpp's Q8_1 idea: the block
+// sums make a group minimum exact). Every weight is read once per call for all rows of x, and
+// the per-row arithmetic is int8 dot products (VNNI vpdpbusd on AVX-512 / AVX-VNNI, the
+// maddubs+madd pair on plain AVX2, a scalar loop otherwise).
+//
+// Row invariance: a row's result is a fixed sequence of operations on that row alone, whatever
+// the number of rows in the call, their order, the ISA path or the thread split:
+//   acc = 0; for each weight group g in K order:
+//     acc = fma(float(idot_g), d_w[g] * d_x[g], acc);  acc = fma(mn_w[g], s_x[g], acc)
+// where idot_g is an exact integer dot product. The scalar reference below computes the same
+// sequence, so tests compare the vector paths to it bit for bit.
+//
+// Packed weight layout, per tile of 16 output columns and per group of G (16 or 32) inputs:
+// the group's G/4 "steps" each hold 4 consecutive inputs for each of the 16 columns (64 bytes,
+// column-major in the step: byte 4c+t = u[col c][4s+t]). 4-bit weights hold two steps per 64
+// bytes: step s in the low nibbles, step s + G/8 in the high ones. 8-bit weights are stored as
+// u = q + 128 (unsigned), and the 128 * sum(q_x) they add is subtracted exactly in int32.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int TILE = 16;   // output columns per tile (one zmm of int32 lanes)
+constexpr int QBLK = 32;   // activation quantization block
+constexpr int MAX_RB = 8;  // rows per register block
+
+struct Packed {
+  const uint8_t* w;      // [N/16][K/G][bytes_per_group]
+  const float* d;        // [N/16][K/G][16] scale per group and column
+  const float* mn;       // [N/16][K/G][16] minimum term per group and column, or nullptr
+  int64_t N, K;
+  int G;                 // 16 or 32
+  int bits;              // 4 or 8
+  int64_t group_bytes() const { return bits == 4 ? G * TILE / 2 : G * TILE; }
+};
+
+struct QuantX {  // activations, [M][K] int8 plus per-group facts
+  std::vector<int8_t> q;     // [M][K]
+  std::vector<float> d;      // [M][K/G]: the scale of the 32-block the group lies in
+  std::vector<float> s;      // [M][K/G]: d * sum(q) over the group (for the minimum term)
+  std::vector<int32_t> sum;  // [M][K/G]: sum(q) over the group (for the 8-bit offset)
+};
+
+inline uint16_t to_bf16_bits(float f) {  // round to nearest even, as c10::BFloat16 does
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  if (std::isnan(f)) return 0x7FC0;
+  b += ((b >> 16) & 1u) + 0x7FFFu;
+  return static_cast<uint16_t>(b >> 16);
+}
+
+template <typename T>
+void quantize_rows(const T* x, int64_t M, int64_t K, int G, QuantX& out) {
+  const int64_t ng = K / G;
+  out.q.resize(M * K);
+  out.d.resize(M * ng);
+  out.s.resize(M * ng);
+  out.sum.resize(M * ng);
+  at::parallel_for(0, M, 16, [&](int64_t m_begin, int64_t m_end) {
+  for (int64_t m = m_begin; m < m_end; ++m) {
+    for (int64_t b = 0; b < K / QBLK; ++b) {
+      const T* xb = x + m * K + b * QBLK;
+      float v[QBLK], amax = 0.f;
+      for (int i = 0; i < QBLK; ++i) {
+        v[i] = static_cast<float>(xb[i]);
+        amax = std::fmax(amax, std::fabs(v[i]));
+      }
+      const float d = amax / 127.f;
+      const float id = d > 0.f ? 1.f / d : 0.f;
+      int8_t* qb = out.q.data() + m * K + b * QBLK;
+      for (int i = 0; i < QBLK; ++i) {
+        float r = std::nearbyint(v[i] * id);
+        r = r > 127.f ? 127.f : (r < -127.f ? -127.f : r);
+        qb[i] = static_cast<int8_t>(r);
+      }
+      for (int h = 0; h < QBLK / G; ++h) {
+        const int64_t g = b * (QBLK / G) + h;
+        int32_t sq = 0;
+        for (int i = 0; i < G; ++i) sq += qb[h * G + i];
+        out.d[m * ng + g] = d;
+        out.sum[m * ng + g] = sq;
+        out.s[m * ng + g] = d * static_cast<float>(sq);
+      }
+    }
+  }
+  });
+}
+
+// The unsigned weight value of (column c, input j) of group g's packed bytes.
+inline int weight_u(const Packed& p, const uint8_t* grp, int c, int j) {
+  const int s = j / 4, t = j % 4;
+  if (p.bits == 8) return grp[s * 64 + 4 * c + t];
+  const int half = p.G / 8;
+  const uint8_t byte = grp[(s % half) * 64 + 4 * c + t];
+  return s < half ? (byte & 0x0F) : (byte >> 4);
+}
+
+// Scalar reference: the contract every vector path meets bit for bit.
+void tile_scalar(const Packed& p, const QuantX& qx, int64_t m0, int64_t M, int64_t tile, float* acc /*[M][16]*/) {
+  const int64_t ng = p.K / p.G;
+  for (int64_t m = 0; m < M; ++m)
+    for (int c = 0; c < TILE; ++c) acc[m * TILE + c] = 0.f;
+  for (int64_t g = 0; g < ng; ++g) {
+    const int64_t gi = tile * ng + g;
+    const uint8_t* grp = p.w + gi * p.group_bytes();
+    for (int64_t r = 0; r < M; ++r) {
+      const int64_t m = m0 + r;
+      float* accr = acc + r * TILE;
+      const int8_t* xq = qx.q.data() + m * p.K + g * p.G;
+      const float dx = qx.d[m * ng + g], sx = qx.s[m * ng + g];
+      for (int c = 0; c < TILE; ++c) {
+        int32_t dot = 0;
+        for (int j = 0; j < p.G; ++j) dot += weight_u(p, grp, c, j) * xq[j];
+        if (p.bits == 8) dot -= 128 * qx.sum[m * ng + g];
+        float a = std::fma(static_cast<float>(dot), p.d[gi * TILE + c] * dx, accr[c]);
+        if (p.mn) a = std::fma(p.mn[gi * TILE + c], sx, a);
+        accr[c] = a;
+      }
+    }
+  }
+}
+
+// ---- AVX-512 VNNI ---------------------------------------------------------------------------
+#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma")))
+
+template <int RB, int BITS, int G>
+AVX512_TARGET void tile_avx512(const Packed& p, const QuantX& qx, int64_t m0, int64_t tile, float* acc) {
+  constexpr int STEPS = G / 4;
+  const int64_t ng = p.K / G;
+  __m512 facc[RB];
+  for (int r = 0; r < RB; ++r) facc[r] = _mm512_setzero_ps();
+  const __m512i lo = _mm512_set1_epi8(0x0F);
+  for (int64_t g = 0; g < ng; ++g) {
+    const int64_t gi = tile * ng + g;
+    const uint8_t* grp = p.w + gi * p.group_bytes();
+    __m512i w[STEPS];
+    if (BITS == 4) {
+      for (int s = 0; s < STEPS / 2; ++s) {
+        const __m512i v = _mm512_loadu_si512(grp + s * 64);
+        w[s] = _mm512_and_si512(v, lo);
+        w[s + STEPS / 2] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo);
+      }
+    } else {
+      for (int s = 0; s < STEPS; ++s) w[s] = _mm512_loadu_si512(grp + s * 64);
+    }
+    const __m512 dw = _mm512_loadu_ps(p.d + gi * TILE);
+    const __m512 mw = p.mn ? _mm512_loadu_ps(p.mn + gi * TILE) : _mm512_setzero_ps();
+    // Steps outer, rows inner: RB independent dependency chains (integer sums: order-free).
+    __m512i idot[RB];
+    const float* xq[RB];
+    for (int r = 0; r < RB; ++r) {
+      idot[r] = _mm512_setzero_si512();
+      xq[r] = reinterpret_cast<const float*>(qx.q.data() + (m0 + r) * p.K + g * G);
+    }
+    for (int s = 0; s < STEPS; ++s)
+      for (int r = 0; r < RB; ++r)  // 4 int8 activations to every lane from memory (a load, not a shuffle)
+        idot[r] = _mm512_dpbusd_epi32(idot[r], w[s], _mm512_castps_si512(_mm512_set1_ps(xq[r][s])));
+    for (int r = 0; r < RB; ++r) {
+      const int64_t m = m0 + r;
+      if (BITS == 8) idot[r] = _mm512_sub_epi32(idot[r], _mm512_set1_epi32(128 * qx.sum[m * ng + g]));
+      const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(qx.d[m * ng + g]));
+      facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(idot[r]), scale, facc[r]);
+      if (p.mn) facc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(qx.s[m * ng + g]), facc[r]);
+    }
+  }
+  for (int r = 0; r < RB; ++r) _mm512_storeu_ps(acc + r * TILE, facc[r]);
+}
+
+template <int BITS, int G>
+AVX512_TARGET void rows_avx512(const Packed& p, const QuantX& qx, int64_t m0, int64_t M, int64_t tile, float* acc) {
+  int64_t r = 0;
+  for (; r + MAX_RB <= M; r += MAX_RB) tile_avx512<MAX_RB, BITS, G>(p, qx, m0 + r, tile, acc + r * TILE);
+  const int64_t m = m0 + r;
+  acc += r * TILE;
+  switch (M - r) {
+    case 7: tile_avx512<7, BITS, G>(p, qx, m, tile, acc); break;
+    case 6: tile_avx512<6, BITS, G>(p, qx, m, tile, acc); break;
+    case 5: tile_avx512<5, BITS, G>(p, qx, m, tile, acc); break;
+    case 4: tile_avx512<4, BITS, G>(p, qx, m, tile, acc); break;
+    case 3: tile_avx512<3, BITS, G>(p, qx, m, tile, acc); break;
+    case 2: tile_avx512<2, BITS, G>(p, qx, m, tile, acc); break;
+    case 1: tile_avx512<1, BITS, G>(p, qx, m, tile, acc); break;
+    default: break;
+  }
+}
+
+// ---- AVX2 (with AVX-VNNI where present, else maddubs + madd) -----------------------------------
+#define AVX2_TARGET __attribute__((target("avx2,fma")))
+#define AVXVNNI_TARGET __attribute__((target("avx2,fma,avxvnni")))
+
+// One tile as two halves of 8 columns. Without VNNI, maddubs adds two u8*s8 products into
+// int16: exact for 4-bit weights (2 * 15 * 127 < 32767) but not for 8-bit ones (u up to 255),
+// which take the scalar loop on such CPUs.
+#define DEFINE_TILE_AVX2(NAME, TARGET, DOT4)                                                              \
+  template <int BITS, int G>                                                                              \
+  __attribute__((target(TARGET))) void NAME(const Packed& p, const QuantX& qx, int64_t m0, int64_t M,     \
+                                            int64_t tile, float* acc) {                                   \
+    constexpr int STEPS = G / 4;                                                                          \
+    const int64_t ng = p.K / G;                                                                           \
+    const __m256i lo = _mm256_set1_epi8(0x0F);                                                            \
+    for (int half = 0; half < 2; ++half) {                                                                \
+      for (int64_t r = 0; r < M; ++r) {                                                                   \
+        const int64_t m = m0 + r;                                                                         \
+        __m256 facc = _mm256_setzero_ps();                                                                \
+        for (int64_t g = 0; g < ng; ++g) {                                                                \
+          const int64_t gi = tile * ng + g;                                                               \
+          const uint8_t* grp = p.w + gi * p.group_bytes() + half * 32;                                    \
+          const int32_t* xq = reinterpret_cast<const int32_t*>(qx.q.data() + m * p.K + g * G);            \
+          __m256i idot = _mm256_setzero_si256();                                                          \
+          for (int s = 0; s < STEPS; ++s) {                                                               \
+            __m256i w;                                                                                    \
+            if (BITS == 4) {                                                                              \
+              const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + (s % (STEPS / 2)) * 64)); \
+              w = s < STEPS / 2 ? _mm256_and_si256(v, lo) : _mm256_and_si256(_mm256_srli_epi16(v, 4), lo); \
+            } else {                                                                                      \
+              w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + s * 64));                     \
+            }                                                                                             \
+            const __m256i xb = _mm256_set1_epi32(xq[s]);                                                  \
+            idot = DOT4;                                                                                  \
+          }                                                                                               \
+          if (BITS == 8) idot = _mm256_sub_epi32(idot, _mm256_set1_epi32(128 * qx.sum[m * ng + g]));      \
+          const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(p.d + gi * TILE + half * 8),                 \
+                                             _mm256_set1_ps(qx.d[m * ng + g]));                           \
+          facc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(idot), scale, facc);                                  \
+          if (p.mn)                                                                                       \
+            facc = _mm256_fmadd_ps(_mm256_loadu_ps(p.mn + gi * TILE + half * 8),                          \
+                                   _mm256_set1_ps(qx.s[m * ng + g]), facc);                               \
+        }                                                                                                 \
+        _mm256_storeu_ps(acc + r * TILE + half * 8, facc);                                                \
+      }                                                                                                   \
+    }                                                                                                     \
+  }
+
+DEFINE_TILE_AVX2(tile_avxvnni, "avx2,fma,avxvnni", _mm256_dpbusd_avx_epi32(idot, w, xb))
+DEFINE_TILE_AVX2(tile_avx2, "avx2,fma",
+                 _mm256_add_epi32(idot, _mm256_madd_epi16(_mm256_maddubs_epi16(w, xb), _mm256_set1_epi16(1))))
+
+enum class Isa { Scalar = 0, Avx2 = 1, AvxVnni = 2, Avx512Vnni = 3 };
+
+Isa detect_isa() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
+    return Isa::Avx512Vnni;
+  if (__builtin_cpu_supports("avxvnni") && __builtin_cpu_supports("fma")) return Isa::AvxVnni;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::Avx2;
+  return Isa::Scalar;
+}
+
+Isa g_isa = detect_isa();
+
+template <int BITS, int G>
+void run_tile(Isa isa, const Packed& p, const QuantX& qx, int64_t m0, int64_t M, int64_t tile, float* acc) {
+  switch (isa) {
+    case Isa::Avx512Vnni: rows_avx512<BITS, G>(p, qx, m0, M, tile, acc); return;
+    case Isa::AvxVnni: tile_avxvnni<BITS, G>(p, qx, m0, M, tile, acc); return;
+    case Isa::Avx2:
+      if (BITS == 4) { tile_avx2<BITS, G>(p, qx, m0, M, tile, acc); return; }
+      break;
+    default: break;
+  }
+  tile_scalar(p, qx, m0, M, tile, acc);
+}
+
+void dispatch_tile(Isa isa, const Packed& p, const QuantX& qx, int64_t m0, int64_t M, int64_t tile, float* acc) {
+  if (p.bits == 4 && p.G == 32) return run_tile<4, 32>(isa, p, qx, m0, M, tile, acc);
+  if (p.bits == 4 && p.G == 16) return run_tile<4, 16>(isa, p, qx, m0, M, tile, acc);
+  if (p.bits == 8 && p.G == 32) return run_tile<8, 32>(isa, p, qx, m0, M, tile, acc);
+  return run_tile<8, 16>(isa, p, qx, m0, M, tile, acc);
+}
+
+template <typename T>
+void store_rows(const float* acc, int64_t M, int64_t tile, int64_t N, T* y) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int c = 0; c < TILE; ++c) {
+      const float v = acc[m * TILE + c];
+      if constexpr (std::is_same_v<T, float>) {
+        y[m * N + tile * TILE + c] = v;
+      } else {
+        const uint16_t bits = to_bf16_bits(v);
+        std::memcpy(&y[m * N + tile * TILE + c], &bits, 2);
+      }
+    }
+}
+
+// Rows are processed in chunks so one tile's weights (<= K/2 bytes at 4 bits) stay in L1/L2
+// while every chunk reads them: prefill reads each weight from memory about once as well.
+constexpr int64_t ROW_CHUNK = 64;
+
+template <typename T>
+void gemm(const T* x, const Packed& p, int64_t M, T* y, Isa isa) {
+  QuantX qx;
+  quantize_rows(x, M, p.K, p.G, qx);
+  const int64_t tiles = p.N / TILE;
+  // ~8 tiles per task keeps both threads busy on the 576-wide matrices (36 tiles).
+  at::parallel_for(0, tiles, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(std::min<int64_t>(M, ROW_CHUNK) * TILE);
+    for (int64_t tile = begin; tile < end; ++tile) {
+      for (int64_t m0 = 0; m0 < M; m0 += ROW_CHUNK) {
+        const int64_t rows = std::min<int64_t>(ROW_CHUNK, M - m0);
+        dispatch_tile(isa, p, qx, m0, rows, tile, acc.data());
+        store_rows(acc.data(), rows, tile, p.N, y + m0 * p.N);
+      }
+    }
+  });
+}
+
+Packed make_packed(const torch::Tensor& w, const torch::Tensor& d, const c10::optional<torch::Tensor>& mn,
+                   int64_t N, int64_t K, int64_t G, int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(G == 16 || G == 32, "group size must be 16 or 32");
+  TORCH_CHECK(N % TILE == 0 && K % QBLK == 0, "int8 gemm needs N % 16 == 0 and K % 32 == 0");
+  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kUInt8, "packed weights: contiguous uint8");
+  TORCH_CHECK(d.is_contiguous() && d.scalar_type() == torch::kFloat, "scales: contiguous float32");
+  Packed p{w.data_ptr<uint8_t>(), d.data_ptr<float>(), nullptr, N, K, static_cast<int>(G), static_cast<int>(bits)};
+  TORCH_CHECK(w.numel() == (N / TILE) * (K / G) * p.group_bytes(), "packed weight size mismatch");
+  TORCH_CHECK(d.numel() == N * (K / G), "scale size mismatch");
+  if (mn.has_value()) {
+    TORCH_CHECK(mn->is_contiguous() && mn->scalar_type() == torch::kFloat && mn->numel() == d.numel(),
+                "minimum terms: contiguous float32 shaped like the scales");
+    p.mn = mn->data_ptr<float>();
+  }
+  return p;
+}
+
+}  // namespace
+
+// x: [M, K] bf16 or fp32 contiguous. Returns [M, N] in x's dtype. isa: -1 = best available,
+// 0 = the scalar reference (tests), 1 = AVX2, 2 = AVX-VNNI, 3 = AVX-512 VNNI (capped at what the
+// CPU has).
+torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor d, c10::optional<torch::Tensor> mn,
+                        int64_t N, int64_t G, int64_t bits, int64_t isa) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x: a contiguous [M, K] matrix");
+  const int64_t M = x.size(0), K = x.size(1);
+  Packed p = make_packed(w, d, mn, N, K, G, bits);
+  Isa use = isa < 0 ? g_isa : static_cast<Isa>(std::min<int64_t>(isa, static_cast<int64_t>(g_isa)));
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
+  if (x.scalar_type() == torch::kFloat) {
+    gemm<float>(x.data_ptr<float>(), p, M, y.data_ptr<float>(), use);
+  } else {
+    TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "x must be bf16 or fp32");
+    gemm<c10::BFloat16>(x.data_ptr<c10::BFloat16>(), p, M, y.data_ptr<c10::BFloat16>(), use);
+  }
+  return y;
+}
+
+int64_t int8_gemm_isa() { return static_cast<int64_t>(g_isa); }

@@ -1,0 +1,100 @@
+"""The engine's CPU linear path: int8 dot products on GGUF-grouped weights, flat in width, row-invariant.
+
+torch's int4 kernel does fp32 multiply-adds per row in blocks of 4 rows and re-dequantizes every
+weight for each further block, so a 5-token verify cost 2-2.4x a 1-token step and speculation
+could not pay. Here (dynaspec/csrc/int8_gemm.cpp) activations are quantized once per call to
+int8 in blocks of 32 and every row is an int8 dot product against the weights' own 4- or 8-bit
+groups (VNNI where the CPU has it), each weight read once for all rows. A row's result is the
+same fixed sequence of operations whatever the number of rows, so decode, verification, batching
+and prefill chunks give every request the same tokens (greedy with and without speculation is
+token-exact on this path).
+
+Weights map as w = d * u + mn per group, u unsigned: Q4_0/Q4_1/Q4_K (kind "q4", u = q in 0..15,
+mn = zero - 8 d) exactly; 8-bit kinds (Q8_0, Q6_K, Q5_x: u = q + 128, the offset removed in
+int32) exactly, with their zero as the minimum term.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from dynaspec.models.quant import QuantizedTensor
+
+log = logging.getLogger("dynaspec")
+TILE = 16  # output columns per packed tile (the kernel's int32 lanes)
+ISA_NAMES = ("scalar", "avx2", "avx_vnni", "avx512_vnni")
+
+
+def _ext():
+    from dynaspec import cpu_kernels
+
+    ok, _ = cpu_kernels.available()
+    return cpu_kernels.extension() if ok else None
+
+
+def supports(w: QuantizedTensor) -> bool:
+    """Whether the kernel takes this weight as it is (shape and group fit, kernels built)."""
+    n, k = w.shape
+    return (w.group_size in (16, 32) and n % TILE == 0 and k % 32 == 0 and w.kind in ("q4", "q8")
+            and _ext() is not None)
+
+
+def kernel_isa() -> str:
+    ext = _ext()
+    return "unavailable" if ext is None else ISA_NAMES[ext.int8_gemm_isa()]
+
+
+def quantize_grouped_int8(w: torch.Tensor, group_size: int = 32) -> QuantizedTensor:
+    """Symmetric int8 with one scale per group of 32 along K (Q8_0's form), for float weights
+    under --quantization int8/int4 on this kernel: finer than per-channel scales, same speed."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // group_size, group_size)
+    scale = (g.abs().amax(-1) / 127.0).clamp(min=1e-12)  # [N, groups]
+    q = (g / scale[..., None]).round().clamp(-127, 127).to(torch.int8).reshape(n, k)
+    return QuantizedTensor("q8", q, scale, None, group_size)
+
+
+def pack(w: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+    """(packed uint8 weights, scales [N/16, K/G, 16], minimum terms or None, bits); see the
+    layout in int8_gemm.cpp."""
+    n, k = w.shape
+    g = w.group_size
+    steps = g // 4
+    if w.kind == "q4":
+        u, bits = w.q.to(torch.uint8), 4
+        # zero - 8 * scale in float64: Q4_1's zero was m + 8d in float32, so this recovers m.
+        mn = (w.zero.double() - 8.0 * w.scale.double()).float()
+    else:
+        u, bits = (w.q.to(torch.int16) + 128).to(torch.uint8), 8
+        mn = None if w.zero is None else w.zero.float()
+    u = u.reshape(n // TILE, TILE, k // g, steps, 4).permute(0, 2, 3, 1, 4)  # [N/16, K/G, steps, 16, 4]
+    u = u.reshape(n // TILE, k // g, steps, TILE * 4)
+    if bits == 4:  # step s in the low nibbles, step s + steps/2 in the high ones
+        u = u[:, :, : steps // 2] | (u[:, :, steps // 2:] << 4)
+    packed = u.contiguous().reshape(-1)
+
+    def tiles(t: torch.Tensor) -> torch.Tensor:  # [N, K/G] -> [N/16, K/G, 16]
+        return t.float().reshape(n // TILE, TILE, k // g).permute(0, 2, 1).contiguous()
+
+    return packed, tiles(w.scale), (None if mn is None else tiles(mn)), bits
+
+
+class Int8DotLinear:
+    """y = x W^T (+ b) through int8_gemm for any number of rows."""
+
+    def __init__(self, w: QuantizedTensor, bias: torch.Tensor | None, keep_source: bool = False) -> None:
+        self.out_features, self.in_features = w.shape
+        self.group_size, self.bias = w.group_size, bias
+        self.packed, self.scales, self.mins, self.bits = pack(w)
+        # The groups as loaded, kept only where a tied embedding looks its rows up in them.
+        self.source = w if keep_source else None
+        self._op = _ext().int8_gemm
+        self.nbytes = self.packed.numel() + 4 * self.scales.numel() * (1 if self.mins is None else 2)
+
+    def __call__(self, x: torch.Tensor, isa: int = -1) -> torch.Tensor:
+        """x: [M, K] bf16 or fp32 -> [M, N] in x's dtype; isa 0 forces the scalar reference."""
+        y = self._op(x.contiguous(), self.packed, self.scales, self.mins, self.out_features,
+                     self.group_size, self.bits, isa)
+        return y if self.bias is None else y + self.bias
