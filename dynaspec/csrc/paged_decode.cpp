@@ -1,7 +1,10 @@
-// Decode/verify attention that reads the paged KV cache in place (no gather into a padded copy).
+// Attention that reads the paged KV cache in place (no gather into a padded copy), for decode,
+// verify and prefill rows alike: a row's result is the same sequence of operations whatever the
+// width of its request's step, its tile or the batch, so chunking, batching and speculation
+// cannot change a request's tokens.
 //
-// One work item is (request, KV head): its G query heads x W query tokens are scored against the
-// request's context block by block, straight from the cache; K and V of each block are read once
+// One work item is (request, tile of <= 16 query tokens, KV head): its G query heads x tokens are
+// scored against the request's context block by block, straight from the cache; K and V of each block are read once
 // per work item and converted to fp32 in a small scratch buffer. Softmax and accumulation are in
 // fp32. Causal within the step: query j of a request with W queries and context C sits at absolute
 // position C - W + j and sees keys 0..C-W+j. Written as plain loops the compiler vectorises for
@@ -46,23 +49,34 @@ inline void axpy_rows(float* __restrict acc, const float* __restrict p, const fl
   }
 }
 
-// dot of two fp32 rows of length D.
-inline float dot(const float* __restrict a, const float* __restrict b, int64_t D) {
-  float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t d = 0; d < D; ++d) s += a[d] * b[d];
-  return s;
-}
-
 template <typename T>
 inline void to_float(const T* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
+// Query rows per work item: long prefill chunks split into tiles so both threads get work and
+// the score buffer stays small. A row's arithmetic does not depend on its tile (see below).
+constexpr int64_t QUERY_TILE = 16;
+constexpr int64_t KEY_LANES = 16;
+
+// s[t] = sum_d q[d] * k[t][d] for n <= 16 keys held transposed (kt[d * 16 + t]): the sum runs
+// over d in order in each key's lane, the same for every row and every key.
+inline void scores16(const float* __restrict q, const float* __restrict kt, float* __restrict s, int64_t n,
+                     int64_t D) {
+  float acc[KEY_LANES] = {0.f};
+  for (int64_t d = 0; d < D; ++d) {
+    const float qd = q[d];
+    const float* __restrict kd = kt + d * KEY_LANES;
+#pragma omp simd
+    for (int64_t t = 0; t < KEY_LANES; ++t) acc[t] = __builtin_fmaf(qd, kd[t], acc[t]);
+  }
+  for (int64_t t = 0; t < n; ++t) s[t] = acc[t];
+}
+
 template <typename T>
 void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& tables,
          const torch::Tensor& ctx, const torch::Tensor& qstart, const torch::Tensor& qlen,
-         int64_t block_size, double scale, torch::Tensor& out) {
+         int64_t block_size, double scale, int64_t window, torch::Tensor& out) {
   const int64_t B = tables.size(0), NB = tables.size(1);
   const int64_t H = q.size(1), D = q.size(2), Hkv = kv.size(2), G = H / Hkv;
   const int64_t slots = kv.size(1);
@@ -75,64 +89,77 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
   const int64_t* qs = qstart.data_ptr<int64_t>();
   const int64_t* ql = qlen.data_ptr<int64_t>();
   const float sc = static_cast<float>(scale);
+  // Work items: (request, first query token of the tile, KV head).
+  std::vector<std::pair<int64_t, int64_t>> tiles;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t j0 = 0; j0 < ql[b]; j0 += QUERY_TILE) tiles.emplace_back(b, j0);
+  const int64_t items = static_cast<int64_t>(tiles.size()) * Hkv;
 
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf, sf, accf, kf(block_size * D), vf(block_size * D);
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf, sf, accf, kt(KEY_LANES * D), vf(block_size * D);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / Hkv, h = item % Hkv;
-      const int64_t W = ql[b], C = cl[b], R = W * G;  // R query rows: (token j, head g)
+      const auto [b, j0] = tiles[item / Hkv];
+      const int64_t h = item % Hkv;
+      const int64_t W = ql[b], C = cl[b];
+      const int64_t j1 = std::min(W, j0 + QUERY_TILE);
+      const int64_t R = (j1 - j0) * G;       // query rows: (token j, head g)
+      const int64_t Ct = C - W + j1;         // keys the tile's last row sees
       qf.assign(R * D, 0.f);
-      sf.assign(R * C, 0.f);
+      sf.assign(R * Ct, 0.f);
       accf.assign(R * D, 0.f);
-      for (int64_t j = 0; j < W; ++j)
+      for (int64_t j = j0; j < j1; ++j)
         for (int64_t g = 0; g < G; ++g) {
           const T* src = qp + ((qs[b] + j) * H + h * G + g) * D;
-          float* dst = qf.data() + (j * G + g) * D;
+          float* dst = qf.data() + ((j - j0) * G + g) * D;
           for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * sc;
         }
-      const int64_t nblk = (C + block_size - 1) / block_size;
-      // Pass 1: scores. Keys past a row's position are masked to -inf after the block loop.
+      const int64_t nblk = (Ct + block_size - 1) / block_size;
+      // Pass 1: scores, 16 keys at a time. Keys past a row's position are masked below.
       for (int64_t blk = 0; blk < nblk && blk < NB; ++blk) {
         const int64_t base = tb[b * NB + blk] * block_size;
-        const int64_t n = std::min(block_size, C - blk * block_size);
-        for (int64_t t = 0; t < n; ++t) to_float(kp + ((base + t) * Hkv + h) * D, kf.data() + t * D, D);
-        for (int64_t r = 0; r < R; ++r) {
-          const float* qr = qf.data() + r * D;
-          float* srow = sf.data() + r * C + blk * block_size;
-          for (int64_t t = 0; t < n; ++t) srow[t] = dot(qr, kf.data() + t * D, D);
+        const int64_t n_blk = std::min(block_size, Ct - blk * block_size);
+        for (int64_t t0 = 0; t0 < n_blk; t0 += KEY_LANES) {
+          const int64_t n = std::min<int64_t>(KEY_LANES, n_blk - t0);
+          std::fill(kt.begin(), kt.end(), 0.f);
+          for (int64_t t = 0; t < n; ++t) {
+            const T* kr = kp + ((base + t0 + t) * Hkv + h) * D;
+            for (int64_t d = 0; d < D; ++d) kt[d * KEY_LANES + t] = static_cast<float>(kr[d]);
+          }
+          for (int64_t r = 0; r < R; ++r)
+            scores16(qf.data() + r * D, kt.data(), sf.data() + r * Ct + blk * block_size + t0, n, D);
         }
       }
-      // Softmax per row over its visible keys.
+      // Softmax per row over its visible keys [lo, pos]; everything else gets probability 0.
       for (int64_t r = 0; r < R; ++r) {
-        const int64_t visible = C - W + r / G + 1;
-        float* srow = sf.data() + r * C;
+        const int64_t pos = C - W + j0 + r / G;
+        const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+        float* srow = sf.data() + r * Ct;
         float mx = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : mx)
-        for (int64_t t = 0; t < visible; ++t) mx = srow[t] > mx ? srow[t] : mx;
+        for (int64_t t = lo; t <= pos; ++t) mx = srow[t] > mx ? srow[t] : mx;
         float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < visible; ++t) {
+        for (int64_t t = lo; t <= pos; ++t) {
           srow[t] = exp_nonpos(srow[t] - mx);
           sum += srow[t];
         }
         const float inv = 1.f / sum;
-        for (int64_t t = 0; t < visible; ++t) srow[t] *= inv;
-        for (int64_t t = visible; t < C; ++t) srow[t] = 0.f;
+        for (int64_t t = 0; t < lo; ++t) srow[t] = 0.f;
+        for (int64_t t = lo; t <= pos; ++t) srow[t] *= inv;
+        for (int64_t t = pos + 1; t < Ct; ++t) srow[t] = 0.f;
       }
-      // Pass 2: weighted sum of V, block by block.
+      // Pass 2: weighted sum of V, block by block (a zero weight adds exactly nothing).
       for (int64_t blk = 0; blk < nblk && blk < NB; ++blk) {
         const int64_t base = tb[b * NB + blk] * block_size;
-        const int64_t n = std::min(block_size, C - blk * block_size);
+        const int64_t n = std::min(block_size, Ct - blk * block_size);
         for (int64_t t = 0; t < n; ++t) to_float(vp + ((base + t) * Hkv + h) * D, vf.data() + t * D, D);
         for (int64_t r = 0; r < R; ++r) {
-          const float* prow = sf.data() + r * C + blk * block_size;
+          const float* prow = sf.data() + r * Ct + blk * block_size;
           axpy_rows(accf.data() + r * D, prow, vf.data(), n, D);
         }
       }
-      for (int64_t j = 0; j < W; ++j)
+      for (int64_t j = j0; j < j1; ++j)
         for (int64_t g = 0; g < G; ++g) {
           T* dst = op + ((qs[b] + j) * H + h * G + g) * D;
-          const float* src = accf.data() + (j * G + g) * D;
+          const float* src = accf.data() + ((j - j0) * G + g) * D;
           for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(src[d]);
         }
     }
@@ -143,16 +170,17 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
 
 // q: [T, H, D]; kv: [2, S, Hkv, D]; tables: [B, NB] long; ctx, qstart, qlen: [B] long.
 // Writes rows qstart[b] .. qstart[b] + qlen[b] of out ([T, H, D], same dtype as q).
+// window > 0: a query at position p sees keys max(0, p - window + 1) .. p (sliding window).
 void paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor tables, torch::Tensor ctx,
                   torch::Tensor qstart, torch::Tensor qlen, int64_t block_size, double scale,
-                  torch::Tensor out) {
+                  torch::Tensor out, int64_t window) {
   TORCH_CHECK(q.is_contiguous() && kv.is_contiguous() && out.is_contiguous(), "contiguous tensors expected");
   TORCH_CHECK(q.scalar_type() == kv.scalar_type() && q.scalar_type() == out.scalar_type(), "dtype mismatch");
   TORCH_CHECK(tables.scalar_type() == torch::kLong && ctx.scalar_type() == torch::kLong, "long metadata expected");
   TORCH_CHECK(q.size(1) % kv.size(2) == 0, "query heads must be a multiple of KV heads");
   auto t = tables.contiguous(), c = ctx.contiguous(), s = qstart.contiguous(), l = qlen.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
-    run<scalar_t>(q, kv, t, c, s, l, block_size, scale, out);
+    run<scalar_t>(q, kv, t, c, s, l, block_size, scale, window, out);
   });
 }
 
@@ -170,7 +198,9 @@ int64_t int8_gemm_isa();
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_gemm", &int8_gemm, "x W^T with W in GGUF groups, x quantized to int8 per 32 (row-invariant)");
   m.def("int8_gemm_isa", &int8_gemm_isa, "0 scalar, 1 AVX2, 2 AVX-VNNI, 3 AVX-512 VNNI");
-  m.def("paged_decode", &paged_decode, "paged decode/verify attention over the KV cache in place");
+  m.def("paged_decode", &paged_decode, "paged attention over the KV cache in place, any query length",
+        py::arg("q"), py::arg("kv"), py::arg("tables"), py::arg("ctx"), py::arg("qstart"), py::arg("qlen"),
+        py::arg("block_size"), py::arg("scale"), py::arg("out"), py::arg("window") = 0);
   m.def("rms_norm", &rms_norm, "w * rms_normalise(x), row-wise");
   m.def("add_rms_norm", &add_rms_norm, "residual += delta; rms_norm(residual)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a [T, 2*inter] gate|up product");

@@ -48,3 +48,42 @@ def test_cpu_paged_matches_eager(query_lens, ctx, hkv, g_heads, d, dtype, tol):
 def test_cpu_paged_is_registered_and_supports_cpu_batches():
     fast = get_backend("cpu_paged")
     assert fast.supports(AttentionBatch([1], [3], [[0]], BS, torch.device("cpu")))
+
+
+def _run(fast, q, k, v, cache, query_lens, ctx, tables, window=None):
+    batch = AttentionBatch(query_lens, ctx, tables, BS, torch.device("cpu"))
+    return fast.forward(q, k, v, cache, fast.build_metadata(batch), 0.125, window=window)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_result_does_not_depend_on_its_step(dtype):
+    """Row invariance: the same token attended in a 37-token prefill chunk, a 5-token verify, alone,
+    or beside other requests gives bit-identical output."""
+    fast = get_backend("cpu_paged")
+    C, hkv, g, d = 37, 2, 3, 64
+    tables, q, k, v, cache = _case([C, 3], [C, 11], hkv, g, d, dtype, seed=7)
+    cache0 = cache.clone()
+    # One prefill of all 37 tokens of request 0 (three 16-row tiles) beside a 3-token request.
+    full = _run(fast, q, k, v, cache, [C, 3], [C, 11], tables)[:C]
+    for width in (1, 5, 16):
+        for end in range(width, C + 1, 7):  # the last `width` tokens up to position end-1
+            c = cache0.clone()
+            _run(fast, q[:C], k[:C], v[:C], c, [C], [C], tables[:1])  # KV of the whole prompt
+            rows = slice(end - width, end)
+            got = _run(fast, q[rows], k[rows], v[rows], c, [width], [end], tables[:1])
+            assert torch.equal(got, full[rows]), (width, end)
+
+
+def test_sliding_window_matches_a_masked_reference():
+    fast = get_backend("cpu_paged")
+    C, hkv, g, d, window = 30, 1, 2, 16, 8
+    tables, q, k, v, cache = _case([C], [C], hkv, g, d, torch.float32, seed=3)
+    out = _run(fast, q, k, v, cache, [C], [C], tables, window=window)
+    pos = torch.arange(C)
+    mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)  # [C, C]
+    kk, vv = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)  # [C, H, D]
+    s = torch.einsum("qhd,khd->hqk", q, kk) * 0.125
+    p = s.masked_fill(~mask, float("-inf")).softmax(-1)
+    ref = torch.einsum("hqk,khd->qhd", p, vv)
+    torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-5)
+    assert not torch.allclose(out, _run(fast, q, k, v, cache.clone(), [C], [C], tables))  # the window matters

@@ -1,0 +1,71 @@
+"""The int8 dot-product linear kernel: exact against its scalar reference on every ISA path,
+row-invariant, and close to the dequantized weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dynaspec.models import int8_dot
+from dynaspec.models.int8_dot import Int8DotLinear, quantize_grouped_int8
+from dynaspec.models.quant import QuantizedTensor, quantize_int4
+
+pytestmark = pytest.mark.skipif(int8_dot.kernel_isa() == "unavailable", reason="the C++ kernels are not built")
+ISAS = [0, 1, 2, 3]  # scalar, AVX2, AVX-VNNI, AVX-512 VNNI (capped at what this CPU has)
+
+
+def _weights(kind: str, n: int, k: int, seed: int) -> QuantizedTensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g)
+    if kind == "q4":
+        return quantize_int4(w)
+    group = 16 if kind == "q8g16" else 32
+    q = quantize_grouped_int8(w, group)
+    if kind == "q8zero":  # Q5_x-style: a float minimum per group
+        q = QuantizedTensor("q8", q.q, q.scale, torch.randn(n, k // 32, generator=g) * 0.01, 32)
+    return q
+
+
+@pytest.mark.parametrize("kind", ["q4", "q8", "q8g16", "q8zero"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_isa_path_equals_the_scalar_reference_bit_for_bit(kind, dtype):
+    w = _weights(kind, 80, 192, seed=1)
+    lin = Int8DotLinear(w, None)
+    x = torch.randn(21, 192, generator=torch.Generator().manual_seed(2)).to(dtype)
+    ref = lin(x, isa=0)
+    for isa in ISAS[1:]:
+        assert torch.equal(lin(x, isa=isa), ref), isa
+    exact = x.float() @ w.dequantize().t()
+    rel = ((ref.float() - exact).abs().max() / exact.abs().max()).item()
+    assert rel < 0.03, rel  # int8 activations: ~0.5-1.5% of the largest output here
+
+
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+def test_rows_do_not_depend_on_how_many_share_the_call(kind):
+    w = _weights(kind, 96, 256, seed=3)
+    lin = Int8DotLinear(w, None)
+    x = torch.randn(70, 256, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    full = lin(x)  # 70 rows: a 64-row chunk and a 6-row one, register blocks of 8 and 6
+    for m in (1, 2, 3, 5, 9, 16):
+        for start in (0, 7, 61):
+            part = x[start: start + m]
+            assert torch.equal(lin(part), full[start: start + len(part)]), (m, start)
+    perm = torch.randperm(70, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(lin(x[perm]), full[perm])  # order in the batch changes nothing either
+
+
+def test_q4_1_minimum_is_recovered_exactly_and_bias_added():
+    w = _weights("q4", 32, 64, seed=6)
+    packed, scales, mins, bits = int8_dot.pack(w)
+    assert bits == 4 and packed.numel() == 32 * 64 // 2
+    # The kernel's minimum term is zero - 8 * scale: the Q4_1 "m" behind torch's zero point.
+    m = (w.zero.double() - 8 * w.scale.double()).float()
+    assert torch.equal(mins, m.reshape(2, 16, 2).permute(0, 2, 1))
+    bias = torch.randn(32)
+    x = torch.randn(3, 64)
+    assert torch.equal(Int8DotLinear(w, bias)(x), Int8DotLinear(w, None)(x) + bias)
+
+
+def test_shapes_the_kernel_cannot_take_are_reported():
+    assert not int8_dot.supports(quantize_int4(torch.randn(24, 64)))  # N not a multiple of 16
+    assert int8_dot.supports(quantize_int4(torch.randn(32, 64)))
