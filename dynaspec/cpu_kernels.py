@@ -1,22 +1,38 @@
-"""The engine's own small C++ CPU kernels (csrc/), built on first use on the machine that runs them.
+"""The engine's C++ CPU kernels (csrc/): built at install, loaded at run time, JIT only as a fallback.
 
-torch's extension tooling compiles csrc/*.cpp once per ISA tag into its cache (~1 minute the
-first time, then loaded in well under a second). The vector flags come from what this CPU
-reports in /proc/cpuinfo at run time (AVX-512 / AVX2 / baseline), never from the machine that
-built a wheel, so an instruction the CPU lacks can never be emitted (llama.cpp built natively
-on one machine died with SIGILL on another). Without a compiler or ninja (`pip install
-'dynaspec[cpu-kernels]'` provides ninja) the kernels are unavailable, `available()` says why,
-and every caller keeps its plain PyTorch path. Built with -ffp-contract=off: no fused
+`pip install` compiles csrc/*.cpp into `dynaspec._cpu_kernels` (setup.py) for the vector ISA the
+installing machine reports, so a first start loads them in well under a second. At load the
+module's build facts (ISA tag, hash of the sources and flags) are checked against this CPU and
+these sources; a mismatch (another machine, edited sources) or a missing module falls back to a
+JIT build with torch's extension tooling into a directory of this install's own (never shared
+with another install or checkout), announced in the log, under a lock that gives up after a
+bounded wait instead of hanging on a lock file a killed process left behind. Without a compiler
+or ninja (`pip install 'dynaspec[cpu-kernels]'`) the kernels are unavailable, `available()` says
+why, and every caller keeps its plain PyTorch path. Built with -ffp-contract=off: no fused
 multiply-adds the eager ops would not do, so the fused ops round exactly like them.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import hashlib
+import importlib
+import logging
 import os
+import time
 from functools import lru_cache
 
+log = logging.getLogger("dynaspec")
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
-_SOURCES = ("paged_decode.cpp", "fused_ops.cpp", "int8_gemm.cpp")
+SOURCES = ("paged_decode.cpp", "fused_ops.cpp", "int8_gemm.cpp")
+EXT_MODULE = "dynaspec._cpu_kernels"
+_ISA = {
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "base": [],
+}
+BUILD_WAIT_S = float(os.environ.get("DYNASPEC_KERNEL_BUILD_WAIT", "900"))
 
 
 def isa_flags() -> tuple[str, list[str]]:
@@ -28,24 +44,108 @@ def isa_flags() -> tuple[str, list[str]]:
     except OSError:
         pass
     if {"avx512f", "avx512bw", "avx512vl", "fma", "f16c"} <= flags:
-        return "avx512", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c"]
+        return "avx512", _ISA["avx512"]
     if {"avx2", "fma", "f16c"} <= flags:
-        return "avx2", ["-mavx2", "-mfma", "-mf16c"]
+        return "avx2", _ISA["avx2"]
     return "base", []
+
+
+def compile_flags(tag: str) -> list[str]:
+    return ["-O3", "-ffp-contract=off", "-fopenmp", "-fopenmp-simd", *_ISA[tag],
+            f"-DDYNASPEC_SRC_HASH=h{source_hash(tag)}", f"-DDYNASPEC_ISA_TAG={tag}"]
+
+
+def source_hash(tag: str) -> str:
+    """Hash of the kernel sources, the ISA flags and the torch version they build against."""
+    import torch
+
+    h = hashlib.sha256(f"{tag}|{' '.join(_ISA[tag])}|{torch.__version__}".encode())
+    for name in SOURCES:
+        with open(os.path.join(_CSRC, name), "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()[:16]
+
+
+def _prebuilt(tag: str):
+    """The module built at install, if it exists and matches this CPU and these sources."""
+    import torch  # noqa: F401 - loads libc10/libtorch, which the module links against
+
+    try:
+        mod = importlib.import_module(EXT_MODULE)
+    except ImportError as exc:
+        log.info("no CPU kernels built at install (%s)", exc)
+        return None
+    built_tag, built_hash = mod.build_info()
+    if built_tag != tag or built_hash != "h" + source_hash(tag):
+        log.info("the installed CPU kernels were built for %s/%s, this CPU and source need %s/%s: rebuilding",
+                 built_tag, built_hash, tag, source_hash(tag))
+        return None
+    return mod
+
+
+def build_dir(tag: str) -> str:
+    """This install's own JIT directory: keyed by the package's path and the source hash, so two
+    installs (or checkouts) never build over each other's files."""
+    root = os.environ.get("DYNASPEC_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "dynaspec")
+    install = hashlib.sha256(os.path.abspath(os.path.dirname(__file__)).encode()).hexdigest()[:10]
+    return os.path.join(root, "kernels", f"{tag}-{source_hash(tag)}-{install}")
+
+
+def _lock(path: str, wait_s: float):
+    """An exclusive flock on `path`, waiting at most wait_s (a dead holder's lock is released by
+    the kernel, unlike torch's lock file)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    deadline, next_note = time.monotonic() + wait_s, time.monotonic() + 30
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except OSError as exc:
+            if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+        if time.monotonic() > deadline:
+            os.close(fd)
+            raise TimeoutError(f"another process has been building the kernels in {os.path.dirname(path)} "
+                               f"for over {wait_s:.0f} s (DYNASPEC_KERNEL_BUILD_WAIT)")
+        if time.monotonic() > next_note:
+            log.info("waiting for another process building the CPU kernels in %s", os.path.dirname(path))
+            next_note += 30
+        time.sleep(0.5)
+
+
+def _jit(tag: str):
+    from torch.utils.cpp_extension import load
+
+    where = build_dir(tag)
+    os.makedirs(where, exist_ok=True)
+    fd = _lock(os.path.join(where, "dynaspec.lock"), BUILD_WAIT_S)
+    try:
+        stale = os.path.join(where, "lock")  # torch's own lock file: ours is held, so nobody builds
+        if os.path.exists(stale):
+            os.remove(stale)
+        built = any(f.endswith(".so") for f in os.listdir(where))
+        if not built:
+            log.info("building the dynaspec CPU kernels for %s into %s (not built at install; ~1-4 min once)",
+                     tag, where)
+        t0 = time.perf_counter()
+        mod = load(name=f"dynaspec_cpu_kernels_{tag}", sources=[os.path.join(_CSRC, s) for s in SOURCES],
+                   extra_cflags=compile_flags(tag),
+                   extra_ldflags=["-fopenmp"], build_directory=where, verbose=False)
+        if not built:
+            log.info("CPU kernels built in %.0f s", time.perf_counter() - t0)
+        return mod
+    finally:
+        os.close(fd)
 
 
 @lru_cache(maxsize=1)
 def _load():
-    """The compiled module, or the reason it cannot be built (a str)."""
+    """The compiled module, or the reason it cannot be had (a str)."""
     if os.environ.get("DYNASPEC_NO_CPU_KERNELS"):
         return "disabled by DYNASPEC_NO_CPU_KERNELS"
+    tag, _ = isa_flags()
     try:
-        from torch.utils.cpp_extension import load
-
-        tag, isa = isa_flags()
-        return load(name=f"dynaspec_cpu_kernels_{tag}", sources=[os.path.join(_CSRC, s) for s in _SOURCES],
-                    extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp", "-fopenmp-simd", *isa], extra_ldflags=["-fopenmp"],
-                    verbose=False)
+        return _prebuilt(tag) or _jit(tag)
     except Exception as exc:  # no compiler, no ninja, a build error: callers keep plain torch
         lines = str(exc).strip().splitlines()
         return f"{type(exc).__name__}: {lines[-1] if lines else ''}"
@@ -57,7 +157,8 @@ def available() -> tuple[bool, str]:
 
 
 def extension():
-    """The module (paged_decode, rms_norm, add_rms_norm, silu_mul); raises if unavailable."""
+    """The module (paged_decode, rms_norm, add_rms_norm, silu_mul, rope_inplace, int8_gemm);
+    raises if unavailable."""
     mod = _load()
     if isinstance(mod, str):
         raise RuntimeError(f"the dynaspec CPU kernels could not be built: {mod}")
