@@ -47,6 +47,7 @@ class CpuPagedBackend:
         if not ok:
             raise RuntimeError(f"the cpu_paged attention kernel could not be built: {why}")
         self._op = cpu_kernels.extension().paged_decode
+        self._write_kv = cpu_kernels.extension().write_kv
 
     def supports(self, batch: AttentionBatch) -> bool:
         return batch.device.type == "cpu"
@@ -73,8 +74,11 @@ class CpuPagedBackend:
                 md: CpuPagedMetadata, scale: float, window: int | None = None) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D]; kv_cache: [2, num_slots, Hkv, D]. Returns [T, H, D].
         window: a query at position p sees keys max(0, p - window + 1) .. p."""
-        kv_cache[0].index_copy_(0, md.slot_mapping, k)
-        kv_cache[1].index_copy_(0, md.slot_mapping, v)
+        if k.stride(2) == 1 and k.stride(1) == k.shape[2] and v.stride(2) == 1 and v.stride(1) == v.shape[2]:
+            self._write_kv(kv_cache, k, v, md.slot_mapping)  # two index_copy_ calls cost ~50 us
+        else:
+            kv_cache[0].index_copy_(0, md.slot_mapping, k)
+            kv_cache[1].index_copy_(0, md.slot_mapping, v)
         q = q.contiguous()
         out = torch.empty_like(q)
         if md.block_tables.shape[0]:

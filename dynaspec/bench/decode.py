@@ -71,3 +71,76 @@ def report(engine: LLMEngine, results: list[dict], bandwidth: float) -> str:
                      f"{p['forward']:.2f} | {p['sample']:.2f} | {p['update']:.2f} | "
                      f"{r['outside_forward_pct']:.1f}% |")
     return "\n".join(lines)
+
+
+def _synthetic_forward(model, kv_caches, block_size: int, num_blocks: int, batch: int, ctx: int,
+                       width: int):
+    """A callable running one verify-shaped step: `batch` requests, each `width` new tokens after
+    `ctx` cached ones, logits for every row and their argmax (what verification reads)."""
+    from dynaspec.attention.backend import AttentionBatch
+
+    ctx = min(ctx, num_blocks * block_size - width)
+    blocks = list(range(-(-(ctx + width) // block_size)))  # every request aliases the same blocks
+    qlens, clens = [width] * batch, [ctx + width] * batch
+    ids = torch.randint(100, 1000, (batch * width,), generator=torch.Generator().manual_seed(width))  # [T]
+    pos = torch.arange(ctx, ctx + width).repeat(batch)  # [T]
+    rows = torch.arange(batch * width)  # [T]
+
+    def step():
+        md = model.attn.build_metadata(AttentionBatch(qlens, clens, [blocks] * batch, block_size, model.device))
+        model.forward(ids, pos, kv_caches, md, rows).argmax(dim=-1).tolist()
+
+    return step
+
+
+def run_widths(engine: LLMEngine, batches: list[int], contexts: list[int], widths: list[int],
+               rounds: int = 5, steps: int = 5) -> list[dict]:
+    """Step time per (batch, context, width): the widths of one shape alternate within each round
+    (A B C A B C ...) and each sample is the median of `steps` steps; the result is the median
+    over rounds, with the ratio to width 1 in the same rounds."""
+    import statistics
+
+    p = engine.parts
+    cc = engine.config.cache
+    out = []
+    for b in batches:
+        for c in contexts:
+            fns = {w: _synthetic_forward(p.model, p.runner.kv_caches, cc.block_size, p.kv.num_blocks, b, c, w)
+                   for w in widths}
+            for f in fns.values():
+                f()  # warm-up: oneDNN primitives, caches
+            samples: dict[int, list[float]] = {w: [] for w in widths}
+            for _ in range(rounds):
+                for w, f in fns.items():
+                    times = []
+                    for _ in range(steps):
+                        t0 = time.perf_counter()
+                        f()
+                        times.append(time.perf_counter() - t0)
+                    samples[w].append(statistics.median(times) * 1e3)
+            base = samples.get(1)
+            for w in widths:
+                ratios = [a / b_ for a, b_ in zip(samples[w], base)] if base else []
+                out.append({"batch": b, "context_len": c, "width": w, "step_ms": statistics.median(samples[w]),
+                            "ratio_to_width_1": statistics.median(ratios) if ratios else None,
+                            "samples_ms": samples[w]})
+    return out
+
+
+def report_widths(engine: LLMEngine, results: list[dict], bandwidth: float) -> str:
+    from dynaspec.models.quant_linear import linear_kernel_summary
+
+    m = engine.parts.model
+    wbytes = m.weight_bytes_per_step()
+    limit_ms = wbytes / bandwidth * 1e3
+    lines = [f"model {engine.parts.model_name}, {torch.get_num_threads()} threads, linear kernel "
+             f"{linear_kernel_summary(m)}, attention {m.attn.name}",
+             f"CPU: {cpu_info().summary()}",
+             f"weights read per step: {wbytes / 1e6:.1f} MB; read bandwidth {bandwidth / 1e9:.1f} GB/s; "
+             f"bandwidth-limited step {limit_ms:.2f} ms",
+             "| batch | context | width | step ms | / width 1 | bandwidth limit ms |", "|---|---|---|---|---|---|"]
+    for r in results:
+        ratio = "" if r["ratio_to_width_1"] is None else f"{r['ratio_to_width_1']:.2f}"
+        lines.append(f"| {r['batch']} | {r['context_len']} | {r['width']} | {r['step_ms']:.2f} | {ratio} | "
+                     f"{limit_ms:.2f} |")
+    return "\n".join(lines)

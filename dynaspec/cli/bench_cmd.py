@@ -17,6 +17,11 @@ def register(sub) -> None:
     d.add_argument("--context-lens", default=None,
                    help="comma-separated prompt lengths to sweep (overrides --prompt-len)")
     d.add_argument("--gen-tokens", type=int, default=64)
+    d.add_argument("--widths", default=None,
+                   help="comma-separated verify widths (e.g. 1,2,3,4,5,8,9,16): time synthetic steps of "
+                        "each width per batch size and context instead of decoding (widths alternate "
+                        "within rounds; median of --rounds)")
+    d.add_argument("--rounds", type=int, default=5, help="rounds of the --widths sweep (default: 5)")
     d.add_argument("--json", action="store_true")
     add_engine_args(d)
     d.set_defaults(func=run_decode_cmd)
@@ -58,6 +63,25 @@ def run_admission_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_widths_cmd(args: argparse.Namespace, engine, contexts: list[int]) -> int:
+    from dynaspec.bench.decode import measure_read_bandwidth, report_widths, run_widths
+    from dynaspec.models.quant_linear import cpu_info, linear_kernel_summary
+
+    widths = sorted({int(w) for w in args.widths.split(",")})
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    results = run_widths(engine, batches, contexts, widths, rounds=args.rounds)
+    bw = measure_read_bandwidth()
+    m = engine.parts.model
+    if args.json:
+        print(json.dumps({"bandwidth_bytes_per_s": bw, "weight_bytes_per_step": m.weight_bytes_per_step(),
+                          "bandwidth_limited_step_ms": m.weight_bytes_per_step() / bw * 1e3,
+                          "linear_kernel": linear_kernel_summary(m), "attention": m.attn.name,
+                          "cpu": cpu_info().summary(), "results": results}))
+    else:
+        print(report_widths(engine, results, bw))
+    return 0
+
+
 def run_decode_cmd(args: argparse.Namespace) -> int:
     from dynaspec.bench.decode import measure_read_bandwidth, report, run_decode
     from dynaspec.engine.llm_engine import LLMEngine
@@ -66,8 +90,10 @@ def run_decode_cmd(args: argparse.Namespace) -> int:
     engine = LLMEngine(EngineConfig.from_kwargs(**engine_kwargs(args)))
     from dynaspec.models.quant_linear import cpu_info
 
-    run_decode(engine, 1, args.prompt_len, 8)  # warm-up
     contexts = [int(c) for c in args.context_lens.split(",")] if args.context_lens else [args.prompt_len]
+    if args.widths:
+        return _run_widths_cmd(args, engine, contexts)
+    run_decode(engine, 1, args.prompt_len, 8)  # warm-up
     results = [run_decode(engine, int(b), c, args.gen_tokens)
                for c in contexts for b in args.batch_sizes.split(",")]
     bw = measure_read_bandwidth()

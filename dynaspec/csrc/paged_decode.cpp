@@ -206,7 +206,11 @@ int64_t int8_gemm_isa();
 #define DYNASPEC_STR2(x) #x
 #define DYNASPEC_STR(x) DYNASPEC_STR2(x)
 
+// layer_stack.cpp
+void register_layer_stack(pybind11::module& m);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  register_layer_stack(m);
   m.def("build_info", [] { return std::make_tuple(std::string(DYNASPEC_STR(DYNASPEC_ISA_TAG)), std::string(DYNASPEC_STR(DYNASPEC_SRC_HASH))); },
         "(ISA tag, source hash) this module was built with");
   m.def("int8_gemm", &int8_gemm, "x W^T with W in GGUF groups, x quantized to int8 per 32 (row-invariant)");

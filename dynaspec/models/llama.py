@@ -14,6 +14,7 @@ from dynaspec.attention.paged import EagerPagedBackend
 from dynaspec.config import ModelArchConfig
 from dynaspec.models.layers import FusedOps, RotaryCache, apply_rope, rms_norm
 from dynaspec.models.quant import cat_rows
+from dynaspec.models.int8_dot import Int8DotLinear
 from dynaspec.models.quant_linear import WeightPlan, make_embedding, make_linear, make_lm_head
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -90,6 +91,7 @@ class LlamaModel:
                        for i in range(cfg.num_hidden_layers)]
         self.rope = RotaryCache(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_positions, device)
         self.attn: AttentionBackend = EagerPagedBackend()  # used when forward() is given none
+        self._stack = layer_stack(self)  # all layers in one C++ call, where every part is C++
 
     @staticmethod
     def _layer_weights(raw, t, sd: dict, i: int) -> dict:
@@ -141,10 +143,33 @@ class LlamaModel:
         step writes the KV cache in place; compiled callers run it under `torch.no_grad()`."""
         x = self.embed(input_ids)  # [T, hidden]
         cos, sin = self.rope.lookup(positions, self.dtype)
-        delta = None
-        for layer, kv in zip(self.layers, kv_caches):
-            x, delta = layer.forward(x, delta, cos, sin, kv, md, attn)
+        if self._stack is not None and attn.name == "cpu_paged" and not torch.compiler.is_compiling():
+            T = x.shape[0]  # the same kernels in the same order as the loop below, bit for bit
+            x, delta = self._stack.forward(x, cos.reshape(T, -1), sin.reshape(T, -1), kv_caches, md.slot_mapping,
+                                           md.block_tables, md.context_lens, md.query_start, md.query_lens,
+                                           md.block_size, self.layers[0].scale)
+        else:
+            delta = None
+            for layer, kv in zip(self.layers, kv_caches):
+                x, delta = layer.forward(x, delta, cos, sin, kv, md, attn)
         if logits_indices is not None:  # None: every token's logits (the fixed-shape path)
             x, delta = x[logits_indices], delta[logits_indices]
         h = self.ops.rms_norm(x + delta, self.norm, self.cfg.rms_norm_eps)  # [R, hidden]
         return self.lm_head(h).float()
+
+
+def layer_stack(model: LlamaModel):
+    """The C++ LayerStack for this model's layers, or None where some part of a layer is not on
+    the int8dot + fused-ops path (bias, QK-norm, another kernel): those run the Python loop."""
+    ext = model.ops.ext
+    if ext is None or not hasattr(ext, "LayerStack") or model.dtype not in (torch.bfloat16, torch.float32):
+        return None
+    layers = []
+    for layer in model.layers:
+        mats = (layer.qkv, layer.o, layer.gate_up, layer.down)
+        if layer.q_norm is not None or not all(isinstance(m, Int8DotLinear) and m.bias is None for m in mats):
+            return None
+        q = [ext.QLinear(m.packed, m.scales, m.mins, m.out_features, m.group_size, m.bits) for m in mats]
+        layers.append(ext.Layer(*q, layer.ln1, layer.ln2))
+    first = model.layers[0]
+    return ext.LayerStack(layers, first.H, first.Hkv, first.D, first.eps)

@@ -1,0 +1,54 @@
+"""The C++ layer stack runs the same kernels in the same order as the Python layer loop."""
+
+from __future__ import annotations
+
+import gguf
+import pytest
+import torch
+
+from dynaspec import LLM
+from dynaspec.models import int8_dot
+
+from ..e2e.conftest import greedy
+
+pytestmark = pytest.mark.skipif(int8_dot.kernel_isa() == "unavailable", reason="the C++ kernels are not built")
+
+
+@pytest.fixture(scope="module")
+def q41_gguf(tiny_llama_dir, make_tiny_gguf, tmp_path_factory) -> str:
+    out = tmp_path_factory.mktemp("stack") / "tiny-q4_1.gguf"
+    return make_tiny_gguf(tiny_llama_dir, str(out), tensor_type=gguf.GGMLQuantizationType.Q4_1)
+
+
+def _generate(llm: LLM, prompts) -> list[list[int]]:
+    return [o.token_ids for o in llm.generate(prompts, greedy(16, ignore_eos=True))]
+
+
+def test_stack_is_bit_identical_to_the_python_loop(q41_gguf):
+    llm = LLM(model=q41_gguf, num_kv_blocks=128, speculator="ngram", num_spec_tokens=3, k_policy="table",
+              prompt_lookup_min=1)
+    model = llm.engine.parts.model
+    assert model._stack is not None
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6, 9], list(range(3, 40)), [11, 12]]
+    fast = _generate(llm, prompts)
+    # Logits of one mixed step (prefill rows beside decode rows) through both paths.
+    from dynaspec.attention.backend import AttentionBatch
+
+    kv = model.allocate_kv(64 * 16)
+    md = model.attn.build_metadata(AttentionBatch([5, 1], [5, 9], [[0], [1]], 16, torch.device("cpu")))
+    ids, pos = torch.tensor([3, 4, 5, 6, 7, 8]), torch.tensor([0, 1, 2, 3, 4, 8])
+    rows = torch.arange(6)
+    a = model.forward(ids, pos, [k.clone() for k in kv], md, rows)
+    stack, model._stack = model._stack, None
+    try:
+        b = model.forward(ids, pos, [k.clone() for k in kv], md, rows)
+        slow = _generate(llm, prompts)
+    finally:
+        model._stack = stack
+    assert torch.equal(a, b)
+    assert fast == slow
+
+
+def test_models_with_qk_norm_or_bias_keep_the_python_loop(tiny_qwen2_dir):
+    llm = LLM(model=tiny_qwen2_dir, num_kv_blocks=64, quantization="int8")
+    assert llm.engine.parts.model._stack is None  # qkv bias: not on the stack's path
