@@ -291,11 +291,18 @@ def share_cost_model(policy, rank: int) -> None:
 
     inner = getattr(policy, "inner", policy)
     cost = getattr(inner, "cost_model", None)
-    if cost is None:
-        return
-    payload = [cost.to_json() if rank == 0 else None]
+    # Every rank takes part, with or without a table: a rank whose measured table was refused
+    # runs the plan's table instead (engine/cost_profile), and must not leave the others
+    # waiting in this broadcast.
+    payload = [cost.to_json() if rank == 0 and cost is not None else None]
     dist.broadcast_object_list(payload, src=0)
     table = payload[0]
+    if (table is None) != (cost is None):
+        raise RuntimeError("the ranks disagree on the K policy: one rank's step cost table was "
+                           "refused (it runs the table policy) while another's was not; restart "
+                           "on a quieter machine or pass --k-policy table or --cost-table")
+    if cost is None:
+        return
     if tuple(table["batches"]) != cost.grid.batches or tuple(table["widths"]) != cost.grid.widths \
             or tuple(table["contexts"]) != cost.grid.contexts:
         raise RuntimeError("rank 0's step cost grid differs from this rank's: the ranks were "
