@@ -199,7 +199,8 @@ _KIND_TEXT = {
     "off": "no speculator: the drafter is not loaded",
     "always_zero": "every entry is K=0: the drafter is not loaded, no drafter KV, no-speculation path",
     "constant": "one K everywhere: uniform verify width, full-width graphs/compiled decode allowed",
-    "variable": "K varies by bucket: width-specific optimisations are decided per width",
+    "variable": "the verify width varies (by bucket, or by the policy's per-step K): "
+                "width-specific optimisations are decided per width",
 }
 
 
