@@ -37,7 +37,8 @@ Prober = Callable[[int, int, int], Cell]  # (batch, ctx, width) -> a measured ce
 class ProfileSettings:
     reps: int = 2  # timed repeats per cell (after one untimed warm-up run)
     monotone_tolerance: float = 0.2  # a wider/bigger step may read this much cheaper (noise)
-    reprobe_tolerance: float = 1.3  # a re-probed cell must agree within this factor
+    reprobe_tolerance: float = 1.3  # a re-probed cell must agree within this factor ...
+    floor_s: float = 5e-4  # ... or this many seconds (a tiny model's steps are timer noise)
     num_reprobe: int = 2
 
 
@@ -106,7 +107,7 @@ def _measure(prober: Prober, shapes: list[Shape]) -> dict[Shape, Cell]:
 
 
 def _disagreements(model: StepCostModel, probes: dict[Shape, Cell], tol: float,
-                   slower_ok: bool) -> list[str]:
+                   slower_ok: bool, floor_s: float) -> list[str]:
     """Re-probed cells that disagree with the table beyond `tol` (a factor). With `slower_ok`
     a re-probe slower than the table is accepted: the machine is busier now than when the
     table was measured, which says nothing against the table."""
@@ -114,6 +115,8 @@ def _disagreements(model: StepCostModel, probes: dict[Shape, Cell], tol: float,
     for (b, c, w), cell in probes.items():
         table = model.cost(b, c, w)
         ratio = cell.seconds / table
+        if abs(cell.seconds - table) <= floor_s:
+            continue
         if ratio < 1 / tol or (ratio > tol and not slower_ok):
             bad.append(f"batch {b} ctx {c} width {w}: table {1e3 * table:.2f} ms, re-probe "
                        f"{1e3 * cell.seconds:.2f} ms")
@@ -125,11 +128,11 @@ def _checked(grid: CostGrid, cells: dict[Shape, Cell], source: str, prober: Prob
     model = cost_cache.model_from_cells(grid, cells, source)
     if model is None:
         return None, ["the cells do not cover the grid"]
-    problems = model.monotone_problems(s.monotone_tolerance)
+    problems = model.monotone_problems(s.monotone_tolerance, s.floor_s)
     if problems:
         return None, problems
     probes = {shape: prober(*shape) for shape in _reprobe_shapes(grid, s.num_reprobe)}
-    problems = _disagreements(model, probes, s.reprobe_tolerance, slower_ok)
+    problems = _disagreements(model, probes, s.reprobe_tolerance, slower_ok, s.floor_s)
     return (None, problems) if problems else (model, [])
 
 

@@ -147,19 +147,24 @@ class StepCostModel:
         model.source = "injected"
         return model
 
-    def monotone_problems(self, tolerance: float = 0.2) -> list[str]:
-        """Where a wider step or a bigger batch costs less than `tolerance` below its smaller
-        neighbour: not a shape a real machine has (a step does strictly more work), so a sign
-        the cells were measured under changing load."""
+    def monotone_problems(self, tolerance: float = 0.2, floor_s: float = 5e-4) -> list[str]:
+        """Where a wider step or a bigger batch costs less than `tolerance` (and `floor_s`,
+        below which a tiny model's steps are timer noise) below its smaller neighbour: not a
+        shape a real machine has (a step does strictly more work), so a sign the cells were
+        measured under changing load."""
         g, s, bad = self.grid, self.seconds, []
+
+        def below(a: float, b: float) -> bool:  # a reads cheaper than b beyond the tolerance
+            return a < (1 - tolerance) * b and b - a > floor_s
+
         for bi, b in enumerate(g.batches):
             for ci, c in enumerate(g.contexts):
                 for wi, w in enumerate(g.widths):
                     here = s[bi][ci][wi]
-                    if wi and here < (1 - tolerance) * s[bi][ci][wi - 1]:
+                    if wi and below(here, s[bi][ci][wi - 1]):
                         bad.append(f"batch {b} ctx {c}: width {w} {1e3 * here:.2f} ms < width "
                                    f"{g.widths[wi - 1]} {1e3 * s[bi][ci][wi - 1]:.2f} ms")
-                    if bi and here < (1 - tolerance) * s[bi - 1][ci][wi]:
+                    if bi and below(here, s[bi - 1][ci][wi]):
                         bad.append(f"ctx {c} width {w}: batch {b} {1e3 * here:.2f} ms < batch "
                                    f"{g.batches[bi - 1]} {1e3 * s[bi - 1][ci][wi]:.2f} ms")
         return bad

@@ -114,3 +114,27 @@ def test_synthetic_mode_drafts_on_most_steps_under_the_default_policy(tiny_llama
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40))
     by_k = llm.engine.counters.steps_by_k
     assert by_k.get(1, 0) > sum(by_k.values()) / 2, dict(by_k)
+
+
+def test_measured_start_names_the_policy_table_source_and_cache_file(tiny_llama_dir, caplog):
+    """The measured path end to end. Whether this machine's timings pass the checks is not
+    this test's business (it must not depend on them): either way the log, the engine's
+    policy and its record agree, and a refused table is never saved."""
+    import logging
+
+    from dynaspec.spec_decode import cost_cache
+
+    with caplog.at_level(logging.INFO, logger="dynaspec"):
+        llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=256, speculator="ngram",
+                  num_spec_tokens=2, max_num_seqs=4)
+    info = llm.engine.parts.policy_info
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("K policy:"))
+    assert f"K policy: {info.name}" in line and "plan as run:" in line
+    if info.table_source == "refused":
+        assert isinstance(llm.engine.scheduler.policy, TablePolicy) and info.cache_file is None
+    else:
+        assert isinstance(llm.engine.scheduler.policy, GoodputPolicy)
+        assert info.cache_file and info.cache_file in line
+        assert cost_cache.load_cells(info.cache_file.rsplit("/", 1)[1][:-5])  # cells saved
+        assert llm.engine.plan.widths == (1, 3)
+    assert any("step cost profile:" in r.getMessage() for r in caplog.records)  # progress
