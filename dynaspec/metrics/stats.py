@@ -171,6 +171,8 @@ class EngineSnapshot:
     num_preemptions_total: int
     modelled_goodput: float | None = None  # K policy: tokens/s its decisions expected (EMA)
     observed_goodput: float | None = None  # ... and tokens/s the same decode steps gave (EMA)
+    k_policy: str | None = None  # the K policy that runs (table | adaptive | goodput), None: none
+    k_policy_reprobes: int = 0  # goodput: K>0 steps its divergence guard forced, total
 
 
 @dataclass(frozen=True)

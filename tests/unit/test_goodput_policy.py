@@ -259,8 +259,10 @@ def test_prometheus_exports_goodput_gauges():
     from dynaspec.metrics.stats import EngineSnapshot
 
     m = PrometheusMetrics()
-    m.observe_snapshot(EngineSnapshot(0, 0, 0.0, 16, 0, 0, 0, 0, 120.5, 98.25))
+    m.observe_snapshot(EngineSnapshot(0, 0, 0.0, 16, 0, 0, 0, 0, 120.5, 98.25, "goodput", 3))
     text = m.render().decode()
+    assert 'dynaspec:k_policy_info{policy="goodput"} 1.0' in text
+    assert "dynaspec:k_policy_reprobes 3.0" in text
     assert 'dynaspec:k_policy_goodput_tokens_per_second{kind="modelled"} 120.5' in text
     assert 'dynaspec:k_policy_goodput_tokens_per_second{kind="observed"} 98.25' in text
 
