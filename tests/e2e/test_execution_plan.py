@@ -27,7 +27,7 @@ def _decode_only(out) -> bool:
 
 
 def test_seed_case_every_decode_step_is_width_4_and_compiled(tiny_llama_dir, check_integrity):
-    llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=256, k_policy="table", speculator="ngram",
+    llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=256, speculator="ngram",
               num_spec_tokens=3, k_schedule=SEED_SCHEDULE, prompt_lookup_min=2,
               prompt_lookup_max=3, max_num_seqs=4, **FAST)
     check_integrity(llm.engine)
@@ -67,7 +67,7 @@ def test_seed_case_every_decode_step_is_width_4_and_compiled(tiny_llama_dir, che
 
 
 def test_variable_plan_steps_use_a_width_of_the_plan(tiny_llama_dir, check_integrity):
-    llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=256, k_policy="table", speculator="ngram",
+    llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=256, speculator="ngram",
               k_schedule="[[1, 1, 3], [2, 4, 1]]", prompt_lookup_min=1, max_num_seqs=4, **FAST)
     check_integrity(llm.engine)
     plan = llm.engine.plan
@@ -88,7 +88,7 @@ def test_variable_plan_steps_use_a_width_of_the_plan(tiny_llama_dir, check_integ
 
 
 def test_always_zero_runs_width_1_without_a_drafter(tiny_llama_dir, check_integrity):
-    llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=256, k_policy="table", speculator="ngram",
+    llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=256, speculator="ngram",
               k_schedule="[[1, 64, 0]]", max_num_seqs=2, precompile=True, **FAST)
     check_integrity(llm.engine)
     assert llm.engine.plan.kind == "always_zero" and llm.engine.runner.proposer is None

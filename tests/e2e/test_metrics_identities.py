@@ -40,7 +40,7 @@ def test_identities_hold_after_ngram_run():
 
 def test_identities_hold_with_a_variable_schedule():
     llm = LLM(model="default", num_kv_blocks=256, speculator="ngram", num_spec_tokens=4,
-              k_schedule="[[1, 1, 4], [2, 3, 2], [4, 64, 0]]", k_policy="table")
+              k_schedule="[[1, 1, 4], [2, 3, 2], [4, 64, 0]]")
     assert llm.engine.plan.kind == "variable"
     params = [SamplingParams(temperature=0, max_tokens=m) for m in (12, 24, 36, 48)]
     outs = llm.generate(PROMPTS, params)
