@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dynaspec import LLM, SamplingParams
+from tests.cost_tables import FREE_VERIFY
 
 PROMPTS = [
     "<|im_start|>user\nRepeat exactly: for i in range(10):\n    print(i * i)\n<|im_end|>\n<|im_start|>assistant\n",
@@ -33,7 +34,7 @@ def _check(llm: LLM, outs) -> None:
 
 def test_identities_hold_after_ngram_run():
     llm = LLM(model="default", num_kv_blocks=256, speculator="ngram", num_spec_tokens=4,
-              k_policy="table")  # the identities need drafts in every step
+              cost_table=FREE_VERIFY)  # the default policy on a fixed table: it drafts
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=40))
     _check(llm, outs)
 

@@ -208,7 +208,7 @@ def test_terminated_grammar_finishes_stop_even_with_ignore_eos(tiny_llama_dir, p
 
 
 def test_random_sampling_with_speculation_follows_the_grammar(tiny_llama_dir, prompts):
-    llm = LLM(k_policy="table", model=tiny_llama_dir, dtype="float32", num_kv_blocks=512, speculator="draft",
+    llm = LLM(cost_table=FREE_VERIFY, model=tiny_llama_dir, dtype="float32", num_kv_blocks=512, speculator="draft",
               draft_model=tiny_llama_dir, num_spec_tokens=3)
     params = [SamplingParams(temperature=1.0, seed=i, max_tokens=100, structured_output=SPEC)
               for i in range(len(prompts))]
@@ -222,7 +222,7 @@ def test_random_sampling_with_speculation_follows_the_grammar(tiny_llama_dir, pr
 
 def test_ngram_constrained_under_preemption(tiny_llama_dir, prompts, baseline):
     """A preempted request keeps its output and so its grammar state; output is unchanged."""
-    llm = LLM(k_policy="table", model=tiny_llama_dir, dtype="float32", num_kv_blocks=40, block_size=8,
+    llm = LLM(cost_table=FREE_VERIFY, model=tiny_llama_dir, dtype="float32", num_kv_blocks=40, block_size=8,
               speculator="ngram", num_spec_tokens=3, prompt_lookup_min=1)
     outs = llm.generate(prompts, _params())
     assert llm.engine.scheduler.num_preemptions > 0

@@ -149,7 +149,7 @@ def test_bench_passes_start_with_an_empty_suffix_cache(tiny_llama_dir):
     from dynaspec.bench.workloads import WorkItem
 
     kw = dict(model=tiny_llama_dir, dtype="float32", speculator="suffix", num_spec_tokens=4,
-              num_kv_blocks=128, enable_prefix_caching=False, k_policy="table")
+              num_kv_blocks=128, enable_prefix_caching=False, cost_table=FREE_VERIFY)
     arm = EngineArm("suffix", kw)
     items = [WorkItem(p, 12, f"p{i}") for i, p in enumerate(random_prompts(2, 280, seed=3))]
     params = make_params(items, None, 0.0, 0, ignore_eos=True)
