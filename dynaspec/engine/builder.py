@@ -16,7 +16,7 @@ from dynaspec.models.quant_linear import WeightPlan, cpu_info, resolve_quantizat
 from dynaspec.scheduler.scheduler import Scheduler
 from dynaspec.spec_decode import cost_cache
 from dynaspec.spec_decode.cost_model import CostGrid, StepCostModel
-from dynaspec.spec_decode.k_policy import make_policy, resolve_policy_name
+from dynaspec.spec_decode.k_policy import KPolicy, make_policy, resolve_policy_name
 from dynaspec.spec_decode.plan import SpecPlan, build_spec_plan, plan_for_policy
 from dynaspec.structured.manager import StructuredOutputManager
 from dynaspec.worker.compiled import make_executor
@@ -229,7 +229,7 @@ def _runner(config: EngineConfig, model: LlamaModel, kv_caches: list, blocks: in
 
 
 def _k_policy(config: EngineConfig, plan: SpecPlan, model: LlamaModel, kv_caches: list,
-              blocks: int, max_model_len: int):
+              blocks: int, max_model_len: int) -> tuple[KPolicy, SpecPlan, PolicyInfo]:
     """The policy, the plan as it runs under it (goodput adds width 1: plan_for_policy) and
     what the logs and the card say about it. A refused cost table runs the plan's table."""
     from dynaspec.spec_decode.goodput_policy import GoodputSettings
@@ -266,7 +266,8 @@ def _step_cost_model(config: EngineConfig, model: LlamaModel, kv_caches: list[to
         model=os.path.abspath(mc.model) if os.path.exists(mc.model) else mc.model,
         dtype=model.dtype, device=model.device, threads=torch.get_num_threads(),
         block_size=cc.block_size, quantization=mc.quantization,
-        quant_dense_above=mc.quant_dense_above, attention=getattr(model.attn, "name", "?"),
+        quant_dense_above=mc.quant_dense_above, dense_row_buckets=mc.dense_row_buckets,
+        attention=getattr(model.attn, "name", "?"),
         execution=config.execution.execution)
     prober = model_prober(model, kv_caches, cc.block_size, num_blocks)
     table = startup_cost_model(prober, grid, key, reprofile=sc.reprofile_costs)
