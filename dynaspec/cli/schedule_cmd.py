@@ -132,10 +132,12 @@ def execution_rows(plan: SpecPlan, ep) -> list[dict]:
     """Per batch bucket and width: the requests it covers, K, width, path and why."""
     from dynaspec.worker.execution_plan import bucket_ks
     rows = []
-    for b, covers, k in bucket_ks(plan, ep.buckets):
-        path, why = ep.path_for(b, 1 + k)
-        rows.append({"requests": covers, "bucket": b, "k": k, "width": 1 + k, "path": path,
-                     "why": why})
+    for b, covers, k_table in bucket_ks(plan, ep.buckets):
+        # Width 1 in a plan with K>0 buckets is the policy's K=0 (goodput): a row of its own.
+        for k in sorted({k_table} | ({0} if 1 in plan.widths else set())):
+            path, why = ep.path_for(b, 1 + k)
+            rows.append({"requests": covers, "bucket": b, "k": k, "width": 1 + k, "path": path,
+                         "why": why})
     return rows
 
 
