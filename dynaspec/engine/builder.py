@@ -186,7 +186,8 @@ def _plan_and_proposer(config: EngineConfig, vocab_size: int, device: torch.devi
         plan = build_spec_plan(sc.speculator, sc.num_spec_tokens, sc.k_schedule, limit)
         if not plan.speculating:
             proposer, drafter_tokens, drafter_max_len = None, 0, None
-    log.info("speculation plan: %s%s", plan.summary(),
+    # The table as written and clamped; the plan as run (under the K policy) is logged with it.
+    log.info("speculation table: %s%s", plan.summary(),
              "".join(f"; {c}" for c in plan.clamped))
     return plan, proposer, drafter_tokens, drafter_max_len
 
