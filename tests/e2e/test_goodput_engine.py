@@ -116,14 +116,17 @@ def test_synthetic_mode_drafts_on_most_steps_under_the_default_policy(tiny_llama
     assert by_k.get(1, 0) > sum(by_k.values()) / 2, dict(by_k)
 
 
-def test_measured_start_names_the_policy_table_source_and_cache_file(tiny_llama_dir, caplog):
+def test_measured_start_names_the_policy_table_source_and_cache_file(tiny_llama_dir, caplog,
+                                                                    tmp_path, monkeypatch):
     """The measured path end to end. Whether this machine's timings pass the checks is not
     this test's business (it must not depend on them): either way the log, the engine's
     policy and its record agree, and a refused table is never saved."""
     import logging
 
     from dynaspec.spec_decode import cost_cache
+    from dynaspec.spec_decode.cost_model import CACHE_ENV
 
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))  # an empty cache: this start measures
     with caplog.at_level(logging.INFO, logger="dynaspec"):
         llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=256, speculator="ngram",
                   num_spec_tokens=2, max_num_seqs=4)
