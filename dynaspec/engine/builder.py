@@ -268,7 +268,8 @@ def _step_cost_model(config: EngineConfig, model: LlamaModel, kv_caches: list[to
         dtype=model.dtype, device=model.device, threads=torch.get_num_threads(),
         block_size=cc.block_size, quantization=mc.quantization,
         quant_dense_above=mc.quant_dense_above, dense_row_buckets=mc.dense_row_buckets,
-        attention=getattr(model.attn, "name", "?"),
+        # the quantized linear kernel (main's --linear-kernel) changes every step's time
+        linear_kernel=getattr(mc, "linear_kernel", None), attention=getattr(model.attn, "name", "?"),
         execution=config.execution.execution)
     prober = model_prober(model, kv_caches, cc.block_size, num_blocks)
     table = startup_cost_model(prober, grid, key, reprofile=sc.reprofile_costs)
