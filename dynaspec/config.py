@@ -154,6 +154,13 @@ class SpecConfig:
     # (per-position conditional rates; the last applies to every later position). NOT lossless.
     rejection_mode: str = "strict"
     synthetic_acceptance: str | float | tuple[float, ...] | None = None
+    # The goodput policy's step cost table, injected instead of measured: JSON text, a path to
+    # a JSON file, or a dict ({"batches", "contexts", "widths", "seconds"[b][c][w], optional
+    # "draft_seconds_per_token"}). Fixed: served steps do not change it, so the policy's
+    # decisions depend on the table alone (tests run the default policy deterministically).
+    cost_table: str | dict | None = None
+    # Ignore cached step-cost cells and measure afresh (``dynaspec tune --reprofile``).
+    reprofile_costs: bool = False
 
     def __post_init__(self) -> None:
         if self.speculator not in _SPECULATORS:

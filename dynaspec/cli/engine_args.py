@@ -28,7 +28,10 @@ _FLAGS = [
     ("--num-spec-tokens", "num_spec_tokens", int, 0, "maximum drafts per request per step (K)"),
     ("--k-schedule", "k_schedule", str, None, "K schedule: JSON text or a JSON file"),
     ("--k-policy", "k_policy", str, "auto",
-     "auto (goodput when a drafter runs), goodput (cost model measured here), table, adaptive"),
+     "auto (table when --k-schedule is given, else goodput), goodput (cost model measured "
+     "here; a schedule is its ceiling), table, adaptive"),
+    ("--cost-table", "cost_table", str, None,
+     "goodput: a fixed step cost table (JSON file or text) instead of the measured one"),
     ("--draft-model", "draft_model", str, None, "draft model (HF folder or .gguf) for --speculator draft"),
     ("--prompt-lookup-min", "prompt_lookup_min", int, 2, "shortest n-gram to match"),
     ("--prompt-lookup-max", "prompt_lookup_max", int, 5, "longest n-gram to match"),

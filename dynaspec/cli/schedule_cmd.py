@@ -15,7 +15,7 @@ from typing import TextIO
 
 from dynaspec.spec_decode.cost_model import cache_dir
 from dynaspec.spec_decode.k_policy import POLICIES, resolve_policy_name
-from dynaspec.spec_decode.plan import ScheduleError, SpecPlan, build_spec_plan
+from dynaspec.spec_decode.plan import ScheduleError, SpecPlan, build_spec_plan, plan_for_policy
 
 EXIT_INVALID = 2
 
@@ -38,7 +38,8 @@ def register(subparsers) -> None:
     explain.add_argument("--drafter-max-k", type=int, default=None,
                          help="the drafter's own K limit (e.g. a draft model's), if below --num-spec-tokens")
     explain.add_argument("--k-policy", default="auto", choices=POLICIES,
-                         help="the K policy to describe (auto = goodput when a drafter runs)")
+                         help="the K policy to describe (auto = table when --k-schedule is given, "
+                         "else goodput)")
     explain.add_argument("--draft-model", default=None,
                          help="a draft model: its position limit clamps K (as the engine does)")
     explain.add_argument("--max-num-seqs", type=int, default=64, help="batch buckets are capped by it")
@@ -61,19 +62,22 @@ def explain(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     try:
         limit = _drafter_limit(args)
         plan = build_spec_plan(args.speculator, args.num_spec_tokens, args.k_schedule, limit)
+        policy = resolve_policy_name(getattr(args, "k_policy", "auto"), plan.speculating,
+                                     args.k_schedule is not None)
+        # Classified by the widths that can run under the policy, as the engine runs it.
+        plan = plan_for_policy(plan, policy)
         ep = _execution_plan(args, plan)
     except ValueError as exc:  # ScheduleError included: a bad flag is as invalid as a bad entry
         kind = "invalid schedule" if isinstance(exc, ScheduleError) else "invalid arguments"
         print(f"dynaspec schedule explain: {kind}: {exc}", file=err)
         return EXIT_INVALID
-    policy = resolve_policy_name(getattr(args, "k_policy", "auto"), plan.speculating)
     dp = getattr(args, "data_parallel_size", 1)
     if dp < 1:
         print(f"dynaspec schedule explain: invalid arguments: --data-parallel-size must be >= 1, "
               f"got {dp}", file=err)
         return EXIT_INVALID
     if args.json:
-        print(json.dumps({**plan.to_json(), "policy": policy,
+        print(json.dumps({**plan.to_json(), "policy": policy, "cost_cache": _cost_cache(policy),
                           "execution": execution_rows_json(plan, ep),
                           "data_parallel": {"size": dp, "text": format_dp(plan, policy, dp)}}), file=out)
     else:
@@ -128,10 +132,12 @@ def execution_rows(plan: SpecPlan, ep) -> list[dict]:
     """Per batch bucket and width: the requests it covers, K, width, path and why."""
     from dynaspec.worker.execution_plan import bucket_ks
     rows = []
-    for b, covers, k in bucket_ks(plan, ep.buckets):
-        path, why = ep.path_for(b, 1 + k)
-        rows.append({"requests": covers, "bucket": b, "k": k, "width": 1 + k, "path": path,
-                     "why": why})
+    for b, covers, k_table in bucket_ks(plan, ep.buckets):
+        # Width 1 in a plan with K>0 buckets is the policy's K=0 (goodput): a row of its own.
+        for k in sorted({k_table} | ({0} if 1 in plan.widths else set())):
+            path, why = ep.path_for(b, 1 + k)
+            rows.append({"requests": covers, "bucket": b, "k": k, "width": 1 + k, "path": path,
+                         "why": why})
     return rows
 
 
@@ -157,22 +163,33 @@ def format_execution(plan: SpecPlan, ep) -> str:
 
 _POLICY_TEXT = {
     None: "none (no drafter runs)",
-    "table": "table: every step runs the effective table's K",
+    "table": "table: every step runs the effective table's K (auto's choice under an explicit "
+             "--k-schedule: the schedule is an instruction)",
     "adaptive": "adaptive: the table's K, lowered per request from its acceptance history",
     "goodput": "goodput: each step picks the K in 0..table K (the ceiling) that maximises "
                "expected tokens per second, from a step-cost table measured on this machine and "
                "refreshed while serving, and each request's observed acceptance; K=0 where "
-               "speculation does not pay; requests that stop paying are re-probed every 16 tokens",
+               "speculation does not pay; requests that stop paying are re-probed every 16 tokens, "
+               "and a K>0 step is re-probed when modelled and observed goodput stay apart",
 }
+
+
+def _cost_cache(policy: str | None) -> dict | None:
+    if policy != "goodput":
+        return None
+    where = cache_dir() / "cost"
+    return {"dir": str(where), "files": [str(p) for p in sorted(where.glob("*.json"))]}
 
 
 def format_policy(policy: str | None) -> str:
     lines = [f"policy: {_POLICY_TEXT[policy]}"]
-    if policy == "goodput":
-        tables = sorted((cache_dir() / "cost").glob("*.json"))
-        where = cache_dir() / "cost"
-        lines.append(f"  cost tables cached in {where}: {len(tables)}" if tables else
-                     f"  no cost table cached yet in {where}: the engine profiles a few seconds at start-up")
+    cache = _cost_cache(policy)
+    if cache is not None:
+        n, where = len(cache["files"]), cache["dir"]
+        lines.append(f"  cost tables cached in {where}: {n} (checked by a short re-probe at "
+                     "start-up; a stale or inconsistent one is re-measured)" if n else
+                     f"  no cost table cached yet in {where}: the engine profiles a few seconds "
+                     "at start-up")
     return "\n".join(lines) + "\n"
 
 
@@ -184,7 +201,8 @@ _KIND_TEXT = {
     "off": "no speculator: the drafter is not loaded",
     "always_zero": "every entry is K=0: the drafter is not loaded, no drafter KV, no-speculation path",
     "constant": "one K everywhere: uniform verify width, full-width graphs/compiled decode allowed",
-    "variable": "K varies by bucket: width-specific optimisations are decided per width",
+    "variable": "the verify width varies (by bucket, or by the policy's per-step K): "
+                "width-specific optimisations are decided per width",
 }
 
 

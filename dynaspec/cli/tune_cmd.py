@@ -40,7 +40,11 @@ def register(sub) -> None:
     p = sub.add_parser("tune", help="measure goodput and write a tuned K schedule",
                        description=__doc__, epilog=_EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="schedule JSON to write")
+    p.add_argument("--out", default=None, help="schedule JSON to write (required unless --reprofile)")
+    p.add_argument("--reprofile", action="store_true",
+                   help="measure the goodput policy's step cost cells afresh for these engine "
+                   "flags (as `serve` would start), check them and merge them into the cache; "
+                   "without --out, only that")
     p.add_argument("--workload", default="code_edit", choices=WORKLOADS, help="for acceptance")
     p.add_argument("--long", action="store_true", help="the workload's long-context variant")
     p.add_argument("--num-prompts", type=int, default=4)
@@ -84,7 +88,26 @@ def _check(args: argparse.Namespace, max_model_len: int) -> None:
         raise ValueError(f"context bucket {max(args.ctx_buckets)} + K does not fit max_model_len {max_model_len}")
 
 
+def _reprofile(args: argparse.Namespace) -> int:
+    """Refresh the cached step cost cells the engine with these flags starts from."""
+    from dynaspec.config import EngineConfig
+    from dynaspec.engine.llm_engine import LLMEngine
+    if args.speculator == "none":
+        raise ValueError("dynaspec tune --reprofile needs a --speculator (the goodput policy's table)")
+    kw = engine_kwargs(args)
+    kw.update(k_policy="goodput", reprofile_costs=True, cost_table=None)
+    info = LLMEngine(EngineConfig.from_kwargs(**kw)).parts.policy_info
+    _say(info.describe())
+    return 0 if info.name == "goodput" else 1  # 1: the fresh table failed its checks
+
+
 def run_tune_cmd(args: argparse.Namespace) -> int:
+    if args.reprofile:
+        code = _reprofile(args)
+        if code or args.out is None:
+            return code
+    if args.out is None:
+        raise ValueError("dynaspec tune needs --out (or --reprofile)")
     from dynaspec.bench import tune
     from dynaspec.bench.compare import make_params
     from dynaspec.bench.workloads import load_workload

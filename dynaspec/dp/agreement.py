@@ -291,14 +291,42 @@ def share_cost_model(policy, rank: int) -> None:
 
     inner = getattr(policy, "inner", policy)
     cost = getattr(inner, "cost_model", None)
-    if cost is None:
-        return
-    payload = [cost.to_json() if rank == 0 else None]
+    # Every rank takes part, with or without a table: a rank whose measured table was refused
+    # runs the plan's table instead (engine/cost_profile), and must not leave the others
+    # waiting in this broadcast.
+    payload = [cost.to_json() if rank == 0 and cost is not None else None]
     dist.broadcast_object_list(payload, src=0)
     table = payload[0]
+    if (table is None) != (cost is None):
+        _follow_rank0(policy, inner, table)
+        return
+    if cost is None:
+        return
     if tuple(table["batches"]) != cost.grid.batches or tuple(table["widths"]) != cost.grid.widths \
             or tuple(table["contexts"]) != cost.grid.contexts:
         raise RuntimeError("rank 0's step cost grid differs from this rank's: the ranks were "
                            "started with different settings")
     cost.seconds = [[list(c) for c in r] for r in table["seconds"]]
     cost.source = f"rank 0 ({table.get('source', 'measured')})"
+
+
+def _follow_rank0(policy, inner, table: dict | None) -> None:
+    """One rank's start-up table checks disagreed with rank 0's (engine/cost_profile refuses
+    a table that fails them, and the policy falls back to the plan's table): every rank runs
+    what rank 0 runs, so the step K stays one decision."""
+    import logging
+
+    from dynaspec.spec_decode.cost_model import StepCostModel
+    from dynaspec.spec_decode.goodput_policy import GoodputPolicy
+    from dynaspec.spec_decode.k_policy import TablePolicy
+
+    plan = inner.plan
+    if table is None:  # rank 0 refused its table: the plan's table everywhere
+        new = TablePolicy(plan)
+    else:  # this rank refused its own: rank 0's table, at the widths this rank's plan runs
+        new = GoodputPolicy(plan, StepCostModel.from_json(table),
+                            allowed_widths=tuple(sorted({1, *plan.widths})))
+    logging.getLogger("dynaspec").warning(
+        "K policy: following rank 0 (%s) for one K decision per step",
+        "table: its step cost table was refused" if table is None else "goodput, its cost table")
+    policy.__init__(new, policy.agreement)  # re-wires the shared acceptance for goodput

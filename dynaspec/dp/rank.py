@@ -119,7 +119,8 @@ def _build_engine(spec: RankSpec, store, engine_cls):  # type: ignore[no-untyped
     from dynaspec.spec_decode.k_policy import resolve_policy_name
 
     sc = spec.config.spec
-    profiles = sc.speculator != "none" and resolve_policy_name(sc.k_policy, True) == "goodput"
+    profiles = (sc.speculator != "none" and sc.cost_table is None
+                and resolve_policy_name(sc.k_policy, True, sc.k_schedule is not None) == "goodput")
     key = "dynaspec/rank0-built"
     if profiles and spec.rank != 0:
         store.wait([key])

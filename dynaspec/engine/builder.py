@@ -14,10 +14,10 @@ from dynaspec.models.loader import load_model_files
 from dynaspec.sample.rejection_sampler import make_synthetic_verifier
 from dynaspec.models.quant_linear import WeightPlan, cpu_info, linear_kernel_summary, resolve_quantization
 from dynaspec.scheduler.scheduler import Scheduler
-from dynaspec.spec_decode import cost_model
+from dynaspec.spec_decode import cost_cache
 from dynaspec.spec_decode.cost_model import CostGrid, StepCostModel
-from dynaspec.spec_decode.k_policy import make_policy, resolve_policy_name
-from dynaspec.spec_decode.plan import SpecPlan, build_spec_plan
+from dynaspec.spec_decode.k_policy import KPolicy, make_policy, resolve_policy_name
+from dynaspec.spec_decode.plan import SpecPlan, build_spec_plan, plan_for_policy
 from dynaspec.structured.manager import StructuredOutputManager
 from dynaspec.worker.compiled import make_executor
 from dynaspec.worker.execution_plan import AdmissionTable, ExecutionPlan, default_admission_path
@@ -42,6 +42,32 @@ class EngineParts:
     eos_token_ids: tuple[int, ...]
     model_name: str
     structured: StructuredOutputManager
+    policy_info: "PolicyInfo | None" = None
+
+
+@dataclass(frozen=True)
+class PolicyInfo:
+    """The K policy that runs, as the start-up log, /v1/models and /metrics name it."""
+
+    name: str  # table | adaptive | goodput
+    requested: str  # the --k-policy value (auto resolves by whether a schedule was given)
+    table_source: str | None = None  # goodput: injected | cached | measured at start-up
+    cache_file: str | None = None
+    note: str | None = None  # e.g. why goodput fell back to the table
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "requested": self.requested, "cost_table": self.table_source,
+                "cache_file": self.cache_file, "note": self.note}
+
+    def describe(self) -> str:
+        text = f"K policy: {self.name}"
+        if self.requested != self.name:
+            text += f" (--k-policy {self.requested})"
+        if self.table_source is not None:
+            text += f"; step cost table {self.table_source}"
+        if self.cache_file:
+            text += f", cache file {self.cache_file}"
+        return text + (f"; {self.note}" if self.note else "")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -126,16 +152,10 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     log.info("KV pool: %d blocks x %d = %d tokens (%.2f GiB)%s", blocks, cc.block_size,
              blocks * cc.block_size, blocks * cc.block_size * model.kv_bytes_per_token() / 2**30,
              f"; drafter pool {drafter_tokens} tokens" if drafter_tokens else "")
-    exec_plan = _execution_plan(config, plan, device)
-    policy = None
+    policy, info = None, None
     if plan.speculating:
-        cost = None
-        if resolve_policy_name(sc.k_policy, True) == "goodput":
-            cost = _step_cost_model(config, model, kv_caches, blocks, max_model_len, plan)
-        # Only widths the plan produces (plus plain decode, K=0): the execution plan's grid,
-        # metrics and buffers are sized for them, so the policy never steps off it.
-        widths = tuple(sorted({1, *plan.widths}))
-        policy = make_policy(plan, sc.k_policy, cost_model=cost, allowed_widths=widths)
+        policy, plan, info = _k_policy(config, plan, model, kv_caches, blocks, max_model_len)
+    exec_plan = _execution_plan(config, plan, device)
     sched = Scheduler(config.scheduler, kv, plan, policy, max_model_len, loaded.eos_token_ids,
                       drafter_max_len, exec_plan)
     verifier = make_synthetic_verifier(sc.rejection_mode, sc.acceptance_rates, mc.seed,
@@ -150,7 +170,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     runner = _runner(config, model, kv_caches, blocks, proposer, exec_plan,
                      max_model_len + plan.max_k + 1, verifier, structured)
     return EngineParts(loaded.tokenizer, plan, exec_plan, model, kv, sched, runner, max_model_len,
-                       arch.vocab_size, drafter_tokens, loaded.eos_token_ids, mc.model, structured)
+                       arch.vocab_size, drafter_tokens, loaded.eos_token_ids, mc.model, structured,
+                       info)
 
 
 def _plan_and_proposer(config: EngineConfig, vocab_size: int, device: torch.device,
@@ -166,7 +187,8 @@ def _plan_and_proposer(config: EngineConfig, vocab_size: int, device: torch.devi
         plan = build_spec_plan(sc.speculator, sc.num_spec_tokens, sc.k_schedule, limit)
         if not plan.speculating:
             proposer, drafter_tokens, drafter_max_len = None, 0, None
-    log.info("speculation plan: %s%s", plan.summary(),
+    # The table as written and clamped; the plan as run (under the K policy) is logged with it.
+    log.info("speculation table: %s%s", plan.summary(),
              "".join(f"; {c}" for c in plan.clamped))
     return plan, proposer, drafter_tokens, drafter_max_len
 
@@ -208,25 +230,62 @@ def _runner(config: EngineConfig, model: LlamaModel, kv_caches: list, blocks: in
     return runner
 
 
+def _k_policy(config: EngineConfig, plan: SpecPlan, model: LlamaModel, kv_caches: list,
+              blocks: int, max_model_len: int) -> tuple[KPolicy, SpecPlan, PolicyInfo]:
+    """The policy, the plan as it runs under it (goodput adds width 1: plan_for_policy) and
+    what the logs and the card say about it. A refused cost table runs the plan's table."""
+    from dynaspec.spec_decode.goodput_policy import GoodputSettings
+
+    sc = config.spec
+    name = resolve_policy_name(sc.k_policy, True, sc.k_schedule is not None)
+    cost, info = None, PolicyInfo(name, sc.k_policy)
+    if name == "goodput":
+        cost, info = _step_cost_model(config, model, kv_caches, blocks, max_model_len, plan)
+        if cost is None:
+            name = "table"
+    plan = plan_for_policy(plan, name)
+    settings = GoodputSettings(synthetic_rates=sc.acceptance_rates if not sc.lossless else ())
+    # Only widths the plan produces (plus plain decode, K=0): the execution plan's grid,
+    # metrics and buffers are sized for them, so the policy never steps off it.
+    widths = tuple(sorted({1, *plan.widths}))
+    policy = make_policy(plan, name, cost_model=cost, allowed_widths=widths, settings=settings)
+    log.info("%s; plan as run: %s", info.describe(), plan.summary())
+    return policy, plan, info
+
+
 def _step_cost_model(config: EngineConfig, model: LlamaModel, kv_caches: list[torch.Tensor],
-                     num_blocks: int, max_model_len: int, plan: SpecPlan) -> StepCostModel:
-    """The cached cost table for this machine and these settings, else a fresh profile."""
-    mc, cc = config.model, config.cache
+                     num_blocks: int, max_model_len: int,
+                     plan: SpecPlan) -> tuple[StepCostModel | None, PolicyInfo]:
+    """The injected table, else the checked cached/measured one (engine/cost_profile)."""
+    from dynaspec.engine.cost_profile import model_prober, startup_cost_model
+
+    mc, cc, sc = config.model, config.cache, config.spec
+    if sc.cost_table is not None:
+        cost = StepCostModel.injected(sc.cost_table)
+        return cost, PolicyInfo("goodput", sc.k_policy, "injected (fixed)")
     grid = CostGrid.default(config.scheduler.max_num_seqs, max_model_len, plan.max_width)
-    key = cost_model.cache_key(model=os.path.abspath(mc.model) if os.path.exists(mc.model) else mc.model,
-                               dtype=model.dtype, device=model.device, threads=torch.get_num_threads(),
-                               block_size=cc.block_size,
-                               quantization=getattr(mc, "quantization", "none"),
-                               execution=config.execution.execution)
-    cost = cost_model.load_cached(key, grid)
-    if cost is None:
-        from dynaspec.engine.cost_profile import profile_step_costs
-        cost = profile_step_costs(model, kv_caches, cc.block_size, num_blocks, grid)
-        saved = cost_model.save_cached(key, cost)
-        log.info("step cost table saved to %s", saved or "nowhere (cache dir not writable)")
-    for line in cost.describe():
+    key = cost_cache.cache_key(
+        model=os.path.abspath(mc.model) if os.path.exists(mc.model) else mc.model,
+        dtype=model.dtype, device=model.device, threads=torch.get_num_threads(),
+        block_size=cc.block_size, quantization=mc.quantization,
+        quant_dense_above=mc.quant_dense_above, dense_row_buckets=mc.dense_row_buckets,
+        # the quantized linear kernel (main's --linear-kernel) changes every step's time
+        linear_kernel=getattr(mc, "linear_kernel", None), attention=getattr(model.attn, "name", "?"),
+        execution=config.execution.execution)
+    prober = model_prober(model, kv_caches, cc.block_size, num_blocks)
+    table = startup_cost_model(prober, grid, key, reprofile=sc.reprofile_costs)
+    if table.model is None:
+        log.warning("step cost table refused (%s): the goodput policy is replaced by the plan's "
+                    "table for this run; nothing was saved", "; ".join(table.problems[:3]))
+        return None, PolicyInfo("table", sc.k_policy, "refused", None,
+                                "goodput fell back to the table: the measured step costs failed "
+                                "their checks")
+    how = table.source
+    if table.num_measured:
+        how += f" ({table.num_measured} cells in {table.seconds:.1f} s, the rest estimated)"
+    for line in table.model.describe():
         log.info("%s", line)
-    return cost
+    return table.model, PolicyInfo("goodput", sc.k_policy, how, table.cache_file)
 
 
 def _build_proposer(config: EngineConfig, plan: SpecPlan, vocab_size: int, device: torch.device,

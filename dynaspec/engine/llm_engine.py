@@ -15,8 +15,8 @@ from dynaspec.config import EngineConfig
 from dynaspec.engine.output_processor import OutputProcessor
 from dynaspec.engine.builder import EngineParts, build_engine_parts
 from dynaspec.engine.step_specs import prompt_tokens, request_spec
-from dynaspec.metrics.stats import (GrammarStepStats, SpecCounters, StepStats,
-                                    fold_request_history, fold_step)
+from dynaspec.metrics.stats import (GrammarStepStats, SpecCounters, StepStats, fold_step,
+                                    request_spec_dict)
 from dynaspec.outputs import RequestOutput, SchedulerOutput
 from dynaspec.request import Request, RequestStatus
 from dynaspec.sampling_params import SamplingParams
@@ -244,7 +244,7 @@ class LLMEngine:
         records = self.request_records.get(request_id)
         if records is None or self.plan.kind == "off":
             return None
-        return {**fold_request_history(SpecCounters(), records).to_dict(), "lossless": self.lossless}
+        return {**request_spec_dict(records), "lossless": self.lossless}
 
     def pool_report(self) -> dict:
         p = self.parts

@@ -12,7 +12,9 @@ counters, so the two always agree):
   _steps{k} (k="0" included; steps with speculation off are not counted here),
   _draft_skips{reason}, _invalid_draft_tokens{reason},
   _draft_seconds, _verify_seconds, _scheduler_seconds.
-K policy: gauge k_policy_goodput_tokens_per_second{kind="modelled"|"observed"} (goodput policy).
+K policy: gauge k_policy_goodput_tokens_per_second{kind="modelled"|"observed"} (goodput policy),
+  k_policy_info{policy} (1 for the policy that runs), k_policy_reprobes (the divergence guard's
+  forced K>0 steps, total).
 Structured output (from each step's `grammar` record): histograms
   structured_output_compile_seconds (one observation per grammar compiled),
   structured_output_mask_seconds (one per step that masked rows: draft checks, bitmasks,
@@ -163,6 +165,10 @@ class PrometheusMetrics:
             "as modelled by its cost model and as observed (EMAs over the same steps).",
             names + ["kind"], registry=reg,
         )  # fmt: skip
+        self._policy = Gauge(p + "k_policy_info", "The K policy that runs (value 1).",
+                             names + ["policy"], registry=reg)
+        self._reprobes = Gauge(p + "k_policy_reprobes", "K>0 steps the goodput policy's "
+                               "divergence guard forced (total).", names, registry=reg)
         self._pc_queries = Counter(
             p + "prefix_cache_queries", "Prefix-cache tokens queried.", names, registry=reg
         )
@@ -229,6 +235,9 @@ class PrometheusMetrics:
             value = getattr(snap, f"{kind}_goodput")
             if value is not None:
                 self._child(self._goodput, kind=kind).set(value)
+        if snap.k_policy is not None:
+            self._child(self._policy, policy=snap.k_policy).set(1)
+            self._child(self._reprobes).set(snap.k_policy_reprobes)
         last_q, last_h = self._last_prefix or (0, 0)
         q, h = snap.prefix_cache_queries, snap.prefix_cache_hits
         self._child(self._pc_queries).inc(q - last_q if q >= last_q else q)

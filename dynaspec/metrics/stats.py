@@ -171,6 +171,8 @@ class EngineSnapshot:
     num_preemptions_total: int
     modelled_goodput: float | None = None  # K policy: tokens/s its decisions expected (EMA)
     observed_goodput: float | None = None  # ... and tokens/s the same decode steps gave (EMA)
+    k_policy: str | None = None  # the K policy that runs (table | adaptive | goodput), None: none
+    k_policy_reprobes: int = 0  # goodput: K>0 steps its divergence guard forced, total
 
 
 @dataclass(frozen=True)
@@ -378,6 +380,25 @@ def fold_request_history(
         b.add_requests((req,), k)
         b.count_step(k)
     return b.build()
+
+
+# Skip reasons that mean the request ran with K = 0 this step (the step's K, or the policy's
+# choice for this request), as opposed to a drafter that found nothing to propose.
+_K0_REASONS = frozenset({"schedule_zero", "adaptive"})
+
+
+def request_spec_dict(history: Iterable[tuple[RequestStepSpec, int | None]]) -> dict[str, Any]:
+    """One request's ``spec`` object: per-request facts only. Step times are engine-wide (a
+    step's time cannot be split between its requests), so they are left out rather than shown
+    as 0.0; ``num_spec_off_steps`` counts the request's steps without speculation *for it*:
+    speculation off (k None) or K = 0 for it (its skip reason says the K, not the drafter)."""
+    history = list(history)
+    out = fold_request_history(SpecCounters(), history).to_dict()
+    for name in _FLOAT_FIELDS:
+        out.pop(name)
+    out["num_spec_off_steps"] = sum(1 for req, k in history
+                                    if k is None or req.skip_reason in _K0_REASONS)
+    return out
 
 
 def fold_step(acc: SpecCounters, step: StepStats) -> SpecCounters:

@@ -186,6 +186,7 @@ def _v1_router(serving: OpenAIServing, api_key: str | None, max_body_bytes: int)
         return {"id": serving.model_name, "object": "model", "created": created,
                 "owned_by": "dynaspec", "max_model_len": eng.max_model_len,
                 "dynaspec": {"spec_plan": eng.engine.plan.to_json(),
+                             "k_policy": _policy_card(eng.engine),
                              "lossless": eng.engine.lossless,
                              "execution_plan": eng.engine.exec_plan.to_json()}}
 
@@ -219,3 +220,9 @@ def _add_open_routes(app: FastAPI, async_engine: AsyncEngine) -> None:
         with async_engine.metrics_lock:
             body = async_engine.metrics.render()
         return Response(body, media_type=CONTENT_TYPE)
+
+
+def _policy_card(engine) -> dict | None:
+    """The K policy that runs (engine/builder.PolicyInfo); None without a drafter."""
+    info = getattr(getattr(engine, "parts", None), "policy_info", None)
+    return info.to_json() if info is not None else None

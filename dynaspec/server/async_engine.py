@@ -270,10 +270,12 @@ def _snapshot(eng: Any) -> EngineSnapshot:
     pool = eng.pool_report()
     policy = eng.scheduler.policy
     modelled, observed = policy.goodput_report() if policy is not None else (None, None)
+    info = getattr(getattr(eng, "parts", None), "policy_info", None)
     return EngineSnapshot(eng.num_running, eng.num_waiting, eng.kv.usage(), pool["num_tokens"],
                           pool["drafter_num_tokens"], eng.kv.prefix_cache_queries,
                           eng.kv.prefix_cache_hits, getattr(eng.scheduler, "num_preemptions", 0),
-                          modelled, observed)
+                          modelled, observed, info.name if info else None,
+                          getattr(policy, "num_reprobes", 0))
 
 
 def _post(loop: asyncio.AbstractEventLoop, items: list[tuple[RequestStream, OutputDelta]]) -> None:

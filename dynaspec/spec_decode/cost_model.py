@@ -2,11 +2,11 @@
 
 The goodput policy (``goodput_policy.py``) needs to know what a wider verify costs *here*: on a
 memory-bound batch-1 decode one more verified token is almost free, on a compute-bound batch of
-64 it costs nearly a full token. The model is a grid measured at start-up (``engine/cost_profile``)
-and cached on disk under a key naming the machine (CPU model), the model, dtype, quantization and
-execution path, so a second launch reads it in milliseconds. While serving, every decode step the
-engine runs refreshes the grid point nearest to it by an exponential moving average, so a noisy
-start or a changed load is corrected from the step times actually seen.
+64 it costs nearly a full token. The model is a grid measured (in part) and checked at start-up
+(``engine/cost_profile``), cached on disk cell by cell (``cost_cache``), or injected as a fixed
+table (``SpecConfig.cost_table``). While serving, every decode step the engine runs refreshes
+the grid point nearest to it by an exponential moving average (not an injected table's), so a
+noisy start or a changed load is corrected from the step times actually seen.
 
 Lookup between grid points interpolates linearly in log2(requests), context and width; outside
 the grid it extrapolates along the outermost segment (and never below a tiny positive cost).
@@ -15,7 +15,6 @@ the grid it extrapolates along the outermost segment (and never below a tiny pos
 from __future__ import annotations
 
 import bisect
-import hashlib
 import json
 import math
 import os
@@ -74,7 +73,8 @@ class StepCostModel:
     MIN_COST = 1e-6
 
     def __init__(self, grid: CostGrid, seconds: list[list[list[float]]], alpha: float = 0.1,
-                 source: str = "measured") -> None:
+                 source: str = "measured", learn: bool = True,
+                 draft_seconds_per_token: float | None = None) -> None:
         shape = (len(grid.batches), len(grid.contexts), len(grid.widths))
         if (len(seconds), *{len(r) for r in seconds}, *{len(c) for r in seconds for c in r}) != shape:
             raise ValueError(f"cost table shape does not match the grid {shape}")
@@ -82,9 +82,16 @@ class StepCostModel:
             raise ValueError("every measured step cost must be > 0 seconds")
         if not 0.0 < alpha <= 1.0:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        if draft_seconds_per_token is not None and draft_seconds_per_token < 0:
+            raise ValueError(f"draft_seconds_per_token must be >= 0, got {draft_seconds_per_token}")
         self.grid, self.alpha, self.source = grid, alpha, source
         self.seconds = [[list(c) for c in r] for r in seconds]
         self.num_observations = 0
+        # False for an injected table (tests, a user's fixed file): served steps leave it as it
+        # is, so a decision depends on the table alone and never on this machine's timing.
+        self.learn = learn
+        # A fixed drafter cost per drafted token; None: the policy learns it from served steps.
+        self.draft_seconds_per_token = draft_seconds_per_token
 
     def cost(self, num_reqs: int, ctx: int, width: int) -> float:
         g = self.grid
@@ -98,7 +105,7 @@ class StepCostModel:
     def observe(self, num_reqs: int, ctx: int, width: int, seconds: float) -> None:
         """Move the nearest grid point toward an observed step, scaled to that point's shape
         by the model's own ratio, so one observation off-grid corrects its neighbourhood."""
-        if not seconds > 0:
+        if not seconds > 0 or not self.learn:
             return
         g = self.grid
         bi, ci, wi = (_nearest(g.batches, num_reqs, True), _nearest(g.contexts, ctx, False),
@@ -112,15 +119,55 @@ class StepCostModel:
     def to_json(self) -> dict:
         g = self.grid
         return {"batches": list(g.batches), "contexts": list(g.contexts), "widths": list(g.widths),
-                "seconds": self.seconds, "source": self.source}
+                "seconds": self.seconds, "source": self.source, "learn": self.learn,
+                "draft_seconds_per_token": self.draft_seconds_per_token}
 
     @staticmethod
     def from_json(d: dict, alpha: float = 0.1) -> "StepCostModel":
         try:
             grid = CostGrid(tuple(d["batches"]), tuple(d["contexts"]), tuple(d["widths"]))
-            return StepCostModel(grid, d["seconds"], alpha, d.get("source", "cached"))
+            return StepCostModel(grid, d["seconds"], alpha, d.get("source", "cached"),
+                                 bool(d.get("learn", True)), d.get("draft_seconds_per_token"))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"cost table is missing or has a malformed field: {exc}") from exc
+
+    @staticmethod
+    def injected(value: "str | dict") -> "StepCostModel":
+        """A table given by the user or a test (``SpecConfig.cost_table``): JSON text, a path
+        to a JSON file, or the dict itself. Fixed unless it says ``"learn": true``."""
+        if isinstance(value, str):
+            text = Path(value).read_text() if os.path.isfile(value) else value
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"--cost-table is neither a JSON file nor JSON text: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"a cost table is a JSON object, got {type(value).__name__}")
+        model = StepCostModel.from_json({"learn": False, **value})
+        model.source = "injected"
+        return model
+
+    def monotone_problems(self, tolerance: float = 0.2, floor_s: float = 5e-4) -> list[str]:
+        """Where a wider step or a bigger batch costs less than `tolerance` (and `floor_s`,
+        below which a tiny model's steps are timer noise) below its smaller neighbour: not a
+        shape a real machine has (a step does strictly more work), so a sign the cells were
+        measured under changing load."""
+        g, s, bad = self.grid, self.seconds, []
+
+        def below(a: float, b: float) -> bool:  # a reads cheaper than b beyond the tolerance
+            return a < (1 - tolerance) * b and b - a > floor_s
+
+        for bi, b in enumerate(g.batches):
+            for ci, c in enumerate(g.contexts):
+                for wi, w in enumerate(g.widths):
+                    here = s[bi][ci][wi]
+                    if wi and below(here, s[bi][ci][wi - 1]):
+                        bad.append(f"batch {b} ctx {c}: width {w} {1e3 * here:.2f} ms < width "
+                                   f"{g.widths[wi - 1]} {1e3 * s[bi][ci][wi - 1]:.2f} ms")
+                    if bi and below(here, s[bi - 1][ci][wi]):
+                        bad.append(f"ctx {c} width {w}: batch {b} {1e3 * here:.2f} ms < batch "
+                                   f"{g.batches[bi - 1]} {1e3 * s[bi - 1][ci][wi]:.2f} ms")
+        return bad
 
     def describe(self) -> list[str]:
         """Rows for logs and ``schedule explain``: ms per step by (batch, ctx) across widths."""
@@ -149,41 +196,3 @@ def cache_dir() -> Path:
         return Path(os.environ[CACHE_ENV])
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "dynaspec"
-
-
-def cache_key(**parts: object) -> str:
-    """Stable key from the machine and the settings a step's cost depends on."""
-    import torch  # the torch version changes kernels, so it is part of the key
-
-    fields = {"cpu": cpu_model(), "torch": torch.__version__, **{k: str(v) for k, v in parts.items()}}
-    text = json.dumps(fields, sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:20]
-
-
-def cache_path(key: str) -> Path:
-    return cache_dir() / "cost" / f"{key}.json"
-
-
-def load_cached(key: str, grid: CostGrid) -> StepCostModel | None:
-    """The cached table for this key when it covers the same grid; None otherwise."""
-    path = cache_path(key)
-    try:
-        model = StepCostModel.from_json(json.loads(path.read_text()))
-    except (OSError, ValueError):
-        return None
-    if model.grid != grid:
-        return None
-    model.source = f"cached {path}"
-    return model
-
-
-def save_cached(key: str, model: StepCostModel) -> Path | None:
-    path = cache_path(key)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(model.to_json()))
-        tmp.replace(path)
-    except OSError:
-        return None  # a read-only home must not stop the engine; it re-profiles next launch
-    return path

@@ -18,6 +18,18 @@ they last verified a draft, so a recovery is seen. A probe is only worth it wher
 pay at all: if even ``probe_rate`` acceptance at every position would lose at these costs, no
 request probes and the step stays at K = 0. A new request probes on its first decode step.
 
+Divergence guard: when the decisions' modelled goodput and the goodput the same steps gave
+stay apart by more than ``divergence_bound`` (a factor) for ``divergence_steps`` decode steps
+while the policy keeps choosing K = 0, the cells it would need to change its mind (the wider
+widths) are the ones no served step refreshes. The guard then re-probes: the next decode step
+runs the smallest K > 0, at most once per ``reprobe_interval`` decode steps, so the measured
+wide step corrects its cell (and the log says so). An injected (fixed) table has no guard: it
+cannot learn, and its decisions must not depend on this machine's timing.
+
+Synthetic rejection mode (``--rejection-mode synthetic``) accepts drafts at known per-position
+rates; the policy then prices every request at those rates (``synthetic_rates``), so it drafts
+wherever the costs say that acceptance pays, which is what the mode is for.
+
 The plan's table stays the ceiling (``--num-spec-tokens`` is the maximum, a ``--k-schedule``
 still bounds each bucket); ``allowed_widths`` restricts the choice to widths the execution plan
 can run (None: any width up to the ceiling).
@@ -25,12 +37,15 @@ can run (None: any width up to the ceiling).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from dynaspec.spec_decode.cost_model import StepCostModel
 from dynaspec.spec_decode.k_policy import (AcceptanceHistory, RequestView, StepK, StepView,
                                            TablePolicy, drafter_gate, hard_cap)
 from dynaspec.spec_decode.plan import SpecPlan
+
+log = logging.getLogger("dynaspec")
 
 
 @dataclass(frozen=True)
@@ -39,13 +54,22 @@ class GoodputSettings:
     probe_rate: float = 0.8  # acceptance at which a probe is judged worth its cost
     probe_interval: int = 16  # tokens without a verified draft before a request is re-probed
     draft_cost_alpha: float = 0.1  # EMA rate of the drafter's seconds per drafted token
+    # Synthetic rejection mode's per-position acceptance (the last repeats); () = strict mode.
+    synthetic_rates: tuple[float, ...] = ()
+    divergence_bound: float = 2.0  # modelled vs observed goodput factor the guard tolerates
+    divergence_steps: int = 32  # ... for this many decode steps in a row before it re-probes
+    reprobe_interval: int = 64  # decode steps between two guard re-probes, at least
 
     def __post_init__(self) -> None:
         for name in ("prior_rate", "probe_rate"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        if any(not 0.0 <= r <= 1.0 for r in self.synthetic_rates):
+            raise ValueError(f"synthetic_rates must be in [0, 1], got {self.synthetic_rates}")
         if self.probe_interval < 1:
             raise ValueError(f"probe_interval must be >= 1, got {self.probe_interval}")
+        if not self.divergence_bound > 1.0 or self.divergence_steps < 1 or self.reprobe_interval < 1:
+            raise ValueError("need divergence_bound > 1, divergence_steps >= 1, reprobe_interval >= 1")
 
 
 def _ema(old: float | None, new: float, alpha: float = 0.1) -> float:
@@ -53,13 +77,18 @@ def _ema(old: float | None, new: float, alpha: float = 0.1) -> float:
 
 
 class _FixedRates:
-    """A history-shaped constant rate (the prior before anything is observed)."""
+    """A history-shaped set of fixed per-position conditional rates, the last repeating (the
+    prior before anything is observed; synthetic mode's simulated acceptance)."""
 
-    def __init__(self, rate: float) -> None:
-        self._rate = rate
+    def __init__(self, *rates: float) -> None:
+        self._rates = rates
 
     def expected_accepted(self, k: int) -> float:
-        return sum(self._rate ** (i + 1) for i in range(k))
+        total, survive = 0.0, 1.0
+        for i in range(k):
+            survive *= self._rates[min(i, len(self._rates) - 1)]
+            total += survive
+        return total
 
 
 class GoodputPolicy(TablePolicy):
@@ -73,11 +102,18 @@ class GoodputPolicy(TablePolicy):
         self.allowed_widths = None if allowed_widths is None else frozenset(allowed_widths)
         self.engine_history = AcceptanceHistory(alpha=0.05)  # slow: a prior, not a tracker
         self.last_draft_ctx: dict[str, int] = {}
-        self.draft_seconds_per_token = 0.0
+        self.draft_seconds_per_token = cost_model.draft_seconds_per_token or 0.0
         # Records for metrics, written by decide() and observe_step(), never read by decide().
         self.last_modelled_goodput: float | None = None  # tokens/s the last decision expected
         self.modelled_goodput: float | None = None  # EMAs over decode steps, paired step by step
         self.observed_goodput: float | None = None
+        # The divergence guard's state (module docstring); only observe_step writes it.
+        self.num_decode_steps = 0
+        self.diverged_steps = 0
+        self.last_reprobe_step: int | None = None
+        self.reprobe_pending = False
+        self.num_reprobes = 0
+        self.synthetic = _FixedRates(*settings.synthetic_rates) if settings.synthetic_rates else None
 
     # ---- writers: called with a step's results --------------------------------------------
     def observe(self, request_id: str, num_drafted: int, num_accepted: int, ctx: int) -> None:
@@ -100,13 +136,35 @@ class GoodputPolicy(TablePolicy):
         if self.last_modelled_goodput is not None and seconds > 0:
             self.modelled_goodput = _ema(self.modelled_goodput, self.last_modelled_goodput)
             self.observed_goodput = _ema(self.observed_goodput, num_emitted / seconds)
-        if num_drafted:
+            self._guard(width)
+        if num_drafted and self.cost_model.draft_seconds_per_token is None:
             per_token = draft_seconds / num_drafted
             a = self.settings.draft_cost_alpha if self.draft_seconds_per_token else 1.0
             self.draft_seconds_per_token += a * (per_token - self.draft_seconds_per_token)
 
     def goodput_report(self) -> tuple[float | None, float | None]:
         return self.modelled_goodput, self.observed_goodput
+
+    def _guard(self, width: int) -> None:
+        """The divergence guard's bookkeeping after a decode step (module docstring)."""
+        self.num_decode_steps += 1
+        if width > 1:
+            self.reprobe_pending = False  # a wide step ran: its cell was just refreshed
+            self.diverged_steps = 0
+            return
+        if not self.cost_model.learn:
+            return
+        m, o = self.modelled_goodput, self.observed_goodput
+        apart = m and o and max(m / o, o / m) > self.settings.divergence_bound
+        self.diverged_steps = self.diverged_steps + 1 if apart else 0
+        last = self.last_reprobe_step
+        due = last is None or self.num_decode_steps - last >= self.settings.reprobe_interval
+        if self.diverged_steps >= self.settings.divergence_steps and due and not self.reprobe_pending:
+            self.reprobe_pending, self.last_reprobe_step = True, self.num_decode_steps
+            self.num_reprobes += 1
+            log.info("goodput policy: modelled %.1f vs observed %.1f tokens/s for %d decode steps "
+                     "at K=0: re-probing a K>0 step to refresh the wider cells", m, o,
+                     self.diverged_steps)
 
     # ---- the pure decision -------------------------------------------------------------------
     def decide(self, view: StepView) -> StepK:
@@ -132,6 +190,8 @@ class GoodputPolicy(TablePolicy):
                      else self._shared_goodput(num_reqs, k, cost))
             if value > best * (1 + 1e-9):
                 best_k, best = k, value
+        if best_k == 0 and self.reprobe_pending:
+            best_k, fixed = self._runnable_k(1), {}  # the guard's re-probe: one narrow K>0 step
         self.last_modelled_goodput = best
         return self._step_k(best_k, ctx, caps, fixed, g is not None)
 
@@ -139,12 +199,14 @@ class GoodputPolicy(TablePolicy):
         """Data parallel: the step's K from state every rank holds identically (the global view,
         the shared cost table, draft cost and engine-wide acceptance, kept equal by dynaspec/dp),
         never from this rank's own requests, so every rank picks the same K."""
-        rates = self.engine_history if self.engine_history.num_updates else \
-            _FixedRates(self.settings.prior_rate)
+        rates = self.synthetic or (self.engine_history if self.engine_history.num_updates
+                                   else _FixedRates(self.settings.prior_rate))
         tokens = num_reqs * (1.0 + rates.expected_accepted(k))
         return tokens / (cost(1 + k) + self.draft_seconds_per_token * k * num_reqs)
 
     def _rates(self, r: RequestView):
+        if self.synthetic is not None:
+            return self.synthetic
         h = self.history(r)
         if h is not None and h.num_updates:
             return h

@@ -303,23 +303,29 @@ class AdaptivePolicy(TablePolicy):
 POLICIES = ("auto", "goodput", "table", "adaptive")
 
 
-def resolve_policy_name(name: str, speculating: bool) -> str | None:
-    """``auto`` is goodput whenever a drafter runs; None when no policy runs (no drafter)."""
+def resolve_policy_name(name: str, speculating: bool, has_schedule: bool = False) -> str | None:
+    """``auto`` runs the table when the user wrote a ``--k-schedule`` (an explicit schedule is an
+    instruction: constant(k) keeps width 1+k on every decode step) and goodput otherwise; None
+    when no policy runs (no drafter)."""
     if name not in POLICIES:
         raise ValueError(f"unknown k_policy {name!r}: choose {', '.join(POLICIES)}")
     if not speculating:
         return None
-    return "goodput" if name == "auto" else name
+    if name == "auto":
+        return "table" if has_schedule else "goodput"
+    return name
 
 
 def make_policy(plan: SpecPlan, name: str, cost_per_width: dict[int, float] | None = None,
-                cost_model=None, allowed_widths: tuple[int, ...] | None = None) -> KPolicy:
-    resolved = resolve_policy_name(name, plan.speculating) or "table"
+                cost_model=None, allowed_widths: tuple[int, ...] | None = None,
+                has_schedule: bool = False, settings=None) -> KPolicy:
+    resolved = resolve_policy_name(name, plan.speculating, has_schedule) or "table"
     if resolved == "table":
         return TablePolicy(plan)
     if resolved == "adaptive":
         return AdaptivePolicy(plan, cost_per_width)
     if cost_model is None:
         raise ValueError("the goodput policy needs a step cost model (measured at start-up)")
-    from dynaspec.spec_decode.goodput_policy import GoodputPolicy
-    return GoodputPolicy(plan, cost_model, allowed_widths=allowed_widths)
+    from dynaspec.spec_decode.goodput_policy import GoodputPolicy, GoodputSettings
+    return GoodputPolicy(plan, cost_model, settings or GoodputSettings(),
+                         allowed_widths=allowed_widths)

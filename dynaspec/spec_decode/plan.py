@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from dynaspec.spec_decode.k_schedule import ParsedSchedule, ScheduleError, parse_schedule
 
-__all__ = ["ScheduleError", "SpecPlan", "build_spec_plan", "plan_from_config"]
+__all__ = ["ScheduleError", "SpecPlan", "build_spec_plan", "plan_for_policy", "plan_from_config"]
 
 KINDS = ("off", "always_zero", "constant", "variable")
 
@@ -189,6 +189,19 @@ def _clamp(parsed: ParsedSchedule, ceiling: int | None, why: str) -> tuple[tuple
         f"{parsed.describe_entry(i)}: K {raw} -> {k} ({why})" for i, (raw, k) in sorted(lowered.items())
     ]
     return tuple(rows), notes
+
+
+def plan_for_policy(plan: SpecPlan, policy: str | None) -> SpecPlan:
+    """The plan as the running policy executes it. The goodput policy may choose K=0 on any step
+    under any table (the table is its ceiling), so width 1 runs too: a constant(k) table under
+    goodput is classified ``variable`` with widths {1, 1+k}, and the scheduler, execution grid,
+    metrics and ``schedule explain`` all read that, not the table's constant label."""
+    if policy != "goodput" or not plan.speculating or 1 in plan.widths:
+        return plan
+    note = (f"K policy goodput: K=0 (width 1) may run on any step; the table is each bucket's "
+            f"ceiling, so the plan is variable (widths 1/{'/'.join(map(str, plan.widths))})")
+    return SpecPlan("variable", plan.max_k, (1, *plan.widths), plan.table, plan.clamped,
+                    (*plan.notes, note))
 
 
 def plan_from_config(spec_config, drafter_max_k: int | None = None) -> SpecPlan:

@@ -14,12 +14,13 @@ import pytest
 from dynaspec import LLM, SamplingParams
 
 from .conftest import assert_greedy_equal, greedy, random_prompts
+from tests.cost_tables import FREE_VERIFY
 
 
 def _engine(model: str, async_scheduling: bool, **kw) -> LLM:
     kw.setdefault("num_kv_blocks", 512)
     if kw.get("speculator", "none") != "none":
-        kw.setdefault("k_policy", "table")  # drafts on every step: the comparison needs them
+        kw.setdefault("cost_table", FREE_VERIFY)  # the default policy, deterministic: it drafts
     return LLM(model=model, dtype="float32", enable_prefix_caching=False,
                async_scheduling=async_scheduling, **kw)
 

@@ -19,7 +19,7 @@ from tests.e2e.dp_helpers import assert_processes_gone, finish_all
 
 SCHEDULE = [[1, 2, 3], [3, 5, 2], [6, 64, 1]]
 KW = dict(dtype="float32", num_kv_blocks=128, speculator="ngram", num_spec_tokens=3,
-          k_schedule=SCHEDULE, k_policy="table", prompt_lookup_min=1)
+          k_schedule=SCHEDULE, prompt_lookup_min=1)  # auto + a schedule: the table
 TIMEOUT_S = 3.0
 
 

@@ -24,7 +24,7 @@ TIMEOUT_S = 3.0
 def dp3(tiny_llama_dir):
     llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=96, data_parallel_size=3,
               speculator="ngram", num_spec_tokens=3, k_schedule=[[1, 8, 2], [9, 64, 2]],
-              k_policy="table", prompt_lookup_min=1, dp_rank_timeout_s=TIMEOUT_S)
+              prompt_lookup_min=1, dp_rank_timeout_s=TIMEOUT_S)
     pids = llm.engine.rank_pids()
     yield llm
     llm.shutdown()

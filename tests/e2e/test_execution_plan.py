@@ -27,7 +27,7 @@ def _decode_only(out) -> bool:
 
 
 def test_seed_case_every_decode_step_is_width_4_and_compiled(tiny_llama_dir, check_integrity):
-    llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=256, k_policy="table", speculator="ngram",
+    llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=256, speculator="ngram",
               num_spec_tokens=3, k_schedule=SEED_SCHEDULE, prompt_lookup_min=2,
               prompt_lookup_max=3, max_num_seqs=4, **FAST)
     check_integrity(llm.engine)
@@ -67,7 +67,7 @@ def test_seed_case_every_decode_step_is_width_4_and_compiled(tiny_llama_dir, che
 
 
 def test_variable_plan_steps_use_a_width_of_the_plan(tiny_llama_dir, check_integrity):
-    llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=256, k_policy="table", speculator="ngram",
+    llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=256, speculator="ngram",
               k_schedule="[[1, 1, 3], [2, 4, 1]]", prompt_lookup_min=1, max_num_seqs=4, **FAST)
     check_integrity(llm.engine)
     plan = llm.engine.plan
@@ -88,7 +88,7 @@ def test_variable_plan_steps_use_a_width_of_the_plan(tiny_llama_dir, check_integ
 
 
 def test_always_zero_runs_width_1_without_a_drafter(tiny_llama_dir, check_integrity):
-    llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=256, k_policy="table", speculator="ngram",
+    llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=256, speculator="ngram",
               k_schedule="[[1, 64, 0]]", max_num_seqs=2, precompile=True, **FAST)
     check_integrity(llm.engine)
     assert llm.engine.plan.kind == "always_zero" and llm.engine.runner.proposer is None
@@ -109,6 +109,7 @@ def test_draft_position_limit_clamps_the_plan(tiny_llama_dir, tmp_path, check_in
     cfg = json.loads((short / "config.json").read_text())
     cfg["max_position_embeddings"] = 3  # a drafter that can never draft more than 2 tokens
     (short / "config.json").write_text(json.dumps(cfg))
+    # table: the constant plan's clamp is under test (goodput would add width 1: variable)
     llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=256, k_policy="table", speculator="draft",
               draft_model=str(short), num_spec_tokens=4)
     check_integrity(llm.engine)
@@ -153,6 +154,7 @@ def test_auto_runs_compiled_only_for_measured_winners(tiny_llama_dir, tmp_path, 
     adm.write_text(json.dumps({"meta": {}, "entries": [
         {"num_reqs_padded": 2, "width": 3, "ratio": 0.8, "ci": [0.7, 0.9], "eager_ms": 1,
          "compiled_ms": 0.8}]}))
+    # table: every decode step at width 3, the one width the admission file measured
     llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=256, k_policy="table", speculator="ngram",
               num_spec_tokens=2, prompt_lookup_min=1, max_num_seqs=2, execution="auto",
               admission=str(adm), compile_backend="aot_eager")
@@ -187,6 +189,7 @@ def test_compiled_inductor_output_equals_eager(tiny_llama_dir, spec, check_integ
     if spec.get("speculator") == "draft":
         spec = {**spec, "draft_model": tiny_llama_dir}
     prompts = random_prompts(2, 280, seed=9, lo=6, hi=24, repetitive=True)
+    # table: the full-width compiled path of a constant plan is under test
     base = dict(model=tiny_llama_dir, dtype="float32", num_kv_blocks=256, max_num_seqs=2, k_policy="table",
                 enable_prefix_caching=False, **spec)
     eager = LLM(**base, execution="eager")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dynaspec import LLM, SamplingParams
+from tests.cost_tables import FREE_VERIFY
 
 PROMPTS = [
     "<|im_start|>user\nRepeat exactly: for i in range(10):\n    print(i * i)\n<|im_end|>\n<|im_start|>assistant\n",
@@ -33,14 +34,14 @@ def _check(llm: LLM, outs) -> None:
 
 def test_identities_hold_after_ngram_run():
     llm = LLM(model="default", num_kv_blocks=256, speculator="ngram", num_spec_tokens=4,
-              k_policy="table")  # the identities need drafts in every step
+              cost_table=FREE_VERIFY)  # the default policy on a fixed table: it drafts
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=40))
     _check(llm, outs)
 
 
 def test_identities_hold_with_a_variable_schedule():
     llm = LLM(model="default", num_kv_blocks=256, speculator="ngram", num_spec_tokens=4,
-              k_schedule="[[1, 1, 4], [2, 3, 2], [4, 64, 0]]", k_policy="table")
+              k_schedule="[[1, 1, 4], [2, 3, 2], [4, 64, 0]]")
     assert llm.engine.plan.kind == "variable"
     params = [SamplingParams(temperature=0, max_tokens=m) for m in (12, 24, 36, 48)]
     outs = llm.generate(PROMPTS, params)

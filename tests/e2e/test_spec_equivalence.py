@@ -7,12 +7,15 @@ import pytest
 from dynaspec import LLM
 
 from .conftest import assert_greedy_equal, greedy, random_prompts
+from tests.cost_tables import FREE_VERIFY
 
 MAX_TOKENS = 24
 
 
 def _run(model: str, prompts, check, **kw) -> tuple[list[list[int]], LLM]:
-    kw.setdefault("k_policy", "table")  # every step drafts: the comparison needs drafts
+    # The default policy, with a fixed table where verifying is free: it drafts wherever a
+    # request's acceptance is above 0, deterministically.
+    kw.setdefault("cost_table", FREE_VERIFY)
     llm = LLM(model=model, dtype="float32", **kw)
     check(llm.engine)
     outs = llm.generate(prompts, greedy(MAX_TOKENS, ignore_eos=True))

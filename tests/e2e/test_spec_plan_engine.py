@@ -9,8 +9,7 @@ from .conftest import assert_greedy_equal, greedy, random_prompts, watch_steps
 
 def test_constant_normalisation_seen_identically(tiny_llama_dir, check_integrity):
     llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=512, speculator="ngram",
-              num_spec_tokens=3, k_schedule="[[1, 8, 5], [9, 16, 4]]", prompt_lookup_min=1,
-              k_policy="table")
+              num_spec_tokens=3, k_schedule="[[1, 8, 5], [9, 16, 4]]", prompt_lookup_min=1)
     check_integrity(llm.engine)
     plan = llm.engine.plan
     assert (plan.kind, plan.max_k, plan.widths) == ("constant", 3, (4,))
@@ -34,6 +33,7 @@ def test_constant_normalisation_seen_identically(tiny_llama_dir, check_integrity
 
 
 def test_prefix_hit_first_decode_is_padded_in_constant_plan(tiny_llama_dir, check_integrity):
+    # table: the constant plan's uniform width is under test (goodput would add width 1)
     llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=256, k_policy="table", speculator="ngram",
               num_spec_tokens=4, prompt_lookup_min=3, prompt_lookup_max=3, max_num_seqs=1,
               execution="compiled", compile_backend="aot_eager")

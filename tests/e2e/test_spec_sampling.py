@@ -10,6 +10,7 @@ import torch
 from scipy.stats import chi2_contingency
 
 from dynaspec import LLM, SamplingParams
+from tests.cost_tables import FREE_VERIFY
 
 VOCAB = 8
 SEEDS = 600
@@ -63,7 +64,7 @@ def test_sampled_distribution_matches_without_speculation(tiny_vocab_models, spe
     base = LLM(model=target, dtype="float32", num_kv_blocks=2048, max_num_seqs=256)
     kw = {"draft_model": draft} if speculator == "draft" else {"prompt_lookup_min": 1}
     spec = LLM(model=target, dtype="float32", num_kv_blocks=2048, max_num_seqs=256,
-               speculator=speculator, num_spec_tokens=3, k_policy="table", **kw)  # drafts every step
+               speculator=speculator, num_spec_tokens=3, cost_table=FREE_VERIFY, **kw)  # drafts
     ref, got = _first_tokens(base, 4), _first_tokens(spec, 4)
     assert spec.engine.counters.num_draft_tokens > 0
     rate = spec.engine.counters.acceptance_rate

@@ -8,6 +8,7 @@ import pytest
 from dynaspec import LLM
 
 from .conftest import assert_greedy_equal, greedy, random_prompts
+from tests.cost_tables import FREE_VERIFY
 
 MAX_TOKENS = 24
 
@@ -25,7 +26,7 @@ def baseline(tiny_llama_dir, prompts12):
 
 
 def _run(model, prompts, check, **kw):
-    llm = LLM(model=model, dtype="float32", speculator="suffix", k_policy="table", **kw)
+    llm = LLM(model=model, dtype="float32", speculator="suffix", cost_table=FREE_VERIFY, **kw)
     check(llm.engine)
     outs = llm.generate(prompts, greedy(MAX_TOKENS, ignore_eos=True))
     return [o.token_ids for o in outs], llm
@@ -63,7 +64,7 @@ def test_suffix_under_preemption(tiny_llama_dir, prompts12, baseline, check_inte
 
 def test_global_cache_drafts_a_repeated_request(tiny_llama_dir, prompts12, baseline, check_integrity):
     """A prompt seen before: its earlier output, now in the global cache, drafts the answer."""
-    llm = LLM(k_policy="table", model=tiny_llama_dir, dtype="float32", speculator="suffix", num_spec_tokens=8,
+    llm = LLM(cost_table=FREE_VERIFY, model=tiny_llama_dir, dtype="float32", speculator="suffix", num_spec_tokens=8,
               num_kv_blocks=256, enable_prefix_caching=False)
     check_integrity(llm.engine)
     prompt = prompts12[8]  # not repetitive: its own context offers few matches
@@ -79,7 +80,7 @@ def test_global_cache_drafts_a_repeated_request(tiny_llama_dir, prompts12, basel
 
 
 def test_synthetic_mode_marks_output_not_lossless(tiny_llama_dir, prompts12, check_integrity):
-    llm = LLM(k_policy="table", model=tiny_llama_dir, dtype="float32", speculator="ngram", num_spec_tokens=4,
+    llm = LLM(cost_table=FREE_VERIFY, model=tiny_llama_dir, dtype="float32", speculator="ngram", num_spec_tokens=4,
               prompt_lookup_min=1, rejection_mode="synthetic", synthetic_acceptance="0.9",
               num_kv_blocks=256)
     check_integrity(llm.engine)
@@ -93,7 +94,7 @@ def test_synthetic_refuses_structured_output(tiny_llama_dir):
     from dynaspec import SamplingParams
     from dynaspec.structured.params import StructuredOutputParams
 
-    llm = LLM(k_policy="table", model=tiny_llama_dir, dtype="float32", speculator="ngram", num_spec_tokens=2,
+    llm = LLM(cost_table=FREE_VERIFY, model=tiny_llama_dir, dtype="float32", speculator="ngram", num_spec_tokens=2,
               rejection_mode="synthetic", synthetic_acceptance=0.5, num_kv_blocks=64)
     grammar = StructuredOutputParams(choice=("yes", "no"))
     with pytest.raises(ValueError, match="structured output cannot be combined"):
@@ -129,7 +130,7 @@ def test_synthetic_rates_measured_by_the_engine_counters(tiny_llama_dir):
     llm = LLM(model=tiny_llama_dir, dtype="float32", speculator="draft", draft_model=tiny_llama_dir,
               num_spec_tokens=3, rejection_mode="synthetic",
               synthetic_acceptance=",".join(map(str, rates)), num_kv_blocks=1200, seed=11,
-              k_policy="table")  # every step drafts K: the rates need every position
+              cost_table=FREE_VERIFY)  # synthetic rates priced on a free verify: K every step
     prompts = random_prompts(64, 280, seed=21, lo=8, hi=30)
     llm.generate(prompts, greedy(200, ignore_eos=True))
     c = llm.engine.counters
@@ -148,7 +149,7 @@ def test_bench_passes_start_with_an_empty_suffix_cache(tiny_llama_dir):
     from dynaspec.bench.workloads import WorkItem
 
     kw = dict(model=tiny_llama_dir, dtype="float32", speculator="suffix", num_spec_tokens=4,
-              num_kv_blocks=128, enable_prefix_caching=False, k_policy="table")
+              num_kv_blocks=128, enable_prefix_caching=False, cost_table=FREE_VERIFY)
     arm = EngineArm("suffix", kw)
     items = [WorkItem(p, 12, f"p{i}") for i, p in enumerate(random_prompts(2, 280, seed=3))]
     params = make_params(items, None, 0.0, 0, ignore_eos=True)

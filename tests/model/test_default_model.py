@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dynaspec import LLM, SamplingParams
+from tests.cost_tables import FREE_VERIFY
 from tests.e2e.conftest import assert_greedy_equal
 
 PROMPTS = [
@@ -51,7 +52,7 @@ def test_ngram_speculation_is_lossless_on_the_default_model_fp32(ours_fp32):
     params = SamplingParams(temperature=0, max_tokens=48)
     ref = [o.token_ids for o in ours_fp32.generate(prompts, params)]
     spec = LLM(model="default", dtype="float32", num_kv_blocks=256, speculator="ngram",
-               num_spec_tokens=5, k_policy="table")  # drafts every step (goodput may pick K=0)
+               num_spec_tokens=5, cost_table=FREE_VERIFY)  # the default policy, deterministic
     got = spec.generate(prompts, params)
     for p, r, o in zip(prompts, ref, got):
         assert_greedy_equal("default", spec.tokenizer.encode(p), r, o.token_ids, "ngram fp32")

@@ -6,10 +6,12 @@ import httpx
 import pytest
 
 from dynaspec import LLM, SamplingParams
+from tests.cost_tables import FREE_VERIFY
 from tests.server.conftest import MODEL, SERVER_ENGINE_KWARGS
 
 PROMPT = "The list is: apple, banana, cherry, apple, banana, cherry, apple,"
-SPEC = dict(speculator="ngram", num_spec_tokens=4, k_policy="table", dtype="float32")
+# The default policy with a fixed free-verify table: it drafts, deterministically.
+SPEC = dict(speculator="ngram", num_spec_tokens=4, cost_table=FREE_VERIFY, dtype="float32")
 
 
 @pytest.fixture(scope="module")

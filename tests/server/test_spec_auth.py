@@ -10,6 +10,7 @@ import httpx
 import openai
 import pytest
 
+from tests.cost_tables import FREE_VERIFY
 from tests.server.conftest import MODEL
 
 KEY = "test-key-123"
@@ -20,7 +21,7 @@ PROMPT = "one two three four five six. one two three four five six. one two thre
 @pytest.fixture(scope="module")
 def server(live_server_factory):
     # A short drain so the shutdown test's long request is surely still running when aborted.
-    return live_server_factory(api_key=KEY, speculator="ngram", num_spec_tokens=4, k_policy="table",
+    return live_server_factory(api_key=KEY, speculator="ngram", num_spec_tokens=4, cost_table=FREE_VERIFY,
                                 drain_s=0.2)
 
 
@@ -72,9 +73,14 @@ def test_spec_metrics_on_final_chunk_and_greedy_equal(client):
 
 
 def test_models_card_and_prometheus_show_speculation(server, client):
-    card = client.models.retrieve(MODEL).model_extra["dynaspec"]["spec_plan"]
+    extra = client.models.retrieve(MODEL).model_extra["dynaspec"]
+    card = extra["spec_plan"]
     assert card["speculating"] and card["max_k"] == 4
+    # The card says what runs: goodput, which may run K=0, so widths 1 and 5 (not "constant").
+    assert card["kind"] == "variable" and card["widths"] == [1, 5]
+    assert extra["k_policy"]["name"] == "goodput" and extra["k_policy"]["cost_table"].startswith("injected")
     text = httpx.get(server.url + "/metrics").text
+    assert re.search(r'^dynaspec:k_policy_info\{[^}]*policy="goodput"[^}]*\} 1', text, re.M)
     m = re.search(r"^dynaspec:spec_decode_num_draft_tokens_total\{[^}]*\} (\S+)", text, re.M)
     assert m and float(m.group(1)) > 0
     assert re.search(r'^dynaspec:spec_decode_steps_total\{[^}]*k="4"[^}]*\} [1-9]', text, re.M)

@@ -15,6 +15,7 @@ jsonschema = pytest.importorskip("jsonschema")
 openai = pytest.importorskip("openai")
 
 from .conftest import MODEL  # noqa: E402
+from tests.cost_tables import FREE_VERIFY  # noqa: E402
 
 SCHEMA = {
     "type": "object",
@@ -43,9 +44,9 @@ RESPONSE_FORMAT = {"type": "json_schema",
 @pytest.fixture(scope="module")
 def servers(live_server_factory):
     return {"plain": live_server_factory(),
-            # The table policy drafts every step; the goodput default may time its way to K=0.
+            # The default policy on a fixed free-verify table: it drafts, deterministically.
             "ngram": live_server_factory(speculator="ngram", num_spec_tokens=4,
-                                         prompt_lookup_min=1, k_policy="table")}
+                                         prompt_lookup_min=1, cost_table=FREE_VERIFY)}
 
 
 def _chat(client, prompt: str, stream: bool, **kw) -> tuple[str, str]:

@@ -64,19 +64,27 @@ def test_default_grid_respects_limits():
     assert CostGrid.default(64, 4096, 1).widths == (1,)
 
 
-def test_cache_round_trip_and_grid_mismatch(tmp_path, monkeypatch):
-    monkeypatch.setenv(cm.CACHE_ENV, str(tmp_path))
+def test_injected_table_is_fixed_and_parsed_from_text_or_dict(tmp_path):
+    d = {"batches": [1], "contexts": [1], "widths": [1, 5], "seconds": [[[0.01, 0.01]]],
+         "draft_seconds_per_token": 0.0}
+    for value in (d, json.dumps(d)):
+        m = StepCostModel.injected(value)
+        assert m.source == "injected" and not m.learn and m.draft_seconds_per_token == 0.0
+        m.observe(1, 1, 5, 100.0)  # a served step cannot move a fixed table
+        assert m.cost(1, 1, 5) == pytest.approx(0.01)
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(d))
+    assert StepCostModel.injected(str(path)).cost(1, 50, 3) == pytest.approx(0.01)
+    with pytest.raises(ValueError, match="neither a JSON file nor JSON text"):
+        StepCostModel.injected("{oops")
+
+
+def test_monotone_check_names_the_poisoned_cells():
     m = _linear_model()
-    key = cm.cache_key(model="x", dtype="bf16")
-    assert key != cm.cache_key(model="x", dtype="fp32")
-    assert cm.load_cached(key, m.grid) is None
-    path = cm.save_cached(key, m)
-    assert path is not None and path.exists()
-    back = cm.load_cached(key, m.grid)
-    assert back is not None and back.seconds == m.seconds and back.source.startswith("cached")
-    assert cm.load_cached(key, CostGrid((1,), (128,), (1,))) is None  # another grid: re-profile
-    path.write_text("{not json")
-    assert cm.load_cached(key, m.grid) is None  # a corrupt cache file is ignored, not fatal
+    assert m.monotone_problems() == []
+    m.seconds[1][0][2] = m.seconds[1][0][1] * 0.5  # batch 4 ctx 128: width 5 half of width 3
+    problems = m.monotone_problems()
+    assert any("batch 4 ctx 128: width 5" in p for p in problems), problems
 
 
 def test_profile_measures_every_shape(tiny_llama_dir):

@@ -156,3 +156,24 @@ def test_formed_batch_view_is_agreed_once_after_the_tick():
     assert (g.num_reqs, g.num_decoding, g.sum_ctx, g.max_ctx, g.max_rank_reqs) == (1, 1, 7, 7, 1)
     with pytest.raises(RuntimeError, match="once per engine step"):
         a.exchange_batch(1, [7])
+
+
+@pytest.mark.parametrize("rank0_has_table", [False, True])
+def test_a_rank_whose_table_check_disagreed_follows_rank_0(monkeypatch, rank0_has_table):
+    """A start-up table refused on one rank only: every rank runs what rank 0 runs."""
+    import torch.distributed as dist
+
+    from dynaspec.dp.agreement import share_cost_model
+
+    plan = build_spec_plan("ngram", 3, None)
+    rank0 = _cost().to_json() if rank0_has_table else None
+    monkeypatch.setattr(dist, "broadcast_object_list", lambda payload, src: payload.__setitem__(0, rank0))
+    a = StepAgreement(ThreadGroup(2).gather_for(1), 1, 2, 3, grace_s=5, idle_poll_s=0)
+    mine = TablePolicy(plan) if rank0_has_table else GoodputPolicy(plan, _cost())
+    pol = LockstepPolicy(mine, a)
+    share_cost_model(pol, rank=1)
+    if rank0_has_table:
+        assert isinstance(pol.inner, GoodputPolicy) and pol.inner.cost_model.seconds == _cost().seconds
+        assert pol.inner.engine_history is a.shared  # the engine-wide prior is shared again
+    else:
+        assert type(pol.inner) is TablePolicy

@@ -23,9 +23,17 @@ def test_seed_case_keeps_k2_under_dp():
     assert "no fallback to the raw maximum" in out and "runs K=2 on every rank" in out
 
 
+def test_seed_case_under_default_flags_is_the_table():
+    # The seed: raw maximum 3, every entry resolving to 2. auto + an explicit schedule runs the
+    # table, so K=2 on every rank and every step (goodput would also run K=0 steps).
+    rc, out, _ = _explain("--num-spec-tokens", "3", "--k-schedule", "[[1,8,2],[9,64,2]]",
+                          "--data-parallel-size", "2")
+    assert rc == 0 and "plan: constant(2)" in out and "runs K=2 on every rank" in out
+
+
 def test_variable_plan_under_dp_names_the_global_view():
     rc, out, _ = _explain("--num-spec-tokens", "3", "--k-schedule", "[[1,4,3],[5,64,1]]",
-                          "--data-parallel-size", "3", "--json")
+                          "--k-policy", "goodput", "--data-parallel-size", "3", "--json")
     dp = json.loads(out)["data_parallel"]
     assert dp["size"] == 3 and "all ranks together" in dp["text"] and "goodput" in dp["text"]
 

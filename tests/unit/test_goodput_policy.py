@@ -8,7 +8,7 @@ import copy
 import pytest
 
 from dynaspec.spec_decode.cost_model import CostGrid, StepCostModel
-from dynaspec.spec_decode.goodput_policy import GoodputPolicy
+from dynaspec.spec_decode.goodput_policy import GoodputPolicy, GoodputSettings
 from dynaspec.spec_decode.k_policy import RequestView, StepView, make_policy
 from dynaspec.spec_decode.plan import build_spec_plan
 
@@ -158,6 +158,8 @@ def test_decide_is_pure():
 def test_make_policy_auto_is_goodput_and_needs_a_cost_model():
     plan = build_spec_plan("ngram", 4, None)
     assert isinstance(make_policy(plan, "auto", cost_model=FREE), GoodputPolicy)
+    # An explicit schedule is an instruction: auto runs it as the table.
+    assert type(make_policy(plan, "auto", cost_model=FREE, has_schedule=True)).__name__ == "TablePolicy"
     with pytest.raises(ValueError, match="cost model"):
         make_policy(plan, "goodput")
     with pytest.raises(ValueError, match="unknown k_policy"):
@@ -173,12 +175,17 @@ def test_modelled_and_observed_goodput_are_paired_per_decode_step():
     assert modelled == pytest.approx(p.last_modelled_goodput) and observed == pytest.approx(150.0)
 
 
-@pytest.mark.parametrize("flags, policy", [
-    (["--num-spec-tokens", "4"], "goodput"),
-    (["--num-spec-tokens", "4", "--k-policy", "table"], "table"),
-    (["--speculator", "none"], None),
+SEED_SCHEDULE = ["--num-spec-tokens", "3", "--k-schedule", "[[1,8,5],[9,16,4]]"]
+
+
+@pytest.mark.parametrize("flags, policy, kind, widths", [
+    (["--num-spec-tokens", "4"], "goodput", "variable", [1, 5]),
+    (["--num-spec-tokens", "4", "--k-policy", "table"], "table", "constant", [5]),
+    (["--speculator", "none"], None, "off", [1]),
+    (SEED_SCHEDULE, "table", "constant", [4]),  # auto + a schedule: width 4 on every step
+    (SEED_SCHEDULE + ["--k-policy", "goodput"], "goodput", "variable", [1, 4]),
 ])
-def test_schedule_explain_json_names_the_policy(flags, policy):
+def test_schedule_explain_json_names_the_policy_and_the_widths_that_run(flags, policy, kind, widths):
     import io
     import json
 
@@ -189,7 +196,61 @@ def test_schedule_explain_json_names_the_policy(flags, policy):
     args = build_parser().parse_args(["schedule", "explain", "--json", *flags])
     out, err = io.StringIO(), io.StringIO()
     assert explain(args, out, err) == 0
-    assert json.loads(out.getvalue())["policy"] == policy
+    got = json.loads(out.getvalue())
+    assert got["policy"] == policy and got["kind"] == kind and got["widths"] == widths
+    # The execution grid is built from the same plan: it covers exactly those widths.
+    if got["execution"] is not None:
+        assert got["execution"]["widths"] == widths
+
+
+def test_synthetic_mode_prices_requests_at_the_simulated_acceptance():
+    per_width = lambda w: 0.01 * (1 + 0.1 * (w - 1))  # noqa: E731 - a memory-bound machine
+    plan = build_spec_plan("ngram", 4, None)
+    strict = GoodputPolicy(plan, cost_model(per_width))
+    feed(strict, "a", 4, 0, ctx=100, times=10)  # an n-gram that never matches the target
+    strict.last_draft_ctx["a"] = 100
+    assert strict.decide(view(rv("a", 101))).per_request["a"] == 0
+    synthetic = GoodputPolicy(plan, cost_model(per_width),
+                              GoodputSettings(synthetic_rates=(0.7,)))
+    feed(synthetic, "a", 4, 0, ctx=100, times=10)  # its own history is ignored: 0.7 is known
+    synthetic.last_draft_ctx["a"] = 100
+    assert synthetic.decide(view(rv("a", 101))).k == 4
+
+
+def _guarded(learn: bool = True) -> GoodputPolicy:
+    """A table that says wide steps cost 10x (so K=0), on a machine where they do not."""
+    m = cost_model(lambda w: 0.01 if w == 1 else 0.1)
+    m.learn = learn
+    s = GoodputSettings(divergence_steps=4, reprobe_interval=10)
+    return GoodputPolicy(build_spec_plan("ngram", 4, None), m, s)
+
+
+def test_divergence_guard_reprobes_a_wide_step_at_a_bounded_rate():
+    p = _guarded()
+    feed(p, "a", 4, 4, ctx=100)
+    p.last_draft_ctx["a"] = 100  # no per-request probe due: only the guard can draft
+    ks = []
+    for step in range(40):
+        d = p.decide(view(rv("a", 101)))
+        ks.append(d.k)
+        # The machine: every step takes 10 ms whatever its width. The EMAs are then pinned 4x
+        # apart (> the bound 2), as a poisoned table's would stay while nothing refreshes it.
+        p.observe_step(1, 101, 1 + d.k, 0.01, 0.0, d.k, 1 + d.k)
+        p.modelled_goodput, p.observed_goodput = 100.0, 400.0
+    reprobes = [i for i, k in enumerate(ks) if k > 0]
+    assert reprobes, "the guard must run a K>0 step when the model keeps choosing K=0"
+    assert all(b - a >= 10 for a, b in zip(reprobes, reprobes[1:]))  # at a bounded rate
+    assert p.num_reprobes == len(reprobes)
+
+
+def test_divergence_guard_is_off_for_a_fixed_table():
+    p = _guarded(learn=False)
+    for _ in range(40):
+        d = p.decide(view(rv("a", 101)))
+        assert d.k == 0
+        p.observe_step(1, 101, 1, 0.01, 0.0, 0, 1)
+        p.modelled_goodput, p.observed_goodput = 100.0, 400.0
+    assert p.num_reprobes == 0
 
 
 def test_prometheus_exports_goodput_gauges():
@@ -198,8 +259,10 @@ def test_prometheus_exports_goodput_gauges():
     from dynaspec.metrics.stats import EngineSnapshot
 
     m = PrometheusMetrics()
-    m.observe_snapshot(EngineSnapshot(0, 0, 0.0, 16, 0, 0, 0, 0, 120.5, 98.25))
+    m.observe_snapshot(EngineSnapshot(0, 0, 0.0, 16, 0, 0, 0, 0, 120.5, 98.25, "goodput", 3))
     text = m.render().decode()
+    assert 'dynaspec:k_policy_info{policy="goodput"} 1.0' in text
+    assert "dynaspec:k_policy_reprobes 3.0" in text
     assert 'dynaspec:k_policy_goodput_tokens_per_second{kind="modelled"} 120.5' in text
     assert 'dynaspec:k_policy_goodput_tokens_per_second{kind="observed"} 98.25' in text
 

@@ -112,3 +112,30 @@ def test_time_step_runs_the_real_runner_at_full_width(tiny_llama_dir):
     assert times[(3, 40, 4)]["min_drafted"] == 4 and times[(1, 40, 0)]["min_drafted"] == 0
     assert all(m["seconds"] > 0 for m in times.values())
     assert not eng.runner.generators  # synthetic requests are forgotten
+
+
+def test_reprofile_refreshes_the_cached_cells(tiny_llama_dir, tmp_path, monkeypatch):
+    """`dynaspec tune --reprofile` measures afresh and merges into the cache the engine reads.
+    Whether this machine's timings pass the checks is not asserted (exit 1 says they did not);
+    what is: a pass writes cells measured now, a refusal writes nothing."""
+    import time
+
+    from dynaspec.cli.main import build_parser
+    from dynaspec.cli.tune_cmd import run_tune_cmd
+    from dynaspec.spec_decode import cost_cache
+    from dynaspec.spec_decode.cost_model import CACHE_ENV
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    argv = ["tune", "--model", tiny_llama_dir, "--dtype", "float32", "--speculator", "ngram",
+            "--num-spec-tokens", "2", "--max-num-seqs", "2", "--num-kv-blocks", "64"]
+    with pytest.raises(ValueError, match="--out"):
+        run_tune_cmd(build_parser().parse_args(argv))
+    t0 = time.time()
+    code = run_tune_cmd(build_parser().parse_args(argv + ["--reprofile"]))
+    files = list((tmp_path / "cost").glob("*.json"))
+    if code == 0:
+        (path,) = files
+        cells = cost_cache.load_cells(path.stem)
+        assert cells and all(c.measured_at >= t0 and c.reps > 0 for c in cells.values())
+    else:
+        assert code == 1 and not files
