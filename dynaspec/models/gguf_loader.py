@@ -1,5 +1,5 @@
 """Loading a GGUF file (llama.cpp's format): metadata -> config, tensors -> float32 (or kept
-quantized: Q4_0/Q4_1/Q8_0 as QuantizedTensor), vocab -> tokenizer."""
+quantized as QuantizedTensor: Q4_0/Q4_1/Q8_0, Q5_0/Q5_1, Q4_K/Q5_K/Q6_K), vocab -> tokenizer."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from gguf import quants
 
 from dynaspec.config import ModelArchConfig
-from dynaspec.models.quant import QuantizedTensor, from_gguf_blocks
+from dynaspec.models.quant import KEPT_QUANTIZED, QuantizedTensor, from_gguf_blocks
 from dynaspec.models.loader import (
     END_OF_TURN_TOKENS,
     SUPPORTED_ARCHITECTURES,
@@ -27,7 +27,6 @@ from dynaspec.models.tokenizer import Tokenizer
 
 log = logging.getLogger("dynaspec")
 _REQUIRED = object()
-_KEPT_QUANTIZED = ("Q4_0", "Q4_1", "Q8_0")  # block types with a weight-only kernel (models/quant.py)
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 
 # GGUF per-layer tensor names -> HF names (the "blk.N." prefix becomes "model.layers.N.").
@@ -56,7 +55,7 @@ _PRE_KINDS = {
 
 
 def load_gguf_file(path: str, keep_quantized: bool = False) -> LoadedModel:
-    """keep_quantized: 2-D Q4_0/Q4_1/Q8_0 weights stay QuantizedTensors instead of float32."""
+    """keep_quantized: 2-D weights of the types in quant.KEPT_QUANTIZED stay QuantizedTensors."""
     reader = _open(path)
     meta = _Metadata(reader, path)
     arch = validate_arch(arch_from_gguf(meta, reader), path)
@@ -171,7 +170,7 @@ def _read_tensors(reader, arch: ModelArchConfig, path: str, keep_quantized: bool
         if name is None:  # e.g. rope_freqs or tensors of other heads: not part of this model
             continue
         kind = tensor.tensor_type.name
-        if keep_quantized and kind in _KEPT_QUANTIZED and len(tensor.shape) == 2:
+        if keep_quantized and kind in KEPT_QUANTIZED and len(tensor.shape) == 2:
             weight = _quantized(tensor, path)
         else:
             weight = _dequantize(tensor, path)
