@@ -13,7 +13,6 @@ from safetensors import safe_open
 from dynaspec.config import ModelArchConfig
 from dynaspec.models.loader import (
     PICKLE_SUFFIXES,
-    SUPPORTED_ARCHITECTURES,
     LoadedModel,
     ModelLoadError,
     collect_eos_ids,
@@ -110,7 +109,8 @@ def _architecture_name(config: dict, source: str) -> str:
     for name in names:
         if name in _ARCH_CLASSES:
             return _ARCH_CLASSES[name]
-    if not names and config.get("model_type") in SUPPORTED_ARCHITECTURES:
+    # Gemma-3 runs from GGUF only: an HF Gemma checkpoint stores norms as w (used as 1 + w).
+    if not names and config.get("model_type") in set(_ARCH_CLASSES.values()):
         return config["model_type"]
     shown = ", ".join(names) or f"model_type {config.get('model_type')!r}"
     raise ModelLoadError(

@@ -20,7 +20,7 @@ from dynaspec.config import ModelArchConfig
 if TYPE_CHECKING:
     from dynaspec.models.tokenizer import Tokenizer
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 # Tokens that end a turn in common chat formats. When a model's chat template ends turns with
 # one, generation must stop on it too, even if the config only names the end-of-text token.
@@ -131,6 +131,8 @@ def expected_tensor_names(arch: ModelArchConfig) -> list[str]:
             names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
         names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
         names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        if arch.architecture == "gemma3":
+            names += [p + "pre_feedforward_layernorm.weight", p + "post_feedforward_layernorm.weight"]
     return names
 
 
