@@ -41,6 +41,7 @@ class Gemma3Layer:
         self.H, self.Hkv, self.D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.scale = cfg.attn_scale if cfg.attn_scale is not None else self.D ** -0.5
         self.window = cfg.layer_window(i)
+        self.local = self.window is not None  # local layers also use the local RoPE base
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None, rope: tuple, kv_cache: torch.Tensor,
                 md, attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,11 +136,11 @@ class Gemma3Model(LlamaModel):
                           attn: AttentionBackend) -> torch.Tensor:
         x = self.embed(input_ids) * self.embed_scale  # [T, hidden]
         ropes = {None: self.rope.lookup(positions, self.dtype)}
-        if any(layer.window is not None for layer in self.layers):
+        if any(layer.local for layer in self.layers):
             ropes["local"] = self.rope_local.lookup(positions, self.dtype)
         delta = None
         for layer, kv in zip(self.layers, kv_caches):
-            rope = ropes[None if layer.window is None else "local"]
+            rope = ropes["local" if layer.local else None]
             x, delta = layer.forward(x, delta, rope, kv, md, attn)
         if logits_indices is not None:  # None: every token's logits (the fixed-shape path)
             x, delta = x[logits_indices], delta[logits_indices]
