@@ -45,7 +45,7 @@ class LoadedModel:
 
 
 def load_model_files(model: str, keep_quantized: bool = False) -> LoadedModel:
-    """Load "default", an HF folder (config.json + safetensors) or a .gguf file.
+    """Load "default", "gemma3-270m", an HF folder (config.json + safetensors) or a .gguf file.
 
     keep_quantized: a GGUF's Q4_0/Q4_1/Q8_0 matrices stay QuantizedTensors (models/quant.py)
     instead of being dequantized to float32.
@@ -78,6 +78,10 @@ def resolve_model_path(model: str) -> tuple[str, str]:
         from dynaspec.models.default_model import default_model_path
 
         model = default_model_path()
+    elif model == "gemma3-270m":
+        from dynaspec.models.default_model import gemma3_270m_path
+
+        model = gemma3_270m_path()
     path = os.path.realpath(os.path.expanduser(model))
     if not os.path.exists(path):
         raise ModelLoadError(f"model path {model!r} does not exist")
