@@ -119,3 +119,40 @@ def test_spm_bos_and_template(tiny):
     assert prompt == tok.bos_token + "<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n"
     ids = tok.encode(prompt)
     assert ids.count(2) == 1  # the template's BOS, not a second one
+
+
+def test_backend_without_window_falls_back_to_eager(tiny):
+    from dynaspec.attention.paged import EagerPagedBackend
+
+    class NoWindow:  # a backend of the old seam: forward(q, k, v, kv_cache, md, scale)
+        name = "old"
+
+        def forward(self, q, k, v, kv_cache, md, scale):
+            raise AssertionError("must not run a windowed layer")
+
+    model = _model(tiny[0])
+    model.attn = NoWindow()
+    assert isinstance(model.attn, EagerPagedBackend)
+
+
+@pytest.fixture(scope="module")
+def gemma_270m() -> str:
+    from dynaspec.models.default_model import gemma3_270m_path
+    from dynaspec.models.loader import ModelLoadError
+
+    try:
+        return gemma3_270m_path()
+    except ModelLoadError as exc:
+        pytest.skip(str(exc))
+
+
+def test_real_gemma3_270m_keeps_its_q4_k_tensors_4_bit(gemma_270m):
+    loaded = load_model_files(gemma_270m, keep_quantized=True)
+    arch, sd = loaded.arch, loaded.state_dict
+    assert (arch.architecture, arch.vocab_size, arch.sliding_window, arch.num_hidden_layers) == ("gemma3", 262144, 512, 18)
+    assert [i for i in range(18) if arch.layer_window(i) is None] == [5, 11, 17]
+    o = sd["model.layers.0.self_attn.o_proj.weight"]  # Q4_K in this file
+    down = sd["model.layers.0.mlp.down_proj.weight"]  # Q6_K
+    assert (o.kind, o.group_size) == ("q4", 32) and (down.kind, down.group_size) == ("q8", 16)
+    assert loaded.eos_token_ids == (1, 106)  # <eos> and <end_of_turn>
+    assert all(isinstance(t, QuantizedTensor) for n, t in sd.items() if n.endswith("proj.weight"))
