@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from dynaspec.attention.backend import AttentionBackend
 from dynaspec.attention.paged import EagerPagedBackend
 from dynaspec.config import ModelArchConfig
-from dynaspec.models.layers import FusedOps, RotaryCache, apply_rope, rms_norm
+from dynaspec.models.layers import FusedOps, RotaryCache, rms_norm
 from dynaspec.models.llama import LlamaModel
 from dynaspec.models.quant import cat_rows
 from dynaspec.models.quant_linear import WeightPlan, make_embedding, make_linear, make_lm_head
@@ -36,7 +36,8 @@ class Gemma3Layer:
         self.gate_up = make_linear(w["gate_up"], None, plan)  # [2 * inter, hidden]
         self.down = make_linear(w["down"], None, plan)  # [hidden, inter]
         self.norms = w["norms"]  # (input, post-attention, pre-MLP, post-MLP), each [hidden]
-        self.q_norm, self.k_norm = w["q_norm"], w["k_norm"]  # [D] each
+        H, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.qk_norm = torch.cat([w["q_norm"].expand(H, -1), w["k_norm"].expand(Hkv, -1)])  # [H + Hkv, D]
         self.eps = cfg.rms_norm_eps
         self.H, self.Hkv, self.D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.scale = cfg.attn_scale if cfg.attn_scale is not None else self.D ** -0.5
@@ -54,11 +55,13 @@ class Gemma3Layer:
         else:
             x, h = self.ops.add_rms_norm(x, delta, ln_in, self.eps)
         qkv = self.qkv(h)  # [T, (H + 2*Hkv) * D]
-        v = qkv[:, (self.H + self.Hkv) * self.D:].view(T, self.Hkv, self.D)
-        qk = qkv[:, : (self.H + self.Hkv) * self.D].view(T, self.H + self.Hkv, self.D)
-        qk = torch.cat((rms_norm(qk[:, : self.H], self.q_norm, self.eps),
-                        rms_norm(qk[:, self.H:], self.k_norm, self.eps)), dim=1)
-        qk = apply_rope(qk, *rope)  # [T, H + Hkv, D]
+        heads = self.H + self.Hkv
+        v = qkv[:, heads * self.D:].view(T, self.Hkv, self.D)
+        qk = qkv[:, : heads * self.D].view(T, heads, self.D)
+        # q and k normed in one pass (per-head weights [H + Hkv, D]), written back into qkv so
+        # RoPE rotates them in place there, as the Llama layer does.
+        qk.copy_(rms_norm(qk, self.qk_norm, self.eps))
+        qk = self.ops.rope_qk(qkv, *rope, heads, self.D)  # [T, H + Hkv, D]
         q, k = qk[:, : self.H], qk[:, self.H:]
         if self.window is None:  # global layers call the plain seam (any backend runs them)
             a = attn.forward(q, k, v, kv_cache, md, self.scale)
