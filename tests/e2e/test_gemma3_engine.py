@@ -70,3 +70,15 @@ def test_gemma3_structured_output_with_ngram_equals_without(gemma):
     assert outs[0].token_ids == outs[1].token_ids
     if outs[0].finish_reason == "stop":
         assert set(json.loads(outs[0].text)) == {"n", "ok"}
+
+
+def test_gemma3_compiled_uniform_path_with_windows_is_exact(gemma, prompts, baseline):
+    # Fixed-shape decode/verify runs the uniform backend under torch.compile, windows included.
+    llm = LLM(model=gemma, dtype="float32", num_kv_blocks=256, execution="compiled",
+              speculator="ngram", num_spec_tokens=3, k_policy="table", prompt_lookup_min=1,
+              enable_prefix_caching=False)
+    some = prompts[:3]
+    got = [o.token_ids for o in llm.generate(some, greedy(MAX_TOKENS, ignore_eos=True))]
+    for i, (p, a, b) in enumerate(zip(some, baseline, got)):
+        assert_greedy_equal(gemma, p, a, b, f"compiled prompt {i}")
+    assert sum(n for (path, _), n in llm.engine.execution_steps.items() if path == "compiled") > 0
