@@ -156,3 +156,28 @@ def test_real_gemma3_270m_keeps_its_q4_k_tensors_4_bit(gemma_270m):
     assert (o.kind, o.group_size) == ("q4", 32) and (down.kind, down.group_size) == ("q8", 16)
     assert loaded.eos_token_ids == (1, 106)  # <eos> and <end_of_turn>
     assert all(isinstance(t, QuantizedTensor) for n, t in sd.items() if n.endswith("proj.weight"))
+
+
+def test_gemma3_linear_rope_scaling_on_global_layers_matches_transformers(tmp_path):
+    path, hf, _ = build_tiny_gemma3(str(tmp_path), name="scaled.gguf", rope_factor=8.0)
+    assert load_model_files(path).arch.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    ids = [2, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    model = _model(path)
+    table = list(range(8))
+    torch.testing.assert_close(_forward(model, ids, 0, model.allocate_kv(len(table) * BS), table), ref,
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_gemma3_final_logit_softcapping(tiny):
+    from dataclasses import replace
+
+    loaded = load_model_files(tiny[0])
+    ids, table = [2, 30, 31, 32], list(range(8))
+    plain = create_model(loaded.arch, loaded.state_dict, torch.float32, CPU, 64)
+    capped = create_model(replace(loaded.arch, final_logit_softcapping=0.2), loaded.state_dict, torch.float32, CPU, 64)
+    a = _forward(plain, ids, 0, plain.allocate_kv(32), table)
+    b = _forward(capped, ids, 0, capped.allocate_kv(32), table)
+    torch.testing.assert_close(b, 0.2 * torch.tanh(a / 0.2))
+    assert b.abs().max() < 0.2 < a.abs().max()  # the tiny model's logits are small

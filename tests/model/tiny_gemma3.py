@@ -67,14 +67,19 @@ def _vocab(sp) -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, types
 
 
-def hf_gemma3(vocab_size: int, seed: int = 0):
+def hf_gemma3(vocab_size: int, seed: int = 0, rope_factor: float | None = None):
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
+    extra = {}
+    if rope_factor is not None:  # linear scaling on the global layers only, as Gemma-3 4B+ has
+        extra["rope_parameters"] = {
+            "full_attention": {"rope_type": "linear", "factor": rope_factor, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
     cfg = Gemma3TextConfig(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=7,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=WINDOW,
         max_position_embeddings=512, query_pre_attn_scalar=16, rms_norm_eps=1e-6,
-        pad_token_id=0, eos_token_id=1, bos_token_id=2, attn_implementation="eager",
+        pad_token_id=0, eos_token_id=1, bos_token_id=2, attn_implementation="eager", **extra,
     )
     torch.manual_seed(seed)
     model = Gemma3ForCausalLM(cfg).float().eval()
@@ -92,12 +97,13 @@ def _gguf_name(hf_name: str) -> str:
     return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}[hf_name]
 
 
-def build_tiny_gemma3(out_dir: str, tensor_type=None, name: str = "tiny-gemma3.gguf"):
+def build_tiny_gemma3(out_dir: str, tensor_type=None, name: str = "tiny-gemma3.gguf",
+                      rope_factor: float | None = None):
     import gguf
 
     sp = train_spm()
     tokens, scores, types = _vocab(sp)
-    model = hf_gemma3(len(tokens))
+    model = hf_gemma3(len(tokens), rope_factor=rope_factor)
     cfg = model.config
     path = os.path.join(out_dir, name)
     w = gguf.GGUFWriter(path, "gemma3")
@@ -112,6 +118,9 @@ def build_tiny_gemma3(out_dir: str, tensor_type=None, name: str = "tiny-gemma3.g
     w.add_rope_freq_base(1e6)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_sliding_window(WINDOW)
+    if rope_factor is not None:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope_factor)
     w.add_tokenizer_model("llama")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
