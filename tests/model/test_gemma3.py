@@ -181,3 +181,40 @@ def test_gemma3_final_logit_softcapping(tiny):
     b = _forward(capped, ids, 0, capped.allocate_kv(32), table)
     torch.testing.assert_close(b, 0.2 * torch.tanh(a / 0.2))
     assert b.abs().max() < 0.2 < a.abs().max()  # the tiny model's logits are small
+
+
+def test_spm_with_space_prefix_matches_sentencepiece_and_llama_cpp(tmp_path):
+    # Llama 2 / Mistral-style vocabularies: a space is prefixed to the text (add_space_prefix).
+    # llama.cpp also prefixes one after a special or user-defined token ("x\ny" -> x \n _y),
+    # sentencepiece does not: sentencepiece is the reference only for text without them.
+    from tests.model.tiny_gemma3 import train_spm, vocab_of
+
+    sp = train_spm(dummy_prefix=True)
+    tokens, scores, types = vocab_of(sp)
+    path = str(tmp_path / "spm-prefix.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_block_count(1), w.add_context_length(64), w.add_embedding_length(64)  # for llama.cpp's loader
+    w.add_feed_forward_length(64), w.add_head_count(4), w.add_head_count_kv(4), w.add_layer_norm_rms_eps(1e-6)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(1)
+    w.add_unk_token_id(3)  # add_bos_token and add_space_prefix left to llama.cpp's SPM defaults (on)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    tok = load_tokenizer(path)
+    plain = ["Hello world", "The quick brown fox.", " leading space", "a  b"]
+    for text in plain:
+        assert tok.encode(text) == [2] + sp.encode(text), text
+        assert tok.decode(tok.encode(text)) == text
+    try:
+        import llama_cpp
+    except ImportError:
+        return
+    ref = llama_cpp.Llama(model_path=path, vocab_only=True, verbose=False)
+    try:
+        for text in plain + ["x\ny", "x\n\ny z", "<start_of_turn>hi", "\n"]:
+            assert tok.encode(text) == ref.tokenize(text.encode(), add_bos=True, special=True), text
+    finally:
+        ref.close()

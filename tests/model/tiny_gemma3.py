@@ -33,7 +33,7 @@ _GGUF_LAYER = {
 }
 
 
-def train_spm(vocab_size: int = 480):
+def train_spm(vocab_size: int = 480, dummy_prefix: bool = False):
     """A SentencePiece BPE model with byte fallback and Gemma's special ids (pad 0, eos 1, bos 2,
     unk 3); returns the loaded processor."""
     import sentencepiece as spm
@@ -42,14 +42,15 @@ def train_spm(vocab_size: int = 480):
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(_CORPUS * 4), model_writer=model, vocab_size=vocab_size,
         model_type="bpe", byte_fallback=True, pad_id=0, eos_id=1, bos_id=2, unk_id=3,
-        control_symbols=CONTROL, user_defined_symbols=USER_DEFINED, add_dummy_prefix=False,
+        control_symbols=CONTROL, user_defined_symbols=USER_DEFINED, add_dummy_prefix=dummy_prefix,
         remove_extra_whitespaces=False, normalization_rule_name="identity", split_digits=True,
         minloglevel=2,
     )
     return spm.SentencePieceProcessor(model_proto=model.getvalue())
 
 
-def _vocab(sp) -> tuple[list[str], list[float], list[int]]:
+def vocab_of(sp) -> tuple[list[str], list[float], list[int]]:
+    """(pieces, scores, llama.cpp token types) of a sentencepiece model."""
     tokens = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
     scores = [float(sp.get_score(i)) for i in range(len(tokens))]
     types = []
@@ -102,7 +103,7 @@ def build_tiny_gemma3(out_dir: str, tensor_type=None, name: str = "tiny-gemma3.g
     import gguf
 
     sp = train_spm()
-    tokens, scores, types = _vocab(sp)
+    tokens, scores, types = vocab_of(sp)
     model = hf_gemma3(len(tokens), rope_factor=rope_factor)
     cfg = model.config
     path = os.path.join(out_dir, name)
