@@ -32,7 +32,8 @@ class ShortGroup:
     num_reqs: int
     width: int
     token_start: int  # flat index of the group's first token when token_index is None
-    q_pos: torch.Tensor | None = None  # [B, W] absolute position of each query (pad rows: any)
+    ctx_lens: tuple[int, ...] = ()  # per request: context after this step (for window masks)
+    query_lens: tuple[int, ...] = ()
     packed_mask: torch.Tensor | None = None  # [B, 1, W*G, C], built by the first layer, reused
     # sliding window -> its packed mask, built by the first layer with that window, reused
     window_masks: dict = field(default_factory=dict)
@@ -105,13 +106,14 @@ def _build_short(ids: list[int], starts: list[int], query_lens: list[int], conte
         token_index = torch.where(token_valid, token_index, 0).to(device)
         token_valid = token_valid.to(device)
     mask = None
-    ctx = torch.tensor(cs)[:, None, None]  # [B, 1, 1]
-    q_pos = ctx - torch.tensor(qs)[:, None, None] + torch.arange(W)[None, :, None]  # [B, W, 1]
     if not (W == 1 and min(cs) == C):
+        ctx = torch.tensor(cs)[:, None, None]  # [B, 1, 1]
+        q_len = torch.tensor(qs)[:, None, None]
+        q_pos = ctx - q_len + torch.arange(W)[None, :, None]  # absolute position of each query
         k_pos = torch.arange(C)[None, None, :]
         mask = ((k_pos <= q_pos) & (k_pos < ctx)).unsqueeze(1).to(device)  # [B, 1, W, C]
     return ShortGroup(token_index, token_valid, kv_slots.to(device), mask, B, W,
-                      starts[ids[0]] if uniform else 0, q_pos[..., 0].to(device))
+                      starts[ids[0]] if uniform else 0, tuple(cs), tuple(qs))
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -186,8 +188,10 @@ def _short_attention(q: torch.Tensor, kv_cache: torch.Tensor, g: ShortGroup, sca
     mask = g.packed_mask
     if window is not None and C > window:  # with C <= window the window hides nothing
         mask = g.window_masks.get(window)
-        if mask is None:  # rows past a request's context see keys <= its last position only
-            m = window_mask(g.q_pos, C, window).unsqueeze(1)  # [B, 1, W, C]
+        if mask is None:  # pad rows (past a request's query) see keys <= its last position only
+            ctx = torch.tensor(g.ctx_lens, device=q.device)[:, None]
+            q_pos = ctx - torch.tensor(g.query_lens, device=q.device)[:, None] + torch.arange(W, device=q.device)
+            m = window_mask(torch.minimum(q_pos, ctx - 1), C, window).unsqueeze(1)  # [B, 1, W, C]
             mask = m.unsqueeze(3).expand(B, 1, W, G, C).reshape(B, 1, W * G, C)
             g.window_masks[window] = mask
     o = F.scaled_dot_product_attention(qp, kb, vb, attn_mask=mask, scale=scale)
