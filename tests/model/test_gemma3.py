@@ -218,3 +218,24 @@ def test_spm_with_space_prefix_matches_sentencepiece_and_llama_cpp(tmp_path):
             assert tok.encode(text) == ref.tokenize(text.encode(), add_bos=True, special=True), text
     finally:
         ref.close()
+
+
+def test_gemma3_hf_folder_matches_transformers_and_the_gguf(tiny, tmp_path):
+    # The same weights as an HF folder (norms stored as w, used as 1 + w): logits equal to
+    # transformers' and to the GGUF's.
+    path, hf, _ = tiny
+    folder = str(tmp_path / "hf")
+    hf.save_pretrained(folder, safe_serialization=True)
+    load_tokenizer(path).backend.save(f"{folder}/tokenizer.json")
+    loaded = load_model_files(folder)
+    from dataclasses import replace
+
+    same = dict(rms_norm_eps=1e-6, attn_scale=0.25)  # float32 eps in GGUF; 16 ** -0.5 == head_dim ** -0.5
+    assert replace(loaded.arch, **same) == replace(load_model_files(path).arch, **same)
+    ids = [2, 17, 45, 99, 120, 7, 64, 230, 31, 18, 77]
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    model = create_model(loaded.arch, loaded.state_dict, torch.float32, CPU, 64)
+    table = list(range(8))
+    torch.testing.assert_close(_forward(model, ids, 0, model.allocate_kv(len(table) * BS), table), ref,
+                               rtol=1e-4, atol=1e-4)
