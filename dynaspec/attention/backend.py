@@ -85,10 +85,13 @@ class AttentionBackend(Protocol):
         ...
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                md: Any, scale: float) -> torch.Tensor:
+                md: Any, scale: float, window: int | None = None) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D] (this step's new keys/values, already rotated);
         kv_cache: [2, num_slots, Hkv, D]. Writes k/v at md.slot_mapping, then attends every
-        query to its request's context (causal within the step). Returns [T, H, D]."""
+        query to its request's context (causal within the step). Returns [T, H, D].
+        window (sliding-window layers, Gemma-3): a query at absolute position p sees only keys
+        max(0, p - window + 1)..p. The cache still holds every position, so prefix caching and
+        speculative rollback need nothing special."""
         ...
 
 

@@ -10,7 +10,7 @@ gathered from its slots by an index built once per step and shared by all layers
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +32,11 @@ class ShortGroup:
     num_reqs: int
     width: int
     token_start: int  # flat index of the group's first token when token_index is None
+    ctx_lens: tuple[int, ...] = ()  # per request: context after this step (for window masks)
+    query_lens: tuple[int, ...] = ()
     packed_mask: torch.Tensor | None = None  # [B, 1, W*G, C], built by the first layer, reused
+    # sliding window -> its packed mask, built by the first layer with that window, reused
+    window_masks: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -43,6 +47,7 @@ class LongSeq:
     query_len: int
     context_len: int  # tokens in KV after this step's write (computed + query)
     kv_slots: torch.Tensor | None  # [context_len]; None when the query is the whole context
+    window_masks: dict = field(default_factory=dict)  # sliding window -> [query_len, context_len]
 
 
 @dataclass
@@ -108,32 +113,51 @@ def _build_short(ids: list[int], starts: list[int], query_lens: list[int], conte
         k_pos = torch.arange(C)[None, None, :]
         mask = ((k_pos <= q_pos) & (k_pos < ctx)).unsqueeze(1).to(device)  # [B, 1, W, C]
     return ShortGroup(token_index, token_valid, kv_slots.to(device), mask, B, W,
-                      starts[ids[0]] if uniform else 0)
+                      starts[ids[0]] if uniform else 0, tuple(cs), tuple(qs))
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                    md: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, Hkv, D]; kv_cache: [2, num_slots, Hkv, D]. Returns [T, H, D]."""
+                    md: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, Hkv, D]; kv_cache: [2, num_slots, Hkv, D]. Returns [T, H, D].
+    window: a query at position p sees keys max(0, p - window + 1)..p (None: all up to p). The
+    cache keeps every position either way, so prefix caching and rollback are unaffected."""
     kv_cache[0].index_copy_(0, md.slot_mapping, k)
     kv_cache[1].index_copy_(0, md.slot_mapping, v)
     out = torch.empty_like(q)
     if md.short is not None:
-        _short_attention(q, kv_cache, md.short, scale, out)
-    long_attention(q, k, v, kv_cache, md.long, scale, out)
+        _short_attention(q, kv_cache, md.short, scale, out, window)
+    long_attention(q, k, v, kv_cache, md.long, scale, out, window)
     return out
 
 
+def window_mask(q_pos: torch.Tensor, num_keys: int, window: int) -> torch.Tensor:
+    """[..., num_keys] bool: key position k is visible from query position q (causal, in window)."""
+    k_pos = torch.arange(num_keys, device=q_pos.device)
+    q = q_pos[..., None]
+    return (k_pos <= q) & (k_pos > q - window)
+
+
 def long_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                   seqs: list[LongSeq], scale: float, out: torch.Tensor) -> None:
+                   seqs: list[LongSeq], scale: float, out: torch.Tensor,
+                   window: int | None = None) -> None:
     """One SDPA call per prefill chunk, into its rows of out (the step's K/V already written)."""
     for seq in seqs:
         s, e = seq.token_start, seq.token_start + seq.query_len
         qi = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
         if seq.kv_slots is None:
             ki, vi = k[s:e], v[s:e]
-            mask, causal = None, True
         else:
             ki, vi = kv_cache[0][seq.kv_slots], kv_cache[1][seq.kv_slots]  # [ctx, Hkv, D]
+        windowed = window is not None and seq.context_len > window  # else the window hides nothing
+        if windowed:
+            mask = seq.window_masks.get(window)
+            if mask is None:
+                q_pos = torch.arange(seq.context_len - seq.query_len, seq.context_len, device=q.device)
+                mask = seq.window_masks[window] = window_mask(q_pos, seq.context_len, window)
+            causal = False
+        elif seq.kv_slots is None:
+            mask, causal = None, True
+        else:
             q_pos = torch.arange(seq.context_len - seq.query_len, seq.context_len, device=q.device)
             mask = torch.arange(seq.context_len, device=q.device)[None, :] <= q_pos[:, None]
             causal = False
@@ -144,7 +168,7 @@ def long_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: 
 
 
 def _short_attention(q: torch.Tensor, kv_cache: torch.Tensor, g: ShortGroup, scale: float,
-                     out: torch.Tensor) -> None:
+                     out: torch.Tensor, window: int | None = None) -> None:
     H, D = q.shape[1], q.shape[2]
     if g.token_index is None:
         qb = q[g.token_start: g.token_start + g.num_reqs * g.width].view(g.num_reqs, g.width, H, D)
@@ -158,10 +182,19 @@ def _short_attention(q: torch.Tensor, kv_cache: torch.Tensor, g: ShortGroup, sca
     # Same math as GQA, but SDPA sees W*G queries instead of one; measured here its bf16
     # one-query path is ~5x slower at batch 64 x 1k context.
     qp = qb.view(B, W, Hkv, G, D).permute(0, 2, 1, 3, 4).reshape(B, Hkv, W * G, D)
+    C = kb.shape[2]
     if g.mask is not None and g.packed_mask is None:  # [B, 1, W, C] -> [B, 1, W*G, C]
-        C = g.mask.shape[-1]
         g.packed_mask = g.mask.unsqueeze(3).expand(B, 1, W, G, C).reshape(B, 1, W * G, C)
-    o = F.scaled_dot_product_attention(qp, kb, vb, attn_mask=g.packed_mask, scale=scale)
+    mask = g.packed_mask
+    if window is not None and C > window:  # with C <= window the window hides nothing
+        mask = g.window_masks.get(window)
+        if mask is None:  # pad rows (past a request's query) see keys <= its last position only
+            ctx = torch.tensor(g.ctx_lens, device=q.device)[:, None]
+            q_pos = ctx - torch.tensor(g.query_lens, device=q.device)[:, None] + torch.arange(W, device=q.device)
+            m = window_mask(torch.minimum(q_pos, ctx - 1), C, window).unsqueeze(1)  # [B, 1, W, C]
+            mask = m.unsqueeze(3).expand(B, 1, W, G, C).reshape(B, 1, W * G, C)
+            g.window_masks[window] = mask
+    o = F.scaled_dot_product_attention(qp, kb, vb, attn_mask=mask, scale=scale)
     o = o.view(B, Hkv, W, G, D).permute(0, 2, 1, 3, 4).reshape(B, W, H, D)
     if g.token_index is None:
         out[g.token_start: g.token_start + g.num_reqs * g.width] = o.reshape(-1, H, D)
@@ -182,8 +215,8 @@ class EagerPagedBackend:
                               [list(t) for t in batch.block_tables], batch.block_size, batch.device)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                md: AttentionMetadata, scale: float) -> torch.Tensor:
-        return paged_attention(q, k, v, kv_cache, md, scale)
+                md: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+        return paged_attention(q, k, v, kv_cache, md, scale, window)
 
 
 register_backend(EagerPagedBackend.name, EagerPagedBackend)

@@ -74,16 +74,17 @@ class UniformDecodeBackend:
         return DecodeMetadata(slot_mapping, tables, ctx, bs, W)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                md: DecodeMetadata, scale: float) -> torch.Tensor:
+                md: DecodeMetadata, scale: float, window: int | None = None) -> torch.Tensor:
         return uniform_attention(q, k, v, kv_cache, md.slot_mapping, md.block_tables,
-                                 md.context_lens, md.block_size, md.width, scale)
+                                 md.context_lens, md.block_size, md.width, scale, window)
 
 
 def uniform_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                       slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                       context_lens: torch.Tensor, block_size: int, width: int,
-                      scale: float) -> torch.Tensor:
-    """q: [B*W, H, D]; k, v: [B*W, Hkv, D]; kv_cache: [2, S, Hkv, D]. Returns [B*W, H, D]."""
+                      scale: float, window: int | None = None) -> torch.Tensor:
+    """q: [B*W, H, D]; k, v: [B*W, Hkv, D]; kv_cache: [2, S, Hkv, D]. Returns [B*W, H, D].
+    window: a query at position p sees keys max(0, p - window + 1)..p (None: all up to p)."""
     # index_put_ on the cache itself, not index_copy_ on the kv_cache[0] view: compiled, a
     # mutated view is functionalised into a copy of the whole cache every step (measured:
     # 1.8 s per step for a 1 GiB pool), while index_put_ on the input is written in place.
@@ -101,7 +102,10 @@ def uniform_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cach
     # does): SDPA sees [B, Hkv, W*G, D] against [B, Hkv, C, D].
     qp = q.view(B, W, Hkv, G, D).permute(0, 2, 1, 3, 4).reshape(B, Hkv, W * G, D)
     q_pos = context_lens[:, None] - W + torch.arange(W, device=q.device)  # [B, W]
-    mask = torch.arange(C, device=q.device)[None, None, :] <= q_pos[:, :, None]  # [B, W, C]
+    k_pos = torch.arange(C, device=q.device)[None, None, :]
+    mask = k_pos <= q_pos[:, :, None]  # [B, W, C]
+    if window is not None:  # a Python int: a compiled graph specialises on it, per layer kind
+        mask = mask & (k_pos > q_pos[:, :, None] - window)
     mask = mask[:, None, :, None, :].expand(B, 1, W, G, C).reshape(B, 1, W * G, C)
     o = F.scaled_dot_product_attention(qp, kb, vb, attn_mask=mask, scale=scale)  # [B, Hkv, W*G, D]
     return o.view(B, Hkv, W, G, D).permute(0, 2, 1, 3, 4).reshape(B * W, H, D)

@@ -9,6 +9,7 @@ import torch
 
 from dynaspec.config import EngineConfig, default_num_threads
 from dynaspec.kv.kv_cache_manager import KVCacheManager
+from dynaspec.models.gemma3 import create_model
 from dynaspec.models.llama import LlamaModel
 from dynaspec.models.loader import load_model_files
 from dynaspec.sample.rejection_sampler import make_synthetic_verifier
@@ -137,7 +138,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     plan, proposer, drafter_tokens, drafter_max_len = _plan_and_proposer(config, arch.vocab_size,
                                                                          device, dtype)
     weights = WeightPlan(quant, mc.quant_dense_above, dtype, device, mc.dense_row_buckets, mc.linear_kernel)
-    model = LlamaModel(arch, loaded.state_dict, dtype, device, max_model_len + plan.max_k + 1, weights)
+    model = create_model(arch, loaded.state_dict, dtype, device, max_model_len + plan.max_k + 1, weights)
     del loaded.state_dict
     _release_load_memory()
     model.attn = resolve_attention(mc.attention_backend, device)

@@ -1,5 +1,5 @@
 """Loading a GGUF file (llama.cpp's format): metadata -> config, tensors -> float32 (or kept
-quantized: Q4_0/Q4_1/Q8_0 as QuantizedTensor), vocab -> tokenizer."""
+quantized as QuantizedTensor: Q4_0/Q4_1/Q8_0, Q5_0/Q5_1, Q4_K/Q5_K/Q6_K), vocab -> tokenizer."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from gguf import quants
 
 from dynaspec.config import ModelArchConfig
-from dynaspec.models.quant import QuantizedTensor, from_gguf_blocks
+from dynaspec.models.quant import KEPT_QUANTIZED, QuantizedTensor, from_gguf_blocks
 from dynaspec.models.loader import (
     END_OF_TURN_TOKENS,
     SUPPORTED_ARCHITECTURES,
@@ -23,12 +23,22 @@ from dynaspec.models.loader import (
     progress,
     validate_arch,
 )
+from dynaspec.models.gguf_spm import build_spm
 from dynaspec.models.tokenizer import Tokenizer
 
 log = logging.getLogger("dynaspec")
 _REQUIRED = object()
-_KEPT_QUANTIZED = ("Q4_0", "Q4_1", "Q8_0")  # block types with a weight-only kernel (models/quant.py)
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+# Gemma's turn format (what its HF template renders; a system message joins the first user turn),
+# for Gemma-3 files that carry no template.
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% set ns = namespace(system='') %}"
+    "{% for m in messages %}{% if m['role'] == 'system' %}{% set ns.system = m['content'] + '\n\n' %}"
+    "{% else %}{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\n' }}"
+    "{% if m['role'] == 'user' %}{{ ns.system }}{% set ns.system = '' %}{% endif %}"
+    "{{ m['content'] | trim }}<end_of_turn>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
 
 # GGUF per-layer tensor names -> HF names (the "blk.N." prefix becomes "model.layers.N.").
 _LAYER_NAMES = {
@@ -37,7 +47,12 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
 }
+# Gemma-3 sandwiches each block in norms: its ffn_norm is the pre-MLP norm, not Llama's post-attention one.
+_GEMMA3_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
+                 "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_GEMMA3_SWA_PATTERN = 6  # llama.cpp's default for gemma3 files: every 6th layer is global
+_GEMMA3_LOCAL_THETA = 10000.0  # llama.cpp's RoPE base for gemma3 local layers (not in the file)
 
 # Pre-tokenizer regexes, as llama.cpp applies them for each `tokenizer.ggml.pre` value.
 _LLAMA3_SPLIT = (
@@ -56,7 +71,7 @@ _PRE_KINDS = {
 
 
 def load_gguf_file(path: str, keep_quantized: bool = False) -> LoadedModel:
-    """keep_quantized: 2-D Q4_0/Q4_1/Q8_0 weights stay QuantizedTensors instead of float32."""
+    """keep_quantized: 2-D weights of the types in quant.KEPT_QUANTIZED stay QuantizedTensors."""
     reader = _open(path)
     meta = _Metadata(reader, path)
     arch = validate_arch(arch_from_gguf(meta, reader), path)
@@ -122,6 +137,9 @@ def arch_from_gguf(meta: _Metadata, reader) -> ModelArchConfig:  # type: ignore[
         )
     names = {t.name for t in reader.tensors}
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    extra = _gemma3_fields(meta, arch) if arch == "gemma3" else {}
+    if "rope_scaling" in extra:
+        scaling = "none"  # linear scaling of Gemma-3's global layers: handled
     if scaling not in ("none", None) or "rope_freqs.weight" in names:
         # llama.cpp bakes llama3.1-style scaling into a rope_freqs tensor whose parameters the
         # file does not keep; running without it would give silently wrong long-context output.
@@ -149,15 +167,38 @@ def arch_from_gguf(meta: _Metadata, reader) -> ModelArchConfig:  # type: ignore[
         max_position_embeddings=int(meta.get(f"{arch}.context_length", 2048)),
         tie_word_embeddings="output.weight" not in names,
         attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in names,
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "gemma3"),
+        **extra,
     )
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
+def _gemma3_fields(meta: _Metadata, arch: str) -> dict:
+    """Gemma-3's attention pattern, RoPE bases and scales, with llama.cpp's defaults where the
+    file is silent (it stores neither the local RoPE base nor the layer pattern)."""
+    out: dict = {"rope_local_theta": _GEMMA3_LOCAL_THETA}
+    window = meta.get(f"{arch}.attention.sliding_window", None)
+    if window is not None:
+        out["sliding_window"] = int(window)
+        pattern = meta.get(f"{arch}.attention.sliding_window_pattern", _GEMMA3_SWA_PATTERN)
+        if not isinstance(pattern, int):
+            raise ModelLoadError(f"{meta.path}: a per-layer sliding_window_pattern array is not supported")
+        out["sliding_window_pattern"] = pattern
+    if meta.get(f"{arch}.rope.scaling.type", "none") == "linear":
+        out["rope_scaling"] = {"rope_type": "linear", "factor": float(meta.get(f"{arch}.rope.scaling.factor"))}
+    cap = meta.get(f"{arch}.final_logit_softcapping", None)
+    out["final_logit_softcapping"] = float(cap) if cap else None
+    if int(meta.get(f"{arch}.block_count")) == 62:  # llama.cpp: 27B scales by hidden/heads
+        hidden, heads = int(meta.get(f"{arch}.embedding_length")), int(meta.get(f"{arch}.attention.head_count"))
+        out["attn_scale"] = (hidden // heads) ** -0.5
+    return out
+
+
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     """HF name for a GGUF tensor name; None for tensors the model does not use."""
     parts = gguf_name.split(".")
-    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    layer_names = _GEMMA3_NAMES if arch == "gemma3" else _LAYER_NAMES
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
     if len(parts) == 2 and parts[0] in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[parts[0]]}.{parts[1]}"
     return None
@@ -167,11 +208,11 @@ def _read_tensors(reader, arch: ModelArchConfig, path: str, keep_quantized: bool
     out: dict[str, torch.Tensor | QuantizedTensor] = {}
     dequantized: set[str] = set()
     for tensor in progress(reader.tensors, len(reader.tensors), "loading weights"):
-        name = hf_tensor_name(tensor.name)
+        name = hf_tensor_name(tensor.name, arch.architecture)
         if name is None:  # e.g. rope_freqs or tensors of other heads: not part of this model
             continue
         kind = tensor.tensor_type.name
-        if keep_quantized and kind in _KEPT_QUANTIZED and len(tensor.shape) == 2:
+        if keep_quantized and kind in KEPT_QUANTIZED and len(tensor.shape) == 2:
             weight = _quantized(tensor, path)
         else:
             weight = _dequantize(tensor, path)
@@ -236,26 +277,34 @@ def unpermute_qk(weight: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def gguf_tokenizer(meta: _Metadata) -> tuple[Tokenizer, tuple[int, ...]]:
-    """A byte-level BPE Tokenizer from tokenizer.ggml.* metadata, and the model's EOS ids."""
+    """The Tokenizer from tokenizer.ggml.* metadata (byte-level BPE or SentencePiece), and the
+    model's EOS ids."""
     model = meta.get("tokenizer.ggml.model", None)
-    if model != "gpt2":
-        raise ModelLoadError(
-            f"{meta.path}: GGUF tokenizer model {model!r} is not supported (only 'gpt2', byte-level BPE)"
-        )
     tokens = list(meta.get("tokenizer.ggml.tokens"))
     types = list(meta.get("tokenizer.ggml.token_type", [1] * len(tokens)))
-    merges = list(meta.get("tokenizer.ggml.merges"))
-    pre = meta.get("tokenizer.ggml.pre", "default")
-    backend = _build_bpe(tokens, types, merges, pre, meta.path)
+    if model == "gpt2":
+        merges = list(meta.get("tokenizer.ggml.merges"))
+        backend = _build_bpe(tokens, types, merges, meta.get("tokenizer.ggml.pre", "default"), meta.path)
+        add_bos_default = False  # transformers and llama.cpp: no BOS for byte-level vocabularies
+    elif model == "llama":
+        scores = [float(x) for x in meta.get("tokenizer.ggml.scores")]
+        backend = build_spm(tokens, scores, types, bool(meta.get("tokenizer.ggml.add_space_prefix", True)),
+                            meta.get("tokenizer.ggml.unknown_token_id", None), meta.path)
+        add_bos_default = True  # llama.cpp's default for SentencePiece vocabularies
+    else:
+        raise ModelLoadError(f"{meta.path}: GGUF tokenizer model {model!r} is not supported "
+                             "(supported: 'gpt2' byte-level BPE, 'llama' SentencePiece)")
     ids = {k: meta.get(f"tokenizer.ggml.{k}_token_id", None) for k in ("bos", "eos", "eot", "eom")}
     token_text = {k: tokens[v] if v is not None and 0 <= v < len(tokens) else None for k, v in ids.items()}
+    template = meta.get("tokenizer.chat_template", None)
+    if template is None and meta.get("general.architecture", None) == "gemma3":
+        template = GEMMA_TEMPLATE  # llama.cpp falls back to its built-in gemma format too
     tokenizer = Tokenizer(
         backend,
         bos_token=token_text["bos"],
         eos_token=token_text["eos"],
-        chat_template=meta.get("tokenizer.chat_template", None),
-        # transformers and llama.cpp both default to no BOS for byte-level vocabularies.
-        add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        chat_template=template,
+        add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default)),
     )
     # Like llama.cpp, any control token spelled as a known end-of-turn marker also ends generation.
     control = {t for t, kind in zip(tokens, types) if kind == _CONTROL}

@@ -13,7 +13,6 @@ from safetensors import safe_open
 from dynaspec.config import ModelArchConfig
 from dynaspec.models.loader import (
     PICKLE_SUFFIXES,
-    SUPPORTED_ARCHITECTURES,
     LoadedModel,
     ModelLoadError,
     collect_eos_ids,
@@ -28,6 +27,7 @@ _ARCH_CLASSES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3",
 }
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -39,6 +39,8 @@ def load_hf_folder(path: str) -> LoadedModel:
     tensors = _read_safetensors(_weight_files(path))
     if arch.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)  # some exports store the tied copy too
+    if arch.architecture == "gemma3":  # HF Gemma norms compute x * (1 + w); ours x * w
+        tensors = {n: t.float() + 1.0 if n.endswith("norm.weight") else t for n, t in tensors.items()}
     state_dict = finalize_state_dict(tensors, arch, path)
     generation = _read_json(os.path.join(path, "generation_config.json"), required=False) or {}
     declared = _as_id_list(generation.get("eos_token_id")) or _as_id_list(config.get("eos_token_id"))
@@ -71,7 +73,8 @@ def _as_id_list(value: object) -> list[int]:
 def arch_from_hf_config(config: dict, source: str) -> ModelArchConfig:
     """Map an HF config.json (transformers 4.x or 5.x layout) onto ModelArchConfig."""
     arch = _architecture_name(config, source)
-    if config.get("hidden_act", "silu") != "silu":
+    extra = _gemma3_fields(config, source) if arch == "gemma3" else {}
+    if arch != "gemma3" and config.get("hidden_act", "silu") != "silu":
         raise ModelLoadError(f"{source}: hidden_act {config['hidden_act']!r} is not supported (only silu)")
     if config.get("mlp_bias"):
         raise ModelLoadError(f"{source}: mlp_bias=true is not supported")
@@ -81,7 +84,8 @@ def arch_from_hf_config(config: dict, source: str) -> ModelArchConfig:
         hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
         # transformers' defaults when a key is absent: Qwen3 fixes head_dim at 128, others divide.
         default_head_dim = 128 if arch == "qwen3" else hidden // heads
-        rope_theta, rope_scaling = _rope_settings(config, source)
+        rope_theta, rope_scaling = (extra.pop("rope_theta"), extra.pop("rope_scaling")) if extra \
+            else _rope_settings(config, source)
         return ModelArchConfig(
             architecture=arch,
             vocab_size=int(config["vocab_size"]),
@@ -97,7 +101,8 @@ def arch_from_hf_config(config: dict, source: str) -> ModelArchConfig:
             max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             attention_bias=True if arch == "qwen2" else bool(config.get("attention_bias", False)),
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "gemma3"),
+            **extra,
         )
     except KeyError as exc:
         raise ModelLoadError(f"{source}/config.json: missing key {exc.args[0]!r}") from exc
@@ -105,13 +110,48 @@ def arch_from_hf_config(config: dict, source: str) -> ModelArchConfig:
         raise ModelLoadError(f"{source}/config.json: bad value: {exc}") from exc
 
 
+def _gemma3_fields(config: dict, source: str) -> dict:
+    """Gemma-3's window pattern, per-kind RoPE and scales (transformers 5 and 4.x layouts)."""
+    act = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise ModelLoadError(f"{source}: Gemma-3 hidden_activation {act!r} is not supported (only gelu_pytorch_tanh)")
+    if config.get("attn_logit_softcapping"):
+        raise ModelLoadError(f"{source}: attn_logit_softcapping is not supported")
+    n = int(config["num_hidden_layers"])
+    kinds = config.get("layer_types")
+    pattern = int(config.get("sliding_window_pattern") or 6)
+    if kinds:  # the engine's pattern form: layer i is global iff (i + 1) % pattern == 0
+        pattern = kinds.index("full_attention") + 1 if "full_attention" in kinds else 0
+        want = ["full_attention" if pattern and (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
+        if kinds != want:
+            raise ModelLoadError(f"{source}: Gemma-3 layer_types that are not a repeating pattern are not supported")
+    params = config.get("rope_parameters") or {}
+    full = params.get("full_attention") or {"rope_theta": config.get("rope_theta", 1e6),
+                                           **(config.get("rope_scaling") or {})}
+    local = params.get("sliding_attention") or {"rope_theta": config.get("rope_local_base_freq", 10000.0)}
+    kind = full.get("rope_type", full.get("type", "default"))
+    if kind not in ("default", "linear") or local.get("rope_type", "default") != "default":
+        raise ModelLoadError(f"{source}: Gemma-3 rope type {kind!r} is not supported (default, linear)")
+    scalar = config.get("query_pre_attn_scalar")
+    return {
+        "rope_theta": float(full.get("rope_theta", 1e6)),
+        "rope_scaling": {"rope_type": "linear", "factor": float(full["factor"])} if kind == "linear" else None,
+        "rope_local_theta": float(local.get("rope_theta", 10000.0)),
+        "sliding_window": int(config["sliding_window"]) if config.get("sliding_window") else None,
+        "sliding_window_pattern": pattern,
+        "attn_scale": float(scalar) ** -0.5 if scalar else None,
+        "final_logit_softcapping": float(config["final_logit_softcapping"]) if config.get("final_logit_softcapping") else None,
+    }
+
+
 def _architecture_name(config: dict, source: str) -> str:
     names = config.get("architectures") or []
     for name in names:
         if name in _ARCH_CLASSES:
             return _ARCH_CLASSES[name]
-    if not names and config.get("model_type") in SUPPORTED_ARCHITECTURES:
-        return config["model_type"]
+    model_types = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
+    if not names and config.get("model_type") in model_types:
+        return model_types[config["model_type"]]
     shown = ", ".join(names) or f"model_type {config.get('model_type')!r}"
     raise ModelLoadError(
         f"{source}: unknown architecture {shown}; supported: {', '.join(_ARCH_CLASSES)}"

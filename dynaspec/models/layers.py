@@ -68,8 +68,10 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
     if not scaling or scaling.get("rope_type", scaling.get("type")) in (None, "default"):
         return inv_freq.float()
     kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":  # positions divided by the factor (Gemma-3's global layers)
+        return (inv_freq / scaling["factor"]).float()
     if kind != "llama3":
-        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: llama3)")
+        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: llama3, linear)")
     factor = scaling["factor"]
     low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
     old_len = scaling["original_max_position_embeddings"]

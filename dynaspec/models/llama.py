@@ -166,6 +166,8 @@ def layer_stack(model: LlamaModel):
         return None
     layers = []
     for layer in model.layers:
+        if type(layer) is not DecoderLayer:  # another architecture's layer (Gemma-3): its own loop
+            return None
         mats = (layer.qkv, layer.o, layer.gate_up, layer.down)
         if layer.q_norm is not None or not all(isinstance(m, Int8DotLinear) and m.bias is None for m in mats):
             return None

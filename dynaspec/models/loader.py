@@ -20,7 +20,7 @@ from dynaspec.config import ModelArchConfig
 if TYPE_CHECKING:
     from dynaspec.models.tokenizer import Tokenizer
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 # Tokens that end a turn in common chat formats. When a model's chat template ends turns with
 # one, generation must stop on it too, even if the config only names the end-of-text token.
@@ -45,7 +45,7 @@ class LoadedModel:
 
 
 def load_model_files(model: str, keep_quantized: bool = False) -> LoadedModel:
-    """Load "default", an HF folder (config.json + safetensors) or a .gguf file.
+    """Load "default", "gemma3-270m", an HF folder (config.json + safetensors) or a .gguf file.
 
     keep_quantized: a GGUF's Q4_0/Q4_1/Q8_0 matrices stay QuantizedTensors (models/quant.py)
     instead of being dequantized to float32.
@@ -78,6 +78,10 @@ def resolve_model_path(model: str) -> tuple[str, str]:
         from dynaspec.models.default_model import default_model_path
 
         model = default_model_path()
+    elif model == "gemma3-270m":
+        from dynaspec.models.default_model import gemma3_270m_path
+
+        model = gemma3_270m_path()
     path = os.path.realpath(os.path.expanduser(model))
     if not os.path.exists(path):
         raise ModelLoadError(f"model path {model!r} does not exist")
@@ -131,6 +135,8 @@ def expected_tensor_names(arch: ModelArchConfig) -> list[str]:
             names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
         names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
         names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        if arch.architecture == "gemma3":
+            names += [p + "pre_feedforward_layernorm.weight", p + "post_feedforward_layernorm.weight"]
     return names
 
 

