@@ -29,7 +29,7 @@ Metric identities are checked after every run; a violation stops the benchmark (
 
 
 def register(bsub) -> None:
-    p = bsub.add_parser("compare", help="paired A/B throughput comparison with a 95% CI",
+    p = bsub.add_parser("compare", help="paired A/B throughput comparison with a 95%% CI",
                         description=__doc__, epilog=_EPILOG,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--a", required=True, help="arm A: engine flags in quotes, or peer:NAME:MODE")
