@@ -36,7 +36,7 @@ def main() -> None:
     loaded = load_model_files(path, keep_quantized=True)
     tok = loaded.tokenizer
     ids: list[int] = []
-    for wl in ("code_edit", "chat", "summarize", "humaneval", "agentic"):
+    for wl in ("code_edit", "chat", "summarize", "agentic"):
         for item in load_workload(wl, tok, 64, 0):
             ids.extend(item.prompt_ids)
     windows = [ids[i: i + WIN] for i in range(0, min(len(ids), positions + WIN), WIN)]
