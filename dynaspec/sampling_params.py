@@ -23,6 +23,13 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return per token (0 = chosen only)
     structured_output: StructuredOutputParams | None = None  # a grammar the output must follow
+    # Logits processing (sample/logits_processor.py), applied at every verified position.
+    presence_penalty: float = 0.0  # subtracted once from every token already in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # CTRL-style, over prompt + output; 1 = off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits
+    min_tokens: int = 0  # EOS and stop_token_ids are banned until this many tokens are out
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()  # sequences never generated (last id banned)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -47,10 +54,37 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        self._check_logits_processing()
         so = self.structured_output
         if so is not None and not isinstance(so, StructuredOutputParams):
             raise ValueError("structured_output must be a StructuredOutputParams, got "
                              f"{type(so).__name__}")
+
+    def _check_logits_processing(self) -> None:
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias))
+        object.__setattr__(self, "bad_words_ids", tuple(tuple(w) for w in self.bad_words_ids))
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if any(not -100.0 <= b <= 100.0 for _, b in self.logit_bias):
+            raise ValueError("logit_bias values must be in [-100, 100]")
+        if any(t < 0 for t, _ in self.logit_bias):
+            raise ValueError("logit_bias token ids must be >= 0")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], "
+                             f"got {self.min_tokens!r}")
+        if any(not w or min(w) < 0 for w in self.bad_words_ids):
+            raise ValueError("bad_words_ids must be non-empty sequences of token ids >= 0")
+
+    @property
+    def processes_logits(self) -> bool:
+        """True when the logits need the per-position step of sample/logits_processor.py."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
+                    or self.repetition_penalty != 1.0 or self.min_tokens or self.bad_words_ids)
 
     @property
     def greedy(self) -> bool:
