@@ -1,16 +1,19 @@
 """OpenAI request bodies as pydantic models, validated strictly, plus error formatting.
 
 Strict JSON validation: `"max_tokens": "16"` or `true` is a wrong type, as OpenAI's own API says,
-rather than being coerced. Unknown fields are refused (a misspelt `max_token` would otherwise
-silently generate with defaults). Fields that OpenAI accepts but dynaspec cannot honour are parsed
-and refused with a message naming them, so a client never gets a silently different behaviour.
+rather than being coerced; a whole-number float (`16.0`) is an integer, as JSON Schema says, so
+the published schema and the validator agree. Unknown fields are refused (a misspelt `max_token`
+would otherwise silently generate with defaults). Fields OpenAI clients send that change nothing
+here (`service_tier`, `user`, `metadata`, `store`) are accepted and say so in their description.
+The same models are published in /openapi.json, so clients and fuzzers read the real contract.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError,
+                      WithJsonSchema, field_validator)
 from pydantic.json_schema import models_json_schema
 
 from dynaspec.structured.params import StructuredOutputParams
@@ -25,15 +28,35 @@ class APIError(Exception):
               404: "invalid_request_error", 405: "invalid_request_error",
               413: "invalid_request_error", 500: "server_error", 503: "service_unavailable"}
 
+    # Every error carries a code; these are the defaults where the raiser names none.
+    _CODES = {400: "invalid_value", 401: "invalid_api_key", 404: "not_found",
+              405: "method_not_allowed", 413: "request_too_large", 500: "internal",
+              503: "unavailable"}
+
     def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, headers: dict | None = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
+        self.status, self.message, self.param = status, message, param
+        self.code = code or self._CODES.get(status, "invalid_value")
+        self.headers = headers
 
     def body(self) -> dict:
         kind = self._TYPES.get(self.status, "invalid_request_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param,
                           "code": self.code}}
+
+
+def _whole(v: Any) -> Any:
+    """A float with no fraction is an integer (JSON Schema's rule); anything else is left to the
+    strict int check, which names it."""
+    return int(v) if type(v) is float and v.is_integer() and abs(v) < 2**63 else v
+
+
+Int = Annotated[int, BeforeValidator(_whole)]
+
+
+def _ignored(what: str) -> Any:
+    return Field(default=None, description=f"Accepted and ignored: {what}")
 
 
 # Fields typed Any are checked by a validator (one clear message); their published schema says
@@ -42,9 +65,15 @@ _STR_LIST = {"type": "array", "items": {"type": "string", "minLength": 1}}
 StopField = Annotated[Any, WithJsonSchema({"anyOf": [{"type": "string", "minLength": 1},
                                                      {**_STR_LIST, "maxItems": 16},
                                                      {"type": "null"}]})]
+_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+MAX_PROMPTS = 64  # prompts in one batched /v1/completions request
 PromptField = Annotated[Any, WithJsonSchema({"anyOf": [
     {"type": "string", "minLength": 1},
-    {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}]})]
+    {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1,
+     "maxItems": MAX_PROMPTS},
+    _IDS,
+    {"type": "array", "items": _IDS, "minItems": 1, "maxItems": MAX_PROMPTS}],
+    "description": "a string, a list of strings, token ids, or a list of token-id lists"})]
 ContentField = Annotated[Any, WithJsonSchema({"anyOf": [
     {"type": "string"}, {"type": "array", "items": {"$ref": "#/components/schemas/TextPart"}},
     {"type": "null"}]})]
@@ -82,27 +111,37 @@ class StructuredOutputsBody(_Strict):
     json_object: bool | None = None
 
 
+MAX_N = 16  # choices per prompt; each is a sequence in the engine
+
+
 class _Common(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)  # extension (vLLM's)
+    top_k: Int | None = Field(default=None, ge=-1, le=2**31 - 1)  # extension (vLLM's)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)  # extension
-    seed: int | None = None
+    seed: Int | None = Field(default=None, ge=-(2**63), lt=2**64,
+                             description="choice i of a request samples with seed + i")
     stop: StopField = None  # a string or a list of strings (checked below, one clear message)
-    stop_token_ids: list[int] | None = None  # extension
+    stop_token_ids: list[Int] | None = None  # extension
     ignore_eos: bool | None = None  # extension
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int | None = Field(default=1, ge=1)
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None  # accepted and ignored, as a label only
-    metadata: dict[str, str] | None = None  # accepted and ignored
-    store: bool | None = None  # accepted and ignored
+    n: Int | None = Field(default=1, ge=1, le=MAX_N)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)  # extension
+    logit_bias: dict[str, float] | None = Field(
+        default=None, description="token id (as a string) -> bias in [-100, 100]")
+    min_tokens: Int | None = Field(default=None, ge=0)  # extension
+    bad_words: list[str] | None = Field(default=None, max_length=64,
+                                        description="strings never generated (vLLM's)")
+    user: str | None = _ignored("a label for the caller")
+    metadata: dict[str, str] | None = _ignored("stored completions are not kept")
+    store: bool | None = _ignored("stored completions are not kept")
+    service_tier: str | None = _ignored("there is one tier")
     response_format: ResponseFormat | None = None  # on completions too, as vLLM accepts it
     structured_outputs: StructuredOutputsBody | None = None  # extension (vLLM's)
 
@@ -121,15 +160,7 @@ class _Common(_Strict):
         return v
 
     def unsupported(self) -> APIError | None:
-        """A clear 400 for a valid OpenAI field whose behaviour dynaspec does not implement."""
-        if self.n not in (None, 1):
-            return APIError(400, f"n={self.n} is not supported: dynaspec returns one choice per "
-                            "request; send n separate requests (with different seeds)", "n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                return APIError(400, f"{name} is not supported (only 0)", name)
-        if self.logit_bias:
-            return APIError(400, "logit_bias is not supported", "logit_bias")
+        """A clear 400 for a combination of fields dynaspec refuses."""
         if self.stream_options is not None and not self.stream:
             return APIError(400, "stream_options is only allowed when stream is true",
                             "stream_options")
@@ -163,35 +194,45 @@ class _Common(_Strict):
 
 class CompletionRequest(_Common):
     prompt: PromptField
-    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's legacy default
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    echo: bool | None = False
-    best_of: int | None = Field(default=None, ge=1)
-    suffix: str | None = None
+    max_tokens: Int | None = Field(default=16, ge=1)  # OpenAI's legacy default
+    logprobs: Int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool | None = Field(default=False, description="the prompt's text before each choice's")
+    best_of: Int | None = Field(default=None, ge=1, le=MAX_N, description=(
+        "sequences generated per prompt, of which the n with the highest mean token logprob are "
+        "returned; defaults to n"))
+    suffix: str | None = Field(default=None, description=(
+        "only null or \"\": this server has no fill-in-the-middle template (400 otherwise)"))
 
     @field_validator("prompt")
     @classmethod
-    def _prompt(cls, v: Any) -> str | list[int]:
-        """One prompt: a string or token ids (a one-element batch of either is unwrapped)."""
-        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
-            v = v[0]
-        if isinstance(v, str):
-            return v
-        if isinstance(v, list) and v and all(type(t) is int for t in v):
-            return v
-        if isinstance(v, list) and v and all(isinstance(p, (str, list)) for p in v):
-            raise ValueError(f"batched prompts ({len(v)}) are not supported; send one prompt "
-                             "per request")
-        raise ValueError("prompt must be a string or a non-empty list of integer token ids")
+    def _prompt(cls, v: Any) -> list[str | list[int]]:
+        """The prompts, always as a list: one string or token-id list, or a batch of either."""
+        if isinstance(v, str) or _is_ids(v):
+            v = [v]
+        if not isinstance(v, list) or not v or not (all(isinstance(p, str) for p in v)
+                                                    or all(_is_ids(p) for p in v)):
+            raise ValueError("prompt must be a string, a list of strings, a list of token ids "
+                             "or a list of token-id lists")
+        if len(v) > MAX_PROMPTS:
+            raise ValueError(f"prompt: at most {MAX_PROMPTS} prompts, got {len(v)}")
+        if any(p == "" for p in v):
+            raise ValueError("prompt strings must be non-empty")
+        return [p if isinstance(p, str) else [_whole(t) for t in p] for p in v]
 
     def unsupported(self) -> APIError | None:
-        if self.echo:
-            return APIError(400, "echo is not supported", "echo")
-        if self.best_of not in (None, 1):
-            return APIError(400, f"best_of={self.best_of} is not supported (only 1)", "best_of")
         if self.suffix:
-            return APIError(400, "suffix is not supported", "suffix")
+            return APIError(400, "suffix is not supported: this server has no fill-in-the-middle "
+                            "template", "suffix", "unsupported")
+        if self.best_of is not None and self.best_of < (self.n or 1):
+            return APIError(400, f"best_of ({self.best_of}) must be >= n ({self.n})", "best_of")
+        if self.stream and (self.best_of or 1) > (self.n or 1):
+            return APIError(400, "best_of > n cannot be streamed", "best_of")
         return super().unsupported()
+
+
+def _is_ids(v: Any) -> bool:
+    return isinstance(v, list) and bool(v) and all(
+        (type(t) is int or (type(t) is float and t.is_integer())) and 0 <= t < 2**63 for t in v)
 
 
 class TextPart(_Strict):
@@ -199,11 +240,44 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDef(_Strict):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = Field(default=None, description="a JSON schema of the arguments")
+    strict: bool | None = _ignored("arguments always follow the schema when constrained")
+
+
+class ToolDef(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: ContentField = None  # a string or a list of text parts (checked below)
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
 
     @field_validator("content")
     @classmethod
@@ -226,19 +300,21 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)  # None: up to the context limit
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: Int | None = Field(default=None, ge=1)  # None: up to the context limit
+    max_completion_tokens: Int | None = Field(default=None, ge=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
-    parallel_tool_calls: bool | None = None
+    top_logprobs: Int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[ToolDef] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        default=None, description="'auto' (default with tools) parses <tool_call>{...}</tool_call> "
+        "from the text; 'required' and a named function constrain the output to the tools' "
+        "argument schemas, so the arguments always parse")
+    parallel_tool_calls: bool | None = Field(
+        default=None, description="honoured: false allows at most one call (default true)")
 
     def unsupported(self) -> APIError | None:
-        if self.tools:
-            return APIError(400, "tools are not supported", "tools")
-        if self.tool_choice not in (None, "none", "auto"):
-            return APIError(400, "tool_choice is not supported", "tool_choice")
+        if (err := _tool_errors(self)) is not None:
+            return err
         if self.top_logprobs is not None and not self.logprobs:
             return APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
         return super().unsupported()
@@ -250,8 +326,72 @@ class ChatCompletionRequest(_Common):
 
     def chat_messages(self) -> list[dict]:
         # "developer" is OpenAI's newer name for "system"; HF templates only know "system".
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in self.messages]
+        out = []
+        for m in self.messages:
+            msg: dict = {"role": "system" if m.role == "developer" else m.role,
+                         "content": m.text()}
+            if m.tool_calls:  # templates read the arguments as a mapping (as vLLM gives them)
+                msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                    "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
+                    for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            if m.name is not None:
+                msg["name"] = m.name
+            out.append(msg)
+        return out
+
+    def tool_dicts(self) -> list[dict] | None:
+        """The tools as the chat template's `tools` variable (OpenAI's shape)."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+
+def _tool_errors(req: ChatCompletionRequest) -> APIError | None:
+    names = [t.function.name for t in req.tools or ()]
+    choice = req.tool_choice
+    if choice is not None and choice != "none" and not names:
+        return APIError(400, f"tool_choice {_choice_label(choice)} needs tools", "tool_choice")
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+        return APIError(400, f"tool_choice names '{choice.function.name}', which is not among "
+                        f"the tools ({', '.join(names)})", "tool_choice.function.name")
+    if len(set(names)) != len(names):
+        return APIError(400, "tool names must be unique", "tools")
+    forced = choice == "required" or isinstance(choice, NamedToolChoice)
+    if forced and (req.response_format is not None and req.response_format.type != "text"
+                   or req.structured_outputs is not None):
+        return APIError(400, "a forced tool call already constrains the output; drop "
+                        "response_format / structured_outputs", "tool_choice")
+    return None
+
+
+def _choice_label(choice: Any) -> str:
+    return repr(choice) if isinstance(choice, str) else f"'{choice.function.name}'"
+
+
+def _json_or_text(text: str) -> Any:
+    import json
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a prompt, or chat messages rendered through the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = Field(default=True, description="prompt only")
+    add_generation_prompt: bool | None = Field(default=True, description="messages only")
+    return_token_strs: bool | None = False
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[Annotated[Int, Field(ge=0)]]
 
 
 def _bad(message: str, param: str) -> StructuredOutputParams:
@@ -295,8 +435,8 @@ def _is_type_tag(part: Any) -> bool:
 def openapi_components() -> dict:
     """JSON schemas of the request bodies (and what they refer to) plus the error body, keyed
     by name for OpenAPI's components/schemas."""
-    _, defs = models_json_schema([(m, "validation") for m in (CompletionRequest, ChatCompletionRequest,
-                                                             TextPart)],
+    _, defs = models_json_schema([(m, "validation") for m in (
+        CompletionRequest, ChatCompletionRequest, TextPart, TokenizeRequest, DetokenizeRequest)],
                                  ref_template="#/components/schemas/{model}")
     error = {"type": "object", "required": ["message", "type", "param", "code"],
              "properties": {"message": {"type": "string"}, "type": {"type": "string"},
