@@ -82,7 +82,9 @@ def _openapi(app: FastAPI) -> dict:
         from fastapi.openapi.utils import get_openapi
 
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-        schema.setdefault("components", {}).setdefault("schemas", {}).update(openapi_components())
+        serving = app.state.serving
+        schema.setdefault("components", {}).setdefault("schemas", {}).update(
+            openapi_components(serving.vocab, serving.engine.max_model_len))
         app.openapi_schema = schema
     return app.openapi_schema
 

@@ -56,9 +56,6 @@ def base_params(req: Req, num_prompt: int, ctx: int, vocab: int, tok,
     if logprobs_floor is not None and logprobs is None:
         logprobs = logprobs_floor  # best_of ranks by them; the response leaves them out
     max_tokens = limit or room
-    if (req.min_tokens or 0) > max_tokens:
-        raise APIError(400, f"min_tokens {req.min_tokens} exceeds the token limit {max_tokens}",
-                       "min_tokens")
     try:
         return SamplingParams(
             temperature=1.0 if req.temperature is None else req.temperature,
@@ -69,7 +66,8 @@ def base_params(req: Req, num_prompt: int, ctx: int, vocab: int, tok,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=req.repetition_penalty or 1.0,
-            logit_bias=logit_bias(req.logit_bias, vocab), min_tokens=req.min_tokens or 0,
+            logit_bias=logit_bias(req.logit_bias, vocab),
+            min_tokens=min(req.min_tokens or 0, max_tokens),  # documented: at most the limit
             bad_words_ids=bad_words_ids(tok, req.bad_words or ()))
     except ValueError as exc:
         raise APIError(400, str(exc), str(exc).split(" ")[0]) from None
@@ -78,9 +76,10 @@ def base_params(req: Req, num_prompt: int, ctx: int, vocab: int, tok,
 def logit_bias(raw: dict[str, float] | None, vocab: int) -> tuple[tuple[int, float], ...]:
     out = []
     for key, bias in (raw or {}).items():
-        if not key.isdigit() or int(key) >= vocab:
-            raise APIError(400, f"logit_bias key {key!r} is not a token id in [0, {vocab})",
-                           "logit_bias")
+        if not (key.isascii() and key.isdigit()):
+            raise APIError(400, f"logit_bias key {key!r} is not a token id", "logit_bias")
+        if int(key) >= vocab:
+            continue  # a token that can never be generated: its bias changes nothing
         if not -100.0 <= bias <= 100.0:
             raise APIError(400, f"logit_bias[{key!r}] = {bias} is outside [-100, 100]",
                            "logit_bias")

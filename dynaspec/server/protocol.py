@@ -55,6 +55,12 @@ def _whole(v: Any) -> Any:
 Int = Annotated[int, BeforeValidator(_whole)]
 
 
+def IntIn(**bounds: int) -> Any:  # noqa: N802 - a type
+    """An integer with bounds inside the type, so the published schema says minimum/maximum
+    (bounds on an Optional field's Field() come out as pydantic's own "ge"/"le" keys)."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_whole)]
+
+
 def _ignored(what: str) -> Any:
     return Field(default=None, description=f"Accepted and ignored: {what}")
 
@@ -66,7 +72,7 @@ StopField = Annotated[Any, WithJsonSchema({"anyOf": [{"type": "string", "minLeng
                                                      {**_STR_LIST, "maxItems": 16},
                                                      {"type": "null"}]})]
 _IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
-MAX_PROMPTS = 64  # prompts in one batched /v1/completions request
+MAX_PROMPTS = 16  # prompts in one batched /v1/completions request
 PromptField = Annotated[Any, WithJsonSchema({"anyOf": [
     {"type": "string", "minLength": 1},
     {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1,
@@ -120,22 +126,27 @@ class _Common(_Strict):
     model: str
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: Int | None = Field(default=None, ge=-1, le=2**31 - 1)  # extension (vLLM's)
+    top_k: IntIn(ge=-1, le=2**31 - 1) | None = Field(default=None)  # extension (vLLM's)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)  # extension
-    seed: Int | None = Field(default=None, ge=-(2**63), lt=2**64,
-                             description="choice i of a request samples with seed + i")
+    seed: IntIn(ge=-(2**63), lt=2**64) | None = Field(
+        default=None, description="choice i of a request samples with seed + i")
     stop: StopField = None  # a string or a list of strings (checked below, one clear message)
     stop_token_ids: list[Int] | None = None  # extension
     ignore_eos: bool | None = None  # extension
     stream: bool | None = False
-    stream_options: StreamOptions | None = None
-    n: Int | None = Field(default=1, ge=1, le=MAX_N)
+    stream_options: StreamOptions | None = Field(default=None,
+                                                 description="read only when stream is true")
+    n: IntIn(ge=1, le=MAX_N) | None = Field(default=1)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)  # extension
-    logit_bias: dict[str, float] | None = Field(
-        default=None, description="token id (as a string) -> bias in [-100, 100]")
-    min_tokens: Int | None = Field(default=None, ge=0)  # extension
+    logit_bias: dict[Annotated[str, Field(pattern=r"^[0-9]{1,9}$")],
+                     Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        default=None, description="token id (as a string) -> bias added to its logit; ids "
+        "outside the vocabulary can never be generated, so their bias changes nothing")
+    min_tokens: IntIn(ge=0) | None = Field(
+        default=None, description="EOS and stop_token_ids are banned until this many tokens "
+        "are out (at most the token limit: larger values mean the limit)")
     bad_words: list[str] | None = Field(default=None, max_length=64,
                                         description="strings never generated (vLLM's)")
     user: str | None = _ignored("a label for the caller")
@@ -161,9 +172,6 @@ class _Common(_Strict):
 
     def unsupported(self) -> APIError | None:
         """A clear 400 for a combination of fields dynaspec refuses."""
-        if self.stream_options is not None and not self.stream:
-            return APIError(400, "stream_options is only allowed when stream is true",
-                            "stream_options")
         return None
 
     def structured_output(self) -> StructuredOutputParams | None:
@@ -194,12 +202,12 @@ class _Common(_Strict):
 
 class CompletionRequest(_Common):
     prompt: PromptField
-    max_tokens: Int | None = Field(default=16, ge=1)  # OpenAI's legacy default
-    logprobs: Int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    max_tokens: IntIn(ge=1) | None = Field(default=16)  # OpenAI's legacy default
+    logprobs: IntIn(ge=0, le=MAX_TOP_LOGPROBS) | None = Field(default=None)
     echo: bool | None = Field(default=False, description="the prompt's text before each choice's")
-    best_of: Int | None = Field(default=None, ge=1, le=MAX_N, description=(
+    best_of: IntIn(ge=1, le=MAX_N) | None = Field(default=None, description=(
         "sequences generated per prompt, of which the n with the highest mean token logprob are "
-        "returned; defaults to n"))
+        "returned; values below n mean n, and a streamed request generates n"))
     suffix: str | None = Field(default=None, description=(
         "only null or \"\": this server has no fill-in-the-middle template (400 otherwise)"))
 
@@ -223,10 +231,6 @@ class CompletionRequest(_Common):
         if self.suffix:
             return APIError(400, "suffix is not supported: this server has no fill-in-the-middle "
                             "template", "suffix", "unsupported")
-        if self.best_of is not None and self.best_of < (self.n or 1):
-            return APIError(400, f"best_of ({self.best_of}) must be >= n ({self.n})", "best_of")
-        if self.stream and (self.best_of or 1) > (self.n or 1):
-            return APIError(400, "best_of > n cannot be streamed", "best_of")
         return super().unsupported()
 
 
@@ -300,10 +304,11 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Int | None = Field(default=None, ge=1)  # None: up to the context limit
-    max_completion_tokens: Int | None = Field(default=None, ge=1)
+    max_tokens: IntIn(ge=1) | None = Field(default=None)  # None: up to the context limit
+    max_completion_tokens: IntIn(ge=1) | None = Field(default=None)
     logprobs: bool | None = False
-    top_logprobs: Int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: IntIn(ge=0, le=MAX_TOP_LOGPROBS) | None = Field(
+        default=None, description="read only when logprobs is true")
     tools: list[ToolDef] | None = Field(default=None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         default=None, description="'auto' (default with tools) parses <tool_call>{...}</tool_call> "
@@ -315,8 +320,6 @@ class ChatCompletionRequest(_Common):
     def unsupported(self) -> APIError | None:
         if (err := _tool_errors(self)) is not None:
             return err
-        if self.top_logprobs is not None and not self.logprobs:
-            return APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
         return super().unsupported()
 
     @property
@@ -391,7 +394,7 @@ class TokenizeRequest(_Strict):
 
 class DetokenizeRequest(_Strict):
     model: str | None = None
-    tokens: list[Annotated[Int, Field(ge=0)]]
+    tokens: list[IntIn(ge=0)]
 
 
 def _bad(message: str, param: str) -> StructuredOutputParams:
@@ -432,9 +435,10 @@ def _is_type_tag(part: Any) -> bool:
                                       or "[" in part or part.startswith("function-"))
 
 
-def openapi_components() -> dict:
+def openapi_components(vocab: int | None = None, max_model_len: int | None = None) -> dict:
     """JSON schemas of the request bodies (and what they refer to) plus the error body, keyed
-    by name for OpenAPI's components/schemas."""
+    by name for OpenAPI's components/schemas; with the served model's vocabulary and context
+    length, token ids and token limits say their real maximum."""
     _, defs = models_json_schema([(m, "validation") for m in (
         CompletionRequest, ChatCompletionRequest, TextPart, TokenizeRequest, DetokenizeRequest)],
                                  ref_template="#/components/schemas/{model}")
@@ -442,5 +446,27 @@ def openapi_components() -> dict:
              "properties": {"message": {"type": "string"}, "type": {"type": "string"},
                             "param": {"type": ["string", "null"]},
                             "code": {"type": ["string", "null"]}}}
-    return {**defs["$defs"], "ErrorResponse": {"type": "object", "required": ["error"],
-                                               "properties": {"error": error}}}
+    out = {**defs["$defs"], "ErrorResponse": {"type": "object", "required": ["error"],
+                                              "properties": {"error": error}}}
+    _set_limits(out, vocab, max_model_len)
+    return out
+
+
+def _set_limits(schemas: dict, vocab: int | None, max_model_len: int | None) -> None:
+    def cap(schema: dict, maximum: int) -> None:
+        for branch in schema.get("anyOf", [schema]):
+            if branch.get("type") == "integer":
+                branch["maximum"] = maximum
+            elif branch.get("type") == "array":
+                cap(branch["items"], maximum)
+
+    if vocab is not None:
+        cap(schemas["CompletionRequest"]["properties"]["prompt"], vocab - 1)
+        cap(schemas["DetokenizeRequest"]["properties"]["tokens"], vocab - 1)
+    if max_model_len is not None:  # a prompt of token ids must leave room to generate
+        ids, batch = schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"][2:4]
+        ids["maxItems"] = batch["items"]["maxItems"] = max_model_len - 1
+        for name, fields in (("CompletionRequest", ("max_tokens",)),
+                             ("ChatCompletionRequest", ("max_tokens", "max_completion_tokens"))):
+            for f in fields:
+                cap(schemas[name]["properties"][f], max_model_len - 1)

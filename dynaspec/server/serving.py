@@ -25,7 +25,7 @@ from dynaspec.server.sse import SSEResponse, TextTracker, sse, wait_disconnect
 from dynaspec.server.tools import ToolPlan, ToolStream, tool_plan
 from dynaspec.structured.params import StructuredOutputParams
 
-MAX_CHOICES = 128  # engine requests one API request may start (prompts x best_of)
+MAX_CHOICES = 256  # engine requests one API request may start (prompts x best_of)
 
 
 @dataclass
@@ -67,7 +67,8 @@ class OpenAIServing:
         chat = isinstance(req, ChatCompletionRequest)
         tools = tool_plan(req) if chat else None
         n = req.n or 1
-        n_gen = n if chat else max(n, req.best_of or n)
+        # best_of below n means n; a stream cannot rank, so it generates n (both documented).
+        n_gen = n if chat or req.stream else max(n, req.best_of or n)
         # Off the event loop: a prompt near the body limit takes a while to render and encode.
         all_ids = await asyncio.to_thread(prompts_ids, self.engine.tokenizer, req, tools)
         if len(all_ids) * n_gen > MAX_CHOICES:
