@@ -68,8 +68,10 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        # Bounded below: a tiny penalty divides logits into +inf (found by schemathesis).
+        if not 0.01 <= self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in [0.01, 2], got "
+                             f"{self.repetition_penalty}")
         if any(not -100.0 <= b <= 100.0 for _, b in self.logit_bias):
             raise ValueError("logit_bias values must be in [-100, 100]")
         if any(t < 0 for t, _ in self.logit_bias):

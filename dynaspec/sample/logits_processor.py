@@ -100,7 +100,8 @@ def process_rows(x: torch.Tensor, s: RowSpan, eos: tuple[int, ...]) -> torch.Ten
         x = x - sp.frequency_penalty * counts
     if sp.presence_penalty:
         x = x - sp.presence_penalty * (counts > 0).to(x.dtype)
-    return x
+    # Large logits over a small penalty can overflow; +inf would turn the softmax into NaN.
+    return x.clamp_(max=torch.finfo(x.dtype).max)
 
 
 def _output_counts(output: list[int], drafts: list[int], n: int, vocab: int) -> torch.Tensor:
@@ -118,7 +119,8 @@ def _ban(x: torch.Tensor, s: RowSpan, drafts: list[int], eos: tuple[int, ...],
          vocab: int) -> None:
     sp = s.params
     if sp.min_tokens:
-        stops = [t for t in (*(() if sp.ignore_eos else eos), *sp.stop_token_ids) if t < vocab]
+        stops = [t for t in (*(() if sp.ignore_eos else eos), *sp.stop_token_ids)
+                 if 0 <= t < vocab]
         for j in range(x.shape[0]):
             if len(s.output) + j < sp.min_tokens and stops:
                 x[j, stops] = float("-inf")

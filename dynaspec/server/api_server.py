@@ -103,7 +103,9 @@ def _body_doc(model: type, streams: bool = True) -> dict:
     ok = {"application/json": {"schema": {"type": "object", "required": ["id", "object",
                                                                          "choices", "usage"]}}}
     if streams:
-        ok["text/event-stream"] = {"schema": {"type": "string"}}
+        # Schemathesis checks each event as {"event", "data", ...}; data is one JSON chunk.
+        ok["text/event-stream"] = {"schema": {"type": "object", "required": ["data"],
+                                              "properties": {"data": {"type": "string"}}}}
     if not streams:
         ok = {"application/json": {"schema": _OBJECT}}
     return {"requestBody": {"required": True,

@@ -117,7 +117,8 @@ class StructuredOutputsBody(_Strict):
     json_object: bool | None = None
 
 
-MAX_N = 16  # choices per prompt; each is a sequence in the engine
+MAX_N = 16
+_TOKEN_KEY = r"^[0-9]{1,9}$"  # choices per prompt; each is a sequence in the engine
 
 
 class _Common(_Strict):
@@ -131,7 +132,7 @@ class _Common(_Strict):
     seed: IntIn(ge=-(2**63), lt=2**64) | None = Field(
         default=None, description="choice i of a request samples with seed + i")
     stop: StopField = None  # a string or a list of strings (checked below, one clear message)
-    stop_token_ids: list[Int] | None = None  # extension
+    stop_token_ids: list[IntIn(ge=0)] | None = None  # extension
     ignore_eos: bool | None = None  # extension
     stream: bool | None = False
     stream_options: StreamOptions | None = Field(default=None,
@@ -139,9 +140,12 @@ class _Common(_Strict):
     n: IntIn(ge=1, le=MAX_N) | None = Field(default=1)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)  # extension
-    logit_bias: dict[Annotated[str, Field(pattern=r"^[0-9]{1,9}$")],
-                     Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+    repetition_penalty: float | None = Field(default=None, ge=0.01, le=2.0)  # extension
+    logit_bias: Annotated[dict[Annotated[str, Field(pattern=_TOKEN_KEY)],
+                               Annotated[float, Field(ge=-100.0, le=100.0)]] | None,
+                          WithJsonSchema({"anyOf": [{"type": "object", "patternProperties": {
+                              _TOKEN_KEY: {"type": "number", "minimum": -100, "maximum": 100}},
+                              "additionalProperties": False}, {"type": "null"}]})] = Field(
         default=None, description="token id (as a string) -> bias added to its logit; ids "
         "outside the vocabulary can never be generated, so their bias changes nothing")
     min_tokens: IntIn(ge=0) | None = Field(
