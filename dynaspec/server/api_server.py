@@ -34,7 +34,8 @@ log = logging.getLogger("dynaspec.server")
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 
 
-def build_async_engine(served_model_name: str | None = None, **engine_kwargs: Any) -> AsyncEngine:
+def build_async_engine(served_model_name: str | None = None, metrics_prefix: str = "dynaspec",
+                       **engine_kwargs: Any) -> AsyncEngine:
     """Load the engine from flat engine args and start its thread, with Prometheus metrics."""
     from dynaspec.config import EngineConfig
     from dynaspec.engine.llm_engine import LLMEngine
@@ -48,7 +49,8 @@ def build_async_engine(served_model_name: str | None = None, **engine_kwargs: An
         return AsyncEngine(dp, dp.metrics)
     engine = LLMEngine(config)
     name = served_model_name or engine.parts.model_name
-    return AsyncEngine(engine, PrometheusMetrics(labels={"model_name": name}))
+    return AsyncEngine(engine, PrometheusMetrics(labels={"model_name": name},
+                                                 prefix=metrics_prefix))
 
 
 def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
