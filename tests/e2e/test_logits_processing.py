@@ -108,3 +108,14 @@ def test_draft_rows_see_the_drafts_before_them():
     assert batched[0, 2] == batched[0, 5] == inf and batched[1, 5] > inf  # min_tokens=4
     assert batched[0, 8] > inf and batched[2, 8] == inf  # (7, 8): banned right after a 7
     assert (batched[:, 9] == inf).all()
+
+
+def test_async_scheduling_sees_the_landed_tokens(tiny_llama_dir, engines, prompts, unprocessed):
+    """Async scheduling prepares step N+1 after N's tokens land, so penalties see them too."""
+    params = _params(**SETTINGS["all"](unprocessed))
+    ref = [o.token_ids for o in engines[0].generate(prompts, params)]
+    llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=512, speculator="ngram",
+              num_spec_tokens=4, prompt_lookup_min=1, k_policy="table", async_scheduling=True)
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    for i, (p, a, b) in enumerate(zip(prompts, ref, got)):
+        _assert_equal(tiny_llama_dir, p, params, a, b, f"async prompt {i}")
