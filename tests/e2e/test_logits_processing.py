@@ -119,3 +119,15 @@ def test_async_scheduling_sees_the_landed_tokens(tiny_llama_dir, engines, prompt
     got = [o.token_ids for o in llm.generate(prompts, params)]
     for i, (p, a, b) in enumerate(zip(prompts, ref, got)):
         _assert_equal(tiny_llama_dir, p, params, a, b, f"async prompt {i}")
+
+
+def test_min_tokens_defers_stop_strings(engines, prompts, unprocessed):
+    plain, spec = engines
+    # A prompt whose first output token is whole text (byte-level tokens can be half a char).
+    i, stop = next((i, t) for i, u in enumerate(unprocessed)
+                   if (t := plain.tokenizer.decode(u[:1])).strip() and "\ufffd" not in t)
+    early = plain.generate([prompts[i]], _params(stop=[stop], ignore_eos=False))[0]
+    assert early.token_ids == unprocessed[i][:1] and early.finish_reason == "stop"
+    for llm in (plain, spec):
+        late = llm.generate([prompts[i]], _params(stop=[stop], min_tokens=6, ignore_eos=False))[0]
+        assert len(late.token_ids) >= 6 and late.finish_reason == "stop", late
