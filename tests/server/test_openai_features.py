@@ -104,8 +104,11 @@ def test_n_streamed_equals_not_streamed(servers):
 def test_siblings_share_the_prompt_through_the_prefix_cache(servers):
     c = servers[0].client()
     prompt = list(range(3, 60))  # > 3 blocks of 16
+    hits = lambda: servers[0].on_engine(lambda e: e.kv.prefix_cache_hits)  # noqa: E731
+    before = hits()
     r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=2, n=3, temperature=0)
     assert r.usage.prompt_tokens == len(prompt)
+    assert hits() - before == 2 * 48, "both siblings find the first choice's 3 full blocks"
     again = c.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
     assert again.usage.prompt_tokens_details.cached_tokens == 48
 
