@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from dynaspec.structured.params import StructuredOutputParams
 
 
+_GREEDY_BELOW = 1e-5  # temperatures below this are greedy
 _MAX_TOP_K = 2**31 - 1  # above any vocabulary; bounded so it fits the sampler's int64 tensor
 
 
@@ -40,6 +41,10 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.temperature < _GREEDY_BELOW:
+            # As vLLM: logits / 1e-40 overflow to +-inf and the softmax to NaN (found by the
+            # reliability fuzz); such a temperature is greedy for every practical purpose.
+            object.__setattr__(self, "temperature", 0.0)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         # Bounds checked here, not where tensors are built: an out-of-range value there fails

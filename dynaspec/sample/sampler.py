@@ -37,6 +37,8 @@ def processed_probs(
     temp = md.temperature.to(logits.device)[row_to_req]  # [rows]
     temp = torch.where(temp > 0, temp, torch.ones_like(temp))
     logits = logits.float() / temp.unsqueeze(1)  # [rows, vocab], a fresh tensor we may mutate
+    # A huge logit over a small temperature must not become +inf (softmax would give NaN).
+    logits.clamp_(max=torch.finfo(torch.float32).max)
     min_p = md.min_p.to(logits.device)[row_to_req]  # [rows]
     if bool((min_p > 0).any()):
         logits = _apply_min_p(logits, min_p)

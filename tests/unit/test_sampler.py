@@ -186,3 +186,17 @@ def test_top_p_below_float32_range_keeps_the_top_token():
     md = SamplingMetadata.from_params([SamplingParams(top_p=7.8e-117)], [torch.Generator()], "cpu")
     probs = processed_probs(logits, md, torch.tensor([0]))
     assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0, 0.0]]))
+
+
+def test_tiny_temperature_is_greedy_and_never_nan():
+    """logits / 1e-40 overflowed to inf and the softmax to NaN (reliability fuzz)."""
+    from dynaspec.sample.metadata import SamplingMetadata
+    from dynaspec.sample.sampler import processed_probs
+    from dynaspec.sampling_params import SamplingParams
+
+    assert SamplingParams(temperature=1e-40).greedy
+    logits = torch.tensor([[0.5, 3.0, float("-inf")]])
+    md = SamplingMetadata.from_params([SamplingParams(temperature=1e-4)], [torch.Generator()], "cpu")
+    md.temperature[0] = 1e-40  # the transform itself must stay finite too
+    probs = processed_probs(logits, md, torch.tensor([0]))
+    assert torch.isfinite(probs).all() and probs[0, 2] == 0.0  # the masked token stays out
