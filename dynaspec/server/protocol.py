@@ -151,7 +151,8 @@ class _Common(_Strict):
     min_tokens: IntIn(ge=0) | None = Field(
         default=None, description="EOS and stop_token_ids are banned until this many tokens "
         "are out (at most the token limit: larger values mean the limit)")
-    bad_words: list[str] | None = Field(default=None, max_length=64,
+    bad_words: list[Annotated[str, Field(pattern=r"\S")]] | None = Field(default=None,
+                                                                         max_length=64,
                                         description="strings never generated (vLLM's)")
     user: str | None = _ignored("a label for the caller")
     metadata: dict[str, str] | None = _ignored("stored completions are not kept")
@@ -212,8 +213,12 @@ class CompletionRequest(_Common):
     best_of: IntIn(ge=1, le=MAX_N) | None = Field(default=None, description=(
         "sequences generated per prompt, of which the n with the highest mean token logprob are "
         "returned; values below n mean n, and a streamed request generates n"))
-    suffix: str | None = Field(default=None, description=(
-        "only null or \"\": this server has no fill-in-the-middle template (400 otherwise)"))
+    # The schema allows only what is served (no fill-in-the-middle template); the check in
+    # unsupported() gives the clear message.
+    suffix: Annotated[str | None, WithJsonSchema({"anyOf": [{"type": "string", "maxLength": 0},
+                                                            {"type": "null"}]})] = Field(
+        default=None, description="only null or \"\": this server has no fill-in-the-middle "
+        "template (400 otherwise)")
 
     @field_validator("prompt")
     @classmethod
