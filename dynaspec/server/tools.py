@@ -1,4 +1,4 @@
-"""Tool calling for /v1/chat/completions: which grammar a tool_choice implies, and tool_calls from text.
+"""Tool calling for /v1/chat/completions: the grammar a tool_choice implies; tool_calls from text.
 
 - `none`: the tools are not rendered and nothing is parsed.
 - `auto` (the default when tools are given): the tools go to the chat template (its `tools`
