@@ -93,7 +93,12 @@ class Formatter:
         m = final.metrics
         return {"spec": final.spec, "ttft_s": m.get("ttft_s"), "e2e_s": m.get("e2e_s")}
 
+    def start_offset(self, index: int, echo: str) -> None:
+        """text_offset counts from the start of the choice's text, echoed prompt included."""
+        self.offsets.setdefault(index, len(echo))
+
     def choice(self, index: int, f: Finished) -> dict:
+        self.start_offset(index, f.echo)
         lp = self.logprobs(index, f.ids, f.logprobs)
         finish = f.final.finish_reason
         if not self.chat:

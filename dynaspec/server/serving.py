@@ -199,6 +199,7 @@ class OpenAIServing:
                     yield sse(fmt.chunk(c.index, {"role": "assistant", "content": ""}, None,
                                         None, include_usage))
                 elif c.echo:
+                    fmt.start_offset(c.index, c.echo)
                     yield sse(fmt.chunk(c.index, c.echo, None, None, include_usage))
             while left:
                 c, delta = await merged.get()

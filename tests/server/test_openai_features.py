@@ -121,6 +121,9 @@ def test_batched_prompts_and_echo(servers):
     assert r.choices[0].text.startswith("hello there") and r.choices[2].text.startswith("the fox")
     alone = c.completions.create(model=MODEL, prompt="the fox", max_tokens=4, temperature=0)
     assert r.choices[3].text == "the fox" + alone.choices[0].text
+    lp = c.completions.create(model=MODEL, prompt="the fox", max_tokens=3, temperature=0,
+                              echo=True, logprobs=0).choices[0].logprobs
+    assert lp.text_offset[0] == len("the fox")  # offsets count the echoed prompt
     ids = c.completions.create(model=MODEL, prompt=[[5, 6, 7], [8, 9]], max_tokens=2,
                                temperature=0)
     assert len(ids.choices) == 2 and ids.usage.prompt_tokens == 5
