@@ -62,7 +62,8 @@ class LogitsProcessing:
         for s in self.spans:
             n = _num_rows(s.drafts)
             rows = logits[s.row: s.row + n]
-            out = process_rows(rows.float(), s, self.eos)
+            # A copy: process_rows works in place, and a dead row is restored from `rows`.
+            out = process_rows(rows.to(torch.float32, copy=True), s, self.eos)
             # A row with nothing left (min_tokens against a grammar that can only end) keeps
             # its unprocessed values rather than sampling from an empty distribution.
             dead = ~torch.isfinite(out).any(dim=-1)

@@ -131,3 +131,20 @@ def test_min_tokens_defers_stop_strings(engines, prompts, unprocessed):
     for llm in (plain, spec):
         late = llm.generate([prompts[i]], _params(stop=[stop], min_tokens=6, ignore_eos=False))[0]
         assert len(late.token_ids) >= 6 and late.finish_reason == "stop", late
+
+
+def test_min_tokens_never_empties_a_grammar_row(engines, prompts):
+    """A grammar that can only end, with min_tokens banning the end: the row keeps its grammar
+    mask (the step used to fail: the ban was applied in place to the row it restored from)."""
+    from dynaspec.structured import StructuredOutputParams
+
+    pytest.importorskip("xgrammar")
+    for llm in engines:
+        for params in (SamplingParams(min_tokens=20, max_tokens=20, temperature=1.0, seed=1,
+                                      structured_output=StructuredOutputParams(choice=["0"])),
+                       _params(min_tokens=20, ignore_eos=False,
+                               structured_output=StructuredOutputParams(json_object=True))):
+            out = llm.generate(prompts[:3], params)
+            assert all(o.finish_reason in ("stop", "length") for o in out), out
+            if params.structured_output.choice:
+                assert all(o.text == "0" and o.finish_reason == "stop" for o in out), out
