@@ -101,6 +101,27 @@ def test_n_streamed_equals_not_streamed(servers):
     assert parts == whole
 
 
+def test_best_of_returns_n_reproducibly(servers):
+    c = servers[0].client()
+    kw = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=6, temperature=1.0, n=2, best_of=4,
+              seed=5)
+    r1, r2 = c.completions.create(**kw), c.completions.create(**kw)
+    assert [ch.index for ch in r1.choices] == [0, 1] and r1.choices[0].logprobs is None
+    assert [ch.text for ch in r1.choices] == [ch.text for ch in r2.choices]
+    assert r1.usage.completion_tokens == 24  # all four were generated
+
+
+def test_streamed_chat_n2_usage(servers):
+    c = servers[0].client()
+    chunks = list(c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, n=2,
+                                            seed=1, stream=True,
+                                            stream_options={"include_usage": True}))
+    finished = {ch.index for k in chunks for ch in k.choices if ch.finish_reason}
+    assert finished == {0, 1}
+    usage = chunks[-1].usage
+    assert usage.completion_tokens == 8 and usage.prompt_tokens_details.cached_tokens is not None
+
+
 def test_siblings_share_the_prompt_through_the_prefix_cache(servers):
     c = servers[0].client()
     prompt = list(range(3, 60))  # > 3 blocks of 16
