@@ -87,6 +87,11 @@ def _openapi(app: FastAPI) -> dict:
         serving = app.state.serving
         schema.setdefault("components", {}).setdefault("schemas", {}).update(
             openapi_components(serving.vocab, serving.engine.max_model_len))
+        # One model is served: its id is the one path value that is not a 404.
+        for param in schema["paths"]["/v1/models/{model_id}"]["get"].get("parameters", []):
+            if param.get("name") == "model_id":
+                param["schema"] = {"type": "string", "enum": [serving.model_name],
+                                   "example": serving.model_name}
         app.openapi_schema = schema
     return app.openapi_schema
 

@@ -238,6 +238,8 @@ def test_schema_tells_the_truth(servers):
     ok = paths["/v1/chat/completions"]["post"]["responses"]["200"]["content"]
     assert {"application/json", "text/event-stream"} <= set(ok)
     assert "404" in paths["/v1/models/{model_id}"]["get"]["responses"]
+    param = paths["/v1/models/{model_id}"]["get"]["parameters"][0]
+    assert param["schema"]["enum"] == [MODEL]
     comp = spec["components"]["schemas"]["CompletionRequest"]["properties"]
     assert "service_tier" in comp and "Accepted and ignored" in comp["service_tier"]["description"]
     assert len(comp["prompt"]["anyOf"]) == 4
