@@ -57,6 +57,7 @@ class ModelConfig:
     dtype: str = "auto"  # auto = bf16 on CPU, bf16 on CUDA
     device: str = "auto"  # auto = cuda if available else cpu
     max_model_len: int | None = None  # None = the model's own limit
+    allow_long_max_model_len: bool = False  # max_model_len above the trained context
     seed: int = 0
     # auto: a GGUF's Q4_0/Q4_1/Q8_0 weights run as int4/int8 weight-only kernels, HF weights as
     # they are; int8/int4: HF weights quantized at load too; none: everything dequantized

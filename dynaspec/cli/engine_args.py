@@ -18,7 +18,9 @@ _FLAGS = [
      "torch linear kernel only: steps with more tokens use a bf16 copy of quantized weights (0 = no copy)"),
     ("--attention-backend", "attention_backend", str, "auto",
      "auto (in-place CPU kernel when it builds, else eager), eager, cpu_paged"),
-    ("--max-model-len", "max_model_len", int, None, "context limit (default: the model's)"),
+    ("--max-model-len", "max_model_len", int, None,
+     "context limit (None: the model's trained context; above it needs "
+     "--allow-long-max-model-len)"),
     ("--kv-cache-memory-gb", "kv_cache_memory_gb", float, 1.0, "KV pool budget in GiB"),
     ("--num-kv-blocks", "num_kv_blocks", int, None, "fixed KV pool size in blocks (overrides the budget)"),
     ("--block-size", "block_size", int, 16, "tokens per KV block"),
@@ -80,6 +82,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-dense-row-buckets", dest="dense_row_buckets", action="store_false",
                    help="run the bf16 copy of quantized weights at the exact row count instead of "
                    "rounding rows up to a few buckets (which bounds oneDNN's per-shape memory)")
+    g.add_argument("--allow-long-max-model-len", dest="allow_long_max_model_len",
+                   action="store_true", help="accept a --max-model-len above the model's trained "
+                   "context (positions it never saw in training; output quality may suffer)")
     g.add_argument("--structured-any-whitespace", dest="structured_any_whitespace",
                    action="store_true", help="JSON grammars allow any whitespace (default: compact)")
     g.add_argument("--precompile", action="store_true",
@@ -94,6 +99,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     kw["enable_prefix_caching"] = args.enable_prefix_caching
     kw["dense_row_buckets"] = args.dense_row_buckets
     kw["structured_any_whitespace"] = args.structured_any_whitespace
+    kw["allow_long_max_model_len"] = args.allow_long_max_model_len
     kw["precompile"] = args.precompile
     kw["async_scheduling"] = args.async_scheduling
     return kw

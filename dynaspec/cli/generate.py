@@ -12,12 +12,13 @@ from dynaspec.cli.engine_args import add_engine_args, engine_kwargs
 
 def register(sub) -> None:
     p = sub.add_parser("generate", help="generate text for one prompt")
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--prompt", required=True, help="the prompt text")
+    p.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0 = off)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="sampling seed (None: a fresh one per run)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_engine_args(p)

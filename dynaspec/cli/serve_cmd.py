@@ -15,7 +15,7 @@ def register(sub) -> None:  # type: ignore[no-untyped-def]
     p = sub.add_parser("serve", help="serve an OpenAI-compatible API over HTTP")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: local only; 0.0.0.0 exposes it)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every /v1 endpoint")
     p.add_argument("--served-model-name", default=None,
@@ -24,7 +24,11 @@ def register(sub) -> None:  # type: ignore[no-untyped-def]
                    help="largest request body accepted (413 beyond it)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on shutdown before being aborted")
-    p.add_argument("--log-level", default="info", help="uvicorn log level")
+    p.add_argument("--log-level", default="info",
+                   help="uvicorn log level: critical, error, warning, info, debug, trace")
+    p.add_argument("--metrics-prefix", default="dynaspec",
+                   help="prefix of the /metrics series names; 'vllm' gives vLLM's names (e.g. "
+                   "vllm:num_requests_running) so its Grafana dashboards work unchanged")
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -37,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
     kwargs = engine_kwargs(args)
     name = args.served_model_name or kwargs["model"]
-    async_engine = build_async_engine(name, **kwargs)
+    async_engine = build_async_engine(name, metrics_prefix=args.metrics_prefix, **kwargs)
     app = build_app(async_engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
     # On Ctrl-C / SIGTERM: in-flight requests get --shutdown-timeout seconds to finish, the rest
     # are aborted (streams end with an error event and [DONE]), then the engine thread stops.

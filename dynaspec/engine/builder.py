@@ -127,6 +127,17 @@ def num_kv_blocks(budget_gb: float, override: int | None, bytes_per_token: int, 
     return n
 
 
+def _max_model_len(mc, trained: int) -> int:
+    """The model's own context unless asked for less; more only with the explicit override
+    (positions past the trained context give the model inputs it never saw)."""
+    if mc.max_model_len is None:
+        return trained
+    if mc.max_model_len > trained and not mc.allow_long_max_model_len:
+        raise ValueError(f"--max-model-len {mc.max_model_len} is above the model's trained "
+                         f"context ({trained}); pass --allow-long-max-model-len to use it anyway")
+    return mc.max_model_len
+
+
 def build_engine_parts(config: EngineConfig) -> EngineParts:
     mc, cc, sc = config.model, config.cache, config.spec
     torch.set_num_threads(config.parallel.num_threads or default_num_threads())
@@ -134,7 +145,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     quant = resolve_quantization(mc.quantization, device, dtype)
     loaded = load_model_files(mc.model, keep_quantized=quant != "none")
     arch = loaded.arch
-    max_model_len = min(mc.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
+    max_model_len = _max_model_len(mc, arch.max_position_embeddings)
     plan, proposer, drafter_tokens, drafter_max_len = _plan_and_proposer(config, arch.vocab_size,
                                                                          device, dtype)
     weights = WeightPlan(quant, mc.quant_dense_above, dtype, device, mc.dense_row_buckets, mc.linear_kernel)

@@ -70,6 +70,7 @@ class LLMEngine:
         self.kv = parts.kv
         self.max_model_len = parts.max_model_len
         self.structured = parts.structured
+        self.runner.eos_token_ids = tuple(parts.eos_token_ids)  # min_tokens bans them
         self.outputs = OutputProcessor(parts.tokenizer)
         self.scheduler.stop_check = self.outputs.check_stop  # the scheduler decides every end
         self.pipeline = None  # --async-scheduling: the step runs as a pipeline (async_loop.py)

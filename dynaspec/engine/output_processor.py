@@ -24,6 +24,7 @@ class RequestState:
     logprobs: list = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
     stop_hit: bool = False  # text is final: cut before a stop string
+    num_checked: int = 0  # output tokens fed through check_stop (min_tokens counts them)
 
 
 class OutputProcessor:
@@ -47,6 +48,11 @@ class OutputProcessor:
         for i, t in enumerate(tokens):  # one at a time: the same cut with or without drafts
             prev = len(st.detok.text)
             st.detok.feed([t])
+            st.num_checked += 1
+            # As vLLM: no stop string ends the output before min_tokens tokens are out.
+            if st.num_checked < req.sampling_params.min_tokens:
+                st.text = st.detok.text
+                continue
             if self._cut(st, req, prev):
                 return i + 1
         return None

@@ -48,7 +48,7 @@ from dynaspec.extras import require
 
 require("prometheus_client", "server", "Prometheus metrics")
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,  # noqa: E402
-                               generate_latest)
+                               disable_created_metrics, generate_latest)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST  # noqa: E402
 
 from dynaspec.metrics.stats import (
@@ -59,7 +59,10 @@ from dynaspec.metrics.stats import (
     fold_step,
 )
 
-PREFIX = "dynaspec:"
+PREFIX = "dynaspec:"  # the default; `--metrics-prefix vllm` gives vLLM's names for its dashboards
+# No `*_created` series: one per counter and histogram doubled /metrics for a timestamp that
+# Prometheus does not need (it tracks resets itself). Global, but this is the only importer.
+disable_created_metrics()
 CONTENT_TYPE = CONTENT_TYPE_LATEST  # for the server's /metrics response (no import there)
 
 # Buckets as vLLM's (seconds / tokens).
@@ -127,29 +130,31 @@ class PrometheusMetrics:
         self,
         registry: CollectorRegistry | None = None,
         labels: Mapping[str, str] | None = None,
+        prefix: str = PREFIX,
     ) -> None:
+        self.prefix = prefix if prefix.endswith(":") else prefix + ":"
         self.registry = registry if registry is not None else CollectorRegistry()
         self._base = dict(labels or {})
         names = list(self._base)
         reg = self.registry
         self._scalars = {
-            suffix: Counter(PREFIX + suffix, _DOCS[suffix], names, registry=reg)
+            suffix: Counter(self.prefix + suffix, _DOCS[suffix], names, registry=reg)
             for suffix in _SPEC_SCALARS
         }
         self._labelled = {
-            suffix: Counter(PREFIX + suffix, _DOCS[suffix], names + [label], registry=reg)
+            suffix: Counter(self.prefix + suffix, _DOCS[suffix], names + [label], registry=reg)
             for suffix, (label, _) in _SPEC_LABELLED.items()
         }
         self._build_engine_metrics(names)
         self._exec_steps = Counter(
-            PREFIX + "execution_steps", "Engine steps by execution path (eager, compiled, "
+            self.prefix + "execution_steps", "Engine steps by execution path (eager, compiled, "
             "cuda_graph) and verify width ('mixed' for prefill+decode steps).",
             names + ["path", "width"], registry=reg,
         )  # fmt: skip
         self._last_prefix: tuple[int, int] | None = None
 
     def _build_engine_metrics(self, names: list[str]) -> None:
-        reg, p = self.registry, PREFIX
+        reg, p = self.registry, self.prefix
         self._running = Gauge(p + "num_requests_running", "Requests running.", names, registry=reg)
         self._waiting = Gauge(p + "num_requests_waiting", "Requests waiting.", names, registry=reg)
         self._kv_usage = Gauge(

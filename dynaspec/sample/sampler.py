@@ -37,6 +37,8 @@ def processed_probs(
     temp = md.temperature.to(logits.device)[row_to_req]  # [rows]
     temp = torch.where(temp > 0, temp, torch.ones_like(temp))
     logits = logits.float() / temp.unsqueeze(1)  # [rows, vocab], a fresh tensor we may mutate
+    # A huge logit over a small temperature must not become +inf (softmax would give NaN).
+    logits.clamp_(max=torch.finfo(torch.float32).max)
     min_p = md.min_p.to(logits.device)[row_to_req]  # [rows]
     if bool((min_p > 0).any()):
         logits = _apply_min_p(logits, min_p)
@@ -78,6 +80,9 @@ def _apply_top_k_top_p(
         # and is always kept. Rows with top_p == 1 are exempt: rounding can push the cumsum
         # past 1.0 and would wrongly cut their tail.
         drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)
+        # A top_p below float32's smallest normal (1e-117 from a fuzzer) rounds to 0, and
+        # "mass_before >= 0" would drop every token: the top one is kept explicitly.
+        drop[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
 

@@ -19,13 +19,14 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from dynaspec.server.async_engine import AsyncEngine
 from dynaspec.server.protocol import (ChatCompletionRequest, CompletionRequest, APIError,
-                                      openapi_components, parse_body)
+                                      DetokenizeRequest, TokenizeRequest, openapi_components,
+                                      parse_body)
 from dynaspec.server.serving import OpenAIServing
 
 log = logging.getLogger("dynaspec.server")
@@ -33,7 +34,8 @@ log = logging.getLogger("dynaspec.server")
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 
 
-def build_async_engine(served_model_name: str | None = None, **engine_kwargs: Any) -> AsyncEngine:
+def build_async_engine(served_model_name: str | None = None, metrics_prefix: str = "dynaspec",
+                       **engine_kwargs: Any) -> AsyncEngine:
     """Load the engine from flat engine args and start its thread, with Prometheus metrics."""
     from dynaspec.config import EngineConfig
     from dynaspec.engine.llm_engine import LLMEngine
@@ -47,7 +49,8 @@ def build_async_engine(served_model_name: str | None = None, **engine_kwargs: An
         return AsyncEngine(dp, dp.metrics)
     engine = LLMEngine(config)
     name = served_model_name or engine.parts.model_name
-    return AsyncEngine(engine, PrometheusMetrics(labels={"model_name": name}))
+    return AsyncEngine(engine, PrometheusMetrics(labels={"model_name": name},
+                                                 prefix=metrics_prefix))
 
 
 def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
@@ -68,6 +71,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
     serving = OpenAIServing(async_engine, served_model_name)
     _install_error_handlers(app)
     app.include_router(_v1_router(serving, api_key, max_body_bytes))
+    app.include_router(_tokenizer_router(serving, api_key, max_body_bytes))
     _add_open_routes(app, async_engine)
     app.state.serving = serving
     app.state.async_engine = async_engine
@@ -80,7 +84,14 @@ def _openapi(app: FastAPI) -> dict:
         from fastapi.openapi.utils import get_openapi
 
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-        schema.setdefault("components", {}).setdefault("schemas", {}).update(openapi_components())
+        serving = app.state.serving
+        schema.setdefault("components", {}).setdefault("schemas", {}).update(
+            openapi_components(serving.vocab, serving.engine.max_model_len))
+        # One model is served: its id is the one path value that is not a 404.
+        for param in schema["paths"]["/v1/models/{model_id}"]["get"].get("parameters", []):
+            if param.get("name") == "model_id":
+                param["schema"] = {"type": "string", "enum": [serving.model_name],
+                                   "example": serving.model_name}
         app.openapi_schema = schema
     return app.openapi_schema
 
@@ -89,20 +100,36 @@ def _ref(name: str) -> dict:
     return {"$ref": f"#/components/schemas/{name}"}
 
 
-def _body_doc(model: type) -> dict:
-    """The route's OpenAPI extras: the request body and the OpenAI error responses."""
-    error = {"content": {"application/json": {"schema": _ref("ErrorResponse")}}}
+_ERROR = {"content": {"application/json": {"schema": _ref("ErrorResponse")}}}
+_OBJECT = {"type": "object"}
+
+
+def _body_doc(model: type, streams: bool = True) -> dict:
+    """The route's OpenAPI extras: the request body, the JSON (or, with `"stream": true`,
+    server-sent events) answer and the OpenAI error responses."""
+    ok = {"application/json": {"schema": {"type": "object", "required": ["id", "object",
+                                                                         "choices", "usage"]}}}
+    if streams:
+        # Schemathesis checks each event as {"event", "data", ...}; data is one JSON chunk.
+        ok["text/event-stream"] = {"schema": {"type": "object", "required": ["data"],
+                                              "properties": {"data": {"type": "string"}}}}
+    if not streams:
+        ok = {"application/json": {"schema": _OBJECT}}
     return {"requestBody": {"required": True,
                             "content": {"application/json": {"schema": _ref(model.__name__)}}},
-            "responses": {str(code): {"description": why, **error} for code, why in (
-                (400, "invalid request"), (401, "missing or wrong API key"),
-                (404, "unknown model"), (413, "body too large"), (500, "engine error"),
-                (503, "shutting down or aborted"))}}
+            "responses": {"200": {"description": "the answer" + (
+                ", as server-sent events when stream is true" if streams else ""), "content": ok},
+                **{str(code): {"description": why, **_ERROR} for code, why in (
+                    (400, "invalid request"), (401, "missing or wrong API key"),
+                    (404, "unknown model"), (413, "body too large"), (500, "engine error"),
+                    (503, "shutting down or aborted"))}}}
 
 
 def _error(err: APIError) -> JSONResponse:
-    headers = {"www-authenticate": "Bearer"} if err.status == 401 else None
-    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+    headers = dict(err.headers or {})
+    if err.status == 401:
+        headers["www-authenticate"] = "Bearer"
+    return JSONResponse(err.body(), status_code=err.status, headers=headers or None)
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -114,13 +141,16 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
         param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
-        return _error(APIError(400, f"{param}: {first.get('msg', 'invalid request')}", param))
+        return _error(APIError(400, f"{param}: {first.get('msg', 'invalid request')}", param,
+                               "invalid_value"))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         msg = {404: f"no route {request.method} {request.url.path}",
                405: f"method {request.method} is not allowed on {request.url.path}"}
-        return _error(APIError(exc.status_code, msg.get(exc.status_code, str(exc.detail))))
+        # Starlette names the allowed methods of a 405 in exc.headers ("Allow"): keep them.
+        return _error(APIError(exc.status_code, msg.get(exc.status_code, str(exc.detail)),
+                               headers=dict(exc.headers or {})))
 
     @app.exception_handler(ClientDisconnect)
     async def _gone(_: Request, exc: ClientDisconnect) -> Response:
@@ -151,7 +181,7 @@ def _too_large(size: int, limit: int) -> APIError:
                     "request_too_large")
 
 
-def _v1_router(serving: OpenAIServing, api_key: str | None, max_body_bytes: int) -> APIRouter:
+def _authorizer(api_key: str | None):  # type: ignore[no-untyped-def]
     def authorize(request: Request) -> None:
         if api_key is None:
             return
@@ -161,8 +191,11 @@ def _v1_router(serving: OpenAIServing, api_key: str | None, max_body_bytes: int)
                            None, "invalid_api_key")
         if not hmac.compare_digest(token.strip().encode(), api_key.encode()):
             raise APIError(401, "incorrect API key", None, "invalid_api_key")
+    return authorize
 
-    router = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
+
+def _v1_router(serving: OpenAIServing, api_key: str | None, max_body_bytes: int) -> APIRouter:
+    router = APIRouter(prefix="/v1", dependencies=[Depends(_authorizer(api_key))])
 
     async def run(request: Request, model: type) -> Response:
         req = parse_body(model, await _read_body(request, max_body_bytes))
@@ -194,7 +227,8 @@ def _v1_router(serving: OpenAIServing, api_key: str | None, max_body_bytes: int)
     async def models() -> dict:
         return {"object": "list", "data": [card()]}
 
-    @router.get("/models/{model_id:path}")
+    @router.get("/models/{model_id:path}", responses={404: {"description": "unknown model",
+                                                            **_ERROR}})
     async def model(model_id: str) -> dict:
         serving.check_model(model_id)
         return card()
@@ -203,7 +237,8 @@ def _v1_router(serving: OpenAIServing, api_key: str | None, max_body_bytes: int)
 
 
 def _add_open_routes(app: FastAPI, async_engine: AsyncEngine) -> None:
-    @app.get("/health")
+    @app.get("/health", responses={503: {"description": "the engine has stopped",
+                                         "content": {"application/json": {"schema": _OBJECT}}}})
     async def health() -> JSONResponse:
         failure = getattr(async_engine.engine, "failure", None)  # a data-parallel rank is gone
         ok = async_engine.alive and failure is None
@@ -211,7 +246,8 @@ def _add_open_routes(app: FastAPI, async_engine: AsyncEngine) -> None:
         return JSONResponse({"status": status, **async_engine.state},
                             status_code=200 if ok else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={404: {"description": "metrics are not enabled", **_ERROR}})
     async def metrics() -> Response:
         from dynaspec.metrics.prometheus import CONTENT_TYPE
 
@@ -226,3 +262,51 @@ def _policy_card(engine) -> dict | None:
     """The K policy that runs (engine/builder.PolicyInfo); None without a drafter."""
     info = getattr(getattr(engine, "parts", None), "policy_info", None)
     return info.to_json() if info is not None else None
+
+
+def _tokenizer_router(serving: OpenAIServing, api_key: str | None,
+                      max_body_bytes: int) -> APIRouter:
+    """vLLM's /tokenize and /detokenize (same API key as /v1)."""
+    router = APIRouter(dependencies=[Depends(_authorizer(api_key))])
+    tok = serving.engine.tokenizer
+
+    @router.post("/tokenize", openapi_extra=_body_doc(TokenizeRequest, streams=False))
+    async def tokenize(request: Request) -> dict:
+        req = parse_body(TokenizeRequest, await _read_body(request, max_body_bytes))
+        if req.model is not None:
+            serving.check_model(req.model)
+        ids = tokenize_ids(tok, req)
+        out = {"count": len(ids), "max_model_len": serving.engine.max_model_len, "tokens": ids}
+        if req.return_token_strs:
+            out["token_strs"] = [tok.id_to_token(i) for i in ids]
+        return out
+
+    @router.post("/detokenize", openapi_extra=_body_doc(DetokenizeRequest, streams=False))
+    async def detokenize(request: Request) -> dict:
+        req = parse_body(DetokenizeRequest, await _read_body(request, max_body_bytes))
+        if req.model is not None:
+            serving.check_model(req.model)
+        bad = [t for t in req.tokens if t >= serving.vocab]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, "
+                           f"{serving.vocab})", "tokens")
+        return {"prompt": tok.decode(req.tokens, skip_special_tokens=False)}
+
+    return router
+
+
+def tokenize_ids(tok: Any, req: TokenizeRequest) -> list[int]:
+    from dynaspec.models.tokenizer import ChatTemplateError
+
+    if (req.prompt is None) == (req.messages is None):
+        raise APIError(400, "give exactly one of prompt and messages", "prompt")
+    if req.prompt is not None:
+        return tok.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+    msgs = ChatCompletionRequest.model_construct(messages=req.messages).chat_messages()
+    try:
+        text = tok.apply_chat_template(msgs, add_generation_prompt=req.add_generation_prompt
+                                       is not False)
+    except ChatTemplateError as exc:
+        raise APIError(400, f"chat template failed: {exc}", "messages",
+                       "chat_template_error") from None
+    return tok.encode(text)

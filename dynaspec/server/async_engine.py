@@ -47,6 +47,7 @@ class OutputDelta:
     new_logprobs: list | None = None  # entries for new_token_ids: (logprob, [(id, logprob)])
     spec: dict | None = None
     metrics: dict = field(default_factory=dict)
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
 
 
 class RequestStream:
@@ -218,7 +219,8 @@ class AsyncEngine:
             stream._logprobs_sent = len(out.logprobs)
         return OutputDelta(out.request_id, out.text, list(out.new_token_ids),
                            len(out.prompt_token_ids), len(out.token_ids), out.finished,
-                           out.finish_reason, out.error, new_lp, out.spec, dict(out.metrics))
+                           out.finish_reason, out.error, new_lp, out.spec, dict(out.metrics),
+                           getattr(out, "num_cached_tokens", 0))
 
     def _abort(self, request_id: str, reason: str, error: str | None = None) -> None:
         if self.engine.abort_request(request_id):

@@ -1,25 +1,44 @@
 """OpenAI completions and chat completions over the AsyncEngine: prompt -> params -> response.
 
-Both endpoints share one path: check the model and the fields dynaspec cannot honour, build the
-prompt's token ids here (so context-length errors are a 400 before anything is queued), queue
-the request, then either collect the final output or stream SSE chunks. A request whose client
-goes away is aborted, whichever way it was sent, so its KV blocks are freed at once.
+Both endpoints share one path: check the model and the fields dynaspec refuses, build each
+prompt's token ids and SamplingParams (server/params.py; context-length errors are a 400 before
+anything is queued), queue one engine request per choice, then either collect the final outputs
+or stream SSE chunks merged from every choice. The choices of one prompt share its KV through
+the prefix cache: the first is queued alone and the siblings once its prefill is done, so they
+find the prompt's full blocks cached instead of computing them again. A request whose client goes
+away has every unfinished choice aborted, whichever way it was sent, so its KV blocks are freed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import time
 import uuid
-from typing import Any, AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
 
-from dynaspec.models.tokenizer import ChatTemplateError
-from dynaspec.sampling_params import SamplingParams
 from dynaspec.server.async_engine import AsyncEngine, EngineUnavailable, OutputDelta, RequestStream
+from dynaspec.server.format import Finished, Formatter, Usage
+from dynaspec.server.params import base_params, choice_params, prompts_ids
 from dynaspec.server.protocol import ChatCompletionRequest, CompletionRequest, APIError
 from dynaspec.server.sse import SSEResponse, TextTracker, sse, wait_disconnect
+from dynaspec.server.tools import ToolPlan, ToolStream, tool_plan
 from dynaspec.structured.params import StructuredOutputParams
+
+MAX_CHOICES = 256  # engine requests one API request may start (prompts x best_of)
+
+
+@dataclass
+class _Choice:
+    index: int
+    prompt_index: int
+    stream: RequestStream
+    echo: str = ""
+    first: bool = True  # the prompt's first choice (its usage counts the prompt's cached tokens)
+    pending: list = field(default_factory=list)  # deltas read early (the first choice's first)
+
+    async def get(self) -> OutputDelta | None:
+        return self.pending.pop(0) if self.pending else await self.stream.get()
 
 
 class OpenAIServing:
@@ -29,107 +48,121 @@ class OpenAIServing:
         tok = engine.tokenizer
         self._token_str = functools.lru_cache(maxsize=1 << 16)(
             lambda i: tok.decode([i], skip_special_tokens=False))
+        cfg = getattr(engine.engine, "config", None)
+        cache = getattr(cfg, "cache", None)
+        self._share_after = cache.block_size if cache and cache.enable_prefix_caching else None
+        self.vocab = getattr(getattr(engine.engine, "parts", None), "vocab_size",
+                             engine.tokenizer.vocab_size)
 
-    # ---- request -> token ids and SamplingParams ----------------------------------------------
     def check_model(self, name: str) -> None:
         if name != self.model_name:
             raise APIError(404, f"the model '{name}' does not exist; this server serves "
                            f"'{self.model_name}'", "model", "model_not_found")
-
-    def prompt_ids(self, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
-        tok = self.engine.tokenizer
-        if isinstance(req, ChatCompletionRequest):
-            try:
-                text = tok.apply_chat_template(req.chat_messages())
-            except ChatTemplateError as exc:
-                raise APIError(400, f"chat template failed: {exc}", "messages") from None
-            return tok.encode(text)
-        return tok.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
-
-    def sampling_params(self, req: CompletionRequest | ChatCompletionRequest,
-                        num_prompt: int) -> SamplingParams:
-        chat = isinstance(req, ChatCompletionRequest)
-        where, ctx = ("messages" if chat else "prompt"), self.engine.max_model_len
-        if num_prompt == 0:
-            raise APIError(400, f"{where} is empty (0 tokens)", where)
-        room = ctx - num_prompt
-        if room <= 0:
-            raise APIError(400, f"{where} has {num_prompt} tokens but the model's context length "
-                           f"is {ctx}, which leaves no room to generate", where,
-                           "context_length_exceeded")
-        limit = req.token_limit if chat else req.max_tokens
-        if limit is not None and limit > room:
-            name = "max_completion_tokens" if chat and req.max_completion_tokens else "max_tokens"
-            raise APIError(400, f"{name} {limit} + {num_prompt} prompt tokens exceed the model's "
-                           f"context length {ctx}", name, "context_length_exceeded")
-        if chat:
-            logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        else:
-            logprobs = req.logprobs
-        try:
-            return SamplingParams(
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
-                min_p=req.min_p or 0.0, seed=req.seed, max_tokens=limit or room,
-                stop=req.stop_list, stop_token_ids=tuple(req.stop_token_ids or ()),
-                ignore_eos=bool(req.ignore_eos), logprobs=logprobs,
-                structured_output=req.structured_output())
-        except ValueError as exc:
-            raise APIError(400, str(exc), str(exc).split(" ")[0]) from None
 
     # ---- the endpoint --------------------------------------------------------------------------
     async def handle(self, request: Any, req: CompletionRequest | ChatCompletionRequest) -> Any:
         self.check_model(req.model)
         if (err := req.unsupported()) is not None:
             raise err
-        # Off the event loop: a prompt near the body limit takes a while to render and encode.
-        ids = await asyncio.to_thread(self.prompt_ids, req)
-        params = self.sampling_params(req, len(ids))
-        if params.structured_output is not None:
-            await self._compile_grammar(req, params.structured_output)
         chat = isinstance(req, ChatCompletionRequest)
+        tools = tool_plan(req) if chat else None
+        n = req.n or 1
+        # best_of below n means n; a stream cannot rank, so it generates n (both documented).
+        n_gen = n if chat or req.stream else max(n, req.best_of or n)
+        # Off the event loop: a prompt near the body limit takes a while to render and encode.
+        all_ids = await asyncio.to_thread(prompts_ids, self.engine.tokenizer, req, tools)
+        if len(all_ids) * n_gen > MAX_CHOICES:
+            raise APIError(400, f"{len(all_ids)} prompts x {n_gen} choices is more than "
+                           f"{MAX_CHOICES} sequences", "n")
+        grammar = tools.grammar if tools is not None and tools.grammar else \
+            _structured(req)
+        params = [base_params(req, len(ids), self.engine.max_model_len, self.vocab,
+                              self.engine.tokenizer, grammar, 0 if n_gen > n else None)
+                  for ids in all_ids]
+        if grammar is not None:
+            await self._compile_grammar(req, grammar, tools is not None and tools.grammar)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        echo = [self._echo(req, p, ids) for p, ids in enumerate(all_ids)] \
+            if not chat and req.echo else [""] * len(all_ids)
+        choices: list[_Choice] = []
         try:
-            stream = await self.engine.add_request(rid, ids, params)
+            await self._start(rid, all_ids, params, n_gen, echo, choices, bool(req.stream))
+        except BaseException:
+            _abort_all(choices, self.engine)
+            raise
+        want_lp = bool(req.logprobs) if chat else req.logprobs is not None
+        fmt = Formatter(self.model_name, self._token_str, rid, chat, want_lp, tools)
+        if req.stream:
+            merged: asyncio.Queue = asyncio.Queue()
+            usage = bool(req.stream_options and req.stream_options.include_usage)
+            events = self._events(choices, merged, fmt, params[0].stop, usage, tools)
+            return SSEResponse(events, on_disconnect=lambda: _cut(choices, merged, self.engine),
+                               on_close=lambda: _abort_all(choices, self.engine))
+        try:
+            return await self._collect(request, choices, fmt, n)
+        finally:
+            _abort_all(choices, self.engine)
+
+    def _echo(self, req: CompletionRequest, p: int, ids: list[int]) -> str:
+        prompt = req.prompt[p]
+        return prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(ids)
+
+    async def _start(self, rid: str, all_ids: list[list[int]], params: list, n_gen: int,
+                     echo: list[str], choices: list[_Choice], stream: bool) -> None:
+        """Queue every choice; siblings after their first choice's prefill (prefix sharing)."""
+        single = len(all_ids) == 1 and n_gen == 1
+        for p, (ids, sp) in enumerate(zip(all_ids, params)):
+            choices.append(await self._add(rid if single else f"{rid}-{p}-0", p * n_gen, p,
+                                           ids, sp, echo[p]))
+        share = [p for p, ids in enumerate(all_ids)
+                 if n_gen > 1 and self._share_after and len(ids) >= self._share_after]
+        for p in share:  # read (and keep) the first delta: the prompt's blocks are cached now
+            first = choices[p]
+            first.pending.append(await first.stream.get())
+        for p, (ids, sp) in enumerate(zip(all_ids, params)):
+            for i in range(1, n_gen):
+                c = await self._add(f"{rid}-{p}-{i}", p * n_gen + i, p, ids,
+                                    choice_params(sp, i), echo[p])
+                c.first = False
+                choices.append(c)
+        choices.sort(key=lambda c: c.index)
+
+    async def _add(self, rid: str, index: int, p: int, ids: list[int], sp, echo: str) -> _Choice:
+        try:
+            stream = await self.engine.add_request(rid, ids, sp)
         except ValueError as exc:
-            raise APIError(400, str(exc), "messages" if chat else "prompt") from None
+            raise APIError(400, str(exc), "prompt") from None
         except EngineUnavailable as exc:
             raise APIError(503, str(exc), None, "unavailable") from None
-        fmt = _Format(self, rid, chat, params.logprobs is not None)
-        if req.stream:
-            usage = bool(req.stream_options and req.stream_options.include_usage)
-            events = self._events(stream, fmt, TextTracker(params.stop), usage)
-            return SSEResponse(events, on_disconnect=lambda: _cut(stream, self.engine),
-                               on_close=lambda: _abort_unfinished(stream, self.engine))
-        try:
-            return await self._collect(request, stream, fmt)
-        finally:
-            _abort_unfinished(stream, self.engine)
+        return _Choice(index, p, stream, echo)
 
     async def _compile_grammar(self, req: CompletionRequest | ChatCompletionRequest,
-                               spec: StructuredOutputParams) -> None:
+                               spec: StructuredOutputParams, for_tools: bool) -> None:
         """Compile in a worker thread, before the request is queued: the engine thread then
         finds it in the cache, so no step waits on a compile; a bad grammar is a 400 here."""
         structured = self.engine.engine.structured
         try:
             await asyncio.to_thread(structured.compile, spec)
         except ValueError as exc:
-            param = "structured_outputs" if req.structured_outputs is not None \
-                else "response_format"
+            param = "tools" if for_tools else "structured_outputs" \
+                if req.structured_outputs is not None else "response_format"
             raise APIError(400, f"{param}: {exc}", param, "invalid_grammar") from None
 
-    async def _collect(self, request: Any, stream: RequestStream, fmt: _Format) -> dict | None:
-        async def collect() -> tuple[OutputDelta, list[int], list]:
+    async def _collect(self, request: Any, choices: list[_Choice], fmt: Formatter,
+                       n: int) -> dict | None:
+        async def collect(c: _Choice) -> Finished:
             ids: list[int] = []
             logprobs: list = []
             while True:
-                delta = await stream.get()
+                delta = await c.get()
+                assert delta is not None  # only a stream's disconnect puts None
                 ids.extend(delta.new_token_ids)
                 logprobs.extend(delta.new_logprobs or ())
                 if delta.finished:
-                    return delta, ids, logprobs
+                    return Finished(c.index, c.prompt_index, delta, ids, logprobs, c.echo,
+                                    c.first)
 
-        task = asyncio.ensure_future(collect())
+        task = asyncio.ensure_future(asyncio.gather(*(collect(c) for c in choices)))
         watcher = asyncio.ensure_future(wait_disconnect(request.receive))
         try:
             await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -139,107 +172,94 @@ class OpenAIServing:
                 task.cancel()  # the client left (or we are being cancelled): stop waiting
         if not task.done() or task.cancelled():
             return None  # nobody to answer; the caller's finally aborts the request
-        final, ids, logprobs = task.result()
-        _raise_if_failed(final)
-        return fmt.response(final, ids, logprobs)
+        done: list[Finished] = task.result()
+        usage = Usage()
+        for f in done:
+            _raise_if_failed(f.final)
+            usage.add(f.prompt_index, f.final, f.first)
+        return fmt.response(_best(done, n), usage)
 
-    async def _events(self, stream: RequestStream, fmt: _Format, text: TextTracker,
-                      include_usage: bool) -> AsyncIterator[bytes]:
-        if fmt.chat:
-            yield sse(fmt.chunk({"role": "assistant", "content": ""}, None, None, include_usage))
-        while True:
-            delta = await stream.get()
-            if delta is None:  # the client disconnected
-                return
-            if delta.finished and delta.finish_reason in ("abort", "error"):
-                yield sse(_failure(delta).body())
-                break
-            new_text = text.update(delta.text, delta.finished)
-            lp = fmt.logprobs(delta.new_token_ids, delta.new_logprobs)
-            if new_text or lp or delta.finished:
-                content = {"content": new_text} if fmt.chat else new_text
-                chunk = fmt.chunk(content, lp, delta.finish_reason, include_usage)
+    async def _events(self, choices: list[_Choice], merged: asyncio.Queue, fmt: Formatter,
+                      stops: tuple[str, ...], include_usage: bool,
+                      tools: ToolPlan | None) -> AsyncIterator[bytes]:
+        async def pump(c: _Choice) -> None:
+            while True:
+                delta = await c.get()
+                merged.put_nowait((c, delta))
+                if delta is None or delta.finished:
+                    return
+
+        pumps = [asyncio.ensure_future(pump(c)) for c in choices]
+        texts = {c.index: TextTracker(stops) for c in choices}
+        tool_streams = {c.index: ToolStream(tools) for c in choices} if tools else {}
+        usage, left = Usage(), len(choices)
+        try:
+            for c in choices:
+                if fmt.chat:
+                    yield sse(fmt.chunk(c.index, {"role": "assistant", "content": ""}, None,
+                                        None, include_usage))
+                elif c.echo:
+                    fmt.start_offset(c.index, c.echo)
+                    yield sse(fmt.chunk(c.index, c.echo, None, None, include_usage))
+            while left:
+                c, delta = await merged.get()
+                if c is None or delta is None:  # the client disconnected
+                    return
+                if delta.finished and delta.finish_reason in ("abort", "error"):
+                    yield sse(_failure(delta).body())
+                    break
+                chunk = self._chunk(fmt, c, delta, texts[c.index], tool_streams.get(c.index),
+                                    include_usage)
+                if chunk is not None:
+                    yield sse(chunk)
                 if delta.finished:
-                    chunk["dynaspec"] = fmt.extension(delta)
-                yield sse(chunk)
-            if delta.finished:
+                    left -= 1
+                    usage.add(c.prompt_index, delta, c.first)
+            else:
                 if include_usage:
-                    yield sse(fmt.usage_chunk(delta))
-                break
+                    yield sse(fmt.usage_chunk(usage))
+        finally:
+            for t in pumps:
+                t.cancel()
         yield b"data: [DONE]\n\n"
 
-
-class _Format:
-    """Builds one request's OpenAI JSON objects (ids, logprobs, usage, the extension field)."""
-
-    def __init__(self, serving: OpenAIServing, rid: str, chat: bool, want_logprobs: bool) -> None:
-        self.rid, self.chat, self.want_logprobs = rid, chat, want_logprobs
-        self.model, self.created = serving.model_name, int(time.time())
-        self.token_str: Callable[[int], str] = serving._token_str
-        self.offset = 0  # completions' text_offset runs across chunks
-
-    def _head(self, obj: str) -> dict:
-        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
-
-    def logprobs(self, ids: list[int], entries: list | None) -> dict | None:
-        if not self.want_logprobs or not entries:
+    @staticmethod
+    def _chunk(fmt: Formatter, c: _Choice, delta: OutputDelta, text: TextTracker,
+               tools: ToolStream | None, include_usage: bool) -> dict | None:
+        new_text = text.update(delta.text, delta.finished)
+        lp = fmt.logprobs(c.index, delta.new_token_ids, delta.new_logprobs)
+        finish = delta.finish_reason
+        if tools is not None:
+            content, called = tools.update(new_text, delta.finished)
+            finish = "tool_calls" if called and finish == "stop" else finish
+        else:
+            content = ({"content": new_text} if new_text else None) if fmt.chat else new_text
+        if not (content or lp or delta.finished):
             return None
-        toks = [self.token_str(i) for i in ids[:len(entries)]]
-        if self.chat:
-            content = [{"token": t, "logprob": lp, "bytes": list(t.encode()),
-                        "top_logprobs": [self._top(i, v) for i, v in top]}
-                       for t, (lp, top) in zip(toks, entries)]
-            return {"content": content, "refusal": None}
-        offsets = []
-        for t in toks:
-            offsets.append(self.offset)
-            self.offset += len(t)
-        return {"tokens": toks, "token_logprobs": [lp for lp, _ in entries],
-                "top_logprobs": [{self.token_str(i): v for i, v in top} for _, top in entries],
-                "text_offset": offsets}
+        if fmt.chat and content is None:
+            content = {}
+        chunk = fmt.chunk(c.index, content if content is not None else "", lp, finish,
+                          include_usage)
+        if delta.finished:
+            chunk["dynaspec"] = fmt.extension(delta)
+        return chunk
 
-    def _top(self, token_id: int, logprob: float) -> dict:
-        t = self.token_str(token_id)
-        return {"token": t, "logprob": logprob, "bytes": list(t.encode())}
 
-    @staticmethod
-    def usage(final: OutputDelta) -> dict:
-        return {"prompt_tokens": final.num_prompt_tokens,
-                "completion_tokens": final.num_output_tokens,
-                "total_tokens": final.num_prompt_tokens + final.num_output_tokens}
+def _structured(req: CompletionRequest | ChatCompletionRequest) -> StructuredOutputParams | None:
+    return req.structured_output()
 
-    @staticmethod
-    def extension(final: OutputDelta) -> dict:
-        m = final.metrics
-        return {"spec": final.spec, "ttft_s": m.get("ttft_s"), "e2e_s": m.get("e2e_s")}
 
-    def response(self, final: OutputDelta, ids: list[int], logprobs: list) -> dict:
-        lp = self.logprobs(ids, logprobs)
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": final.text},
-                      "logprobs": lp, "finish_reason": final.finish_reason}
-        else:
-            choice = {"index": 0, "text": final.text, "logprobs": lp,
-                      "finish_reason": final.finish_reason}
-        head = self._head("chat.completion" if self.chat else "text_completion")
-        return {**head, "choices": [choice], "usage": self.usage(final),
-                "system_fingerprint": None, "dynaspec": self.extension(final)}
-
-    def chunk(self, content: Any, lp: dict | None, finish: str | None, with_usage: bool) -> dict:
-        if self.chat:
-            choice = {"index": 0, "delta": content if finish is None or content.get("content")
-                      else {}, "logprobs": lp, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": content, "logprobs": lp, "finish_reason": finish}
-        out = {**self._head("chat.completion.chunk" if self.chat else "text_completion"),
-               "choices": [choice]}
-        if with_usage:
-            out["usage"] = None  # OpenAI: null on every chunk but the last
-        return out
-
-    def usage_chunk(self, final: OutputDelta) -> dict:
-        head = self._head("chat.completion.chunk" if self.chat else "text_completion")
-        return {**head, "choices": [], "usage": self.usage(final)}
+def _best(done: list[Finished], n: int) -> list[Finished]:
+    """best_of: per prompt, the n choices with the highest mean logprob, in index order."""
+    per_prompt = len(done) // max(1, len({f.prompt_index for f in done}))
+    if per_prompt == n:
+        return done
+    kept: list[Finished] = []
+    for p in sorted({f.prompt_index for f in done}):
+        group = [f for f in done if f.prompt_index == p]
+        kept.extend(sorted(sorted(group, key=lambda f: -f.mean_logprob)[:n],
+                           key=lambda f: f.index))
+    return kept
 
 
 def _failure(delta: OutputDelta) -> APIError:
@@ -254,13 +274,13 @@ def _raise_if_failed(final: OutputDelta) -> None:
         raise _failure(final)
 
 
-def _cut(stream: RequestStream, engine: AsyncEngine) -> None:
+def _cut(choices: list[_Choice], merged: asyncio.Queue, engine: AsyncEngine) -> None:
     """Client disconnected mid-stream: abort, and wake the SSE generator with a None."""
-    if not stream.finished:
-        engine.abort(stream.request_id)
-    stream.queue.put_nowait(None)  # type: ignore[arg-type]
+    _abort_all(choices, engine)
+    merged.put_nowait((None, None))
 
 
-def _abort_unfinished(stream: RequestStream, engine: AsyncEngine) -> None:
-    if not stream.finished:
-        engine.abort(stream.request_id)
+def _abort_all(choices: list[_Choice], engine: AsyncEngine) -> None:
+    for c in choices:
+        if not c.stream.finished:
+            engine.abort(c.stream.request_id)

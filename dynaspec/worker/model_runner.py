@@ -25,6 +25,7 @@ from dynaspec.attention.backend import AttentionBatch
 from dynaspec.models.llama import LlamaModel
 from dynaspec.outputs import BatchDescriptor, RequestResult, RunnerOutput, SchedulerOutput
 from dynaspec.request import Request
+from dynaspec.sample.logits_processor import LogitsProcessing
 from dynaspec.sample.metadata import SamplingMetadata
 from dynaspec.sample.rejection_sampler import SyntheticVerifier, rejection_sample
 from dynaspec.sample.sampler import Sampler
@@ -72,6 +73,7 @@ class PreparedStep:
     draft_skips: dict[str, str]
     grammar: Any  # structured output's per-step state, or None
     sampling_md: SamplingMetadata | None  # None when no request samples this step
+    logits_proc: LogitsProcessing | None = None  # penalties, logit_bias, min_tokens, bans
     draft_seconds: float = 0.0
     prepare_seconds: float = 0.0
 
@@ -93,6 +95,7 @@ class ModelRunner:
         self.buffers = buffers
         self.executor = executor
         self.steps_by_path: Counter = Counter()  # (path, width label) -> steps actually run
+        self.eos_token_ids: tuple[int, ...] = ()  # set by the engine: min_tokens bans them
 
     def forget(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
@@ -162,8 +165,10 @@ class ModelRunner:
         md = SamplingMetadata.from_params([r.sampling_params for r in reqs],
                                           [self._generator(r) for r in reqs], self.device) \
             if reqs else None
+        # After the grammar cut: rows are processed with the drafts they actually verify.
+        proc = LogitsProcessing.build(reqs, inputs.sampling, drafts, self.eos_token_ids)
         return PreparedStep(out, batch, inputs, drafts, draft_probs, draft_skips, grammar, md,
-                            t1 - t0, time.perf_counter() - t1)
+                            proc, t1 - t0, time.perf_counter() - t1)
 
     def run(self, p: PreparedStep) -> RunnerOutput:
         """The target forward and verification of a prepared step."""
@@ -172,6 +177,8 @@ class ModelRunner:
         t3 = time.perf_counter()
         if p.grammar is not None:
             p.grammar.mask(logits, p.inputs.sampling)
+        if p.logits_proc is not None:
+            p.logits_proc.apply(logits)
         results = self._sample(p, logits)
         if p.grammar is not None:
             p.grammar.commit(results)

@@ -30,8 +30,9 @@ CASES = [
     ("missing-prompt", "POST", C, _with(GOOD, prompt=...), 400, ["'prompt' is required"], "prompt"),
     ("prompt-wrong-type", "POST", C, _with(GOOD, prompt=123), 400, ["prompt must be"], "prompt"),
     ("prompt-empty-list", "POST", C, _with(GOOD, prompt=[]), 400, ["prompt must be"], "prompt"),
-    ("prompt-batch", "POST", C, _with(GOOD, prompt=["a", "b"]), 400, ["batched prompts"], "prompt"),
-    ("prompt-empty-string", "POST", C, _with(GOOD, prompt=""), 400, ["prompt is empty"], "prompt"),
+    ("prompt-batch-mixed", "POST", C, _with(GOOD, prompt=["a", [1, 2]]), 400, ["prompt must be"], "prompt"),
+    ("prompt-float-token", "POST", C, _with(GOOD, prompt=[1, 2.5]), 400, ["prompt must be"], "prompt"),
+    ("prompt-empty-string", "POST", C, _with(GOOD, prompt=""), 400, ["prompt strings must be non-empty"], "prompt"),
     ("token-outside-vocab", "POST", C, _with(GOOD, prompt=[1, 99999999]), 400, ["outside the vocabulary"], "prompt"),
     ("prompt-too-long", "POST", C, _with(GOOD, prompt="hello " * 600), 400, ["context length"], "prompt"),
     ("max-tokens-beyond-context", "POST", C, _with(GOOD, max_tokens=100000), 400, ["max_tokens", "context length"], "max_tokens"),
@@ -47,17 +48,19 @@ CASES = [
     ("logprobs-too-many", "POST", C, _with(GOOD, logprobs=50), 400, ["logprobs"], "logprobs"),
     ("stop-empty-string", "POST", C, _with(GOOD, stop=[""]), 400, ["stop strings must be non-empty"], "stop"),
     ("stop-wrong-type", "POST", C, _with(GOOD, stop=5), 400, ["stop must be a string or a list of strings"], "stop"),
-    ("n-greater-than-one", "POST", C, _with(GOOD, n=2), 400, ["n=2 is not supported"], "n"),
+    ("n-too-many", "POST", C, _with(GOOD, n=99), 400, ["n", "less than or equal to 16"], "n"),
+    ("suffix", "POST", C, _with(GOOD, suffix="tail"), 400, ["suffix is not supported"], "suffix"),
+    ("logit-bias-bad-key", "POST", C, _with(GOOD, logit_bias={"abc": 1.0}), 400, ["logit_bias.abc", "should match pattern"], "logit_bias.abc"),
     ("unknown-field", "POST", C, _with(GOOD, max_token=5), 400, ["unknown field 'max_token'"], "max_token"),
-    ("presence-penalty", "POST", C, _with(GOOD, presence_penalty=1.0), 400, ["presence_penalty"], "presence_penalty"),
-    ("stream-options-without-stream", "POST", C, _with(GOOD, stream_options={"include_usage": True}), 400, ["stream_options"], "stream_options"),
+    ("presence-penalty-range", "POST", C, _with(GOOD, presence_penalty=3.0), 400, ["presence_penalty"], "presence_penalty"),
     ("chat-missing-messages", "POST", CH, _with(CHAT_GOOD, messages=...), 400, ["'messages' is required"], "messages"),
     ("chat-empty-messages", "POST", CH, _with(CHAT_GOOD, messages=[]), 400, ["messages", "at least 1"], "messages"),
     ("chat-messages-string", "POST", CH, _with(CHAT_GOOD, messages="hi"), 400, ["messages"], "messages"),
     ("chat-bad-role", "POST", CH, _with(CHAT_GOOD, messages=[{"role": "robot", "content": "x"}]), 400, ["role"], "messages.0.role"),
     ("chat-image-part", "POST", CH, _with(CHAT_GOOD, messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), 400, ["content must be a string", "not supported"], "messages.0.content"),
-    ("chat-top-logprobs-alone", "POST", CH, _with(CHAT_GOOD, top_logprobs=2), 400, ["top_logprobs requires logprobs"], "top_logprobs"),
-    ("chat-tools", "POST", CH, _with(CHAT_GOOD, tools=[{"type": "function"}]), 400, ["tools are not supported"], "tools"),
+    ("chat-tools-no-function", "POST", CH, _with(CHAT_GOOD, tools=[{"type": "function"}]), 400, ["'tools.0.function' is required"], "tools.0.function"),
+    ("chat-tool-choice-unknown", "POST", CH, _with(CHAT_GOOD, tools=[{"type": "function", "function": {"name": "f"}}], tool_choice={"type": "function", "function": {"name": "g"}}), 400, ["'g'", "not among the tools"], "tool_choice.function.name"),
+    ("chat-tool-choice-without-tools", "POST", CH, _with(CHAT_GOOD, tool_choice="required"), 400, ["needs tools"], "tool_choice"),
     ("chat-max-completion-tokens-zero", "POST", CH, _with(CHAT_GOOD, max_completion_tokens=0), 400, ["max_completion_tokens"], "max_completion_tokens"),
     ("body-too-large", "POST", C, _with(GOOD, prompt="x" * (1 << 20)), 413, ["too large", "limit"], None),
     ("unknown-route", "POST", "/v1/embeddings", GOOD, 404, ["no route", "/v1/embeddings"], None),
@@ -88,6 +91,9 @@ def test_malformed_request(http, case):
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["code"], str) and err["code"], err  # every error has a code
+    if status == 405:
+        assert r.headers["allow"] == "POST", r.headers
     for needle in needles:
         assert needle in err["message"], err
     if param is not None:

@@ -1,12 +1,60 @@
-"""Every command's --help renders (a stray % in a help string crashed `dynaspec bench --help`)."""
+"""CLI as a new user meets it: every flag of serve and generate says what it does and its default,
+a mistyped flag gets the subcommand's own usage and the closest flag, an over-long context is
+refused unless asked for; /metrics without `*_created` series and with a vLLM prefix on demand."""
 
 from __future__ import annotations
 
 import argparse
 
-from dynaspec.cli.main import build_parser
+import pytest
+
+from dynaspec.cli.main import build_parser, main
 
 
+def _sub(name: str) -> argparse.ArgumentParser:
+    parser = build_parser()
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices[name]
+
+
+@pytest.mark.parametrize("name", ["serve", "generate"])
+def test_every_flag_has_help_and_default(name):
+    p = _sub(name)
+    missing = [a.option_strings for a in p._actions if a.option_strings and not a.help]
+    assert not missing, f"{name}: flags without help: {missing}"
+    text = p.format_help()
+    for flag in ("--port", "--speculator", "--num-spec-tokens") if name == "serve" else \
+            ("--max-tokens", "--temperature", "--top-p", "--top-k", "--seed", "--speculator"):
+        line = text[text.index("\n  " + flag + " "):][:300]  # its help entry, not the usage
+        assert "(default:" in line, f"{flag}: {line}"
+
+
+def test_mistyped_flag_prints_the_subcommands_usage_and_a_suggestion(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--spec-tokens", "4"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: dynaspec serve") and "--num-spec-tokens" in err
+    assert "did you mean --num-spec-tokens" in err
+
+
+def test_max_model_len_above_trained_context_is_refused(tiny_llama_dir):
+    from dynaspec import LLM
+
+    with pytest.raises(ValueError, match="above the model's trained context .256."):
+        LLM(model=tiny_llama_dir, dtype="float32", max_model_len=100000, num_kv_blocks=32)
+    llm = LLM(model=tiny_llama_dir, dtype="float32", max_model_len=300, num_kv_blocks=32,
+              allow_long_max_model_len=True)
+    assert llm.engine.max_model_len == 300
+
+
+def test_metrics_have_no_created_series_and_take_a_prefix():
+    from dynaspec.metrics.prometheus import PrometheusMetrics
+
+    text = PrometheusMetrics(labels={"model_name": "m"}).render().decode()
+    assert "_created" not in text and "dynaspec:generation_tokens_total" in text
+    vllm = PrometheusMetrics(labels={"model_name": "m"}, prefix="vllm").render().decode()
+    assert "vllm:num_requests_running" in vllm and "dynaspec:" not in vllm
 def _parsers(p: argparse.ArgumentParser, path=()):
     yield path, p
     for action in p._actions:
@@ -15,7 +63,7 @@ def _parsers(p: argparse.ArgumentParser, path=()):
                 yield from _parsers(sub, path + (name,))
 
 
-def test_every_help_renders():
+def test_every_commands_help_renders():
     seen = []
     for path, parser in _parsers(build_parser()):
         assert parser.format_help(), path

@@ -173,3 +173,30 @@ def test_logprobs_are_raw_log_softmax() -> None:
         assert [t for t, _ in top] == ref_ids.tolist()
         assert np.allclose([v for _, v in top], ref_vals.tolist(), atol=1e-5)
     assert out.logprobs[0] is not None and out.logprobs[0][1][0][0] == int(out.token_ids[0])
+
+
+def test_top_p_below_float32_range_keeps_the_top_token():
+    """top_p = 1e-117 rounds to 0 in float32; the top token must still survive (it used to be
+    dropped with every other one, so a grammar request sampled token 0 from NaNs)."""
+    from dynaspec.sample.metadata import SamplingMetadata
+    from dynaspec.sample.sampler import processed_probs
+    from dynaspec.sampling_params import SamplingParams
+
+    logits = torch.tensor([[0.5, 3.0, -1.0, float("-inf")]])
+    md = SamplingMetadata.from_params([SamplingParams(top_p=7.8e-117)], [torch.Generator()], "cpu")
+    probs = processed_probs(logits, md, torch.tensor([0]))
+    assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0, 0.0]]))
+
+
+def test_tiny_temperature_is_greedy_and_never_nan():
+    """logits / 1e-40 overflowed to inf and the softmax to NaN (reliability fuzz)."""
+    from dynaspec.sample.metadata import SamplingMetadata
+    from dynaspec.sample.sampler import processed_probs
+    from dynaspec.sampling_params import SamplingParams
+
+    assert SamplingParams(temperature=1e-40).greedy
+    logits = torch.tensor([[0.5, 3.0, float("-inf")]])
+    md = SamplingMetadata.from_params([SamplingParams(temperature=1e-4)], [torch.Generator()], "cpu")
+    md.temperature[0] = 1e-40  # the transform itself must stay finite too
+    probs = processed_probs(logits, md, torch.tensor([0]))
+    assert torch.isfinite(probs).all() and probs[0, 2] == 0.0  # the masked token stays out
