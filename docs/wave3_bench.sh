@@ -10,10 +10,11 @@ case "$1" in
   w1) $B decode --model default $W --json > $D/w1_int8dot.json; $B decode --model default $W --linear-kernel torch --json > $D/w1_torch.json ;;
   # library candidates on the model's shapes
   w2) PYTHONPATH=/tmp/taolib python docs/kernel_candidates.py > $D/w2_candidates.txt ;;
+  w4b) $B compare --a "peer:llamacpp:plain" --b "--speculator ngram --num-spec-tokens 4" --workload code_edit --concurrency 1 --pairs 5 --num-prompts 4 --max-tokens 128 --out $D/w4b ;;
   # plain decode against llama-cpp-python, same Q4_1 file, paired
   w3) $B compare --a "peer:llamacpp:plain" --b "--speculator none" --workload code_edit --concurrency 1 --pairs 5 --num-prompts 4 --max-tokens 128 --ignore-eos --out $D/w3 ;;
   # speculation at concurrency 1, default flags
-  w4) $B compare --a "--speculator none" --b "--speculator ngram --num-spec-tokens 4" --peer llamacpp --workload code_edit --concurrency 1 --pairs 5 --num-prompts 4 --max-tokens 128 --out $D/w4 ;;
+  w4) $B compare --a "--speculator none" --b "--speculator ngram --num-spec-tokens 4" --workload code_edit --concurrency 1 --pairs 5 --num-prompts 4 --max-tokens 128 --out $D/w4 ;;
   w5) $B compare --a "--speculator none" --b "--speculator suffix --num-spec-tokens 8" --workload agentic --concurrency 1 --pairs 5 --num-prompts 6 --max-tokens 64 --out $D/w5 ;;
   # under load, default flags
   w6) $B compare --a "--speculator none" --b "--speculator ngram --num-spec-tokens 4" --workload code_edit --concurrency 16 --pairs 5 --num-prompts 16 --max-tokens 64 --out $D/w6 ;;

@@ -116,6 +116,12 @@ class GoodputPolicy(TablePolicy):
         self.synthetic = _FixedRates(*settings.synthetic_rates) if settings.synthetic_rates else None
 
     # ---- writers: called with a step's results --------------------------------------------
+    def new_history(self) -> AcceptanceHistory:
+        # Start each request at the prior, not at its first draft's outcome: measured on code
+        # edits, one early rejection set a request's rate to 0 and the policy ran K=0 on 95% of
+        # steps (1.05x over plain) where always drafting gave 1.37x.
+        return AcceptanceHistory(prior=self.settings.prior_rate)
+
     def observe(self, request_id: str, num_drafted: int, num_accepted: int, ctx: int) -> None:
         super().observe(request_id, num_drafted, num_accepted, ctx)
         if num_drafted:

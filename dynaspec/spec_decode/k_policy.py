@@ -41,12 +41,14 @@ class AcceptanceHistory:
     when K varies step to step (DESIGN §5's drafted_per_pos argument).
     """
 
-    __slots__ = ("alpha", "rates", "num_updates")
+    __slots__ = ("alpha", "prior", "rates", "num_updates")
 
-    def __init__(self, alpha: float = 0.3) -> None:
+    def __init__(self, alpha: float = 0.3, prior: float | None = None) -> None:
+        """prior: where a position's EMA starts (None: the first observation seeds it). With a
+        prior, one rejected draft moves the estimate by alpha instead of setting it to 0."""
         if not 0.0 < alpha <= 1.0:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
-        self.alpha = alpha
+        self.alpha, self.prior = alpha, prior
         self.rates: list[float] = []
         self.num_updates = 0
 
@@ -57,8 +59,10 @@ class AcceptanceHistory:
             return  # no drafts verified: nothing learned
         for i in range(min(num_accepted + 1, num_drafted)):
             hit = 1.0 if i < num_accepted else 0.0
-            if i == len(self.rates):
+            if i == len(self.rates) and self.prior is None:
                 self.rates.append(hit)  # first observation seeds the EMA
+            elif i == len(self.rates):
+                self.rates.append(self.prior + self.alpha * (hit - self.prior))
             else:
                 self.rates[i] += self.alpha * (hit - self.rates[i])
         self.num_updates += 1
@@ -207,9 +211,14 @@ class TablePolicy:
         """The view's history when it carries one (tests, a rank's forwarded view), else ours."""
         return r.history if r.history is not None else self.histories.get(r.request_id)
 
+    def new_history(self) -> AcceptanceHistory:
+        return AcceptanceHistory()
+
     def observe(self, request_id: str, num_drafted: int, num_accepted: int, ctx: int) -> None:
         if self.keeps_history and num_drafted:
-            self.histories.setdefault(request_id, AcceptanceHistory()).update(num_drafted, num_accepted)
+            if request_id not in self.histories:
+                self.histories[request_id] = self.new_history()
+            self.histories[request_id].update(num_drafted, num_accepted)
 
     def observe_step(self, num_reqs: int, ctx: int, width: int, target_seconds: float,
                      draft_seconds: float, num_drafted: int, num_emitted: int) -> None:
