@@ -94,8 +94,8 @@ def test_goodput_with_a_schedule_is_bounded_by_it_and_may_run_k0(tiny_llama_dir)
               prompt_lookup_min=1, cost_table=cost_table(lambda w: 0.01 * w))
     assert isinstance(llm.engine.scheduler.policy, GoodputPolicy)
     plan = llm.engine.plan
-    assert plan.kind == "variable" and plan.widths == (1, 4)  # what can actually run
-    assert llm.engine.exec_plan.widths == (1, 4)
+    assert plan.kind == "variable" and plan.widths == (1, 2, 3, 4)  # what can actually run
+    assert llm.engine.exec_plan.widths == (1, 2, 3, 4)
     prompts = random_prompts(3, 280, seed=7, lo=5, hi=20, repetitive=True)
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
     assert set(llm.engine.counters.steps_by_k) == {0}  # a losing table: K=0 everywhere
@@ -139,5 +139,5 @@ def test_measured_start_names_the_policy_table_source_and_cache_file(tiny_llama_
         assert isinstance(llm.engine.scheduler.policy, GoodputPolicy)
         assert info.cache_file and info.cache_file in line
         assert cost_cache.load_cells(info.cache_file.rsplit("/", 1)[1][:-5])  # cells saved
-        assert llm.engine.plan.widths == (1, 3)
+        assert llm.engine.plan.widths == (1, 2, 3)
     assert any("step cost profile:" in r.getMessage() for r in caplog.records)  # progress

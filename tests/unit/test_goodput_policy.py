@@ -179,11 +179,11 @@ SEED_SCHEDULE = ["--num-spec-tokens", "3", "--k-schedule", "[[1,8,5],[9,16,4]]"]
 
 
 @pytest.mark.parametrize("flags, policy, kind, widths", [
-    (["--num-spec-tokens", "4"], "goodput", "variable", [1, 5]),
+    (["--num-spec-tokens", "4"], "goodput", "variable", [1, 2, 3, 4, 5]),
     (["--num-spec-tokens", "4", "--k-policy", "table"], "table", "constant", [5]),
     (["--speculator", "none"], None, "off", [1]),
     (SEED_SCHEDULE, "table", "constant", [4]),  # auto + a schedule: width 4 on every step
-    (SEED_SCHEDULE + ["--k-policy", "goodput"], "goodput", "variable", [1, 4]),
+    (SEED_SCHEDULE + ["--k-policy", "goodput"], "goodput", "variable", [1, 2, 3, 4]),
 ])
 def test_schedule_explain_json_names_the_policy_and_the_widths_that_run(flags, policy, kind, widths):
     import io
