@@ -9,7 +9,9 @@ from dynaspec.models.default_model import gemma3_270m_path
 
 P = gemma3_270m_path()  # assembled from the PyPI chunk packages
 N = 500
-text = open('/work/main/README.md').read() + open('/work/shared/DESIGN.md').read()
+import os
+HERE = os.path.dirname(os.path.abspath(__file__))
+text = open(os.path.join(HERE, '..', 'README.md')).read() + open(os.path.join(HERE, 'architecture.md')).read()
 cpu = torch.device("cpu")
 
 def argmaxes(mode):
