@@ -12,6 +12,10 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -73,6 +77,20 @@ inline void scores16(const float* __restrict q, const float* __restrict kt, floa
   for (int64_t t = 0; t < n; ++t) s[t] = acc[t];
 }
 
+// kt[d * 16 + t] = kf[t * D + d]: 16 converted key rows to key-major lanes. Only data moves, so
+// the gather path and the scalar one give identical scores. (A scalar scatter of every key's
+// 64 values here cost more than the arithmetic at long contexts.)
+inline void transpose_keys(const float* __restrict kf, float* __restrict kt, int64_t D) {
+#if defined(__AVX512F__)
+  const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                         _mm512_set1_epi32(static_cast<int>(D)));
+  for (int64_t d = 0; d < D; ++d) _mm512_storeu_ps(kt + d * KEY_LANES, _mm512_i32gather_ps(idx, kf + d, 4));
+#else
+  for (int64_t t = 0; t < KEY_LANES; ++t)
+    for (int64_t d = 0; d < D; ++d) kt[d * KEY_LANES + t] = kf[t * D + d];
+#endif
+}
+
 template <typename T>
 void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& tables,
          const torch::Tensor& ctx, const torch::Tensor& qstart, const torch::Tensor& qlen,
@@ -102,7 +120,7 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
   const int64_t items = static_cast<int64_t>(tiles.size()) * Hkv * split;
 
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf, sf, accf, kt(KEY_LANES * D), vf(block_size * D);
+    std::vector<float> qf, sf, accf, kf(KEY_LANES * D), kt(KEY_LANES * D), vf(block_size * D);
     for (int64_t item = begin; item < end; ++item) {
       const auto [b, j0] = tiles[item / (Hkv * split)];
       const int64_t h = (item / split) % Hkv, g0 = (item % split) * GS;
@@ -126,11 +144,9 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
         const int64_t n_blk = std::min(block_size, Ct - blk * block_size);
         for (int64_t t0 = 0; t0 < n_blk; t0 += KEY_LANES) {
           const int64_t n = std::min<int64_t>(KEY_LANES, n_blk - t0);
-          std::fill(kt.begin(), kt.end(), 0.f);
-          for (int64_t t = 0; t < n; ++t) {
-            const T* kr = kp + ((base + t0 + t) * Hkv + h) * D;
-            for (int64_t d = 0; d < D; ++d) kt[d * KEY_LANES + t] = static_cast<float>(kr[d]);
-          }
+          for (int64_t t = 0; t < n; ++t) to_float(kp + ((base + t0 + t) * Hkv + h) * D, kf.data() + t * D, D);
+          std::fill(kf.begin() + n * D, kf.end(), 0.f);
+          transpose_keys(kf.data(), kt.data(), D);
           for (int64_t r = 0; r < R; ++r)
             scores16(qf.data() + r * D, kt.data(), sf.data() + r * Ct + blk * block_size + t0, n, D);
         }
