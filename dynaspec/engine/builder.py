@@ -242,6 +242,15 @@ def _runner(config: EngineConfig, model: LlamaModel, kv_caches: list, blocks: in
     return runner
 
 
+def _kernel_build() -> str:
+    """The C++ kernels' build (source hash): a kernel change changes every step's time, so a
+    cost table measured with other kernels is another cache entry, never reused."""
+    from dynaspec import cpu_kernels
+
+    ok, _ = cpu_kernels.available()
+    return cpu_kernels.extension().build_info()[1] if ok else "none"
+
+
 def _k_policy(config: EngineConfig, plan: SpecPlan, model: LlamaModel, kv_caches: list,
               blocks: int, max_model_len: int) -> tuple[KPolicy, SpecPlan, PolicyInfo]:
     """The policy, the plan as it runs under it (goodput adds width 1: plan_for_policy) and
@@ -282,8 +291,8 @@ def _step_cost_model(config: EngineConfig, model: LlamaModel, kv_caches: list[to
         block_size=cc.block_size, quantization=mc.quantization,
         quant_dense_above=mc.quant_dense_above, dense_row_buckets=mc.dense_row_buckets,
         # the quantized linear kernel (main's --linear-kernel) changes every step's time
-        linear_kernel=getattr(mc, "linear_kernel", None), attention=getattr(model.attn, "name", "?"),
-        execution=config.execution.execution)
+        linear_kernel=mc.linear_kernel, attention=getattr(model.attn, "name", "?"),
+        execution=config.execution.execution, kernels=_kernel_build())
     prober = model_prober(model, kv_caches, cc.block_size, num_blocks)
     table = startup_cost_model(prober, grid, key, reprofile=sc.reprofile_costs)
     if table.model is None:
