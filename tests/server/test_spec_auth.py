@@ -76,8 +76,8 @@ def test_models_card_and_prometheus_show_speculation(server, client):
     extra = client.models.retrieve(MODEL).model_extra["dynaspec"]
     card = extra["spec_plan"]
     assert card["speculating"] and card["max_k"] == 4
-    # The card says what runs: goodput, which may run K=0, so widths 1 and 5 (not "constant").
-    assert card["kind"] == "variable" and card["widths"] == [1, 5]
+    # The card says what runs: goodput, which may run any K from 0 to 4, so widths 1..5 (not "constant").
+    assert card["kind"] == "variable" and card["widths"] == [1, 2, 3, 4, 5]
     assert extra["k_policy"]["name"] == "goodput" and extra["k_policy"]["cost_table"].startswith("injected")
     text = httpx.get(server.url + "/metrics").text
     assert re.search(r'^dynaspec:k_policy_info\{[^}]*policy="goodput"[^}]*\} 1', text, re.M)
