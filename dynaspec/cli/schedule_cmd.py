@@ -178,7 +178,20 @@ def _cost_cache(policy: str | None) -> dict | None:
     if policy != "goodput":
         return None
     where = cache_dir() / "cost"
-    return {"dir": str(where), "files": [str(p) for p in sorted(where.glob("*.json"))]}
+    files = sorted(where.glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+    return {"dir": str(where), "files": [str(p) for p in files],
+            "curves": {str(p): _curves(p.stem) for p in files[:3]}}
+
+
+def _curves(key: str) -> dict[str, dict[int, float]]:
+    """Step ms by verify width at batch 1, per cached context: the curve the policy prices."""
+    from dynaspec.spec_decode.cost_cache import load_cells
+
+    out: dict[str, dict[int, float]] = {}
+    for (b, c, w), cell in sorted(load_cells(key).items()):
+        if b == 1:
+            out.setdefault(f"batch 1 ctx {c}", {})[w] = round(cell.seconds * 1e3, 3)
+    return out
 
 
 def format_policy(policy: str | None) -> str:
@@ -190,6 +203,12 @@ def format_policy(policy: str | None) -> str:
                      "start-up; a stale or inconsistent one is re-measured)" if n else
                      f"  no cost table cached yet in {where}: the engine profiles a few seconds "
                      "at start-up")
+        for path, curves in cache["curves"].items():
+            for shape, by_width in curves.items():
+                base = by_width.get(1)
+                cells = ", ".join(f"w{w} {ms:.2f} ms" + (f" ({ms / base:.2f}x)" if base else "")
+                                  for w, ms in sorted(by_width.items()))
+                lines.append(f"    {path.rsplit('/', 1)[-1][:12]} {shape}: {cells}")
     return "\n".join(lines) + "\n"
 
 

@@ -147,3 +147,19 @@ def test_reprofile_ignores_the_cache():
     prober = Prober(idle)
     table = startup_cost_model(prober, GRID, "k", reprofile=True)
     assert table.source == "measured at start-up" and table.num_measured == 12
+
+
+def test_schedule_explain_shows_the_cached_width_curve():
+    import io
+
+    from dynaspec.cli.main import build_parser
+    from dynaspec.cli.schedule_cmd import explain
+
+    key = cost_cache.cache_key(model="curve-test")
+    cells = {(1, 128, w): cost_cache.Cell(seconds=ms / 1e3) for w, ms in ((1, 4.0), (5, 6.0), (9, 8.0))}
+    assert cost_cache.merge_save(key, cells) is not None
+    args = build_parser().parse_args(["schedule", "explain", "--speculator", "ngram", "--num-spec-tokens", "8"])
+    out = io.StringIO()
+    assert explain(args, out, io.StringIO()) == 0
+    line = next(x for x in out.getvalue().splitlines() if key[:12] in x)
+    assert "batch 1 ctx 128: w1 4.00 ms (1.00x), w5 6.00 ms (1.50x), w9 8.00 ms (2.00x)" in line
