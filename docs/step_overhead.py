@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from dynaspec.bench.decode import _synthetic_forward
+from dynaspec.engine.cost_profile import synthetic_step
 from dynaspec.config import EngineConfig
 from dynaspec.engine.llm_engine import LLMEngine
 
@@ -32,7 +32,7 @@ def main() -> None:
         p = eng.parts
         m = p.model
         for ctx in (128, 1024):
-            step = _synthetic_forward(m, p.runner.kv_caches, 16, p.kv.num_blocks, 1, ctx, 1)
+            step = synthetic_step(m, p.runner.kv_caches, 16, p.kv.num_blocks, 1, ctx, 1)
             rows = {"step": timed(step)}
             if kernel == "int8dot":
                 stack, m._stack = m._stack, None

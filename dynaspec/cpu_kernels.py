@@ -26,6 +26,7 @@ from functools import lru_cache
 log = logging.getLogger("dynaspec")
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 SOURCES = ("paged_decode.cpp", "fused_ops.cpp", "int8_gemm.cpp", "layer_stack.cpp")
+HEADERS = ("vec_exp.h",)
 EXT_MODULE = "dynaspec._cpu_kernels"
 _ISA = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c"],
@@ -60,7 +61,7 @@ def source_hash(tag: str) -> str:
     import torch
 
     h = hashlib.sha256(f"{tag}|{' '.join(_ISA[tag])}|{torch.__version__}".encode())
-    for name in SOURCES:
+    for name in SOURCES + HEADERS:
         with open(os.path.join(_CSRC, name), "rb") as f:
             h.update(f.read())
     return h.hexdigest()[:16]

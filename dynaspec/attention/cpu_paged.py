@@ -12,15 +12,12 @@ why) and the engine keeps the eager one.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
 
 from dynaspec import cpu_kernels
 from dynaspec.attention.backend import AttentionBatch, register_backend
-
-log = logging.getLogger("dynaspec")
 
 
 def available() -> tuple[bool, str]:

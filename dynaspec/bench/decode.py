@@ -6,11 +6,13 @@ step cannot beat it on a machine that must stream every weight once per step.
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import asdict
 
 import torch
 
+from dynaspec.engine.cost_profile import synthetic_step
 from dynaspec.engine.llm_engine import LLMEngine, StepTimes
 from dynaspec.models.quant_linear import cpu_info
 from dynaspec.sampling_params import SamplingParams
@@ -73,39 +75,17 @@ def report(engine: LLMEngine, results: list[dict], bandwidth: float) -> str:
     return "\n".join(lines)
 
 
-def _synthetic_forward(model, kv_caches, block_size: int, num_blocks: int, batch: int, ctx: int,
-                       width: int):
-    """A callable running one verify-shaped step: `batch` requests, each `width` new tokens after
-    `ctx` cached ones, logits for every row and their argmax (what verification reads)."""
-    from dynaspec.attention.backend import AttentionBatch
-
-    ctx = min(ctx, num_blocks * block_size - width)
-    blocks = list(range(-(-(ctx + width) // block_size)))  # every request aliases the same blocks
-    qlens, clens = [width] * batch, [ctx + width] * batch
-    ids = torch.randint(100, 1000, (batch * width,), generator=torch.Generator().manual_seed(width))  # [T]
-    pos = torch.arange(ctx, ctx + width).repeat(batch)  # [T]
-    rows = torch.arange(batch * width)  # [T]
-
-    def step():
-        md = model.attn.build_metadata(AttentionBatch(qlens, clens, [blocks] * batch, block_size, model.device))
-        model.forward(ids, pos, kv_caches, md, rows).argmax(dim=-1).tolist()
-
-    return step
-
-
 def run_widths(engine: LLMEngine, batches: list[int], contexts: list[int], widths: list[int],
                rounds: int = 5, steps: int = 5) -> list[dict]:
     """Step time per (batch, context, width): the widths of one shape alternate within each round
     (A B C A B C ...) and each sample is the median of `steps` steps; the result is the median
     over rounds, with the ratio to width 1 in the same rounds."""
-    import statistics
-
     p = engine.parts
     cc = engine.config.cache
     out = []
     for b in batches:
         for c in contexts:
-            fns = {w: _synthetic_forward(p.model, p.runner.kv_caches, cc.block_size, p.kv.num_blocks, b, c, w)
+            fns = {w: synthetic_step(p.model, p.runner.kv_caches, cc.block_size, p.kv.num_blocks, b, c, w)
                    for w in widths}
             for f in fns.values():
                 f()  # warm-up: oneDNN primitives, caches

@@ -5,6 +5,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "vec_exp.h"
+
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -52,24 +54,6 @@ torch::Tensor add_rms_norm(torch::Tensor residual, torch::Tensor delta, torch::T
     for (int64_t i = 0; i < count; ++i) r[i] = static_cast<scalar_t>(static_cast<float>(r[i]) + static_cast<float>(d[i]));
   });
   return rms_norm(residual, w, eps);
-}
-
-// exp(x) for any float x, vectorisable (libm's expf is a scalar call): 2^n * p(r), |r| <= ln2/2,
-// relative error ~2e-7; clamped to [-87, 88] (silu's division turns the extremes into 0 and a).
-inline float exp_vec(float x) {
-  x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
-  const float n = __builtin_floorf(x * 1.44269504f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  __builtin_memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
 }
 
 // a / (1 + exp(-a)) in place (outside the dispatch macro: a pragma cannot sit in a macro argument).

@@ -12,6 +12,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "vec_exp.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -22,25 +24,6 @@
 #include <vector>
 
 namespace {
-
-// exp(x) for x <= 0 (softmax after subtracting the row maximum), vectorisable (libm's expf is a
-// scalar call here): 2^n * p(r) with x = n*ln2 + r, |r| <= ln2/2, degree-6 polynomial, relative
-// error ~2e-7. Inputs below -87 flush to 0.
-inline float exp_nonpos(float x) {
-  x = x < -87.f ? -87.f : x;
-  const float n = __builtin_floorf(x * 1.44269504f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  __builtin_memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
 
 // acc[d] += sum_t p[t] * v[t][d], v: [n, D] fp32.
 inline void axpy_rows(float* __restrict acc, const float* __restrict p, const float* __restrict v,
@@ -107,34 +90,30 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
   const int64_t* qs = qstart.data_ptr<int64_t>();
   const int64_t* ql = qlen.data_ptr<int64_t>();
   const float sc = static_cast<float>(scale);
-  // Work items: (request, first query token of the tile, KV head[, query head of the group]).
-  // A batch-1 decode has only Hkv items; splitting them by query head keeps both threads busy.
-  // Which rows share an item never changes a row's arithmetic, only who converts K/V to fp32.
+  // Work items: (request, first query token of the tile, KV head). Which rows share an item never
+  // changes a row's arithmetic, only who converts K/V to fp32. (Splitting a batch-1 decode's Hkv
+  // items further by query head measured slower: K/V converted per item outweighed the idle thread.)
   std::vector<std::pair<int64_t, int64_t>> tiles;
   for (int64_t b = 0; b < B; ++b)
     for (int64_t j0 = 0; j0 < ql[b]; j0 += QUERY_TILE) tiles.emplace_back(b, j0);
-  // Measured: splitting a batch-1 decode by query head cost more (K/V converted per item) than
-  // the idle thread gained, so items stay (request, tile, KV head); the code keeps the option.
-  const int64_t split = 1;
-  const int64_t GS = G / split;  // query heads per item
-  const int64_t items = static_cast<int64_t>(tiles.size()) * Hkv * split;
+  const int64_t items = static_cast<int64_t>(tiles.size()) * Hkv;
 
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf, sf, accf, kf(KEY_LANES * D), kt(KEY_LANES * D), vf(block_size * D);
     for (int64_t item = begin; item < end; ++item) {
-      const auto [b, j0] = tiles[item / (Hkv * split)];
-      const int64_t h = (item / split) % Hkv, g0 = (item % split) * GS;
+      const auto [b, j0] = tiles[item / Hkv];
+      const int64_t h = item % Hkv;
       const int64_t W = ql[b], C = cl[b];
       const int64_t j1 = std::min(W, j0 + QUERY_TILE);
-      const int64_t R = (j1 - j0) * GS;      // query rows: (token j, head g0 + g)
+      const int64_t R = (j1 - j0) * G;       // query rows: (token j, head g)
       const int64_t Ct = C - W + j1;         // keys the tile's last row sees
       qf.assign(R * D, 0.f);
       sf.assign(R * Ct, 0.f);
       accf.assign(R * D, 0.f);
       for (int64_t j = j0; j < j1; ++j)
-        for (int64_t g = 0; g < GS; ++g) {
-          const T* src = qp + ((qs[b] + j) * H + h * G + g0 + g) * D;
-          float* dst = qf.data() + ((j - j0) * GS + g) * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const T* src = qp + ((qs[b] + j) * H + h * G + g) * D;
+          float* dst = qf.data() + ((j - j0) * G + g) * D;
           for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * sc;
         }
       const int64_t nblk = (Ct + block_size - 1) / block_size;
@@ -153,7 +132,7 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
       }
       // Softmax per row over its visible keys [lo, pos]; everything else gets probability 0.
       for (int64_t r = 0; r < R; ++r) {
-        const int64_t pos = C - W + j0 + r / GS;
+        const int64_t pos = C - W + j0 + r / G;
         const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
         float* srow = sf.data() + r * Ct;
         float mx = -std::numeric_limits<float>::infinity();
@@ -161,7 +140,7 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
         float* e = srow + lo;
         const int64_t n = pos + 1 - lo;
 #pragma omp simd
-        for (int64_t t = 0; t < n; ++t) e[t] = exp_nonpos(e[t] - mx);  // elementwise: order-free
+        for (int64_t t = 0; t < n; ++t) e[t] = exp_vec(e[t] - mx);  // elementwise: order-free
         // The sum in 16 lanes by (t - lo) % 16, then the lanes in order: fixed by (lo, pos) alone,
         // never by the buffer's alignment (which differs between tiles).
         float lanes[16] = {0.f};
@@ -188,9 +167,9 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
         }
       }
       for (int64_t j = j0; j < j1; ++j)
-        for (int64_t g = 0; g < GS; ++g) {
-          T* dst = op + ((qs[b] + j) * H + h * G + g0 + g) * D;
-          const float* src = accf.data() + ((j - j0) * GS + g) * D;
+        for (int64_t g = 0; g < G; ++g) {
+          T* dst = op + ((qs[b] + j) * H + h * G + g) * D;
+          const float* src = accf.data() + ((j - j0) * G + g) * D;
           for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(src[d]);
         }
     }

@@ -54,25 +54,38 @@ class CostTable:
     seconds: float = 0.0  # spent measuring and re-probing
 
 
-def measure_cell(model, kv_caches: list, block_size: int, num_blocks: int, batch: int, ctx: int,
-                 width: int, reps: int) -> Cell:
+def synthetic_step(model, kv_caches: list, block_size: int, num_blocks: int, batch: int, ctx: int,
+                   width: int):
+    """A callable running one verify-shaped step: `batch` requests of `width` new tokens after
+    `ctx` cached ones (every request aliases the same first blocks of the pool), logits for
+    every row and their argmax, as verification reads them. Also `dynaspec bench decode --widths`."""
     import torch
 
     from dynaspec.attention.backend import AttentionBatch
 
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     ctx = min(ctx, num_blocks * block_size - width)  # the pool bounds the context we can fake
     blocks = list(range(-(-(ctx + width) // block_size)))
     qlens, clens = [width] * batch, [ctx + width] * batch
     ids = torch.zeros(batch * width, dtype=torch.long, device=model.device)  # [T]
     pos = torch.arange(ctx, ctx + width, device=model.device).repeat(batch)  # [T]
     rows = torch.arange(batch * width, device=model.device)  # [T]: every verified row
-    times = []
-    for i in range(reps + 1):  # run 0 warms caches and oneDNN primitives, not timed
-        t0 = time.perf_counter()
+
+    def step() -> None:
         md = model.attn.build_metadata(AttentionBatch(qlens, clens, [blocks] * batch, block_size,
                                                       model.device))
         model.forward(ids, pos, kv_caches, md, rows).argmax(dim=-1).tolist()
+
+    return step
+
+
+def measure_cell(model, kv_caches: list, block_size: int, num_blocks: int, batch: int, ctx: int,
+                 width: int, reps: int) -> Cell:
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    step = synthetic_step(model, kv_caches, block_size, num_blocks, batch, ctx, width)
+    times = []
+    for i in range(reps + 1):  # run 0 warms caches and oneDNN primitives, not timed
+        t0 = time.perf_counter()
+        step()
         if i:
             times.append(time.perf_counter() - t0)
     best = min(times)

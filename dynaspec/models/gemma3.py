@@ -23,7 +23,7 @@ from dynaspec.config import ModelArchConfig
 from dynaspec.models.layers import FusedOps, RotaryCache, rms_norm
 from dynaspec.models.llama import LlamaModel
 from dynaspec.models.quant import cat_rows
-from dynaspec.models.quant_linear import WeightPlan, make_embedding, make_linear, make_lm_head
+from dynaspec.models.quant_linear import WeightPlan, make_linear
 
 log = logging.getLogger("dynaspec")
 
@@ -77,35 +77,19 @@ class Gemma3Layer:
 class Gemma3Model(LlamaModel):
     """Gemma-3 text decoder; KV tensors are owned by the caller (same layout as LlamaModel)."""
 
+    ARCHITECTURES = ("gemma3",)
+
     def __init__(self, cfg: ModelArchConfig, state_dict: dict, dtype: torch.dtype,
                  device: torch.device, max_positions: int, weights: WeightPlan | None = None) -> None:
-        if cfg.architecture != "gemma3":
-            raise ValueError(f"Gemma3Model runs architecture 'gemma3', not {cfg.architecture!r}")
-        self.cfg, self.dtype, self.device = cfg, dtype, device
-        self.weights = plan = weights or WeightPlan("none", 0, dtype, device)
-        sd = state_dict
-
-        def raw(name: str):
-            if name not in sd:
-                raise ValueError(f"missing tensor {name!r} in the checkpoint")
-            return sd[name]
-
-        def t(name: str) -> torch.Tensor:
-            return raw(name).to(device=device, dtype=dtype).contiguous()
-
-        tied = cfg.tie_word_embeddings or "lm_head.weight" not in sd
-        self.embed, head = make_embedding(raw("model.embed_tokens.weight"), plan, tied)
-        self.lm_head = head if tied else make_lm_head(raw("lm_head.weight"), plan)  # [vocab, hidden]
-        self.norm = t("model.norm.weight")
-        self.ops = FusedOps(enabled=device.type == "cpu")
-        self.layers = [Gemma3Layer(self._gemma_weights(raw, t, i), cfg, plan, self.ops, i)
-                       for i in range(cfg.num_hidden_layers)]
-        self.rope = RotaryCache(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_positions, device)
+        super().__init__(cfg, state_dict, dtype, device, max_positions, weights)
         local_theta = cfg.rope_local_theta or cfg.rope_theta
         self.rope_local = RotaryCache(cfg.head_dim, local_theta, None, max_positions, device)
         # sqrt(hidden) as llama.cpp applies it (a float; HF rounds it to the weight dtype first)
         self.embed_scale = math.sqrt(cfg.hidden_size)
-        self._attn: AttentionBackend = EagerPagedBackend()
+
+    def _build_layers(self, raw, t, sd: dict, plan: WeightPlan) -> list:
+        return [Gemma3Layer(self._gemma_weights(raw, t, i), self.cfg, plan, self.ops, i)
+                for i in range(self.cfg.num_hidden_layers)]
 
     @staticmethod
     def _gemma_weights(raw, t, i: int) -> dict:

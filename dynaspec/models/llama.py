@@ -64,11 +64,13 @@ class LlamaModel:
     `weights` says which kernels they become (default: dense, the reference path).
     """
 
+    ARCHITECTURES = SUPPORTED_ARCHITECTURES  # what this class runs; a subclass names its own
+
     def __init__(self, cfg: ModelArchConfig, state_dict: dict, dtype: torch.dtype,
                  device: torch.device, max_positions: int, weights: WeightPlan | None = None) -> None:
-        if cfg.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unknown architecture {cfg.architecture!r}: supported are "
-                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        if cfg.architecture not in self.ARCHITECTURES:
+            raise ValueError(f"unknown architecture {cfg.architecture!r} for {type(self).__name__}: "
+                             f"supported are {', '.join(self.ARCHITECTURES)}")
         self.cfg, self.dtype, self.device = cfg, dtype, device
         self.weights = plan = weights or WeightPlan("none", 0, dtype, device)
         sd = state_dict
@@ -87,11 +89,16 @@ class LlamaModel:
         self.norm = t("model.norm.weight")
         # The fused small ops run wherever the C++ kernels build (fp32 too: same rounding).
         self.ops = FusedOps(enabled=device.type == "cpu")
-        self.layers = [DecoderLayer(self._layer_weights(raw, t, sd, i), cfg, plan, self.ops)
-                       for i in range(cfg.num_hidden_layers)]
+        self.layers = self._build_layers(raw, t, sd, plan)
         self.rope = RotaryCache(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_positions, device)
         self.attn: AttentionBackend = EagerPagedBackend()  # used when forward() is given none
         self._stack = layer_stack(self)  # all layers in one C++ call, where every part is C++
+
+    def _build_layers(self, raw, t, sd: dict, plan: WeightPlan) -> list:
+        """The decoder layers from the checkpoint (`raw`: a matrix as loaded, `t`: a vector in
+        the compute dtype); the architecture-specific part of construction."""
+        return [DecoderLayer(self._layer_weights(raw, t, sd, i), self.cfg, plan, self.ops)
+                for i in range(self.cfg.num_hidden_layers)]
 
     @staticmethod
     def _layer_weights(raw, t, sd: dict, i: int) -> dict:

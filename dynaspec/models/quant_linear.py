@@ -229,11 +229,15 @@ def _quantize_float(w: torch.Tensor, plan: WeightPlan) -> QuantizedTensor:
     of 32 where the int8 dot kernel will run it, else per channel (torch's int8 kernel)."""
     if plan.mode == "int4":
         return quantize_int4(w)
-    if w.shape[1] % 32 == 0:
-        grouped = int8_dot.quantize_grouped_int8(w)
-        if plan.int8dot(grouped):
-            return grouped
-    return quantize_int8(w)
+    return _grouped_int8(w, plan) or quantize_int8(w)
+
+
+def _grouped_int8(w: torch.Tensor, plan: WeightPlan) -> QuantizedTensor | None:
+    """w as int8 per group of 32 when the int8 dot kernel will run it, else None."""
+    if w.shape[1] % 32:
+        return None
+    grouped = int8_dot.quantize_grouped_int8(w)
+    return grouped if plan.int8dot(grouped) else None
 
 
 def _kernel(w: QuantizedTensor, bias: torch.Tensor | None) -> Int4Linear | Int8Linear | None:
@@ -283,8 +287,8 @@ def _quantize_head(w: QuantizedTensor | torch.Tensor, plan: WeightPlan) -> bool:
 
 
 def _int8_head(w: torch.Tensor, plan: WeightPlan) -> QuantLinear | Int8DotLinear:
-    grouped = int8_dot.quantize_grouped_int8(w) if w.shape[1] % 32 == 0 else None
-    if grouped is not None and plan.int8dot(grouped):
+    grouped = _grouped_int8(w, plan)
+    if grouped is not None:
         return Int8DotLinear(grouped, None, keep_source=True)
     table = Int8Linear(quantize_int8(w), None)
     dense = None
