@@ -7,10 +7,20 @@ Values measured at start-up (KV pool size, EOS ids) live in runtime objects, not
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
-_DTYPES = ("bfloat16", "float32", "float16", "auto")
-_QUANTIZATIONS = ("auto", "none", "int8", "int4")
+from dynaspec import registry as reg
+from dynaspec.registry import Registry
+
+
+def opt(default: Any, help: str, *, flag: str | None = None, choices: Registry | None = None,
+        type: type | None = None, cli: bool = True) -> Any:
+    """A config field that is also an engine flag: its default and help text live only here
+    (dynaspec/engine_flags.py turns them into argparse options). `flag` overrides the name
+    derived from the field; a bool field is a switch (`--no-<name>` when it defaults to True)."""
+    return field(default=default, metadata={"help": help, "flag": flag, "choices": choices,
+                                            "type": type, "cli": cli})
 
 
 @dataclass(frozen=True)
@@ -53,43 +63,37 @@ class ModelArchConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str = "default"
-    dtype: str = "auto"  # auto = bf16 on CPU, bf16 on CUDA
-    device: str = "auto"  # auto = cuda if available else cpu
-    max_model_len: int | None = None  # None = the model's own limit
-    allow_long_max_model_len: bool = False  # max_model_len above the trained context
-    seed: int = 0
-    # auto: a GGUF's Q4_0/Q4_1/Q8_0 weights run as int4/int8 weight-only kernels, HF weights as
-    # they are; int8/int4: HF weights quantized at load too; none: everything dequantized
-    # (the reference path). Only on the CPU in bf16; auto falls back to none elsewhere.
-    quantization: str = "auto"
-    # Quantized weights' CPU kernel: int8dot (dynaspec's int8 dot products for every row count:
-    # flat in width and row-invariant, so batching and speculation cannot change a request's
-    # tokens), torch (torch's int4/int8 weight-only kernels plus a bf16 copy for wide steps),
-    # auto = int8dot where the C++ kernels build here, else torch.
-    linear_kernel: str = "auto"
-    # torch kernel only: steps with more tokens than this run a bf16 copy of the quantized
-    # weights (the int kernels lose to oneDNN's bf16 GEMM on wide steps); 0 keeps no copy.
-    quant_dense_above: int = 8
-    # The bf16 copy runs with its rows rounded up to a few buckets (dynaspec/models/quant_linear.py):
-    # oneDNN keeps native state per distinct row count, so unbucketed, RSS grows with every new
-    # step size. False runs the exact row count.
-    dense_row_buckets: bool = True
-    # auto: the in-place C++ paged kernel on the CPU when it builds here (else eager); eager:
-    # gather + SDPA (the reference); cpu_paged: the kernel, an error if it cannot be built.
-    attention_backend: str = "auto"
+    model: str = opt("default", "HF folder, .gguf file, 'default' (SmolLM2-135M-Instruct) or "
+                     "'gemma3-270m'")
+    dtype: str = opt("auto", "activation dtype", choices=reg.DTYPES)
+    device: str = opt("auto", "where the engine runs", choices=reg.DEVICES)
+    max_model_len: int | None = opt(None, "context limit (None: the model's trained context; "
+                                    "above it needs --allow-long-max-model-len)", type=int)
+    allow_long_max_model_len: bool = opt(False, "accept a --max-model-len above the model's "
+                                         "trained context (positions it never saw in training; "
+                                         "output quality may suffer)")
+    seed: int = opt(0, "engine seed", cli=False)  # the commands take their own --seed
+    # Quantized weights run only on the CPU in bf16; auto falls back to none elsewhere.
+    quantization: str = opt("auto", "weight format", choices=reg.QUANTIZATIONS)
+    # int8dot is row-invariant, so batching and speculation cannot change a request's tokens.
+    linear_kernel: str = opt("auto", "CPU kernel for quantized weights",
+                             choices=reg.LINEAR_KERNELS)
+    # The int kernels lose to oneDNN's bf16 GEMM on wide steps, hence the copy.
+    quant_dense_above: int = opt(8, "torch linear kernel only: steps with more tokens use a bf16 "
+                                 "copy of quantized weights (0 = no copy)")
+    # oneDNN keeps native state per distinct row count: unbucketed, RSS grows with every new
+    # step size (dynaspec/models/quant_linear.py).
+    dense_row_buckets: bool = opt(True, "run the bf16 copy of quantized weights at the exact row "
+                                  "count instead of rounding rows up to a few buckets (which "
+                                  "bounds oneDNN's per-shape memory)", flag="--no-dense-row-buckets")
+    attention_backend: str = opt("auto", "attention kernel", choices=reg.ATTENTION_BACKENDS)
 
     def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"unknown dtype {self.dtype!r}: choose one of {', '.join(_DTYPES)}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"unknown device {self.device!r}: choose auto, cpu or cuda")
-        if self.quantization not in _QUANTIZATIONS:
-            raise ValueError(f"unknown quantization {self.quantization!r}: choose one of {', '.join(_QUANTIZATIONS)}")
-        if self.attention_backend not in ("auto", "eager", "cpu_paged"):
-            raise ValueError(f"unknown attention_backend {self.attention_backend!r}: choose auto, eager or cpu_paged")
-        if self.linear_kernel not in ("auto", "int8dot", "torch"):
-            raise ValueError(f"unknown linear_kernel {self.linear_kernel!r}: choose auto, int8dot or torch")
+        for registry, value in ((reg.DTYPES, self.dtype), (reg.DEVICES, self.device),
+                                (reg.QUANTIZATIONS, self.quantization),
+                                (reg.ATTENTION_BACKENDS, self.attention_backend),
+                                (reg.LINEAR_KERNELS, self.linear_kernel)):
+            registry.check(value)
         if self.quant_dense_above < 0:
             raise ValueError(f"quant_dense_above must be >= 0, got {self.quant_dense_above}")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -98,10 +102,11 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
-    kv_cache_memory_gb: float = 1.0
-    num_kv_blocks: int | None = None  # overrides the memory budget for controlled experiments
-    enable_prefix_caching: bool = True
+    block_size: int = opt(16, "tokens per KV block")
+    kv_cache_memory_gb: float = opt(1.0, "KV pool budget in GiB")
+    num_kv_blocks: int | None = opt(None, "fixed KV pool size in blocks (overrides the budget)",
+                                    type=int)
+    enable_prefix_caching: bool = opt(True, "disable prefix caching", flag="--no-prefix-caching")
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -114,21 +119,17 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
-    # Form step N+1 and finish step N-1's outputs while step N's forward runs on a worker
-    # thread (DESIGN §7b; engine/async_loop.py). Output is the same as without it.
-    async_scheduling: bool = False
+    max_num_batched_tokens: int = opt(2048, "token budget per step")
+    max_num_seqs: int = opt(64, "most requests running at once")
+    # engine/async_loop.py; the output is the same as without it.
+    async_scheduling: bool = opt(False, "schedule the next step and finish the previous one's "
+                                 "outputs while the current step's forward runs (same output)")
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-
-
-_SPECULATORS = ("none", "ngram", "draft", "suffix")
-_REJECTION_MODES = ("strict", "synthetic")
 
 
 def parse_rates(value: object) -> tuple[float, ...]:
@@ -153,42 +154,44 @@ def parse_rates(value: object) -> tuple[float, ...]:
 
 @dataclass(frozen=True)
 class SpecConfig:
-    speculator: str = "none"  # none | ngram | draft | suffix
-    num_spec_tokens: int = 0
-    k_schedule: str | None = None  # JSON text or a path to a JSON file
-    k_policy: str = "auto"  # auto (= goodput with a drafter) | goodput | table | adaptive
-    draft_model: str | None = None
-    prompt_lookup_min: int = 2
-    prompt_lookup_max: int = 5
-    # Suffix decoding, with vLLM's meanings and defaults (suffix_decoding_*); see spec_decode/suffix.py.
-    suffix_max_depth: int = 24  # match length + draft length
-    suffix_spec_factor: float = 1.0  # drafts <= factor * match length
-    suffix_min_token_prob: float = 0.1  # stop before a token less likely than this
-    suffix_cache_max_requests: int = 10000  # outputs in the global cache; 0 = no global cache
-    suffix_cache_max_tokens: int = 1_000_000  # tokens in the global cache
-    # strict = lossless verification; synthetic = accept drafts at `synthetic_acceptance`
-    # (per-position conditional rates; the last applies to every later position). NOT lossless.
-    rejection_mode: str = "strict"
-    synthetic_acceptance: str | float | tuple[float, ...] | None = None
-    # The goodput policy's step cost table, injected instead of measured: JSON text, a path to
-    # a JSON file, or a dict ({"batches", "contexts", "widths", "seconds"[b][c][w], optional
-    # "draft_seconds_per_token"}). Fixed: served steps do not change it, so the policy's
-    # decisions depend on the table alone (tests run the default policy deterministically).
-    cost_table: str | dict | None = None
-    # Ignore cached step-cost cells and measure afresh (``dynaspec tune --reprofile``).
-    reprofile_costs: bool = False
+    speculator: str = opt("none", "drafter", choices=reg.SPECULATORS)
+    num_spec_tokens: int = opt(0, "maximum drafts per request per step (K)")
+    k_schedule: str | None = opt(None, "K schedule: JSON text or a JSON file", type=str)
+    k_policy: str = opt("auto", "who picks K each step", choices=reg.K_POLICIES)
+    draft_model: str | None = opt(None, "draft model (HF folder or .gguf) for --speculator draft",
+                                  type=str)
+    prompt_lookup_min: int = opt(2, "shortest n-gram to match")
+    prompt_lookup_max: int = opt(5, "longest n-gram to match")
+    # Suffix decoding, with vLLM's meanings and defaults (suffix_decoding_*); spec_decode/suffix.py.
+    suffix_max_depth: int = opt(24, "suffix: longest match + draft length")
+    suffix_spec_factor: float = opt(1.0, "suffix: drafts <= factor x match length")
+    suffix_min_token_prob: float = opt(0.1, "suffix: stop drafting before a token whose "
+                                       "estimated probability is below this")
+    suffix_cache_max_requests: int = opt(10000, "suffix: outputs kept in the global cache, least "
+                                         "recently used evicted (0 = off)")
+    suffix_cache_max_tokens: int = opt(1_000_000, "suffix: tokens kept in the global cache")
+    rejection_mode: str = opt("strict", "verification", choices=reg.REJECTION_MODES)
+    # Per-position conditional rates; the last applies to every later position.
+    synthetic_acceptance: str | float | tuple[float, ...] | None = opt(
+        None, "synthetic mode: per-position conditional acceptance RATE[,RATE...]; the last "
+        "repeats", type=str)
+    # Injected instead of measured: JSON text, a path, or a dict ({"batches", "contexts",
+    # "widths", "seconds"[b][c][w], optional "draft_seconds_per_token"}). Served steps do not
+    # change it, so the policy's decisions depend on the table alone (deterministic tests).
+    cost_table: str | dict | None = opt(None, "goodput: a fixed step cost table (JSON file or "
+                                        "text) instead of the measured one", type=str)
+    reprofile_costs: bool = opt(False, "ignore cached step-cost cells and measure afresh",
+                                cli=False)  # `dynaspec tune --reprofile`
 
     def __post_init__(self) -> None:
-        if self.speculator not in _SPECULATORS:
-            raise ValueError(f"unknown speculator {self.speculator!r}: choose {', '.join(_SPECULATORS)}")
+        reg.SPECULATORS.check(self.speculator)
+        reg.K_POLICIES.check(self.k_policy)
         if self.num_spec_tokens < 0:
             raise ValueError(f"num_spec_tokens must be >= 0, got {self.num_spec_tokens}")
         if self.speculator != "none" and self.num_spec_tokens == 0 and self.k_schedule is None:
             raise ValueError(f"--speculator {self.speculator} needs --num-spec-tokens K >= 1")
         if self.speculator == "draft" and not self.draft_model:
             raise ValueError("--speculator draft needs --draft-model PATH")
-        if self.k_policy not in ("auto", "goodput", "table", "adaptive"):
-            raise ValueError(f"unknown k_policy {self.k_policy!r}: choose auto, goodput, table or adaptive")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(
                 "need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
@@ -210,8 +213,7 @@ class SpecConfig:
             raise ValueError(f"suffix_cache_max_tokens must be >= 1, got {self.suffix_cache_max_tokens}")
 
     def _check_rejection_mode(self) -> None:
-        if self.rejection_mode not in _REJECTION_MODES:
-            raise ValueError(f"unknown rejection_mode {self.rejection_mode!r}: choose strict or synthetic")
+        reg.REJECTION_MODES.check(self.rejection_mode)
         rates = parse_rates(self.synthetic_acceptance)  # validates the format either way
         if self.rejection_mode == "synthetic":
             if not rates:
@@ -233,54 +235,62 @@ class SpecConfig:
 
 @dataclass(frozen=True)
 class StructuredOutputConfig:
-    structured_output_backend: str = "xgrammar"
-    # False: JSON grammars emit compact JSON (", " and ": " separators, no free whitespace), so a
-    # small model cannot loop on newlines inside an object; True allows any JSON whitespace.
-    structured_any_whitespace: bool = False
+    structured_output_backend: str = opt("xgrammar", "grammar library for structured output",
+                                         choices=reg.STRUCTURED_BACKENDS)
+    # Compact JSON by default: a small model cannot loop on newlines inside an object.
+    structured_any_whitespace: bool = opt(False, "JSON grammars allow any whitespace (default: "
+                                          "compact)")
 
     def __post_init__(self) -> None:
-        if self.structured_output_backend != "xgrammar":
-            raise ValueError(f"unknown structured_output_backend {self.structured_output_backend!r}:"
-                             " choose xgrammar")
+        reg.STRUCTURED_BACKENDS.check(self.structured_output_backend)
 
 
 @dataclass(frozen=True)
 class ExecutionConfig:
-    """How decode/verify steps run (DESIGN §6): `eager` never compiles; `compiled` runs every
-    shape of the grid on the fixed-shape path (torch.compile on CPU, CUDA graphs on CUDA);
-    `auto` runs compiled only where the admission table measured it faster (else eager)."""
+    """How decode/verify steps run (docs/design.md §6): the fixed-shape path is torch.compile
+    on the CPU and CUDA graphs on CUDA."""
 
-    execution: str = "auto"  # eager | compiled | auto
-    admission: str | None = None  # admission JSON; default: next to a --k-schedule file
-    compile_budget_s: float = 900.0  # total build seconds; shapes past it run eager
-    precompile: bool = False  # build every fixed-shape grid shape at start-up, not on first use
-    # torch.compile backend on the CPU: inductor (the real path); aot_eager traces and runs the
-    # same fixed-shape graph without code generation (fast to build; used by tests).
-    compile_backend: str = "inductor"
+    execution: str = opt("auto", "decode/verify path", choices=reg.EXECUTIONS)
+    admission: str | None = opt(None, "admission JSON from `dynaspec bench admission` (default: "
+                                "next to a --k-schedule file)", type=str)
+    compile_budget_s: float = opt(900.0, "total seconds spent compiling/capturing shapes; later "
+                                  "shapes run eager")
+    precompile: bool = opt(False, "build every compiled/graph shape at start-up instead of on "
+                           "first use")
+    # aot_eager traces and runs the same fixed-shape graph without code generation: fast to
+    # build, so tests use it.
+    compile_backend: str = opt("inductor", "torch.compile backend for --execution compiled on "
+                               "the CPU (inductor; aot_eager for tests)")
 
     def __post_init__(self) -> None:
-        if self.execution not in ("eager", "compiled", "auto"):
-            raise ValueError(f"unknown execution {self.execution!r}: choose eager, compiled or auto")
+        reg.EXECUTIONS.check(self.execution)
         if self.compile_budget_s < 0:
             raise ValueError(f"compile_budget_s must be >= 0, got {self.compile_budget_s}")
 
 
 @dataclass(frozen=True)
 class ObservabilityConfig:
-    log_stats_interval_s: float = 0.0  # 0 = no periodic log line
+    log_stats_interval_s: float = opt(0.0, "seconds between metric log lines (0 = off)",
+                                      flag="--log-stats-interval")
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Data parallelism (DESIGN §7; dynaspec/dp/). Ranks are processes joined by torch.distributed."""
+    """Data parallelism (docs/design.md §7; dynaspec/dp/): ranks are processes joined by
+    torch.distributed."""
 
-    data_parallel_size: int = 1  # ranks in all
-    dp_local_size: int | None = None  # ranks this machine starts (None: all of them)
-    dp_rank_start: int = 0  # first rank this machine starts
-    dp_master_addr: str | None = None  # rendezvous host (None: MASTER_ADDR, else 127.0.0.1)
-    dp_master_port: int | None = None  # rendezvous port (None: MASTER_PORT, else a free port)
-    dp_rank_timeout_s: float = 10.0  # a rank is declared stuck this long past the longest step
-    num_threads: int | None = None  # torch threads (None: this process's cores / local ranks)
+    data_parallel_size: int = opt(1, "engine ranks (processes), each with its own model, KV pool "
+                                  "and scheduler; one K per step")
+    dp_local_size: int | None = opt(None, "ranks this machine starts (default: all)", type=int)
+    dp_rank_start: int = opt(0, "first rank this machine starts")
+    dp_master_addr: str | None = opt(None, "rendezvous host (default MASTER_ADDR or 127.0.0.1)",
+                                     type=str)
+    dp_master_port: int | None = opt(None, "rendezvous port; the control channel uses port+1 "
+                                     "(default MASTER_PORT or a free port)", type=int)
+    dp_rank_timeout_s: float = opt(10.0, "seconds past the longest step after which a silent "
+                                   "rank is declared stuck", flag="--dp-rank-timeout")
+    num_threads: int | None = opt(None, "torch threads per rank (default: cores / local ranks)",
+                                  type=int)
 
     def __post_init__(self) -> None:
         if self.data_parallel_size < 1:
@@ -317,18 +327,14 @@ class EngineConfig:
             raise ValueError("--async-scheduling cannot be combined with --data-parallel-size > 1")
 
     @staticmethod
+    def parts() -> dict[str, type]:
+        """Each part's name and config class, in flag order."""
+        return {f.name: f.default_factory for f in fields(EngineConfig)}  # type: ignore[misc]
+
+    @staticmethod
     def from_kwargs(**kwargs) -> "EngineConfig":
         """Build from flat engine args (as the CLI and LLM() take them); unknown names are errors."""
-        parts = {
-            "model": ModelConfig,
-            "cache": CacheConfig,
-            "scheduler": SchedulerConfig,
-            "spec": SpecConfig,
-            "observability": ObservabilityConfig,
-            "structured": StructuredOutputConfig,
-            "execution": ExecutionConfig,
-            "parallel": ParallelConfig,
-        }
+        parts = EngineConfig.parts()
         values: dict[str, dict] = {name: {} for name in parts}
         for key, value in kwargs.items():
             owner = next((n for n, cls in parts.items() if key in cls.__dataclass_fields__), None)

@@ -70,7 +70,7 @@ def recovered_share(sync_runs, async_runs) -> dict:
 
 def _arms(args: argparse.Namespace, mode: str) -> dict:
     from dynaspec.bench.compare import EngineArm
-    from dynaspec.cli.engine_args import parse_engine_args
+    from dynaspec.engine_flags import parse_engine_args
 
     flags = args.engine + (" " + args.spec if mode == "ngram" else "")
     kw = parse_engine_args(shlex.split(flags))

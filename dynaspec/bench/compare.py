@@ -136,7 +136,7 @@ class EngineArm:
 
     def describe(self) -> dict:
         e = self.engine
-        return {"kind": "engine", "label": self.label, "pool": e.pool_report(),
+        return {"kind": "engine", "label": self.label, "pool": e.pool_report().to_json(),
                 "plan": e.plan.summary(), "weight_bytes_per_step": e.parts.model.weight_bytes_per_step(),
                 "dtype": str(e.parts.model.dtype), "prefix_caching": self.kwargs.get("enable_prefix_caching"),
                 "execution": e.exec_plan.mode,

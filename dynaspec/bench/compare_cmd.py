@@ -69,7 +69,7 @@ def build_arm(spec: str, args: argparse.Namespace, eos_ids=(), model: str = "def
         if args.vllm_python:
             defaults["python"] = args.vllm_python
         return make_peer_arm(spec, args.concurrency, eos_ids, defaults)
-    from dynaspec.cli.engine_args import parse_engine_args
+    from dynaspec.engine_flags import parse_engine_args
     try:
         kw = parse_engine_args(shlex.split(spec))
     except SystemExit:  # argparse already printed what is wrong with the flag string

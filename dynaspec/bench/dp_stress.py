@@ -28,7 +28,7 @@ import time
 import httpx
 
 from dynaspec.bench.load_test import PROMPTS
-from dynaspec.cli.engine_args import add_engine_args, engine_kwargs
+from dynaspec.engine_flags import add_engine_args, engine_kwargs
 
 NUM_PROMPTS = 64  # distinct prompts; request i uses prompt i % NUM_PROMPTS
 

@@ -155,7 +155,7 @@ def _client(concurrency: int, timeout_s: float) -> Any:
 
 # ---- command line ------------------------------------------------------------------------------
 def register(bsub: Any) -> None:
-    from dynaspec.cli.engine_args import add_engine_args
+    from dynaspec.engine_flags import add_engine_args
 
     p = bsub.add_parser("reliability", help="correctness under fuzzing, overload, aborts, soak",
                         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -173,7 +173,7 @@ def register(bsub: Any) -> None:
 
 def scenario_engine_kwargs(scenario: str, given: dict) -> dict:
     """The scenario's engine flags under the ones given (a flag at its global default is unset)."""
-    from dynaspec.cli.engine_args import parse_engine_args
+    from dynaspec.engine_flags import parse_engine_args
 
     defaults = parse_engine_args([])
     out = dict(given)
@@ -214,7 +214,7 @@ def run_scenario(scenario: str, engine_kwargs: dict, requests: int | None = None
 
 
 def run_cmd(args: argparse.Namespace) -> int:
-    from dynaspec.cli.engine_args import engine_kwargs
+    from dynaspec.engine_flags import engine_kwargs
 
     kwargs = scenario_engine_kwargs(args.scenario, engine_kwargs(args))
     result = run_scenario(args.scenario, kwargs, args.requests, args.duration, args.concurrency,

@@ -62,7 +62,7 @@ def replay(proposer, records: list[dict], k: int) -> dict:
 def record(workload: str, num_prompts: int, max_tokens: int, seed: int, engine_flags: list[str]) -> list[dict]:
     """Greedy outputs of the workload, one request at a time (n-gram speculation: lossless, faster)."""
     from dynaspec.bench.workloads import load_workload
-    from dynaspec.cli.engine_args import parse_engine_args
+    from dynaspec.engine_flags import parse_engine_args
     from dynaspec.engine.llm import LLM
     from dynaspec.sampling_params import SamplingParams
     kw = parse_engine_args(engine_flags)
@@ -77,7 +77,7 @@ def record(workload: str, num_prompts: int, max_tokens: int, seed: int, engine_f
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dynaspec.cli.engine_args import parse_engine_args
+    from dynaspec.engine_flags import parse_engine_args
     from dynaspec.config import EngineConfig
     p = argparse.ArgumentParser(prog="python -m dynaspec.bench.replay", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -94,7 +94,7 @@ def grammar_summary(records, arm: str) -> dict:
 def run_structured_cmd(args: argparse.Namespace) -> int:
     from dynaspec.bench.compare import (EngineArm, build_report, make_params, markdown_report,
                                         run_pairs)
-    from dynaspec.cli.engine_args import parse_engine_args
+    from dynaspec.engine_flags import parse_engine_args
 
     base = parse_engine_args(shlex.split(args.engine))
     base["enable_prefix_caching"] = False  # repeated prompts would be cached from run 2 on

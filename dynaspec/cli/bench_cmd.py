@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from dynaspec.cli.engine_args import add_engine_args, engine_kwargs
+from dynaspec.engine_flags import add_engine_args, engine_kwargs
 
 
 def register(sub) -> None:

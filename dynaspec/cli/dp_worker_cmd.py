@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from dynaspec.cli.engine_args import add_engine_args, engine_kwargs
+from dynaspec.engine_flags import add_engine_args, engine_kwargs
 
 log = logging.getLogger("dynaspec.dp")
 

@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from dynaspec.cli.engine_args import add_engine_args, engine_kwargs
+from dynaspec.engine_flags import add_engine_args, engine_kwargs
 
 
 def register(sub) -> None:

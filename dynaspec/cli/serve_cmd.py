@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from dynaspec.cli.engine_args import add_engine_args, engine_kwargs
+from dynaspec.engine_flags import add_engine_args, engine_kwargs
 
 
 def register(sub) -> None:  # type: ignore[no-untyped-def]
@@ -49,7 +49,5 @@ def run(args: argparse.Namespace) -> int:
         make_server(app, async_engine, args.host, args.port, args.shutdown_timeout,
                     args.log_level).run()
     finally:
-        stop = getattr(async_engine.engine, "shutdown", None)  # data-parallel ranks
-        if stop is not None:
-            stop()
+        async_engine.engine.shutdown()  # stops data-parallel ranks
     return 0

@@ -12,7 +12,7 @@ import os
 import sys
 
 from dynaspec.bench.workloads import WORKLOADS
-from dynaspec.cli.engine_args import add_engine_args, engine_kwargs
+from dynaspec.engine_flags import add_engine_args, engine_kwargs
 
 _EPILOG = """\
 Example:

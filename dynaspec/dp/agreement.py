@@ -249,6 +249,10 @@ class LockstepPolicy:
     def histories(self) -> dict:
         return self.inner.histories
 
+    @property
+    def num_reprobes(self) -> int:
+        return self.inner.num_reprobes
+
     def decide(self, view: StepView) -> StepK:
         a = self.agreement
         ctxs = [r.context_len for r in view.requests]

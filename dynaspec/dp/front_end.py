@@ -31,17 +31,18 @@ from multiprocessing.connection import Connection, Listener, wait
 
 from dynaspec.config import EngineConfig
 from dynaspec.dp.messages import RankReady, RankSpec, TickReport
-from dynaspec.dp.metrics import DPMetrics, KVPoolsView, SchedulersView, sum_snapshots
+from dynaspec.dp.metrics import DPMetrics, sum_snapshots
 from dynaspec.dp.failure import FailureWatch, reap
 from dynaspec.dp.process import RankProcess
 from dynaspec.dp.rank import spawn_spec
 from dynaspec.dp.rendezvous import resolve, threads_per_rank
-from dynaspec.engine.llm_engine import StepTimes, check_request
+from dynaspec.engine.client import (EngineState, EngineUnavailable, ModelCard, PoolReport)
+from dynaspec.engine.llm_engine import check_request
 from dynaspec.structured.manager import StructuredOutputManager
-from dynaspec.metrics.stats import EngineSnapshot, SpecCounters, fold_step
+from dynaspec.metrics.stats import (EngineSnapshot, FinishedRequestTimes, SpecCounters,
+                                    StepStats, fold_step)
 from dynaspec.outputs import RequestOutput
 from dynaspec.sampling_params import SamplingParams
-from dynaspec.server.async_engine import EngineUnavailable
 
 log = logging.getLogger("dynaspec.dp")
 
@@ -67,10 +68,8 @@ class DPEngine:
         self.snapshots: dict[int, EngineSnapshot] = {}
         self.free_blocks: dict[int, int] = {}
         self.counters = SpecCounters()
-        self.last_step = None  # AsyncEngine feeds /metrics from this: the front end does instead
-        self.finished_times: list[dict] = []  # likewise (always empty here)
-        self.times = StepTimes()  # .steps counts rank steps reported (the server's progress)
-        self.failure: str | None = None
+        self.num_rank_steps = 0  # rank steps reported: the driver's progress
+        self.failure_reason: str | None = None  # set by the failure watch
         self._culprits: dict[int, str] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._backlog: list[RequestOutput] = []
@@ -80,7 +79,6 @@ class DPEngine:
         self._send_lock = threading.Lock()
         self._closing = False
         self._watch = FailureWatch(self)
-        self.kv, self.scheduler = KVPoolsView(self), SchedulersView(self)
         try:
             self._start()
         except BaseException:
@@ -145,7 +143,7 @@ class DPEngine:
                 continue
             if kind == "msg" and isinstance(msg, RankReady):
                 self.ready[rank] = msg
-                self.free_blocks[rank] = msg.pool["num_blocks"]
+                self.free_blocks[rank] = msg.pool.num_blocks
             elif kind == "msg" and isinstance(msg, TickReport):
                 self._handle(kind, rank, msg)  # a rank already stepping while others get ready
             elif kind == "msg" and msg[0] == "failed":
@@ -197,8 +195,8 @@ class DPEngine:
     def add_request(self, prompt: str | list[int], params: SamplingParams,
                     request_id: str | None = None, dp_rank: int | None = None) -> str:
         """Validate here (clear errors before anything is routed), then route to a rank."""
-        if self.failure is not None or self._closing:
-            raise EngineUnavailable(self.failure or "the data-parallel engine is shut down")
+        if self.failure_reason is not None or self._closing:
+            raise EngineUnavailable(self.failure_reason or "the data-parallel engine is shut down")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         check_request(ids, params, self.vocab_size, self.max_model_len, self.lossless,
                       self.structured)
@@ -241,7 +239,7 @@ class DPEngine:
 
     @property
     def healthy(self) -> bool:
-        return self.failure is None and not self._closing
+        return self.failure_reason is None and not self._closing
 
     def step(self, wait_s: float = 0.05) -> list[RequestOutput]:
         """Outputs that arrived from the ranks (waits up to wait_s for the first report)."""
@@ -251,7 +249,7 @@ class DPEngine:
                 self._handle(*self._inbox.get_nowait())
         except queue.Empty:
             pass
-        if self.failure is not None and self.records:
+        if self.failure_reason is not None and self.records:
             self._fail_all()
         outs, self._backlog = self._backlog, []
         return outs
@@ -291,7 +289,7 @@ class DPEngine:
         self.snapshots[rep.rank], self.free_blocks[rep.rank] = rep.snapshot, rep.kv_free_blocks
         if rep.step is not None:
             self.counters = fold_step(self.counters, rep.step)
-            self.times.steps += 1
+            self.num_rank_steps += 1
         if self.metrics is not None:
             if rep.step is not None:
                 self.metrics.rank_step(rep.rank, rep.step)
@@ -303,7 +301,7 @@ class DPEngine:
         for rid, rec in list(self.records.items()):
             why = self._culprits.get(rec.rank)
             msg = (f"data-parallel rank {rec.rank} {why}" if why is not None else
-                   f"the data-parallel engine shut down: {self.failure}")
+                   f"the data-parallel engine shut down: {self.failure_reason}")
             self._backlog.append(RequestOutput(rid, rec.prompt_ids, rec.token_ids, [], finished=True,
                                                finish_reason="error", error=msg))
         self.records.clear()
@@ -328,8 +326,8 @@ class DPEngine:
             self._send(rank, ("query", qid, name))
         deadline = time.monotonic() + timeout_s
         while len(self._replies.get(qid, {})) < self.world_size:
-            if self.failure is not None or time.monotonic() > deadline:
-                raise EngineUnavailable(self.failure or f"ranks did not answer {name!r} in time")
+            if self.failure_reason is not None or time.monotonic() > deadline:
+                raise EngineUnavailable(self.failure_reason or f"ranks did not answer {name!r} in time")
             try:
                 self._handle(*self._inbox.get(timeout=0.1))
             except queue.Empty:
@@ -340,15 +338,46 @@ class DPEngine:
                 raise answers[r]
         return [answers[r] for r in range(self.world_size)]
 
-    def pool_report(self) -> dict:
+    def pool_report(self) -> PoolReport:
         pools = [r.pool for r in self.ready.values()]
-        return {"num_blocks": sum(p["num_blocks"] for p in pools),
-                "block_size": pools[0]["block_size"] if pools else 0,
-                "num_tokens": sum(p["num_tokens"] for p in pools),
-                "drafter_num_tokens": sum(p["drafter_num_tokens"] for p in pools)}
+        return PoolReport(sum(p.num_blocks for p in pools), pools[0].block_size if pools else 0,
+                          sum(p.num_tokens for p in pools),
+                          sum(p.drafter_num_tokens for p in pools))
 
     def snapshot(self) -> EngineSnapshot:
         return sum_snapshots(list(self.snapshots.values()))
+
+    # ---- the engine client protocol (engine/client.py) ---------------------------------------
+    @property
+    def log_stats_interval_s(self) -> float:
+        return self.config.observability.log_stats_interval_s
+
+    def model_card(self) -> ModelCard:
+        cc = self.config.cache  # the K policies run on the ranks: their cards are per rank
+        return ModelCard(self.max_model_len, self.vocab_size, self.plan.to_json(), None,
+                         self.lossless, self.exec_plan.to_json(), cc.block_size,
+                         cc.enable_prefix_caching)
+
+    def compile_grammar(self, spec) -> None:  # type: ignore[no-untyped-def]
+        self.structured.compile(spec)
+
+    def progress(self) -> int:
+        return self.num_rank_steps
+
+    def failure(self) -> str | None:
+        return self.failure_reason
+
+    def state(self) -> EngineState:
+        blocks = sum(r.pool.num_blocks for r in self.ready.values())
+        free = sum(self.free_blocks.values())
+        return EngineState(self.num_running, self.num_waiting, blocks, free,
+                           1.0 - free / blocks if blocks else 0.0)
+
+    def take_finished_times(self) -> list[FinishedRequestTimes]:
+        return []  # fed to the per-rank metrics as reports arrive (_on_report)
+
+    def take_step(self) -> StepStats | None:
+        return None  # likewise
 
     def check_integrity(self) -> None:
         self.query("integrity")

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dynaspec.config import EngineConfig
-from dynaspec.metrics.stats import EngineSnapshot, StepStats
+from dynaspec.engine.client import PoolReport
+from dynaspec.metrics.stats import EngineSnapshot, FinishedRequestTimes, StepStats
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ class RankReady:
     vocab_size: int
     plan: Any
     model_name: str
-    pool: dict
+    pool: PoolReport
     pid: int
     host: str
     exec_plan: Any = None  # ExecutionPlan (the same on every rank: same config)
@@ -69,6 +70,6 @@ class TickReport:
     outputs: list[RankOutput]
     step: StepStats | None  # the engine step this tick ran, None for a dummy step
     snapshot: EngineSnapshot
-    finished_times: list[dict]
+    finished_times: list[FinishedRequestTimes]
     kv_free_blocks: int
     kv_num_blocks: int

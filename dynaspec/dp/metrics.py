@@ -1,6 +1,5 @@
 """/metrics under data parallelism: every series per rank (label ``rank="0"``...) and summed
-over the ranks (``rank="all"``), in one exposition; and the ranks' KV pools and schedulers seen
-as one (``KVPoolsView``, ``SchedulersView``) for /health and the periodic log line.
+over the ranks (``rank="all"``), in one exposition.
 
 Each rank's reports (its steps, snapshots and finished requests) feed that rank's own
 ``PrometheusMetrics`` and the ``all`` one, each on its own registry; ``render`` merges the
@@ -17,8 +16,9 @@ from dynaspec.metrics.stats import EngineSnapshot, FinishedRequestTimes, StepSta
 
 
 class DPMetrics:
-    """Quacks like ``PrometheusMetrics`` for the AsyncEngine, which feeds it nothing under DP
-    (the DP engine reports no ``last_step`` and no finished times); the front end feeds it."""
+    """Renders like ``PrometheusMetrics`` for the AsyncEngine, which feeds it nothing under DP
+    (the DP engine's `take_step` and `take_finished_times` hand out nothing); the front end
+    feeds it each rank's reports."""
 
     def __init__(self, world_size: int, labels: dict[str, str]) -> None:
         from dynaspec.metrics.prometheus import PrometheusMetrics
@@ -34,10 +34,7 @@ class DPMetrics:
             self.ranks[rank].observe_step(step)
             self.total.observe_step(step)
 
-    def rank_finished(self, rank: int, t: dict) -> None:
-        times = FinishedRequestTimes(t.get("ttft_s"), tuple(t.get("inter_token_s") or ()),
-                                     t.get("e2e_s", 0.0), t.get("num_prompt_tokens", 0),
-                                     t.get("num_generation_tokens", 0))
+    def rank_finished(self, rank: int, times: FinishedRequestTimes) -> None:
         with self.lock:
             self.ranks[rank].observe_finished(times)
             self.total.observe_finished(times)
@@ -71,39 +68,3 @@ def sum_snapshots(snaps: list[EngineSnapshot]) -> EngineSnapshot:
                           sum(s.prefix_cache_queries for s in snaps),
                           sum(s.prefix_cache_hits for s in snaps),
                           sum(s.num_preemptions_total for s in snaps))
-
-
-class KVPoolsView:
-    """The ranks' KV pools as one, for /health and the periodic log line."""
-
-    def __init__(self, eng: Any) -> None:
-        self.eng = eng
-
-    @property
-    def num_blocks(self) -> int:
-        return sum(r.pool["num_blocks"] for r in self.eng.ready.values())
-
-    def num_free_blocks(self) -> int:
-        return sum(self.eng.free_blocks.values())
-
-    def usage(self) -> float:
-        return 1.0 - self.num_free_blocks() / self.num_blocks if self.num_blocks else 0.0
-
-    @property
-    def prefix_cache_queries(self) -> int:
-        return sum(s.prefix_cache_queries for s in self.eng.snapshots.values())
-
-    @property
-    def prefix_cache_hits(self) -> int:
-        return sum(s.prefix_cache_hits for s in self.eng.snapshots.values())
-
-
-class SchedulersView:
-    policy = None  # the K policies live on the ranks; their goodput is in /metrics per rank
-
-    def __init__(self, eng: Any) -> None:
-        self.eng = eng
-
-    @property
-    def num_preemptions(self) -> int:
-        return sum(s.num_preemptions_total for s in self.eng.snapshots.values())

@@ -143,7 +143,6 @@ class RankLoop:
         self.stop_requested = False
         self.logprobs_sent: dict[str, int] = {}
         self.errors: list[RankOutput] = []  # adds the engine refused, reported with the next tick
-        self.last_step = None
         self.last_snapshot: EngineSnapshot | None = None
         self.quiet_ticks = 0
 
@@ -221,11 +220,9 @@ class RankLoop:
         eng = self.engine
         outputs, self.errors = self.errors, []
         outputs += [self._output(o) for o in outs]
-        times = eng.finished_times[:]
-        del eng.finished_times[:len(times)]
-        step = eng.last_step if ran and eng.last_step is not self.last_step else None
-        self.last_step = eng.last_step
-        snap = _snapshot(eng)
+        times = eng.take_finished_times()
+        step = eng.take_step()
+        snap = eng.snapshot()
         self.quiet_ticks += 1
         if not outputs and step is None and not times and snap == self.last_snapshot \
                 and self.quiet_ticks < HEARTBEAT_TICKS:
@@ -245,16 +242,6 @@ class RankLoop:
         return RankOutput(out.request_id, list(out.new_token_ids), out.text, out.finished,
                           out.finish_reason, out.error, new_lp, out.num_cached_tokens, out.spec,
                           dict(out.metrics))
-
-
-def _snapshot(eng) -> EngineSnapshot:  # type: ignore[no-untyped-def]
-    pool = eng.pool_report()
-    policy = eng.scheduler.policy
-    modelled, observed = policy.goodput_report() if policy is not None else (None, None)
-    return EngineSnapshot(eng.num_running, eng.num_waiting, eng.kv.usage(), pool["num_tokens"],
-                          pool["drafter_num_tokens"], eng.kv.prefix_cache_queries,
-                          eng.kv.prefix_cache_hits, eng.scheduler.num_preemptions,
-                          modelled, observed)
 
 
 def spawn_spec(spec: RankSpec, num_threads: int) -> RankSpec:

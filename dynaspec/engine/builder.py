@@ -17,6 +17,7 @@ from dynaspec.models.quant_linear import WeightPlan, cpu_info, linear_kernel_sum
 from dynaspec.scheduler.scheduler import Scheduler
 from dynaspec.spec_decode import cost_cache
 from dynaspec.spec_decode.cost_model import CostGrid, StepCostModel
+from dynaspec.spec_decode.drafters import build_drafter
 from dynaspec.spec_decode.k_policy import KPolicy, make_policy, resolve_policy_name
 from dynaspec.spec_decode.plan import SpecPlan, build_spec_plan, plan_for_policy
 from dynaspec.structured.manager import StructuredOutputManager
@@ -177,7 +178,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     structured = StructuredOutputManager(so.structured_output_backend, loaded.tokenizer,
                                          arch.vocab_size, loaded.eos_token_ids,
                                          so.structured_any_whitespace)
-    if hasattr(proposer, "grammar"):  # a draft model drafts under the request's grammar
+    if proposer is not None and proposer.uses_grammar:  # a draft model drafts under the grammar
         proposer.grammar = structured
     runner = _runner(config, model, kv_caches, blocks, proposer, exec_plan,
                      max_model_len + plan.max_k + 1, verifier, structured)
@@ -193,8 +194,12 @@ def _plan_and_proposer(config: EngineConfig, vocab_size: int, device: torch.devi
     the plan always_zero is dropped again."""
     sc = config.spec
     plan = build_spec_plan(sc.speculator, sc.num_spec_tokens, sc.k_schedule)
-    proposer, drafter_tokens, drafter_max_len = _build_proposer(config, plan, vocab_size, device, dtype)
-    limit = getattr(proposer, "k_limit", None)
+    proposer, drafter_tokens, drafter_max_len = None, 0, None
+    if plan.speculating:  # always_zero loads no drafter
+        drafter = build_drafter(config, vocab_size, device, dtype)
+        proposer, drafter_tokens, drafter_max_len = (drafter.proposer, drafter.kv_tokens,
+                                                     drafter.max_len)
+    limit = proposer.k_limit if proposer is not None else None
     if limit is not None:
         plan = build_spec_plan(sc.speculator, sc.num_spec_tokens, sc.k_schedule, limit)
         if not plan.speculating:
@@ -307,26 +312,3 @@ def _step_cost_model(config: EngineConfig, model: LlamaModel, kv_caches: list[to
     for line in table.model.describe():
         log.info("%s", line)
     return table.model, PolicyInfo("goodput", sc.k_policy, how, table.cache_file)
-
-
-def _build_proposer(config: EngineConfig, plan: SpecPlan, vocab_size: int, device: torch.device,
-                    dtype: torch.dtype):
-    """Returns (proposer, drafter KV tokens, drafter max len). always_zero loads nothing."""
-    sc = config.spec
-    if not plan.speculating:
-        return None, 0, None
-    if sc.speculator == "ngram":
-        from dynaspec.spec_decode.ngram import NgramProposer
-        return NgramProposer(sc.prompt_lookup_min, sc.prompt_lookup_max), 0, None
-    if sc.speculator == "suffix":
-        from dynaspec.spec_decode.suffix import SuffixParams, SuffixProposer, memory_bound_bytes
-        prop = SuffixProposer(SuffixParams(sc.suffix_max_depth, sc.suffix_spec_factor,
-                                           sc.suffix_min_token_prob),
-                              sc.suffix_cache_max_requests, sc.suffix_cache_max_tokens)
-        log.info("suffix drafter: global cache of %d outputs / %d tokens (at most %.1f MiB)",
-                 sc.suffix_cache_max_requests, sc.suffix_cache_max_tokens,
-                 memory_bound_bytes(sc.suffix_cache_max_tokens, sc.suffix_cache_max_requests) / 2**20)
-        return prop, 0, None
-    from dynaspec.spec_decode.draft_model import DraftModelProposer
-    prop = DraftModelProposer.load(sc.draft_model, config, vocab_size, device, dtype)
-    return prop, prop.num_kv_tokens, prop.max_len

@@ -22,9 +22,7 @@ class LLM:
 
     def shutdown(self) -> None:
         """Stop data-parallel ranks now (otherwise at interpreter exit); a no-op without DP."""
-        stop = getattr(self.engine, "shutdown", None)
-        if stop is not None:
-            stop()
+        self.engine.shutdown()
 
     def generate(self, prompts: str | Sequence[str] | Sequence[list[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -15,8 +15,9 @@ from dynaspec.config import EngineConfig
 from dynaspec.engine.output_processor import OutputProcessor
 from dynaspec.engine.builder import EngineParts, build_engine_parts
 from dynaspec.engine.step_specs import prompt_tokens, request_spec
-from dynaspec.metrics.stats import (GrammarStepStats, SpecCounters, StepStats, fold_step,
-                                    request_spec_dict)
+from dynaspec.engine.client import EngineState, ModelCard, PoolReport
+from dynaspec.metrics.stats import (EngineSnapshot, FinishedRequestTimes, GrammarStepStats,
+                                    SpecCounters, StepStats, fold_step, request_spec_dict)
 from dynaspec.outputs import RequestOutput, SchedulerOutput
 from dynaspec.request import Request, RequestStatus
 from dynaspec.sampling_params import SamplingParams
@@ -84,11 +85,12 @@ class LLMEngine:
         self.request_records: dict[str, list] = {}
         self.times = StepTimes()
         self.last_step: StepStats | None = None
+        self._step_taken: StepStats | None = None  # the last one take_step handed out
         self.last_batch = None  # BatchDescriptor of the latest step (as it ran)
         self.execution_steps: Counter = Counter()  # (path, width label) -> steps
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
-        self.finished_times: list[dict] = []  # drained by the server's metrics
+        self.finished_times: list[FinishedRequestTimes] = []  # take_finished_times drains it
         self.aborts_by_phase: dict[str, int] = {}  # where aborted requests were (reliability)
         self._next_id = 0
 
@@ -169,8 +171,10 @@ class LLMEngine:
         out = self.outputs.process(req, u.new_token_ids, u.finished, lp)
         if out.finished:
             out.spec = self.request_spec(req.request_id)
-            self.finished_times.append({**out.metrics, "num_prompt_tokens": req.num_prompt_tokens,
-                                        "num_generation_tokens": req.num_output_tokens})
+            m = out.metrics
+            self.finished_times.append(FinishedRequestTimes(
+                m.get("ttft_s"), tuple(m.get("inter_token_s") or ()), m.get("e2e_s", 0.0),
+                req.num_prompt_tokens, req.num_output_tokens))
             self._forget_runner_state(req.request_id)
             self.request_records.pop(req.request_id, None)
         if not u.new_token_ids and not out.finished:
@@ -247,15 +251,62 @@ class LLMEngine:
             return None
         return {**request_spec_dict(records), "lossless": self.lossless}
 
-    def pool_report(self) -> dict:
+    def pool_report(self) -> PoolReport:
         p = self.parts
-        report = {"num_blocks": p.kv.num_blocks, "block_size": p.kv.block_size,
-                  "num_tokens": p.kv.num_blocks * p.kv.block_size,
-                  "drafter_num_tokens": p.drafter_kv_tokens}
-        cache_stats = getattr(self.runner.proposer, "cache_stats", None)
-        if cache_stats is not None:  # the suffix drafter's global cache (memory it holds)
-            report["drafter_cache"] = cache_stats()
-        return report
+        return PoolReport(p.kv.num_blocks, p.kv.block_size, p.kv.num_blocks * p.kv.block_size,
+                          p.drafter_kv_tokens, self.runner.proposer.cache_stats()
+                          if self.runner.proposer is not None else None)
+
+    # ---- the engine client protocol (engine/client.py) -----------------------------------
+    @property
+    def log_stats_interval_s(self) -> float:
+        return self.config.observability.log_stats_interval_s
+
+    def model_card(self) -> ModelCard:
+        info = self.parts.policy_info
+        cc = self.config.cache
+        return ModelCard(self.max_model_len, self.parts.vocab_size, self.plan.to_json(),
+                         info.to_json() if info is not None else None, self.lossless,
+                         self.exec_plan.to_json(), cc.block_size, cc.enable_prefix_caching)
+
+    def compile_grammar(self, spec) -> None:
+        self.structured.compile(spec)
+
+    def progress(self) -> int:
+        # An async launch returns nothing yet but is work: count it as progress.
+        return self.times.steps * 2 + int(self.step_in_flight)
+
+    def failure(self) -> str | None:
+        return None  # one process: a failed step fails its requests, never the engine
+
+    def state(self) -> EngineState:
+        return EngineState(self.num_running, self.num_waiting, self.kv.num_blocks,
+                           self.kv.num_free_blocks(), self.kv.usage())
+
+    def snapshot(self) -> EngineSnapshot:
+        pool, policy = self.pool_report(), self.scheduler.policy
+        modelled, observed = policy.goodput_report() if policy is not None else (None, None)
+        info = self.parts.policy_info
+        return EngineSnapshot(self.num_running, self.num_waiting, self.kv.usage(),
+                              pool.num_tokens, pool.drafter_num_tokens,
+                              self.kv.prefix_cache_queries, self.kv.prefix_cache_hits,
+                              self.scheduler.num_preemptions, modelled, observed,
+                              info.name if info else None,
+                              policy.num_reprobes if policy is not None else 0)
+
+    def take_finished_times(self) -> list[FinishedRequestTimes]:
+        times, self.finished_times = self.finished_times, []
+        return times
+
+    def shutdown(self) -> None:
+        """Nothing runs outside this process's step (the DP front end stops its ranks)."""
+
+    def take_step(self) -> StepStats | None:
+        step = self.last_step
+        if step is None or step is self._step_taken:
+            return None
+        self._step_taken = step
+        return step
 
     def generate_sync(self, prompts: list, params: list[SamplingParams]) -> list[RequestOutput]:
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
@@ -268,9 +319,8 @@ class LLMEngine:
 
     def reset_drafter_cache(self) -> None:
         """Empty a drafter's cross-request cache (the suffix drafter's), if it has one."""
-        reset = getattr(self.runner.proposer, "reset_cache", None)
-        if reset is not None:
-            reset()
+        if self.runner.proposer is not None:
+            self.runner.proposer.reset_cache()
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()

@@ -214,14 +214,12 @@ def _v1_router(serving: OpenAIServing, api_key: str | None, max_body_bytes: int)
 
     created = int(time.time())
 
+    model_card = serving.engine.engine.model_card()  # fixed once the engine has started
+
     def card() -> dict:
-        eng = serving.engine
         return {"id": serving.model_name, "object": "model", "created": created,
-                "owned_by": "dynaspec", "max_model_len": eng.max_model_len,
-                "dynaspec": {"spec_plan": eng.engine.plan.to_json(),
-                             "k_policy": _policy_card(eng.engine),
-                             "lossless": eng.engine.lossless,
-                             "execution_plan": eng.engine.exec_plan.to_json()}}
+                "owned_by": "dynaspec", "max_model_len": model_card.max_model_len,
+                "dynaspec": model_card.to_json()}
 
     @router.get("/models")
     async def models() -> dict:
@@ -240,7 +238,7 @@ def _add_open_routes(app: FastAPI, async_engine: AsyncEngine) -> None:
     @app.get("/health", responses={503: {"description": "the engine has stopped",
                                          "content": {"application/json": {"schema": _OBJECT}}}})
     async def health() -> JSONResponse:
-        failure = getattr(async_engine.engine, "failure", None)  # a data-parallel rank is gone
+        failure = async_engine.engine.failure()  # a data-parallel rank is gone
         ok = async_engine.alive and failure is None
         status = "ok" if ok else (failure or "engine stopped")
         return JSONResponse({"status": status, **async_engine.state},
@@ -256,12 +254,6 @@ def _add_open_routes(app: FastAPI, async_engine: AsyncEngine) -> None:
         with async_engine.metrics_lock:
             body = async_engine.metrics.render()
         return Response(body, media_type=CONTENT_TYPE)
-
-
-def _policy_card(engine) -> dict | None:
-    """The K policy that runs (engine/builder.PolicyInfo); None without a drafter."""
-    info = getattr(getattr(engine, "parts", None), "policy_info", None)
-    return info.to_json() if info is not None else None
 
 
 def _tokenizer_router(serving: OpenAIServing, api_key: str | None,

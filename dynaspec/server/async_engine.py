@@ -20,16 +20,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from dynaspec.engine.client import EngineClient, EngineUnavailable
 from dynaspec.metrics.log_line import PeriodicLogger
-from dynaspec.metrics.stats import EngineSnapshot, FinishedRequestTimes
 
 log = logging.getLogger("dynaspec.server")
 
 _IDLE_WAIT_S = 0.5  # how long the idle thread waits on the command queue before re-checking
-
-
-class EngineUnavailable(RuntimeError):
-    """The engine is shutting down or its thread has stopped (the API answers 503)."""
 
 
 @dataclass(frozen=True)
@@ -69,7 +65,7 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Any, metrics: Any = None) -> None:
+    def __init__(self, engine: EngineClient, metrics: Any = None) -> None:
         self.engine = engine
         self.metrics = metrics
         self.metrics_lock = threading.Lock()
@@ -79,11 +75,9 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._accepting = True
         self._stop = False
-        self._last_step_seen: Any = None
         self.num_aborted = 0  # requests aborted while still in the engine (engine thread writes)
         # --log-stats-interval: the periodic metrics line, written from the engine thread.
-        obs = getattr(getattr(engine, "config", None), "observability", None)
-        self._log_line = PeriodicLogger(getattr(obs, "log_stats_interval_s", 0.0))
+        self._log_line = PeriodicLogger(engine.log_stats_interval_s)
         self.state: dict = {}  # published by the engine thread after each round, read by /health
         self._publish_state()
         self._thread = threading.Thread(target=self._run, name="dynaspec-engine", daemon=True)
@@ -187,7 +181,7 @@ class AsyncEngine:
 
     def _step(self) -> bool:
         """One engine step and its deliveries; False when it could schedule nothing."""
-        steps = self.engine.times.steps
+        before = self.engine.progress()
         try:
             outs = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - step() already isolates runner failures
@@ -195,9 +189,8 @@ class AsyncEngine:
             for rid in list(self._streams):
                 self._abort(rid, "error", f"{type(exc).__name__}: {exc}")
             return True
-        progressed = bool(outs) or self.engine.times.steps != steps  # a prefill chunk is progress
-        # --async-scheduling: a step launched (or landed) with nothing to return yet is progress.
-        progressed = progressed or getattr(self.engine, "step_in_flight", False)
+        # A prefill chunk or an async launch returns nothing yet but is progress.
+        progressed = bool(outs) or self.engine.progress() != before
         batches: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outs:
             stream = self._streams.get(out.request_id)
@@ -220,7 +213,7 @@ class AsyncEngine:
         return OutputDelta(out.request_id, out.text, list(out.new_token_ids),
                            len(out.prompt_token_ids), len(out.token_ids), out.finished,
                            out.finish_reason, out.error, new_lp, out.spec, dict(out.metrics),
-                           getattr(out, "num_cached_tokens", 0))
+                           out.num_cached_tokens)
 
     def _abort(self, request_id: str, reason: str, error: str | None = None) -> None:
         if self.engine.abort_request(request_id):
@@ -237,47 +230,27 @@ class AsyncEngine:
     def _observe(self) -> None:
         """Feed Prometheus and publish the state; a metrics bug must not stop serving."""
         eng = self.engine
-        times = eng.finished_times[:]
-        del eng.finished_times[:len(times)]  # drained here, on the thread that appends
+        times = eng.take_finished_times()  # drained here, on the thread that steps
         self._publish_state()
         if self.metrics is None and not self._log_line.enabled:
             return
         try:
-            snap = _snapshot(eng)
+            snap = eng.snapshot()
             self._log_line.maybe_log(eng.counters, snap)
             if self.metrics is None:
                 return
             with self.metrics_lock:
-                step = eng.last_step
-                if step is not None and step is not self._last_step_seen:
-                    self._last_step_seen = step
+                step = eng.take_step()
+                if step is not None:
                     self.metrics.observe_step(step)
                 self.metrics.observe_snapshot(snap)
                 for t in times:
-                    self.metrics.observe_finished(FinishedRequestTimes(
-                        t.get("ttft_s"), tuple(t.get("inter_token_s") or ()), t.get("e2e_s", 0.0),
-                        t.get("num_prompt_tokens", 0), t.get("num_generation_tokens", 0)))
+                    self.metrics.observe_finished(t)
         except Exception:  # noqa: BLE001
             log.exception("metrics update failed")
 
     def _publish_state(self) -> None:
-        eng = self.engine
-        self.state = {"num_running": eng.num_running, "num_waiting": eng.num_waiting,
-                      "num_unfinished": eng.num_running + eng.num_waiting,
-                      "kv_num_blocks": eng.kv.num_blocks, "kv_free_blocks": eng.kv.num_free_blocks(),
-                      "kv_usage": eng.kv.usage(), "num_streams": len(self._streams)}
-
-
-def _snapshot(eng: Any) -> EngineSnapshot:
-    pool = eng.pool_report()
-    policy = eng.scheduler.policy
-    modelled, observed = policy.goodput_report() if policy is not None else (None, None)
-    info = getattr(getattr(eng, "parts", None), "policy_info", None)
-    return EngineSnapshot(eng.num_running, eng.num_waiting, eng.kv.usage(), pool["num_tokens"],
-                          pool["drafter_num_tokens"], eng.kv.prefix_cache_queries,
-                          eng.kv.prefix_cache_hits, getattr(eng.scheduler, "num_preemptions", 0),
-                          modelled, observed, info.name if info else None,
-                          getattr(policy, "num_reprobes", 0))
+        self.state = {**self.engine.state().to_json(), "num_streams": len(self._streams)}
 
 
 def _post(loop: asyncio.AbstractEventLoop, items: list[tuple[RequestStream, OutputDelta]]) -> None:

@@ -17,7 +17,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from dynaspec.server.async_engine import AsyncEngine, EngineUnavailable, OutputDelta, RequestStream
+from dynaspec.engine.client import EngineUnavailable
+from dynaspec.server.async_engine import AsyncEngine, OutputDelta, RequestStream
 from dynaspec.server.format import Finished, Formatter, Usage
 from dynaspec.server.params import base_params, choice_params, prompts_ids
 from dynaspec.server.protocol import ChatCompletionRequest, CompletionRequest, APIError
@@ -48,11 +49,9 @@ class OpenAIServing:
         tok = engine.tokenizer
         self._token_str = functools.lru_cache(maxsize=1 << 16)(
             lambda i: tok.decode([i], skip_special_tokens=False))
-        cfg = getattr(engine.engine, "config", None)
-        cache = getattr(cfg, "cache", None)
-        self._share_after = cache.block_size if cache and cache.enable_prefix_caching else None
-        self.vocab = getattr(getattr(engine.engine, "parts", None), "vocab_size",
-                             engine.tokenizer.vocab_size)
+        card = engine.engine.model_card()
+        self._share_after = card.block_size if card.prefix_caching else None
+        self.vocab = card.vocab_size
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:
@@ -140,9 +139,8 @@ class OpenAIServing:
                                spec: StructuredOutputParams, for_tools: bool) -> None:
         """Compile in a worker thread, before the request is queued: the engine thread then
         finds it in the cache, so no step waits on a compile; a bad grammar is a 400 here."""
-        structured = self.engine.engine.structured
         try:
-            await asyncio.to_thread(structured.compile, spec)
+            await asyncio.to_thread(self.engine.engine.compile_grammar, spec)
         except ValueError as exc:
             param = "tools" if for_tools else "structured_outputs" \
                 if req.structured_outputs is not None else "response_format"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -25,22 +25,58 @@ class Drafts:
     skip_reasons: list[str | None]
 
 
-class Proposer(Protocol):
-    def propose(self, requests: Sequence[Request], k_per_request: Sequence[int]) -> Drafts: ...
+class Proposer:
+    """What every drafter implements (`propose`, `forget`, `preempt`, `num_cached`) and the
+    optional capabilities it may declare by overriding the defaults below, so the engine asks
+    instead of probing attributes."""
+
+    # The most tokens it can draft per step (a draft model's context margin); None = no limit.
+    k_limit: int | None = None
+    # True when it drafts under the request's grammar (the engine then hands it the manager).
+    uses_grammar: bool = False
+
+    def propose(self, requests: Sequence[Request], k_per_request: Sequence[int]) -> Drafts:
+        raise NotImplementedError
 
     def forget(self, request_id: str) -> None:
         """Drop the request's state (buffers, drafter KV); called when it finishes, is aborted
         or preempted. Unknown ids are ignored."""
-        ...
+        raise NotImplementedError
 
     def preempt(self, request_id: str) -> None:
         """The request was preempted and will be recomputed: drop what it holds (drafter KV).
         Drafters that keep finished outputs (the suffix cache) keep nothing from it here."""
-        ...
+        raise NotImplementedError
 
     def num_cached(self) -> int:
         """Requests it holds state for (0 once every request is forgotten: leak checks)."""
-        ...
+        raise NotImplementedError
+
+    def cache_stats(self) -> DrafterCacheStats | None:
+        """Memory held across requests (the suffix drafter's global cache); None without one."""
+        return None
+
+    def reset_cache(self) -> None:
+        """Empty the cross-request cache, if it keeps one."""
+
+
+@dataclass(frozen=True)
+class DrafterCacheStats:
+    """A drafter's cross-request cache (the suffix drafter's global cache): what it holds, its
+    caps, and how often drafts came from it, for the pool report and benchmarks."""
+
+    requests: int
+    live_tokens: int
+    dead_tokens: int
+    evictions: int
+    compactions: int
+    bytes: int
+    max_requests: int
+    max_tokens: int
+    bound_bytes: int
+    local_drafts: int
+    global_drafts: int
+    request_bytes: int  # the per-request indexes of live requests
 
 
 def deterministic_drafts(requests: Sequence[Request], k_per_request: Sequence[int],

@@ -19,7 +19,7 @@ from dynaspec.models.llama import LlamaModel
 from dynaspec.request import Request
 from dynaspec.sample.metadata import SamplingMetadata
 from dynaspec.sample.sampler import processed_probs
-from dynaspec.spec_decode.base import Drafts
+from dynaspec.spec_decode.base import Drafts, Proposer
 
 
 @dataclass
@@ -47,7 +47,9 @@ def draft_k_limit(path: str) -> int:
     return max(0, arch.max_position_embeddings - 1)
 
 
-class DraftModelProposer:
+class DraftModelProposer(Proposer):
+    uses_grammar = True
+
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, max_len: int,
                  seed: int = 0) -> None:
         self.model, self.block_size, self.max_len = model, block_size, max_len

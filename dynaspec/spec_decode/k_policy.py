@@ -153,6 +153,8 @@ class StepK:
 class KPolicy(Protocol):
     """``decide`` is pure; the ``observe*``/``forget`` writers run after a step's result."""
 
+    num_reprobes: int
+
     def decide(self, view: StepView) -> StepK: ...
 
     def observe(self, request_id: str, num_drafted: int, num_accepted: int, ctx: int) -> None: ...
@@ -202,6 +204,7 @@ class TablePolicy:
 
     # Policies that learn from acceptance keep per-request histories; the table ignores them.
     keeps_history = False
+    num_reprobes = 0  # goodput: K>0 steps its divergence guard forced
 
     def __init__(self, plan: SpecPlan) -> None:
         self.plan = plan

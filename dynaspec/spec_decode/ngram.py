@@ -25,7 +25,7 @@ from typing import Sequence
 import numpy as np
 
 from dynaspec.request import Request
-from dynaspec.spec_decode.base import Drafts, deterministic_drafts
+from dynaspec.spec_decode.base import Drafts, Proposer, deterministic_drafts
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 _MIN_CAPACITY = 256
@@ -118,7 +118,7 @@ class _TokenBuffer:
         return self.data[: self.length]
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
     """Prompt-lookup drafter. Deterministic, so `Drafts.probs` is None (treated as one-hot).
 
     Keeps a token buffer per request id, extended with the new tokens each step. Call

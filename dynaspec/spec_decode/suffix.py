@@ -35,7 +35,7 @@ from typing import Sequence
 import numpy as np
 
 from dynaspec.request import Request
-from dynaspec.spec_decode.base import Drafts, deterministic_drafts
+from dynaspec.spec_decode.base import Drafts, DrafterCacheStats, Proposer, deterministic_drafts
 from dynaspec.spec_decode.suffix_index import SuffixIndex
 
 _MIN_COMPACT = 4096  # dead tokens tolerated before a compaction, at least
@@ -193,7 +193,7 @@ class _RequestState:
     request: Request  # the live request: its full output is read when it is forgotten
 
 
-class SuffixProposer:
+class SuffixProposer(Proposer):
     """Per-request + global suffix drafter. Deterministic, so `Drafts.probs` is None."""
 
     def __init__(self, params: SuffixParams, max_cached_requests: int = 10000,
@@ -241,10 +241,10 @@ class SuffixProposer:
     def num_cached(self) -> int:
         return len(self._states)
 
-    def cache_stats(self) -> dict:
-        return {**self.cache.stats(), "local_drafts": self.num_local_drafts,
-                "global_drafts": self.num_global_drafts,
-                "request_bytes": sum(s.index.nbytes() for s in self._states.values())}
+    def cache_stats(self) -> DrafterCacheStats:
+        return DrafterCacheStats(**self.cache.stats(), local_drafts=self.num_local_drafts,
+                                 global_drafts=self.num_global_drafts,
+                                 request_bytes=sum(s.index.nbytes() for s in self._states.values()))
 
     def _synced_index(self, request: Request) -> SuffixIndex:
         """The request's index with every prompt/output token appended (never drafts)."""

@@ -121,7 +121,7 @@ def test_stuck_rank_is_named_and_its_requests_error(dp2):
         assert expected in out.error, out.error
     # Rank 1 waits grace + idle poll + 2 x the longest step, then the front end settles 1 s.
     assert elapsed < 2 * (TIMEOUT_S + 1.0) + 10, f"failure took {elapsed:.1f} s to surface"
-    assert "rank 0" in eng.failure
+    assert "rank 0" in eng.failure()
     assert_processes_gone(pids.values())
     with pytest.raises(RuntimeError, match="rank 0"):
         eng.add_request([4, 5], SamplingParams(max_tokens=2))

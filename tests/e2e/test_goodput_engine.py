@@ -9,6 +9,7 @@ from __future__ import annotations
 from dynaspec import LLM, SamplingParams
 from dynaspec.spec_decode.goodput_policy import GoodputPolicy
 from dynaspec.spec_decode.k_policy import TablePolicy
+from dynaspec.spec_decode.base import Proposer
 from tests.e2e.conftest import random_prompts
 
 WIDTHS = tuple(range(1, 6))
@@ -21,7 +22,7 @@ def cost_table(per_width) -> dict:
             "seconds": [[[per_width(w) for w in WIDTHS]] * 2] * 2, "draft_seconds_per_token": 0.0}
 
 
-class CountingProposer:
+class CountingProposer(Proposer):
     def __init__(self, inner) -> None:
         self.inner, self.calls = inner, 0
 

@@ -17,6 +17,7 @@ from dynaspec import LLM, SamplingParams  # noqa: E402
 from dynaspec.spec_decode.base import Drafts  # noqa: E402
 from dynaspec.structured import StructuredOutputParams  # noqa: E402
 from dynaspec.structured.backend import allocate_bitmask  # noqa: E402
+from dynaspec.spec_decode.base import Proposer
 
 from .conftest import NEAR_TIE, _reference_llm, last_logits  # noqa: E402
 from tests.cost_tables import FREE_VERIFY
@@ -132,7 +133,7 @@ def test_draft_model_constrained_greedy_equals_no_speculation(tiny_llama_dir, ti
     llm.engine.check_integrity()
 
 
-class _FakeProposer:
+class _FakeProposer(Proposer):
     """Proposes whatever `fn(request, k)` returns (no probabilities: a deterministic drafter)."""
 
     def __init__(self, fn) -> None:

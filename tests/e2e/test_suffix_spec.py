@@ -73,8 +73,8 @@ def test_global_cache_drafts_a_repeated_request(tiny_llama_dir, prompts12, basel
     second = llm.generate([prompt], greedy(MAX_TOKENS, ignore_eos=True))[0]
     c2 = llm.engine.counters - c1
     assert first.token_ids == second.token_ids == baseline[8]
-    stats = llm.engine.pool_report()["drafter_cache"]
-    assert stats["requests"] == 2 and stats["global_drafts"] > 0
+    stats = llm.engine.pool_report().drafter_cache
+    assert stats.requests == 2 and stats.global_drafts > 0
     assert c2.num_accepted_tokens > c1.num_accepted_tokens, "the cached output must pay"
     assert first.spec["lossless"] is True
 
@@ -155,7 +155,7 @@ def test_bench_passes_start_with_an_empty_suffix_cache(tiny_llama_dir):
     params = make_params(items, None, 0.0, 0, ignore_eos=True)
     first = arm.run(items, params, 1, "b-p0")
     second = arm.run(items, params, 1, "b-p1")
-    assert arm.engine.pool_report()["drafter_cache"]["requests"] == 2, "not 4: reset per pass"
+    assert arm.engine.pool_report().drafter_cache.requests == 2, "not 4: reset per pass"
     counts = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos")
     assert first.outputs == second.outputs
     assert [first.spec[c] for c in counts] == [second.spec[c] for c in counts], "passes are alike"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from dynaspec.bench.reliability import run_scenario, scenario_engine_kwargs
-from dynaspec.cli.engine_args import parse_engine_args
+from dynaspec.engine_flags import parse_engine_args
 
 
 def _kwargs(scenario: str, model: str, **over) -> dict:

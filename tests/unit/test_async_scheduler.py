@@ -273,7 +273,7 @@ def test_prometheus_carries_the_async_invalid_counters():
 
 
 def test_async_scheduling_flag_reaches_the_engine_config():
-    from dynaspec.cli.engine_args import parse_engine_args
+    from dynaspec.engine_flags import parse_engine_args
     from dynaspec.config import EngineConfig
 
     on = EngineConfig.from_kwargs(**parse_engine_args(["--async-scheduling"]))

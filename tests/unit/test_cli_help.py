@@ -25,7 +25,8 @@ def test_every_flag_has_help_and_default(name):
     text = p.format_help()
     for flag in ("--port", "--speculator", "--num-spec-tokens") if name == "serve" else \
             ("--max-tokens", "--temperature", "--top-p", "--top-k", "--seed", "--speculator"):
-        line = text[text.index("\n  " + flag + " "):][:300]  # its help entry, not the usage
+        entry = text[text.index("\n  " + flag + " ") + 1:]  # its help entry, not the usage
+        line = entry[:entry.find("\n  -")]
         assert "(default:" in line, f"{flag}: {line}"
 
 

@@ -104,7 +104,7 @@ def test_proposer_prefers_the_more_confident_source_and_reports_no_match():
     r = _req("new", [50, 51, 10, 11, 12, 13])
     d = prop.propose([r], [4])
     assert d.token_ids == [[14, 15, 16, 17]] and d.probs is None and d.skip_reasons == [None]
-    assert prop.cache_stats()["global_drafts"] == 1
+    assert prop.cache_stats().global_drafts == 1
     miss = prop.propose([_req("x", [90, 91, 92])], [4])
     assert miss.token_ids == [[]] and miss.skip_reasons == ["no_match"]
     assert prop.propose([r], [0]).skip_reasons == [None], "k = 0 is the caller's skip"
@@ -168,7 +168,7 @@ def test_cache_off_and_reset():
     r.output_token_ids += [3, 4, 5]
     prop.propose([r], [2])
     prop.forget("a")
-    assert prop.cache_stats()["requests"] == 0
+    assert prop.cache_stats().requests == 0
     on = GlobalSuffixCache(10, 100)
     on.insert("a", [1, 2, 3])
     on.reset()
