@@ -95,26 +95,14 @@ class AttentionBackend(Protocol):
         ...
 
 
-_REGISTRY: dict[str, type] = {}
-
-
-def register_backend(name: str, cls: type) -> None:
-    """Make a backend selectable by name (the fast CPU kernels register theirs here)."""
-    _REGISTRY[name] = cls
-
-
 def get_backend(name: str, **kwargs) -> AttentionBackend:
-    _ensure_builtin()
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown attention backend {name!r}: choose one of {', '.join(sorted(_REGISTRY))}")
-    return _REGISTRY[name](**kwargs)
+    """The backend registered under `name` in `dynaspec.registry.ATTENTION_BACKENDS`."""
+    from dynaspec.registry import ATTENTION_BACKENDS
+
+    return ATTENTION_BACKENDS.load(name)(**kwargs)
 
 
 def backend_names() -> tuple[str, ...]:
-    _ensure_builtin()
-    return tuple(sorted(_REGISTRY))
+    from dynaspec.registry import ATTENTION_BACKENDS
 
-
-def _ensure_builtin() -> None:
-    # Imported lazily: the built-in modules import this one for the protocol.
-    from dynaspec.attention import cpu_paged, paged, uniform  # noqa: F401
+    return tuple(n for n in ("eager", "uniform", "cpu_paged") if n in ATTENTION_BACKENDS)

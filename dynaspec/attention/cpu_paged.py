@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from dynaspec import cpu_kernels
-from dynaspec.attention.backend import AttentionBatch, register_backend
+from dynaspec.attention.backend import AttentionBatch
 
 
 def available() -> tuple[bool, str]:
@@ -82,6 +82,3 @@ class CpuPagedBackend:
             self._op(q, kv_cache, md.block_tables, md.context_lens, md.query_start, md.query_lens,
                      md.block_size, scale, out, window or 0)
         return out
-
-
-register_backend(CpuPagedBackend.name, CpuPagedBackend)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from dynaspec.attention.backend import AttentionBatch, register_backend
+from dynaspec.attention.backend import AttentionBatch
 
 # Requests with at most this many query tokens join the padded short batch.
 SHORT_QUERY_MAX = 16
@@ -217,6 +217,3 @@ class EagerPagedBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 md: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
         return paged_attention(q, k, v, kv_cache, md, scale, window)
-
-
-register_backend(EagerPagedBackend.name, EagerPagedBackend)

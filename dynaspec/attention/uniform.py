@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dynaspec.attention.backend import AttentionBatch, register_backend
+from dynaspec.attention.backend import AttentionBatch
 
 # A block-table view is never narrower than this: torch.compile specialises sizes 0 and 1, so a
 # one-block table would be a second graph for every shape.
@@ -109,6 +109,3 @@ def uniform_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cach
     mask = mask[:, None, :, None, :].expand(B, 1, W, G, C).reshape(B, 1, W * G, C)
     o = F.scaled_dot_product_attention(qp, kb, vb, attn_mask=mask, scale=scale)  # [B, Hkv, W*G, D]
     return o.view(B, Hkv, W, G, D).permute(0, 2, 1, 3, 4).reshape(B * W, H, D)
-
-
-register_backend(UniformDecodeBackend.name, UniformDecodeBackend)

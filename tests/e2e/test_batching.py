@@ -54,9 +54,9 @@ def test_tiny_pool_forces_preemption_and_outputs_are_unchanged(tiny_llama_dir, c
 def test_kv_pool_size_is_deterministic(tiny_llama_dir):
     a = LLM(model=str(tiny_llama_dir), kv_cache_memory_gb=0.01).engine.pool_report()
     b = LLM(model=str(tiny_llama_dir), kv_cache_memory_gb=0.01).engine.pool_report()
-    assert a == b and a["num_blocks"] > 0
+    assert a == b and a.num_blocks > 0
     c = LLM(model=str(tiny_llama_dir), num_kv_blocks=37).engine.pool_report()
-    assert c["num_blocks"] == 37 and c["num_tokens"] == 37 * 16
+    assert c.num_blocks == 37 and c.num_tokens == 37 * 16
 
 
 def test_stop_string_cuts_text_and_finishes(tiny_llama_dir, check_integrity):

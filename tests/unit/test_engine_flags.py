@@ -1,0 +1,39 @@
+"""Engine flags come from the config dataclasses: one default and one help text per field."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+
+from dynaspec.config import EngineConfig
+from dynaspec.engine_flags import add_engine_args, engine_kwargs, parse_engine_args
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    return p
+
+
+def test_defaults_round_trip_to_the_default_config():
+    assert EngineConfig.from_kwargs(**engine_kwargs(_parser().parse_args([]))) == EngineConfig()
+
+
+def test_every_config_field_is_a_flag_unless_marked_otherwise():
+    dests = {a.dest for a in _parser()._actions}
+    for cls in EngineConfig.parts().values():
+        for f in fields(cls):
+            assert f.metadata.get("help"), f"{cls.__name__}.{f.name} has no help text"
+            assert (f.name in dests) == f.metadata.get("cli", True), f.name
+
+
+def test_flags_parse_to_config_values_and_choices_come_from_the_registry():
+    kw = parse_engine_args(["--speculator", "ngram", "--num-spec-tokens", "3", "--no-prefix-caching",
+                            "--log-stats-interval", "2.5", "--dp-rank-timeout", "4"])
+    config = EngineConfig.from_kwargs(**kw)
+    assert config.spec.speculator == "ngram" and config.spec.num_spec_tokens == 3
+    assert config.cache.enable_prefix_caching is False
+    assert config.observability.log_stats_interval_s == 2.5
+    assert config.parallel.dp_rank_timeout_s == 4.0
+    action = next(a for a in _parser()._actions if a.dest == "speculator")
+    assert tuple(action.choices) == ("none", "ngram", "draft", "suffix")

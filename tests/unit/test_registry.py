@@ -1,0 +1,45 @@
+"""The registries: config validation, CLI choices and the builder read one table per part."""
+
+from __future__ import annotations
+
+import pytest
+
+from dynaspec import registry as reg
+from dynaspec.config import EngineConfig
+from dynaspec.spec_decode.base import Proposer
+from dynaspec.spec_decode.drafters import DrafterBuild, build_drafter
+
+
+def test_check_names_the_value_and_every_choice():
+    with pytest.raises(ValueError, match=r"unknown speculator 'ngam': choose none, ngram, draft or suffix"):
+        EngineConfig.from_kwargs(speculator="ngam", num_spec_tokens=2)
+    with pytest.raises(ValueError, match="unknown attention backend 'uniform'"):
+        EngineConfig.from_kwargs(attention_backend="uniform")  # internal, not a user choice
+
+
+def test_every_drafter_entry_loads_a_factory():
+    for name in reg.SPECULATORS.names:
+        if name != "none":
+            assert callable(reg.SPECULATORS.load(name))
+    with pytest.raises(ValueError, match="unknown speculator 'none'"):
+        reg.SPECULATORS.load("none")  # nothing to build
+
+
+def test_build_drafter_returns_a_proposer_with_capabilities():
+    import torch
+
+    config = EngineConfig.from_kwargs(speculator="suffix", num_spec_tokens=3)
+    built = build_drafter(config, 100, torch.device("cpu"), torch.float32)
+    assert isinstance(built, DrafterBuild) and isinstance(built.proposer, Proposer)
+    assert built.kv_tokens == 0 and built.proposer.k_limit is None
+    assert built.proposer.cache_stats().requests == 0  # the suffix drafter keeps a global cache
+    ngram = build_drafter(EngineConfig.from_kwargs(speculator="ngram", num_spec_tokens=3), 100,
+                          torch.device("cpu"), torch.float32).proposer
+    assert ngram.cache_stats() is None and not ngram.uses_grammar
+
+
+def test_attention_backends_load_from_the_registry():
+    from dynaspec.attention.backend import get_backend
+
+    assert get_backend("eager").name == "eager"
+    assert reg.ATTENTION_BACKENDS.load("uniform").__name__ == "UniformDecodeBackend"
