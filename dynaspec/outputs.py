@@ -33,7 +33,7 @@ class ScheduledRequest:
 @dataclass(frozen=True)
 class BatchDescriptor:
     """Shape and path of one step's target forward, planned by `schedule()` before it runs
-    (DESIGN §6). On a fixed-shape path ("compiled", "cuda_graph") every request verifies exactly
+    (docs/design.md §6). On a fixed-shape path ("compiled", "cuda_graph") every request verifies exactly
     `width` tokens and rows are padded to `num_reqs_padded`; on "eager" the step is ragged and
     `width` is the planned verify width (1+K) of a decode-only step (None: mixed prefill+decode),
     `num_tokens_padded` an upper bound on its tokens."""

@@ -1,4 +1,4 @@
-"""The attention backend seam (DESIGN §6): the model calls an interface, never a kernel.
+"""The attention backend seam (docs/design.md §6): the model calls an interface, never a kernel.
 
 A backend turns the runner's view of one forward (`AttentionBatch`) into its own metadata once
 per step (`build_metadata`), and the model calls `forward` once per layer with that metadata.

@@ -1,4 +1,4 @@
-"""Performance admission (DESIGN §6): is the compiled/graph path faster than eager, per shape?
+"""Performance admission (docs/design.md §6): is the compiled/graph path faster than eager, per shape?
 
 For every (batch bucket, width) of the engine's execution grid, the same synthetic decode step
 is run through `ModelRunner.execute` on both paths as they really run: eager ragged over the

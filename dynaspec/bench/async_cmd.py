@@ -1,4 +1,4 @@
-"""`dynaspec bench async`: --async-scheduling vs the sync step, paired A/B (DESIGN §8).
+"""`dynaspec bench async`: --async-scheduling vs the sync step, paired A/B (docs/design.md §8).
 
 For each speculation mode (`none`: no drafter; `ngram`: the `--spec` flags) arm A runs the
 engine flags as given (sync step) and arm B the same flags plus `--async-scheduling`; at each

@@ -1,4 +1,4 @@
-"""Paired A/B comparison of engine configurations (DESIGN §8).
+"""Paired A/B comparison of engine configurations (docs/design.md §8).
 
 Each arm is built once (one model load) and runs the whole workload once per pair, closed-loop at
 a fixed concurrency: C requests stay in flight, a new one is added as soon as one finishes. Arms

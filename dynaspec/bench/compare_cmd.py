@@ -150,7 +150,7 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.pairs < 1:
         raise ValueError(f"--pairs must be >= 1, got {args.pairs}")
     if args.pairs < 5:
-        _say(f"note: {args.pairs} pairs; DESIGN §8 asks for at least 5 before claiming a difference")
+        _say(f"note: {args.pairs} pairs; docs/design.md §8 asks for at least 5 before claiming a difference")
 
 
 def run_compare_cmd(args: argparse.Namespace) -> int:

@@ -6,7 +6,7 @@ with the checks it exists for; the exit status is 1 when any check fails.
 - fuzz (reliability_fuzz.py): schemathesis from /openapi.json, 0 5xx, OpenAI-shaped 4xx.
 - overload: a pool of a few hundred blocks, many concurrent long prompts: preemptions happen,
   nothing is lost or fails, every output equals an unloaded greedy run (a near tie at the first
-  divergence is reported, DESIGN §9), the pool is whole afterwards.
+  divergence is reported, docs/design.md §9), the pool is whole afterwards.
 - abort: requests cut by their clients at random points (queued, in prefill, mid-stream,
   between verify steps): 0 leaked blocks and 0 leaked per-request state.
 - soak: fixed concurrency for a duration, mixed lengths, n-gram with a variable schedule:

@@ -70,7 +70,7 @@ def run_overload(server: LocalServer, engine_kwargs: dict, num_requests: int, se
             "seconds": round(seconds, 1), **leaks, "checks": checks}
 
 
-NEAR_TIE = 1e-4  # DESIGN §9: a divergence where the reference's top-2 logits are this close
+NEAR_TIE = 1e-4  # docs/design.md §9: a divergence where the reference's top-2 logits are this close
 
 
 def unloaded_reference(engine_kwargs: dict, prompts: list[str], max_tokens: int,

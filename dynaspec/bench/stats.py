@@ -1,4 +1,4 @@
-"""Statistics for paired A/B benchmarks (DESIGN §8): the paired ratio B/A with a t interval.
+"""Statistics for paired A/B benchmarks (docs/design.md §8): the paired ratio B/A with a t interval.
 
 Why log ratios: throughput ratios compose multiplicatively and machine drift (another job, thermal
 state) scales both arms of a pair alike, so log(b_i / a_i) cancels it pair by pair. The mean of
@@ -144,7 +144,7 @@ def latency_summary(values: Iterable[float]) -> dict:
 def run_order(pairs: int, arms: Sequence[str] = ("a", "b"), scheme: str = "alternate") -> list[tuple[int, str]]:
     """The (pair index, arm) run order.
 
-    ``alternate``: A B A B ... (every pair in the same order; DESIGN §8).
+    ``alternate``: A B A B ... (every pair in the same order; docs/design.md §8).
     ``abba``: A B, B A, A B, ...: a linear drift over the session then biases neither arm.
     """
     if pairs < 1:

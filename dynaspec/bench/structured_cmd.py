@@ -3,7 +3,7 @@
 Arm A runs the engine flags given (no speculation), arm B the same flags plus `--spec`. Every
 request carries the same JSON schema (an extraction task whose answer copies text from the
 prompt, where prompt lookup can draft). For each concurrency the arms alternate over
-`--pairs` pairs (DESIGN §8) and the report gives the paired tokens/s ratio with its 95% CI,
+`--pairs` pairs (docs/design.md §8) and the report gives the paired tokens/s ratio with its 95% CI,
 the step census, how many outputs parse, and the grammar cost: mask time per step (draft
 checks, bitmasks, masking, grammar state), its share of the step, and drafts cut by the grammar.
 """

@@ -5,7 +5,7 @@ Goodput of K in a bucket = expected emitted tokens per step / step time
     = batch * (1 + sum_{i<K} prod_{j<=i} alpha_j) / t(batch, ctx, K)
 where alpha_j is the conditional acceptance rate at draft position j and t includes drafting.
 K = 0 is always a candidate; a bucket gets K > 0 only when its goodput beats K = 0's by more
-than `margin`, so the table says 0 wherever speculation does not pay (DESIGN §3).
+than `margin`, so the table says 0 wherever speculation does not pay (docs/design.md §3).
 
 The decision (`make_buckets`, `choose_k`, `schedule_object`) is pure, apart from the measuring,
 so it can be tested on a synthetic cost model without a model load.

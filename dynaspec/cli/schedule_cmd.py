@@ -89,7 +89,7 @@ def explain(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 def format_dp(plan: SpecPlan, policy: str | None, dp: int) -> str:
-    """How the plan applies under data parallelism (DESIGN §7); vLLM drops the schedule there."""
+    """How the plan applies under data parallelism (docs/design.md §7); vLLM drops the schedule there."""
     if dp == 1:
         return "data parallel: off (one rank)"
     if not plan.speculating:

@@ -1,4 +1,4 @@
-"""Data parallelism that keeps the speculation schedule (DESIGN §7).
+"""Data parallelism that keeps the speculation schedule (docs/design.md §7).
 
 - ``front_end``: ``DPEngine``, the LLMEngine-shaped front end (routing, outputs, failure).
 - ``failure``: naming a dead or stuck rank, reaping processes.

@@ -1,4 +1,4 @@
-"""Lockstep K agreement across data-parallel ranks (DESIGN §7).
+"""Lockstep K agreement across data-parallel ranks (docs/design.md §7).
 
 Every engine step each rank forms its batch, then all ranks exchange one small row of numbers
 (``all_gather`` of float64, so every rank holds the same rows and computes the same sums bit for

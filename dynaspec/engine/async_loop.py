@@ -1,4 +1,4 @@
-"""Async scheduling (DESIGN §7b): overlap the engine's Python work with the step's forward.
+"""Async scheduling (docs/design.md §7b): overlap the engine's Python work with the step's forward.
 
 `--async-scheduling` pipelines three steps. While step N's forward and verification run on a
 worker thread (`ModelRunner.run`), the engine thread finishes step N-1's outputs (stop strings,
@@ -17,7 +17,7 @@ result exactly as the sync path does, rejected drafts rolled back.
 Where drafting sits: at the end of step N for N+1, on the engine thread between `land(N)` and
 the launch of N+1 (`ModelRunner.prepare`), because n-gram, suffix and draft-model drafters need
 N's tokens. The K used is the one `schedule()` decided for N+1, the batch that verifies the
-drafts (DESIGN §3: no lag); only its per-request caps are re-checked (`recap_drafts`) with N's
+drafts (docs/design.md §3: no lag); only its per-request caps are re-checked (`recap_drafts`) with N's
 real tokens, and the budgeted slots they cut are `async_placeholder` invalids, never drafts.
 Acceptance-aware policies see N's acceptance one step late (N+1 was decided before N landed).
 

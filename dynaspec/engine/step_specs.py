@@ -1,9 +1,9 @@
 """Runner results -> metric records: where each draft slot of a step is accounted for.
 
-One `RequestStepSpec` per request in a step (DESIGN §5). Every slot of a request's draft row is
+One `RequestStepSpec` per request in a step (docs/design.md §5). Every slot of a request's draft row is
 exactly one of: a valid draft (`num_draft_tokens`), or an invalid one by reason: `padding` (-1 on
 a fixed-shape row), `grammar` (cut by the request's grammar before verification) or
-`async_placeholder` (DESIGN §7b: budgeted while the previous step was in flight, then found
+`async_placeholder` (docs/design.md §7b: budgeted while the previous step was in flight, then found
 skipped). A request-step with no valid draft but some invalid ones is an `all_invalid` skip (the
 fold counts it so); one with neither keeps the runner's skip reason.
 

@@ -1,4 +1,4 @@
-"""The periodic engine/speculation log line (DESIGN §5; vLLM's `SpecDecodingLogging`, fixed).
+"""The periodic engine/speculation log line (docs/design.md §5; vLLM's `SpecDecodingLogging`, fixed).
 
 Differences from vLLM (reference/vllm-spec-decode.md §4.4-§4.5), on purpose:
 - per-position rates are *conditional*, accepted_per_pos[i] / drafted_per_pos[i], so deep

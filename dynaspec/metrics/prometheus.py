@@ -1,6 +1,6 @@
 """Prometheus export: the ONLY dynaspec module that imports prometheus_client.
 
-Names follow vLLM's where the meaning is the same (DESIGN §5), under the prefix `dynaspec:`
+Names follow vLLM's where the meaning is the same (docs/design.md §5), under the prefix `dynaspec:`
 (colons are legal in metric names; vLLM uses `vllm:`). prometheus_client appends `_total` to
 counters in the exposition text, so `dynaspec:spec_decode_num_drafts` is scraped as
 `dynaspec:spec_decode_num_drafts_total`.

@@ -1,6 +1,6 @@
 """Speculative-decoding and engine counters: the per-step record, the pure fold, the identities.
 
-DESIGN §5. `fold_step` folds an engine `StepStats` into the engine-wide `SpecCounters`,
+docs/design.md §5. `fold_step` folds an engine `StepStats` into the engine-wide `SpecCounters`,
 `fold_request` one request's part into that request's counters. Both are pure and always return
 a new accumulator (never None, never an exit that drops other requests' counts, vLLM #56195).
 - a speculative request-step is a *draft* (>= 1 valid draft verified) or a *skip*

@@ -6,7 +6,7 @@ row is processed with exactly that context: the output counts for the penalties,
 tokens out for min_tokens, the tail for multi-token bad words all include the drafts before j.
 The greedy argmax and the random target distribution both read the processed rows, so greedy
 output with speculation equals greedy output without it under each of these, and random output
-keeps the processed target distribution (DESIGN §4).
+keeps the processed target distribution (docs/design.md §4).
 
 Order (as vLLM's sampler): bans (min_tokens, bad words) -> logit_bias -> repetition penalty ->
 frequency and presence penalties. Temperature, top-k/top-p/min-p come after, in processed_probs.

@@ -65,7 +65,7 @@ class DraftModelProposer(Proposer):
     @property
     def k_limit(self) -> int:
         """Most drafts one step can ever ask of this drafter: its positions minus the one
-        token of context every request has. The plan is clamped to it (DESIGN §2)."""
+        token of context every request has. The plan is clamped to it (docs/design.md §2)."""
         return max(0, self.max_len - 1)
 
     @staticmethod

@@ -1,4 +1,4 @@
-"""The K decision, per step (DESIGN §3): ``KPolicy.decide(StepView) -> StepK``.
+"""The K decision, per step (docs/design.md §3): ``KPolicy.decide(StepView) -> StepK``.
 
 A policy is a pure function of what the scheduler knows when it forms the batch, so the K it
 returns is the K of the batch that verifies the drafts (no one-step lag).
@@ -38,7 +38,7 @@ class AcceptanceHistory:
 
     Position i's rate estimates P(draft i accepted | drafts 0..i-1 accepted); a position is
     observed only when every earlier draft was accepted, which keeps the estimate unbiased
-    when K varies step to step (DESIGN §5's drafted_per_pos argument).
+    when K varies step to step (docs/design.md §5's drafted_per_pos argument).
     """
 
     __slots__ = ("alpha", "prior", "rates", "num_updates")
@@ -94,7 +94,7 @@ class RequestView:
 
 @dataclass(frozen=True)
 class GlobalStepView:
-    """The step summed over every data-parallel rank (DESIGN §7), all-reduced before deciding.
+    """The step summed over every data-parallel rank (docs/design.md §7), all-reduced before deciding.
 
     Under data parallelism the step's K is a function of this view (and of state every rank
     holds identically), so all ranks choose one K; per-request caps still come from each rank's

@@ -1,4 +1,4 @@
-"""Parse and validate a K schedule (DESIGN §2) into one normalised rectangular grid.
+"""Parse and validate a K schedule (docs/design.md §2) into one normalised rectangular grid.
 
 Accepted forms (JSON text, or a path to a JSON file holding the same):
 - a constant ``K``: ``4``;

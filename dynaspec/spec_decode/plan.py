@@ -1,4 +1,4 @@
-"""The speculation plan (DESIGN §2): resolved once at start-up, read everywhere.
+"""The speculation plan (docs/design.md §2): resolved once at start-up, read everywhere.
 
 Scheduler (KV lookahead = ``max_k``, the step's planned width), runner (padding to that width),
 metrics (per-position vectors of length ``max_k``), the execution plan (``widths``: the compile

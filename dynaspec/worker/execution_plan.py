@@ -1,4 +1,4 @@
-"""The execution plan (DESIGN §6): which step shapes exist, and which path each one runs.
+"""The execution plan (docs/design.md §6): which step shapes exist, and which path each one runs.
 
 Two decisions, kept apart:
 - **shape safety**, from the SpecPlan alone: the grid of fixed shapes is the padded request

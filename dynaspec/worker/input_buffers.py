@@ -1,4 +1,4 @@
-"""Persistent input buffers of the runner (DESIGN §6), sized once for the largest step.
+"""Persistent input buffers of the runner (docs/design.md §6), sized once for the largest step.
 
 A step copies its token ids, positions, logits rows and attention metadata into views of these
 tensors instead of building new ones, so a fixed-shape path (compiled or CUDA graph) always sees

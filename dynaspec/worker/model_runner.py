@@ -157,7 +157,7 @@ class ModelRunner:
         batch = out.batch or BatchDescriptor("eager", out.num_reqs, None, 0)
         drafts, draft_probs, draft_skips = self._draft(out, batch)
         t1 = time.perf_counter()
-        # Structured output: cut grammar-invalid drafts before they are verified (DESIGN §7c).
+        # Structured output: cut grammar-invalid drafts before they are verified (docs/design.md §7c).
         grammar = self.structured.begin_step(out.scheduled, drafts, draft_probs) \
             if self.structured is not None else None
         inputs = self._flatten(out, drafts)

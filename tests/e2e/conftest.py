@@ -33,7 +33,7 @@ def last_logits(model: str, token_ids: list[int]) -> torch.Tensor:
 
 def assert_greedy_equal(model: str, prompt_ids: list[int], ref: list[int], got: list[int],
                         label: str = "") -> None:
-    """Token-exact, except a divergence at a near tie of the reference's top-2 logits (DESIGN §9)."""
+    """Token-exact, except a divergence at a near tie of the reference's top-2 logits (docs/design.md §9)."""
     if ref == got:
         return
     i = next((j for j, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))

@@ -1,4 +1,4 @@
-"""--async-scheduling: the same greedy output as the sync step, token for token (DESIGN §7b).
+"""--async-scheduling: the same greedy output as the sync step, token for token (docs/design.md §7b).
 
 Each comparison runs the same prompts through a sync and an async engine (fp32, tiny model),
 batched, with and without n-gram speculation, with stop strings and max_tokens that cut in the

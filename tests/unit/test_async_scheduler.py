@@ -1,4 +1,4 @@
-"""Async scheduling driven by hand-built runner outputs: the invalid-draft channel (DESIGN §7b).
+"""Async scheduling driven by hand-built runner outputs: the invalid-draft channel (docs/design.md §7b).
 
 The real Scheduler and the real AsyncStepLoop run; a fake runner plays prepare/run: it drafts
 its whole budget, every draft is right (the target agrees) unless a test says otherwise, and it

@@ -1,4 +1,4 @@
-"""Scheduler driven by hand-built RunnerOutputs (DESIGN §9): no model, no runner.
+"""Scheduler driven by hand-built RunnerOutputs (docs/design.md §9): no model, no runner.
 
 Each test plays the runner's part: it reads the SchedulerOutput and answers with the tokens a
 model would have emitted (accepted drafts + one), then checks the counters, the block tables and
