@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from dynaspec.metrics.stats import RequestSpecSummary
 from dynaspec.request import Request
 
 
@@ -93,6 +94,15 @@ class RunnerOutput:
     batch: BatchDescriptor | None = None  # the descriptor the step ran (path "eager" on a fallback)
 
 
+@dataclass(frozen=True)
+class RequestTimings:
+    """One finished request's latencies (seconds from its arrival)."""
+
+    ttft_s: float | None  # None if it never produced a token
+    e2e_s: float
+    inter_token_s: tuple[float, ...]
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -105,5 +115,5 @@ class RequestOutput:
     error: str | None = None
     num_cached_tokens: int = 0
     logprobs: list[Any] | None = None
-    spec: dict | None = None  # per-request speculation counters (metrics issue field names)
-    metrics: dict = field(default_factory=dict)  # ttft_s, e2e_s, ...
+    spec: RequestSpecSummary | None = None  # on the final output, when speculation is on
+    timings: RequestTimings | None = None  # on the final output

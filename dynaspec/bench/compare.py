@@ -23,6 +23,7 @@ from typing import Callable, Protocol, Sequence
 from dynaspec.bench.stats import latency_summary, paired_ratio, run_order
 from dynaspec.bench.workloads import WorkItem
 from dynaspec.sampling_params import SamplingParams
+from dynaspec.outputs import RequestTimings
 
 log = logging.getLogger("dynaspec.bench")
 
@@ -76,14 +77,16 @@ def make_params(items: Sequence[WorkItem], max_tokens: int | None, temperature: 
             for i, it in enumerate(items)]
 
 
-def request_latencies(rec: RunRecord, metrics: dict, num_tokens: int) -> None:
+def request_latencies(rec: RunRecord, timings: RequestTimings | None, num_tokens: int) -> None:
     """Append one finished request's latencies to `rec`."""
-    ttft, e2e = metrics.get("ttft_s"), metrics.get("e2e_s")
+    if timings is None:
+        return
+    ttft, e2e = timings.ttft_s, timings.e2e_s
     if ttft is not None:
         rec.ttft_s.append(ttft)
     if e2e is not None:
         rec.e2e_s.append(e2e)
-    rec.inter_token_s.extend(metrics.get("inter_token_s") or [])
+    rec.inter_token_s.extend(timings.inter_token_s)
     if ttft is not None and e2e is not None and num_tokens > 1:
         rec.tpot_s.append((e2e - ttft) / (num_tokens - 1))
 
@@ -110,7 +113,7 @@ def run_closed_loop(engine, items: Sequence[WorkItem], params: Sequence[Sampling
                 raise RuntimeError(f"request {o.request_id} failed in the engine: {o.error}")
             i = inflight.pop(o.request_id)
             outputs[i] = list(o.token_ids)
-            request_latencies(rec, o.metrics, len(o.token_ids))
+            request_latencies(rec, o.timings, len(o.token_ids))
         if inflight and not outs and not engine.has_unfinished_requests():
             raise RuntimeError(f"engine dropped requests {sorted(inflight)}")
     rec.elapsed_s = time.perf_counter() - t0

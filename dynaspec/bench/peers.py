@@ -28,6 +28,7 @@ from typing import Sequence
 from dynaspec.bench.compare import RunRecord, request_latencies
 from dynaspec.bench.workloads import WorkItem
 from dynaspec.sampling_params import SamplingParams
+from dynaspec.outputs import RequestTimings
 
 PEERS = {"hf": ("plain", "lookup", "assistant"), "vllm": ("plain", "ngram"), "llamacpp": ("plain", "lookup")}
 _MARK = "@@dynaspec@@ "  # vLLM logs to stdout too; protocol lines carry this prefix
@@ -175,12 +176,12 @@ class _TimingStreamer:
     def end(self) -> None:
         pass
 
-    def metrics(self) -> dict:
+    def metrics(self) -> RequestTimings | None:
         if not self.times:
-            return {}
+            return None
         t = self.times
-        return {"ttft_s": t[0] - self.start, "e2e_s": t[-1] - self.start,
-                "inter_token_s": [b - a for a, b in zip(t, t[1:])]}
+        return RequestTimings(t[0] - self.start, t[-1] - self.start,
+                              tuple(b - a for a, b in zip(t, t[1:])))
 
 
 class LlamaCppArm:
@@ -224,8 +225,9 @@ class LlamaCppArm:
                     break
             rec.outputs.append(toks)
             if times:
-                request_latencies(rec, {"ttft_s": times[0] - start, "e2e_s": times[-1] - start,
-                                        "inter_token_s": [b - a for a, b in zip(times, times[1:])]}, len(toks))
+                request_latencies(rec, RequestTimings(
+                    times[0] - start, times[-1] - start,
+                    tuple(b - a for a, b in zip(times, times[1:]))), len(toks))
         rec.elapsed_s = time.perf_counter() - t_all
         rec.tokens = sum(len(o) for o in rec.outputs)
         return rec

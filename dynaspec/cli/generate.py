@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
                "finish_reason": out.finish_reason, "elapsed_s": round(elapsed, 4),
                "tokens_per_s": round(n / elapsed, 2) if elapsed > 0 else None}
         if out.spec is not None:
-            obj["spec"] = out.spec
+            obj["spec"] = out.spec.to_json()
         print(json.dumps(obj))
     else:
         print(out.text)

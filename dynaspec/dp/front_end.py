@@ -285,7 +285,7 @@ class DPEngine:
                 self.load[rec.rank] -= 1
             self._backlog.append(RequestOutput(
                 o.request_id, rec.prompt_ids, rec.token_ids, o.new_token_ids, o.text, o.finished,
-                o.finish_reason, o.error, o.num_cached_tokens, rec.logprobs, o.spec, o.metrics))
+                o.finish_reason, o.error, o.num_cached_tokens, rec.logprobs, o.spec, o.timings))
         self.snapshots[rep.rank], self.free_blocks[rep.rank] = rep.snapshot, rep.kv_free_blocks
         if rep.step is not None:
             self.counters = fold_step(self.counters, rep.step)

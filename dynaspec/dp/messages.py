@@ -8,12 +8,14 @@ Rank -> front end: ("hello", rank), RankReady, TickReport once per engine step,
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from dynaspec.config import EngineConfig
 from dynaspec.engine.client import PoolReport
-from dynaspec.metrics.stats import EngineSnapshot, FinishedRequestTimes, StepStats
+from dynaspec.metrics.stats import (EngineSnapshot, FinishedRequestTimes, RequestSpecSummary,
+                                    StepStats)
+from dynaspec.outputs import RequestTimings
 
 
 @dataclass(frozen=True)
@@ -59,8 +61,8 @@ class RankOutput:
     error: str | None
     new_logprobs: list | None
     num_cached_tokens: int
-    spec: dict | None
-    metrics: dict = field(default_factory=dict)
+    spec: RequestSpecSummary | None
+    timings: RequestTimings | None = None
 
 
 @dataclass

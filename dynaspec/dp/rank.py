@@ -241,7 +241,7 @@ class RankLoop:
             self.logprobs_sent.pop(out.request_id, None)
         return RankOutput(out.request_id, list(out.new_token_ids), out.text, out.finished,
                           out.finish_reason, out.error, new_lp, out.num_cached_tokens, out.spec,
-                          dict(out.metrics))
+                          out.timings)
 
 
 def spawn_spec(spec: RankSpec, num_threads: int) -> RankSpec:

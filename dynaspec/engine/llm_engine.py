@@ -17,7 +17,7 @@ from dynaspec.engine.builder import EngineParts, build_engine_parts
 from dynaspec.engine.step_specs import prompt_tokens, request_spec
 from dynaspec.engine.client import EngineState, ModelCard, PoolReport
 from dynaspec.metrics.stats import (EngineSnapshot, FinishedRequestTimes, GrammarStepStats,
-                                    SpecCounters, StepStats, fold_step, request_spec_dict)
+                                    RequestSpecSummary, SpecCounters, StepStats, fold_step)
 from dynaspec.outputs import RequestOutput, SchedulerOutput
 from dynaspec.request import Request, RequestStatus
 from dynaspec.sampling_params import SamplingParams
@@ -171,10 +171,9 @@ class LLMEngine:
         out = self.outputs.process(req, u.new_token_ids, u.finished, lp)
         if out.finished:
             out.spec = self.request_spec(req.request_id)
-            m = out.metrics
+            t = out.timings
             self.finished_times.append(FinishedRequestTimes(
-                m.get("ttft_s"), tuple(m.get("inter_token_s") or ()), m.get("e2e_s", 0.0),
-                req.num_prompt_tokens, req.num_output_tokens))
+                t.ttft_s, t.inter_token_s, t.e2e_s, req.num_prompt_tokens, req.num_output_tokens))
             self._forget_runner_state(req.request_id)
             self.request_records.pop(req.request_id, None)
         if not u.new_token_ids and not out.finished:
@@ -245,11 +244,11 @@ class LLMEngine:
         """False under --rejection-mode synthetic: output is not the target's (even greedy)."""
         return self.config.spec.lossless or not self.plan.speculating
 
-    def request_spec(self, request_id: str) -> dict | None:
+    def request_spec(self, request_id: str) -> RequestSpecSummary | None:
         records = self.request_records.get(request_id)
         if records is None or self.plan.kind == "off":
             return None
-        return {**request_spec_dict(records), "lossless": self.lossless}
+        return RequestSpecSummary.of(records, self.lossless)
 
     def pool_report(self) -> PoolReport:
         p = self.parts

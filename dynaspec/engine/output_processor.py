@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from dynaspec.models.tokenizer import IncrementalDetokenizer
-from dynaspec.outputs import RequestOutput
+from dynaspec.outputs import RequestOutput, RequestTimings
 from dynaspec.request import Request
 
 
@@ -82,7 +82,7 @@ class OutputProcessor:
             logprobs=st.logprobs if req.sampling_params.logprobs is not None else None,
         )
         if done:
-            out.metrics = self._timings(st, now)
+            out.timings = self._timings(st, now)
             del self.states[req.request_id]
         return out
 
@@ -106,8 +106,8 @@ class OutputProcessor:
         self.states.pop(request_id, None)
 
     @staticmethod
-    def _timings(st: RequestState, now: float) -> dict:
+    def _timings(st: RequestState, now: float) -> RequestTimings:
         req = st.request
         ttft = (req.first_token_time - req.arrival_time) if req.first_token_time else None
-        itl = [b - a for a, b in zip(st.token_times, st.token_times[1:])]
-        return {"ttft_s": ttft, "e2e_s": now - req.arrival_time, "inter_token_s": itl}
+        itl = tuple(b - a for a, b in zip(st.token_times, st.token_times[1:]))
+        return RequestTimings(ttft, now - req.arrival_time, itl)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterable, Mapping
 
 # The one list of reasons a request verified no valid draft this step. The K policy sets the
@@ -387,18 +387,30 @@ def fold_request_history(
 _K0_REASONS = frozenset({"schedule_zero", "adaptive"})
 
 
-def request_spec_dict(history: Iterable[tuple[RequestStepSpec, int | None]]) -> dict[str, Any]:
-    """One request's ``spec`` object: per-request facts only. Step times are engine-wide (a
-    step's time cannot be split between its requests), so they are left out rather than shown
-    as 0.0; ``num_spec_off_steps`` counts the request's steps without speculation *for it*:
-    speculation off (k None) or K = 0 for it (its skip reason says the K, not the drafter)."""
-    history = list(history)
-    out = fold_request_history(SpecCounters(), history).to_dict()
-    for name in _FLOAT_FIELDS:
-        out.pop(name)
-    out["num_spec_off_steps"] = sum(1 for req, k in history
-                                    if k is None or req.skip_reason in _K0_REASONS)
-    return out
+@dataclass(frozen=True)
+class RequestSpecSummary:
+    """One request's speculation, on its final output. Step times are engine-wide (a step's
+    time cannot be split between its requests), so the counters' seconds stay 0 and the JSON
+    leaves them out; ``num_spec_off_steps`` counts the request's steps without speculation *for
+    it*: speculation off (k None) or K = 0 for it (its skip reason says the K, not the drafter)."""
+
+    counters: SpecCounters
+    lossless: bool  # False under --rejection-mode synthetic
+
+    @staticmethod
+    def of(history: Iterable[tuple[RequestStepSpec, int | None]],
+           lossless: bool) -> "RequestSpecSummary":
+        history = list(history)
+        off = sum(1 for req, k in history if k is None or req.skip_reason in _K0_REASONS)
+        counters = replace(fold_request_history(SpecCounters(), history), num_spec_off_steps=off)
+        return RequestSpecSummary(counters, lossless)
+
+    def to_json(self) -> dict[str, Any]:
+        out = self.counters.to_dict()
+        for name in _FLOAT_FIELDS:
+            out.pop(name)
+        out["lossless"] = self.lossless
+        return out
 
 
 def fold_step(acc: SpecCounters, step: StepStats) -> SpecCounters:

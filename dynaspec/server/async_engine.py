@@ -17,11 +17,13 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from dynaspec.engine.client import EngineClient, EngineUnavailable
 from dynaspec.metrics.log_line import PeriodicLogger
+from dynaspec.metrics.stats import RequestSpecSummary
+from dynaspec.outputs import RequestTimings
 
 log = logging.getLogger("dynaspec.server")
 
@@ -41,8 +43,8 @@ class OutputDelta:
     finish_reason: str | None = None
     error: str | None = None
     new_logprobs: list | None = None  # entries for new_token_ids: (logprob, [(id, logprob)])
-    spec: dict | None = None
-    metrics: dict = field(default_factory=dict)
+    spec: RequestSpecSummary | None = None  # the final delta's
+    timings: RequestTimings | None = None  # the final delta's
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
 
 
@@ -212,7 +214,7 @@ class AsyncEngine:
             stream._logprobs_sent = len(out.logprobs)
         return OutputDelta(out.request_id, out.text, list(out.new_token_ids),
                            len(out.prompt_token_ids), len(out.token_ids), out.finished,
-                           out.finish_reason, out.error, new_lp, out.spec, dict(out.metrics),
+                           out.finish_reason, out.error, new_lp, out.spec, out.timings,
                            out.num_cached_tokens)
 
     def _abort(self, request_id: str, reason: str, error: str | None = None) -> None:

@@ -90,8 +90,9 @@ class Formatter:
 
     @staticmethod
     def extension(final: OutputDelta) -> dict:
-        m = final.metrics
-        return {"spec": final.spec, "ttft_s": m.get("ttft_s"), "e2e_s": m.get("e2e_s")}
+        t = final.timings
+        return {"spec": final.spec.to_json() if final.spec is not None else None,
+                "ttft_s": t.ttft_s if t else None, "e2e_s": t.e2e_s if t else None}
 
     def start_offset(self, index: int, echo: str) -> None:
         """text_offset counts from the start of the choice's text, echoed prompt included."""

@@ -40,7 +40,7 @@ def _check_books(llm: LLM, outs, streamed: int | None = None) -> None:
     assert c.num_emitted_tokens == returned
     for o in outs:
         if o.spec is not None:
-            assert o.spec["num_emitted_tokens"] == len(o.token_ids)
+            assert o.spec.counters.num_emitted_tokens == len(o.token_ids)
     llm.engine.check_integrity()
     assert not llm.engine.step_in_flight
     assert not llm.engine.runner.generators, "runner state leaked"
@@ -95,10 +95,11 @@ def test_max_tokens_cuts_mid_verify(tiny_llama_dir, prompts12):
     # Per request, the same rules: no request ended early here, so the per-request counters
     # add up to the engine's.
     for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens"):
-        assert sum(o.spec[name] for o in got) == getattr(c, name), name
+        assert sum(getattr(o.spec.counters, name) for o in got) == getattr(c, name), name
     for key in ("async_placeholder", "all_invalid"):
         field = "invalid_draft_tokens" if key == "async_placeholder" else "draft_skips"
-        assert sum(o.spec[field].get(key, 0) for o in got) == getattr(c, field).get(key, 0), key
+        assert sum(getattr(o.spec.counters, field).get(key, 0) for o in got) == \
+            getattr(c, field).get(key, 0), key
 
 
 def _stop_case(llm_ref: LLM, prompt: list[int], n: int) -> str | None:

@@ -26,10 +26,10 @@ def _check(llm: LLM, outs) -> None:
     assert c.mean_acceptance_length == pytest.approx(1 + c.num_accepted_tokens / c.num_drafts)
     assert c.num_emitted_tokens == sum(len(o.token_ids) for o in outs)
     for o in outs:  # per request: the same identities, and emitted counted apart from accepted
-        s = o.spec
-        assert s is not None
-        assert sum(s["accepted_per_pos"]) == s["num_accepted_tokens"] <= s["num_draft_tokens"]
-        assert s["num_emitted_tokens"] == len(o.token_ids)
+        assert o.spec is not None
+        s = o.spec.counters
+        assert sum(s.accepted_per_pos) == s.num_accepted_tokens <= s.num_draft_tokens
+        assert s.num_emitted_tokens == len(o.token_ids)
 
 
 def test_identities_hold_after_ngram_run():

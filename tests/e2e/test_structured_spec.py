@@ -171,7 +171,7 @@ def test_all_invalid_drafts_are_a_skip_never_a_draft(tiny_llama_dir, prompts, ba
     assert c.num_drafts == 0 and c.num_draft_tokens == 0 and c.num_accepted_tokens == 0
     assert c.draft_skips == {"prefill": 1, "all_invalid": n_decode}
     assert c.invalid_draft_tokens == {"grammar": 3 * n_decode}
-    assert out.spec["invalid_draft_tokens"] == {"grammar": 3 * n_decode}
+    assert dict(out.spec.counters.invalid_draft_tokens) == {"grammar": 3 * n_decode}
     assert not c.check_identities()
 
 

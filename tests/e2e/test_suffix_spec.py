@@ -76,7 +76,7 @@ def test_global_cache_drafts_a_repeated_request(tiny_llama_dir, prompts12, basel
     stats = llm.engine.pool_report().drafter_cache
     assert stats.requests == 2 and stats.global_drafts > 0
     assert c2.num_accepted_tokens > c1.num_accepted_tokens, "the cached output must pay"
-    assert first.spec["lossless"] is True
+    assert first.spec.lossless is True
 
 
 def test_synthetic_mode_marks_output_not_lossless(tiny_llama_dir, prompts12, check_integrity):
@@ -85,7 +85,7 @@ def test_synthetic_mode_marks_output_not_lossless(tiny_llama_dir, prompts12, che
               num_kv_blocks=256)
     check_integrity(llm.engine)
     outs = llm.generate(prompts12[:4], greedy(MAX_TOKENS, ignore_eos=True))
-    assert all(o.spec["lossless"] is False for o in outs), "temperature 0 must not claim exactness"
+    assert all(o.spec.lossless is False for o in outs), "temperature 0 must not claim exactness"
     assert llm.engine.counters.num_accepted_tokens > 0
     assert not llm.engine.lossless
 

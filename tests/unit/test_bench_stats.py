@@ -20,7 +20,7 @@ from dynaspec.bench.stats import latency_summary, paired_ratio, percentile, run_
 from dynaspec.bench.workloads import WorkItem
 from dynaspec.engine.llm_engine import StepTimes
 from dynaspec.metrics.stats import RequestStepSpec, SpecCounters, StepStats, fold_step
-from dynaspec.outputs import RequestOutput
+from dynaspec.outputs import RequestOutput, RequestTimings
 from dynaspec.sampling_params import SamplingParams
 
 
@@ -185,7 +185,7 @@ class FakeEngine:
             toks.append(7)
             done = len(toks) == self.steps_per_req
             outs.append(RequestOutput(rid, [1], list(toks), [7], finished=done,
-                                      metrics={"ttft_s": 0.01, "e2e_s": 0.03, "inter_token_s": [0.01]} if done else {}))
+                                      timings=RequestTimings(0.01, 0.03, (0.01,)) if done else None))
             specs.append(RequestStepSpec(rid, 0, 0, 1, None))
             if done:
                 del self.live[rid]

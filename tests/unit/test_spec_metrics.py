@@ -351,7 +351,7 @@ def test_periodic_logger_interval_and_off(caplog):
 
 
 def test_request_spec_holds_only_per_request_facts_and_counts_its_k0_steps():
-    from dynaspec.metrics.stats import request_spec_dict
+    from dynaspec.metrics.stats import RequestSpecSummary
 
     history = [
         (RequestStepSpec("r", 0, 0, 1, "schedule_zero"), 0),  # the step's K was 0
@@ -359,7 +359,7 @@ def test_request_spec_holds_only_per_request_facts_and_counts_its_k0_steps():
         (RequestStepSpec("r", 0, 0, 1, "no_match"), 4),  # K=4 for it; the drafter had nothing
         (RequestStepSpec("r", 3, 2, 3, None), 4),
     ]
-    d = request_spec_dict(history)
+    d = RequestSpecSummary.of(history, lossless=True).to_json()
     assert d["num_spec_off_steps"] == 2 and d["num_steps"] == 4
     assert not {"draft_seconds", "verify_seconds", "scheduler_seconds"} & set(d)
     assert d["num_drafts"] == 1 and d["steps_by_k"] == {"0": 1, "4": 3}
