@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 
+from dynaspec.dp.messages import RankFailed, Stop
 from dynaspec.dp.rank import EXIT_COLLECTIVE, IDLE_POLL_S
 
 log = logging.getLogger("dynaspec.dp")
@@ -52,12 +53,11 @@ class FailureWatch:
         if rank in self.last_heard:
             self.longest_gap = max(self.longest_gap, now - self.last_heard[rank])
         self.last_heard[rank] = now
-        if isinstance(msg, tuple) and msg[0] == "failed" and len(self.eng.ready) == self.eng.world_size:
-            _, _, text, victim = msg
-            if victim:  # its step exchange failed: a peer is the culprit
+        if isinstance(msg, RankFailed) and len(self.eng.ready) == self.eng.world_size:
+            if msg.victim:  # its step exchange failed: a peer is the culprit
                 self.reported.add(rank)
             else:
-                self.dead[rank] = f"failed: {text}"
+                self.dead[rank] = f"failed: {msg.reason}"
             self._problem()
 
     def on_exit(self, rank: int, code: int | None) -> None:
@@ -103,5 +103,5 @@ class FailureWatch:
         log.error("%s: failing its requests and shutting the data-parallel engine down", eng.failure_reason)
         eng._inbox.put(("failure", -1, None))  # wake step() so in-flight requests fail now
         for rank in list(eng.conns):
-            eng._send(rank, ("stop",))
+            eng._send(rank, Stop())
         reap(eng.procs, 2.0)

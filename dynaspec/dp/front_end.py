@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, Listener, wait
 
 from dynaspec.config import EngineConfig
-from dynaspec.dp.messages import RankReady, RankSpec, TickReport
+from dynaspec.dp.messages import (AbortRequest, AddRequest, Hello, Query, RankFailed, RankReady,
+                                  RankSpec, Reply, Stop, TickReport, Wake)
 from dynaspec.dp.metrics import DPMetrics, sum_snapshots
 from dynaspec.dp.failure import FailureWatch, reap
 from dynaspec.dp.process import RankProcess
@@ -122,15 +123,16 @@ class DPEngine:
         while not self._closing and len(self.conns) < self.world_size:
             try:
                 conn = self._listener.accept()
-                kind, rank = conn.recv()
+                hello = conn.recv()
             except (OSError, EOFError, ValueError):
                 if self._closing:
                     return
                 continue  # a bad handshake (wrong secret, stray connection): keep listening
-            if kind != "hello" or not 0 <= rank < self.world_size or rank in self.conns:
+            if not isinstance(hello, Hello) or not 0 <= hello.rank < self.world_size \
+                    or hello.rank in self.conns:
                 conn.close()
                 continue
-            self.conns[rank] = conn
+            self.conns[hello.rank] = conn
 
     def _await_ready(self, deadline: float) -> None:
         while len(self.ready) < self.world_size:
@@ -146,8 +148,8 @@ class DPEngine:
                 self.free_blocks[rank] = msg.pool.num_blocks
             elif kind == "msg" and isinstance(msg, TickReport):
                 self._handle(kind, rank, msg)  # a rank already stepping while others get ready
-            elif kind == "msg" and msg[0] == "failed":
-                raise RuntimeError(f"data-parallel rank {rank} failed to start: {msg[2]}")
+            elif kind == "msg" and isinstance(msg, RankFailed):
+                raise RuntimeError(f"data-parallel rank {rank} failed to start: {msg.reason}")
             elif kind in ("exit", "eof"):
                 raise RuntimeError(f"data-parallel rank {rank} exited during start-up "
                                    f"({'exit code ' + str(msg) if kind == 'exit' else 'channel closed'})")
@@ -211,10 +213,10 @@ class DPEngine:
         lp = [] if params.logprobs is not None else None
         self.records[request_id] = _Record(rank, ids, [], lp)
         self.load[rank] += 1
-        self._send(rank, ("add", request_id, ids, params))
+        self._send(rank, AddRequest(request_id, ids, params))
         for other in range(self.world_size):
             if other != rank:
-                self._send(other, ("wake",))  # idle ranks wait on their pipe: tick now
+                self._send(other, Wake())
         return request_id
 
     def abort_request(self, request_id: str) -> bool:
@@ -223,7 +225,7 @@ class DPEngine:
             return False
         self.load[rec.rank] -= 1
         self._backlog = [o for o in self._backlog if o.request_id != request_id]
-        self._send(rec.rank, ("abort", request_id))
+        self._send(rec.rank, AbortRequest(request_id))
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -268,9 +270,8 @@ class DPEngine:
             return  # exits and closed channels are the failure watch's business
         if isinstance(msg, TickReport):
             self._on_report(msg)
-        elif isinstance(msg, tuple) and msg[0] == "reply":
-            _, qid, r, value = msg
-            self._replies.setdefault(qid, {})[r] = value
+        elif isinstance(msg, Reply):
+            self._replies.setdefault(msg.qid, {})[msg.rank] = msg.value
 
     def _on_report(self, rep: TickReport) -> None:
         for o in rep.outputs:
@@ -307,7 +308,7 @@ class DPEngine:
         self.records.clear()
         self.load = [0] * self.world_size
 
-    def _send(self, rank: int, msg: tuple) -> None:
+    def _send(self, rank: int, msg: object) -> None:
         conn = self.conns.get(rank)
         if conn is None:
             return
@@ -323,7 +324,7 @@ class DPEngine:
         answers in rank order. Outputs that arrive meanwhile are kept for the next ``step``."""
         qid = next(self._qids)
         for rank in range(self.world_size):
-            self._send(rank, ("query", qid, name))
+            self._send(rank, Query(qid, name))
         deadline = time.monotonic() + timeout_s
         while len(self._replies.get(qid, {})) < self.world_size:
             if self.failure_reason is not None or time.monotonic() > deadline:
@@ -392,7 +393,7 @@ class DPEngine:
             return
         self._closing = True
         for rank in list(self.conns):
-            self._send(rank, ("stop",))
+            self._send(rank, Stop())
         reap(self.procs, timeout_s)
         for conn in list(self.conns.values()):
             conn.close()

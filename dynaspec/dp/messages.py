@@ -1,9 +1,7 @@
-"""What crosses the control channel between the front end and a rank (only dataclasses and tuples).
+"""What crosses the control channel between the front end and a rank: dataclasses only.
 
-Front end -> rank: ("add", request_id, prompt_ids, SamplingParams), ("abort", request_id),
-("query", query_id, name), ("wake",), ("stop",).
-Rank -> front end: ("hello", rank), RankReady, TickReport once per engine step,
-("reply", query_id, rank, value), ("failed", rank, message).
+Front end -> rank: AddRequest, AbortRequest, Query, Wake, Stop.
+Rank -> front end: Hello, RankReady, TickReport once per engine step, Reply, RankFailed.
 """
 
 from __future__ import annotations
@@ -75,3 +73,54 @@ class TickReport:
     finished_times: list[FinishedRequestTimes]
     kv_free_blocks: int
     kv_num_blocks: int
+
+
+# ---- control messages (front end -> rank) -------------------------------------------------------
+@dataclass(frozen=True)
+class AddRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: Any  # SamplingParams
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Query:
+    """Ask a rank for a fact (``decisions``, ``counters``, ``kv``, ``integrity``, ``pid``)."""
+
+    qid: int
+    name: str
+
+
+@dataclass(frozen=True)
+class Wake:
+    """An idle rank waits on its pipe: a request added elsewhere makes it tick now."""
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Leave the step loop (every rank leaves on the same tick)."""
+
+
+# ---- rank -> front end (besides RankReady and TickReport) ---------------------------------------
+@dataclass(frozen=True)
+class Hello:
+    rank: int
+
+
+@dataclass(frozen=True)
+class Reply:
+    qid: int
+    rank: int
+    value: Any  # the answer, or the exception the query raised
+
+
+@dataclass(frozen=True)
+class RankFailed:
+    rank: int
+    reason: str
+    victim: bool  # its step exchange failed: a peer is the culprit, not this rank

@@ -26,7 +26,8 @@ from dataclasses import replace
 from multiprocessing.connection import Client, Connection
 
 from dynaspec.dp.agreement import CollectiveError, LockstepPolicy, StepAgreement, share_cost_model, torch_gather
-from dynaspec.dp.messages import RankOutput, RankReady, RankSpec, TickReport
+from dynaspec.dp.messages import (AbortRequest, AddRequest, Hello, Query, RankFailed, RankOutput,
+                                  RankReady, RankSpec, Reply, Stop, TickReport)
 from dynaspec.dp.process import die_with_parent
 from dynaspec.metrics.stats import EngineSnapshot
 
@@ -44,18 +45,18 @@ def rank_main(spec: RankSpec) -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(levelname)s dynaspec.dp rank {spec.rank}: %(message)s")
     conn = _connect(spec)
-    conn.send(("hello", spec.rank))
+    conn.send(Hello(spec.rank))
     code = 0
     try:
         engine, agreement = _start(spec)
         conn.send(_ready(spec, engine))
         code = RankLoop(engine, agreement, conn, spec.rank).run()
     except CollectiveError as exc:  # a peer failed: this rank is a victim
-        _send(conn, ("failed", spec.rank, str(exc), True))
+        _send(conn, RankFailed(spec.rank, str(exc), victim=True))
         code = EXIT_COLLECTIVE
     except Exception as exc:  # noqa: BLE001 - this rank failed: the front end names it
         log.exception("rank failed")
-        _send(conn, ("failed", spec.rank, f"{type(exc).__name__}: {exc}", False))
+        _send(conn, RankFailed(spec.rank, f"{type(exc).__name__}: {exc}", victim=False))
         code = EXIT_ERROR
     finally:
         conn.close()
@@ -179,24 +180,23 @@ class RankLoop:
                 return
             self._command(msg)
 
-    def _command(self, msg: tuple) -> None:
-        kind = msg[0]
-        if kind == "add":
-            _, rid, ids, params = msg
+    def _command(self, msg: object) -> None:
+        if isinstance(msg, AddRequest):
             try:
-                self.engine.add_request(ids, params, rid)
+                self.engine.add_request(msg.prompt_ids, msg.params, msg.request_id)
             except ValueError as exc:
-                self.errors.append(RankOutput(rid, [], "", True, "error", str(exc), None, 0, None))
-        elif kind == "abort":
-            self.engine.abort_request(msg[1])
-            self.logprobs_sent.pop(msg[1], None)
-        elif kind == "query":
+                self.errors.append(RankOutput(msg.request_id, [], "", True, "error", str(exc),
+                                              None, 0, None))
+        elif isinstance(msg, AbortRequest):
+            self.engine.abort_request(msg.request_id)
+            self.logprobs_sent.pop(msg.request_id, None)
+        elif isinstance(msg, Query):
             try:
-                value = self._query(msg[2])
+                value = self._query(msg.name)
             except Exception as exc:  # noqa: BLE001 - a failed check is the asker's answer
                 value = exc
-            self.conn.send(("reply", msg[1], self.rank, value))
-        elif kind == "stop":
+            self.conn.send(Reply(msg.qid, self.rank, value))
+        elif isinstance(msg, Stop):
             self.stop_requested = True
 
     def _query(self, name: str):  # type: ignore[no-untyped-def]
