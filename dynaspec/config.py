@@ -291,6 +291,9 @@ class ParallelConfig:
                                    "rank is declared stuck", flag="--dp-rank-timeout")
     num_threads: int | None = opt(None, "torch threads per rank (default: cores / local ranks)",
                                   type=int)
+    # The HTTP process then only validates, streams and frames; the step never waits on its GIL.
+    engine_process: bool = opt(False, "run the engine core in its own process (a data-parallel "
+                               "front end with one rank), as vLLM does")
 
     def __post_init__(self) -> None:
         if self.data_parallel_size < 1:
@@ -321,10 +324,12 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
-        if self.scheduler.async_scheduling and self.parallel.data_parallel_size > 1:
+        if self.scheduler.async_scheduling and (self.parallel.data_parallel_size > 1
+                                                or self.parallel.engine_process):
             # DP ranks step in lockstep on one K decision per step; the async pipeline forms a
             # step before the previous one lands, which that agreement does not cover yet.
-            raise ValueError("--async-scheduling cannot be combined with --data-parallel-size > 1")
+            raise ValueError("--async-scheduling cannot be combined with --data-parallel-size > 1 "
+                             "or --engine-process")
 
     @staticmethod
     def parts() -> dict[str, type]:

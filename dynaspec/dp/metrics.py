@@ -24,26 +24,35 @@ class DPMetrics:
         from dynaspec.metrics.prometheus import PrometheusMetrics
 
         self.lock = threading.Lock()
-        self.ranks = [PrometheusMetrics(labels={**labels, "rank": str(r)}) for r in range(world_size)]
-        self.total = PrometheusMetrics(labels={**labels, "rank": "all"})
+        # One rank (--engine-process): the series of a single engine, with no rank label.
+        self.ranks = [PrometheusMetrics(labels={**labels, "rank": str(r)})
+                      for r in range(world_size)] if world_size > 1 else []
+        self.total = PrometheusMetrics(labels={**labels, "rank": "all"} if world_size > 1
+                                       else labels)
         self.snapshots: dict[int, EngineSnapshot] = {}
 
     # ---- fed by the front end (its engine thread) --------------------------------------------
     def rank_step(self, rank: int, step: StepStats) -> None:
         with self.lock:
-            self.ranks[rank].observe_step(step)
+            for m in self._rank(rank):
+                m.observe_step(step)
             self.total.observe_step(step)
 
     def rank_finished(self, rank: int, times: FinishedRequestTimes) -> None:
         with self.lock:
-            self.ranks[rank].observe_finished(times)
+            for m in self._rank(rank):
+                m.observe_finished(times)
             self.total.observe_finished(times)
 
     def rank_snapshot(self, rank: int, snap: EngineSnapshot) -> None:
         with self.lock:
             self.snapshots[rank] = snap
-            self.ranks[rank].observe_snapshot(snap)
+            for m in self._rank(rank):
+                m.observe_snapshot(snap)
             self.total.observe_snapshot(sum_snapshots(list(self.snapshots.values())))
+
+    def _rank(self, rank: int) -> list:
+        return self.ranks[rank:rank + 1]
 
     # ---- the AsyncEngine's calls: nothing to do, the front end feeds us ------------------------
     def observe_step(self, step: StepStats) -> None: ...

@@ -13,7 +13,7 @@ from dynaspec.sampling_params import SamplingParams
 class LLM:
     def __init__(self, model: str = "default", **engine_args) -> None:
         config = EngineConfig.from_kwargs(model=model, **engine_args)
-        if config.parallel.data_parallel_size > 1:  # ranks in their own processes (dynaspec/dp)
+        if config.parallel.data_parallel_size > 1 or config.parallel.engine_process:  # dynaspec/dp
             from dynaspec.dp.front_end import DPEngine
             self.engine = DPEngine(config)
         else:

@@ -42,7 +42,7 @@ def build_async_engine(served_model_name: str | None = None, metrics_prefix: str
     from dynaspec.metrics.prometheus import PrometheusMetrics
 
     config = EngineConfig.from_kwargs(**engine_kwargs)
-    if config.parallel.data_parallel_size > 1:  # /metrics per rank and summed (dynaspec/dp)
+    if config.parallel.data_parallel_size > 1 or config.parallel.engine_process:  # dynaspec/dp
         from dynaspec.dp.front_end import DPEngine
         name = served_model_name or config.model.model
         dp = DPEngine(config, metrics_labels={"model_name": name})
