@@ -15,7 +15,8 @@ every slot of its row, verified or not, goes down the invalid-draft channel and 
 from __future__ import annotations
 
 from dynaspec.metrics.stats import RequestStepSpec
-from dynaspec.outputs import RequestResult, ScheduledRequest
+from dynaspec.outputs import RequestResult
+from dynaspec.step_plan import ScheduledRequest
 
 ASYNC_PLACEHOLDER = "async_placeholder"
 
