@@ -280,7 +280,7 @@ def share_cost_model(policy, rank: int) -> None:
     inner = getattr(policy, "inner", policy)
     cost = getattr(inner, "cost_model", None)
     # Every rank takes part, with or without a table: a rank whose measured table was refused
-    # runs the plan's table instead (engine/cost_profile), and must not leave the others
+    # runs the plan's table instead (spec_decode/cost_profile), and must not leave the others
     # waiting in this broadcast.
     payload = [cost.to_json() if rank == 0 and cost is not None else None]
     dist.broadcast_object_list(payload, src=0)
@@ -299,7 +299,7 @@ def share_cost_model(policy, rank: int) -> None:
 
 
 def _follow_rank0(policy, inner, table: dict | None) -> None:
-    """One rank's start-up table checks disagreed with rank 0's (engine/cost_profile refuses
+    """One rank's start-up table checks disagreed with rank 0's (spec_decode/cost_profile refuses
     a table that fails them, and the policy falls back to the plan's table): every rank runs
     what rank 0 runs, so the step K stays one decision."""
     import logging

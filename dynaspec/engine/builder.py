@@ -16,7 +16,7 @@ from dynaspec.kv.sizing import num_kv_blocks
 from dynaspec.models.gemma3 import create_model
 from dynaspec.models.llama import LlamaModel
 from dynaspec.models.loader import load_model_files
-from dynaspec.sample.rejection_sampler import make_synthetic_verifier
+from dynaspec.sample.synthetic import make_synthetic_verifier
 from dynaspec.models.quant_linear import WeightPlan, cpu_info, linear_kernel_summary, resolve_quantization
 from dynaspec.scheduler.scheduler import Scheduler
 from dynaspec.spec_decode import cost_cache
@@ -282,8 +282,8 @@ def _k_policy(config: EngineConfig, plan: SpecPlan, model: LlamaModel, kv_caches
 def _step_cost_model(config: EngineConfig, model: LlamaModel, kv_caches: list[torch.Tensor],
                      num_blocks: int, max_model_len: int,
                      plan: SpecPlan) -> tuple[StepCostModel | None, PolicyInfo]:
-    """The injected table, else the checked cached/measured one (engine/cost_profile)."""
-    from dynaspec.engine.cost_profile import model_prober, startup_cost_model
+    """The injected table, else the checked cached/measured one (spec_decode/cost_profile)."""
+    from dynaspec.spec_decode.cost_profile import model_prober, startup_cost_model
 
     mc, cc, sc = config.model, config.cache, config.spec
     if sc.cost_table is not None:

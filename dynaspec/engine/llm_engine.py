@@ -9,7 +9,6 @@ step fails only the requests in that step (their blocks are freed); the engine k
 from __future__ import annotations
 
 import logging
-import time
 from collections import Counter
 from dataclasses import dataclass
 
@@ -18,7 +17,7 @@ from concurrent.futures import Executor
 
 from dynaspec.engine.builder import EngineParts, build_engine_parts
 from dynaspec.engine.phases import Landed, Launched, StepPhases, drop_ended
-from dynaspec.engine.step_specs import request_spec
+from dynaspec.metrics.step_records import request_spec
 from dynaspec.metrics.stats import (GrammarStepStats, SpecCounters, StepStats, fold_step,
                                     request_spec_dict)
 from dynaspec.outputs import RequestOutput

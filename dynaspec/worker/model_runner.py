@@ -28,7 +28,8 @@ from dynaspec.outputs import RequestResult, RunnerOutput
 from dynaspec.request import Request
 from dynaspec.sample.logits_processor import LogitsProcessing
 from dynaspec.sample.metadata import SamplingMetadata
-from dynaspec.sample.rejection_sampler import SyntheticVerifier, rejection_sample
+from dynaspec.sample.rejection_sampler import rejection_sample
+from dynaspec.sample.synthetic import SyntheticVerifier
 from dynaspec.sample.sampler import Sampler
 from dynaspec.spec_decode import step_width as width
 from dynaspec.spec_decode.base import Drafts, Proposer

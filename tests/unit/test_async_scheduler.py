@@ -18,7 +18,7 @@ import pytest
 from dynaspec.config import SchedulerConfig
 from dynaspec.engine.async_loop import AsyncStepLoop
 from dynaspec.engine.phases import StepPhases, drop_ended
-from dynaspec.engine.step_specs import request_spec
+from dynaspec.metrics.step_records import request_spec
 from dynaspec.kv.kv_cache_manager import KVCacheManager
 from dynaspec.metrics.stats import SpecCounters, StepStats, fold_step
 from dynaspec.outputs import RequestResult, RunnerOutput
