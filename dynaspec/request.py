@@ -1,4 +1,4 @@
-"""A request as the scheduler sees it: tokens, how many are computed, drafts awaiting verification."""
+"""A request as the scheduler sees it: tokens, how many are computed, its status and counters."""
 
 from __future__ import annotations
 
