@@ -32,7 +32,7 @@ from dynaspec.worker.model_runner import ModelRunner
 log = logging.getLogger("dynaspec")
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class EngineParts:
     tokenizer: object
     plan: SpecPlan
