@@ -116,7 +116,8 @@ def _start(spec: RankSpec):
     def lockstep(policy):  # type: ignore[no-untyped-def]
         return LockstepPolicy(policy, agreement_for(policy.plan.max_k))
 
-    engine = _build_engine(spec, store, lambda cfg: LLMEngine(cfg, build_engine_parts(cfg, lockstep)))
+    engine = _build_engine(spec, store,
+                           lambda cfg: LLMEngine(cfg, build_engine_parts(cfg, lockstep)))
     agreement = agreement_for(engine.plan.max_k)
     if engine.scheduler.policy is not None:
         share_cost_model(engine.scheduler.policy, spec.rank)

@@ -24,7 +24,8 @@ acceptance one step late (N+1 was decided before N landed).
 Request ends. Stop strings are checked by the scheduler when a step lands, as in the sync loop
 (one check for every driver), so a request that stops in N is dropped from N+1 before it drafts.
 A request that ends while its step is in flight (an abort, a failure) is in N's batch: its
-result is thrown away and every slot of its row counts `async_placeholder` (metrics/step_records.py).
+result is thrown away and every slot of its row counts `async_placeholder`
+(metrics/step_records.py).
 A request preempted by N+1's schedule while in N keeps N's tokens (computed on intact KV).
 
 KV safety: blocks freed while a step is in flight (finish, abort, preemption) may be handed to a

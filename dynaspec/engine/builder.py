@@ -25,7 +25,8 @@ from dynaspec.spec_decode.k_policy import KPolicy, make_policy, resolve_policy_n
 from dynaspec.spec_decode.plan import SpecPlan, build_spec_plan, plan_for_policy
 from dynaspec.structured.manager import StructuredOutputManager
 from dynaspec.worker.compiled import make_executor
-from dynaspec.spec_decode.execution_plan import AdmissionTable, ExecutionPlan, default_admission_path
+from dynaspec.spec_decode.execution_plan import (AdmissionTable, ExecutionPlan,
+                                                 default_admission_path)
 from dynaspec.worker.input_buffers import InputBuffers
 from dynaspec.worker.model_runner import ModelRunner
 

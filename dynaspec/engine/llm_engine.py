@@ -175,7 +175,8 @@ class LLMEngine:
         drop_ended(landed)
         self._record(landed)
         # A request aborted since the step landed has no output state left: nothing to emit.
-        outs = [self._emit(u) for u in landed.updates if u.request.request_id in self.outputs.states]
+        outs = [self._emit(u) for u in landed.updates
+                if u.request.request_id in self.outputs.states]
         return [o for o in outs if o is not None]
 
     def _emit(self, u: StepUpdate) -> RequestOutput | None:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 
-def num_kv_blocks(budget_gb: float, override: int | None, bytes_per_token: int, block_size: int) -> int:
+def num_kv_blocks(budget_gb: float, override: int | None, bytes_per_token: int,
+                  block_size: int) -> int:
     """Deterministic: the same flags give the same pool on every launch."""
     if override is not None:
         return override

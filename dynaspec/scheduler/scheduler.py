@@ -146,7 +146,8 @@ class Scheduler:
         decision = None
         if self.plan.speculating:
             views = tuple(self._view(r.request) for r in rows if r.lookahead > 0)
-            decision = width.decide(self.policy, StepView(views, len(rows), global_view), reserved_k)
+            view = StepView(views, len(rows), global_view)
+            decision = width.decide(self.policy, view, reserved_k)
         entries = []
         for r in rows:
             budget, reason = r.lookahead, r.reason
@@ -194,12 +195,14 @@ class Scheduler:
             rows.append(row)
             budget -= num_new + row.lookahead
 
-    def _row(self, req: Request, num_new: int, budget: int, reserve: Reserve, computed: int) -> _Row:
+    def _row(self, req: Request, num_new: int, budget: int, reserve: Reserve,
+             computed: int) -> _Row:
         sampling = computed + num_new == req.num_tokens
         la, reason = 0, None
         if self.plan.speculating:
-            la, reason = width.lookahead(reserve, req.request_id, decoding=num_new == 1 and sampling,
-                                         budget=budget, padding=self._may_pad)
+            la, reason = width.lookahead(reserve, req.request_id,
+                                         decoding=num_new == 1 and sampling, budget=budget,
+                                         padding=self._may_pad)
         return _Row(req, num_new, la, reason, sampling)
 
     def _preempt(self, req: Request) -> None:

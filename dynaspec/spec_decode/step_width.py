@@ -96,7 +96,8 @@ class StepView:
             raise ValueError(f"num_reqs {self.num_reqs} < {len(self.requests)} decoding requests")
         ids = [r.request_id for r in self.requests]
         if len(set(ids)) != len(ids):
-            raise ValueError(f"duplicate request ids in a step: {sorted(i for i in ids if ids.count(i) > 1)}")
+            dup = sorted(i for i in ids if ids.count(i) > 1)
+            raise ValueError(f"duplicate request ids in a step: {dup}")
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,8 @@ def hard_cap(k: int, r: RequestView) -> tuple[int, str | None]:
     if k == 0:
         return 0, "schedule_zero"
     cap, reason = k, None
-    for limit, why in ((r.remaining_tokens - 1, "max_tokens"), (r.max_model_len_room - 1, "max_model_len")):
+    for limit, why in ((r.remaining_tokens - 1, "max_tokens"),
+                       (r.max_model_len_room - 1, "max_model_len")):
         if limit < cap:
             cap, reason = max(0, limit), why
     return cap, reason

@@ -7,9 +7,9 @@ speculation equals constrained greedy output without it. `add` walks the drafts 
 matcher: at position j it fills row j's bitmask, and stops at the first draft that mask rejects
 (the rest are cut and counted `invalid{grammar}`). Drafts reach `add` unpadded: on a fixed-shape
 step the runner pads the row back to the planned width after the cut, and `mask` leaves the pad
-rows past the first one unmasked (their logits are never sampled). The matcher then holds the state after the valid drafts; `commit` rolls back the drafts the
-verifier rejected and accepts the one recovered/bonus token, so the state only ever covers
-accepted output.
+rows past the first one unmasked (their logits are never sampled). The matcher then holds the
+state after the valid drafts; `commit` rolls back the drafts the verifier rejected and accepts
+the one recovered/bonus token, so the state only ever covers accepted output.
 """
 
 from __future__ import annotations

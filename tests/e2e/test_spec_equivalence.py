@@ -59,7 +59,8 @@ def test_ngram_batch1_prefix_cache_on_off(tiny_llama_dir, prompts16, baseline, p
         _check(tiny_llama_dir, [prompts16[i]] * 2, [baseline[i]] * 2, got, f"prefix={prefix}")
         # Again, now that the first run's blocks are cached: the prompt must hit (or not, off).
         again = llm.generate([prompts16[i]], greedy(MAX_TOKENS, ignore_eos=True))[0]
-        _check(tiny_llama_dir, [prompts16[i]], [baseline[i]], [again.token_ids], f"prefix={prefix} again")
+        _check(tiny_llama_dir, [prompts16[i]], [baseline[i]], [again.token_ids],
+               f"prefix={prefix} again")
         hit = again.num_cached_tokens
         assert (hit > 0) == prefix and llm.engine.kv.prefix_cache_hits >= hit, \
             f"prefix={prefix}: {hit} cached tokens, the cache must {'' if prefix else 'not '}hit"

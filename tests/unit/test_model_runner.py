@@ -132,8 +132,9 @@ def test_fixed_shape_pads_every_row_to_the_planned_width():
     res = runner.execute(_plan([(a, 3), (b, 3), (c, 3)], BatchDescriptor("compiled", 4, 4, 16)))
     assert ex.ran == [(4, 4, 16)] and not model.eager_calls, "one fixed-shape forward, 4 x 4"
     r = _by_id(res)
-    assert (r["a"].token_ids, r["a"].num_draft_tokens, r["a"].num_padding_tokens) == ([11, 12, 13, 14], 3, 0)
-    assert (r["b"].token_ids, r["b"].num_draft_tokens, r["b"].num_padding_tokens) == ([31, 32], 1, 2)
+    counts = {rid: (x.token_ids, x.num_draft_tokens, x.num_padding_tokens) for rid, x in r.items()}
+    assert counts["a"] == ([11, 12, 13, 14], 3, 0)
+    assert counts["b"] == ([31, 32], 1, 2)
     # No real draft: a padded row, not a draft and not a skip (its slots are invalid padding).
     assert (r["c"].token_ids, r["c"].num_draft_tokens, r["c"].num_padding_tokens) == ([51], 0, 3)
     assert r["c"].skip_reason is None

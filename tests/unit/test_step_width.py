@@ -40,7 +40,8 @@ def test_lookahead_prefill_budget_and_padding():
     assert width.lookahead(res, "a", decoding=True, budget=99, padding=True) == (3, None)
     assert width.lookahead(res, "a", decoding=True, budget=3, padding=True) == (0, "token_budget")
     zero = Reserve({}, {}, 0)
-    assert width.lookahead(zero, "a", decoding=True, budget=99, padding=True) == (0, "schedule_zero")
+    assert width.lookahead(zero, "a", decoding=True, budget=99, padding=True) == \
+        (0, "schedule_zero")
 
 
 def test_cap_lowers_the_reservation_to_the_decision():
@@ -59,7 +60,8 @@ def test_describe_runs_fixed_shape_only_when_every_row_reserved_k():
     short = [RowShape(1, True, 3, 3), RowShape(1, True, 1, 1)]
     assert width.describe(ep, short, 3) == width.BatchDescriptor("eager", 2, 4, 6)
     mixed = [RowShape(1, True, 3, 3), RowShape(5, False, 0, 0)]
-    assert width.describe(ep, mixed, 3).width is None and not width.describe(ep, mixed, 3).fixed_shape
+    described = width.describe(ep, mixed, 3)
+    assert described.width is None and not described.fixed_shape
 
 
 def test_recap_cap_cuts_to_the_exact_cap():
