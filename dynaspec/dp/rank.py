@@ -182,7 +182,7 @@ class RankLoop:
     def _step(self) -> list:
         """One lockstep step: the exchange, then the engine's phases on the agreed view."""
         a, eng = self.agreement, self.engine
-        view = eng.scheduler.step_view()
+        view = eng.step_view()
         tick = a.exchange(view.num_reqs, [r.context_len for r in view.requests])
         policy = eng.scheduler.policy
         if policy is not None:

@@ -24,7 +24,7 @@ from dynaspec.outputs import RequestOutput
 from dynaspec.request import Request, RequestStatus
 from dynaspec.sampling_params import SamplingParams
 from dynaspec.scheduler.scheduler import StepUpdate
-from dynaspec.spec_decode.step_width import GlobalStepView
+from dynaspec.spec_decode.step_width import GlobalStepView, StepView
 from dynaspec.step_plan import StepPlan
 
 log = logging.getLogger("dynaspec")
@@ -155,6 +155,10 @@ class LLMEngine:
             return []
         launched = self.launch(plan)
         return self.emit(self.land(launched)) if launched is not None else []
+
+    def step_view(self) -> StepView:
+        """The batch the next `schedule` expects (data parallel: what the ranks exchange)."""
+        return self.scheduler.step_view()
 
     def schedule(self, global_view: GlobalStepView | None = None) -> StepPlan:
         """The step's immutable plan (data parallel: `global_view` agreed before this call)."""
