@@ -228,10 +228,15 @@ class LockstepPolicy:
     acceptance) moves only with what every rank gathered (``apply_tick``)."""
 
     def __init__(self, inner, agreement: StepAgreement) -> None:  # type: ignore[no-untyped-def]
-        self.inner, self.agreement = inner, agreement
+        self.agreement = agreement
+        self.set_inner(inner)
+
+    def set_inner(self, inner) -> None:  # type: ignore[no-untyped-def]
+        """Wrap `inner` (also when a rank switches to rank 0's policy at start-up)."""
+        self.inner = inner
         self.keeps_history = getattr(inner, "keeps_history", False)
         if hasattr(inner, "engine_history"):  # goodput: the engine-wide prior must be shared
-            inner.engine_history = agreement.shared = SharedAcceptance(agreement.max_k)
+            inner.engine_history = self.agreement.shared = SharedAcceptance(self.agreement.max_k)
 
     @property
     def plan(self):  # type: ignore[no-untyped-def]
@@ -317,4 +322,4 @@ def _follow_rank0(policy, inner, table: dict | None) -> None:
     logging.getLogger("dynaspec").warning(
         "K policy: following rank 0 (%s) for one K decision per step",
         "table: its step cost table was refused" if table is None else "goodput, its cost table")
-    policy.__init__(new, policy.agreement)  # re-wires the shared acceptance for goodput
+    policy.set_inner(new)  # re-wires the shared acceptance for goodput
