@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from dynaspec.engine.cost_profile import synthetic_step
+from dynaspec.spec_decode.cost_profile import synthetic_step
 from dynaspec.config import EngineConfig
 from dynaspec.engine.llm_engine import LLMEngine
 

@@ -8,7 +8,7 @@ from dynaspec.structured.params import StructuredOutputParams
 def __getattr__(name: str):
     # LLM pulls in torch and the model stack; import it lazily so `dynaspec --help` stays fast.
     if name == "LLM":
-        from dynaspec.engine.llm import LLM
+        from dynaspec.llm import LLM
         return LLM
     raise AttributeError(name)
 

@@ -1,70 +1,13 @@
-"""The dataclasses that cross the step's layer boundaries: schedule -> execute -> update."""
+"""What the runner reports back (RunnerOutput, RequestResult) and what the engine returns
+(RequestOutput); the plan that goes in is `step_plan.StepPlan`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from dynaspec.metrics.stats import RequestSpecSummary
-from dynaspec.request import Request
-
-
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int  # prompt/output tokens computed this step (drafts not included)
-    draft_budget: int  # drafts this request may verify this step (0 = none)
-    skip_reason: str | None  # why draft_budget is 0 on a sampling step (None when it may draft)
-    block_table: list[int]
-    # Set when the step's BatchDescriptor is on a fixed-shape path: the runner pads this
-    # request's drafts to width-1 with -1 (invalid "padding", never drafts).
-    pad_drafts: bool = False
-    num_lookahead: int = 0  # KV slots reserved past the new tokens (an upper bound on drafts)
-    # Async scheduling: budgeted draft slots found invalid once the previous step's tokens were
-    # known (its caps dropped); they go down the invalid-draft channel ("async_placeholder").
-    num_async_invalid: int = 0
-
-    @property
-    def sampling(self) -> bool:
-        """The chunk reaches the request's last token, so this step emits a token."""
-        r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
-
-
-@dataclass(frozen=True)
-class BatchDescriptor:
-    """Shape and path of one step's target forward, planned by `schedule()` before it runs
-    (docs/design.md §6). On a fixed-shape path ("compiled", "cuda_graph") every request verifies exactly
-    `width` tokens and rows are padded to `num_reqs_padded`; on "eager" the step is ragged and
-    `width` is the planned verify width (1+K) of a decode-only step (None: mixed prefill+decode),
-    `num_tokens_padded` an upper bound on its tokens."""
-
-    path: str  # "eager" | "compiled" | "cuda_graph"
-    num_reqs_padded: int
-    width: int | None
-    num_tokens_padded: int
-
-    @property
-    def fixed_shape(self) -> bool:
-        return self.path != "eager"
-
-    @property
-    def width_label(self) -> str:
-        return "mixed" if self.width is None else str(self.width)
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest]
-    step_k: int | None  # the step's K from the plan; None when speculation is off
-    num_batched_tokens: int  # without drafts
-    preempted_ids: list[str] = field(default_factory=list)
-    schedule_seconds: float = 0.0
-    batch: BatchDescriptor | None = None  # set by schedule(); None only for hand-built outputs
-
-    @property
-    def num_reqs(self) -> int:
-        return len(self.scheduled)
+from dynaspec.step_plan import BatchDescriptor
 
 
 @dataclass
@@ -83,15 +26,18 @@ class RequestResult:
 
 @dataclass
 class RunnerOutput:
-    results: list[RequestResult]  # in SchedulerOutput.scheduled order
+    results: list[RequestResult]  # in StepPlan.scheduled order
     prepare_seconds: float = 0.0
     draft_seconds: float = 0.0
     forward_seconds: float = 0.0
     sample_seconds: float = 0.0
-    batch: BatchDescriptor | None = None
     grammar_seconds: float = 0.0  # structured output: draft checks, bitmasks, masking
     grammar_rows: int = 0  # logits rows masked by a grammar
     batch: BatchDescriptor | None = None  # the descriptor the step ran (path "eager" on a fallback)
+    # The widest sampling row the forward verified (1 + drafts, pads included): the fixed path's
+    # width, or on the eager path the longest row the plan's caps and the drafter produced. Laid
+    # out before the forward; the cost model prices the step at this width.
+    verified_width: int = 1
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""A request as the scheduler sees it: tokens, how many are computed, drafts awaiting verification."""
+"""A request as the scheduler sees it: tokens, how many are computed, its status and counters."""
 
 from __future__ import annotations
 
@@ -32,8 +32,6 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     # NOTE: counts tokens whose KV is written; catches up with num_tokens (+ drafts) step by step.
     num_computed_tokens: int = 0
-    # Drafts proposed for this step, verified in the same forward; never filler ids.
-    spec_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_cached_tokens: int = 0  # prefix-cache hit at first schedule
     num_preemptions: int = 0

@@ -19,8 +19,8 @@ from typing import Callable
 
 from dynaspec.bench.stats import paired_ratio
 from dynaspec.bench.tune import _synthetic_batch
-from dynaspec.outputs import BatchDescriptor
-from dynaspec.worker.execution_plan import AdmissionEntry, AdmissionTable
+from dynaspec.step_plan import BatchDescriptor
+from dynaspec.spec_decode.execution_plan import AdmissionEntry, AdmissionTable
 
 
 def _time(runner, out, steps: int) -> tuple[float, str]:
@@ -39,8 +39,8 @@ def measure_shape(engine, bucket: int, width: int, ctx: int, pairs: int,
     i = ep.buckets.index(bucket)
     n = ep.buckets[i - 1] + 1 if i > 0 else 1
     out, _ = _synthetic_batch(engine, n, ctx, width - 1, f"adm-b{bucket}-w{width}")
-    for s in out.scheduled:
-        s.num_lookahead, s.pad_drafts = width - 1, True
+    out = dataclasses.replace(out, scheduled=tuple(dataclasses.replace(s, num_lookahead=width - 1)
+                                                   for s in out.scheduled))
     eager = dataclasses.replace(out, batch=BatchDescriptor("eager", n, width, n * width))
     fixed = dataclasses.replace(out, batch=BatchDescriptor(ep.graph_path, bucket, width, bucket * width))
     try:

@@ -12,7 +12,7 @@ from dataclasses import asdict
 
 import torch
 
-from dynaspec.engine.cost_profile import synthetic_step
+from dynaspec.spec_decode.cost_profile import synthetic_step
 from dynaspec.engine.llm_engine import LLMEngine, StepTimes
 from dynaspec.models.quant_linear import cpu_info
 from dynaspec.sampling_params import SamplingParams

@@ -63,7 +63,7 @@ def record(workload: str, num_prompts: int, max_tokens: int, seed: int, engine_f
     """Greedy outputs of the workload, one request at a time (n-gram speculation: lossless, faster)."""
     from dynaspec.bench.workloads import load_workload
     from dynaspec.engine_flags import parse_engine_args
-    from dynaspec.engine.llm import LLM
+    from dynaspec.llm import LLM
     from dynaspec.sampling_params import SamplingParams
     kw = parse_engine_args(engine_flags)
     if kw["speculator"] == "none":

@@ -174,7 +174,7 @@ def measure_acceptance(engine, items, params) -> dict:
 
 def _synthetic_batch(engine, batch: int, ctx: int, k: int, tag: str):
     """`batch` requests with `ctx` computed tokens each, each about to verify up to k drafts."""
-    from dynaspec.outputs import ScheduledRequest, SchedulerOutput
+    from dynaspec.step_plan import BatchDescriptor, ScheduledRequest, StepPlan
     from dynaspec.request import Request, RequestStatus
     from dynaspec.sampling_params import SamplingParams
     bs, nblocks, vocab = engine.kv.block_size, engine.kv.num_blocks, engine.parts.vocab_size
@@ -189,9 +189,13 @@ def _synthetic_batch(engine, batch: int, ctx: int, k: int, tag: str):
         req.num_computed_tokens, req.status = ctx, RequestStatus.RUNNING
         # Distinct blocks while the pool lasts, then wrap (aliasing only changes what is read).
         table = [(i * per + j) % nblocks for j in range(per)]
-        scheduled.append(ScheduledRequest(req, 1, k, None if k else "schedule_zero", table))
+        scheduled.append(ScheduledRequest(request=req, num_new_tokens=1, draft_budget=k,
+                                          skip_reason=None if k else "schedule_zero",
+                                          block_table=table, sampling=True, num_lookahead=k))
     step_k = k if engine.plan.speculating else None
-    return SchedulerOutput(scheduled, step_k, batch), per * batch > nblocks
+    eager = BatchDescriptor("eager", batch, 1 + k, batch * (1 + k))
+    return StepPlan(scheduled=tuple(scheduled), step_k=step_k, num_batched_tokens=batch,
+                    batch=eager), per * batch > nblocks
 
 
 def time_bucket(engine, batch: int, ctx: int, ks: Sequence[int], repeats: int) -> dict[int, dict]:

@@ -26,7 +26,7 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dynaspec.engine.llm import LLM
+    from dynaspec.llm import LLM
     from dynaspec.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,

@@ -118,7 +118,7 @@ def _drafter_limit(args: argparse.Namespace) -> int | None:
 
 
 def _execution_plan(args: argparse.Namespace, plan: SpecPlan):
-    from dynaspec.worker.execution_plan import AdmissionTable, ExecutionPlan, default_admission_path
+    from dynaspec.spec_decode.execution_plan import AdmissionTable, ExecutionPlan, default_admission_path
     if not hasattr(args, "execution"):
         return None  # called by code that predates the execution plan
     path = args.admission or default_admission_path(args.k_schedule)
@@ -130,7 +130,7 @@ def _execution_plan(args: argparse.Namespace, plan: SpecPlan):
 
 def execution_rows(plan: SpecPlan, ep) -> list[dict]:
     """Per batch bucket and width: the requests it covers, K, width, path and why."""
-    from dynaspec.worker.execution_plan import bucket_ks
+    from dynaspec.spec_decode.execution_plan import bucket_ks
     rows = []
     for b, covers, k_table in bucket_ks(plan, ep.buckets):
         # Width 1 in a plan with K>0 buckets is the policy's K=0 (goodput): a row of its own.

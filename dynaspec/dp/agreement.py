@@ -15,14 +15,14 @@ bit) and each rank applies the same pure K decision to the summed view. What the
   view plus that state. The policy's per-request histories stay local: they only lower that
   request's own cap, never the step's K.
 
-``LockstepPolicy`` wraps the engine's policy, so the scheduler calls ``decide`` as it always
-does; the exchange happens inside. The scheduler decides twice per step: once for the batch it
-expects (to reserve KV slots for the drafts, ``StepView.planned``), then for the batch it formed
-(the step K, never above the reserved K). Each is agreed: the first with the full row above (the
-tick), the second with a short row of the formed batch's view only, so both decisions, and the
-clamp of one by the other, are the same on every rank. A rank with nothing to do still calls it (the scheduler
-decides K on an empty batch), which is the dummy step: collectives only, no forward, since ranks
-share no collective inside the forward.
+The exchange is explicit: the rank loop (dp/rank.py) calls ``exchange`` with the scheduler's
+step view (``Scheduler.step_view``: the batch it expects) *before* ``schedule``, applies the
+gathered observations to the policy (``LockstepPolicy.apply_tick``) and passes the global view
+into ``schedule(global_view)``. Both of the scheduler's K decisions (the reservation and the
+formed batch's) read that one view, so they and the step's K are the same on every rank, and no
+collective hides inside a policy call: ``LockstepPolicy.decide`` refuses a view without the
+agreed global view. A rank with nothing to do still exchanges (the dummy step: collectives
+only, no forward, since ranks share no collective inside the forward).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from __future__ import annotations
 import datetime
 import math
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable
 
 from dynaspec.spec_decode.k_policy import GlobalStepView, StepK, StepView
@@ -40,7 +40,6 @@ _FIELDS = ("num_reqs", "num_decoding", "sum_ctx", "max_ctx", "num_unfinished", "
            "step_seconds", "obs_ran", "obs_valid", "obs_num_reqs", "obs_ctx", "obs_width",
            "obs_target_s", "obs_draft_s", "obs_drafted", "obs_emitted")
 _IX = {name: i for i, name in enumerate(_FIELDS)}
-# The formed batch's row (exchange_batch) is the first four fields alone: _global_view reads both.
 
 Gather = Callable[[list[float], float], list[list[float]]]  # (row, timeout_s) -> every rank's row
 
@@ -141,8 +140,7 @@ class StepAgreement:
         self.grace_s, self.idle_poll_s = grace_s, idle_poll_s
         self.shared: SharedAcceptance | None = None  # set by LockstepPolicy for goodput
         self.num_ticks = 0
-        self.exchanged = False  # the tick of this engine step happened
-        self.batch_exchanged = False  # the formed batch's view of this step was agreed
+        self.exchanged = False  # the tick of this engine step happened (reset by the rank loop)
         self.last: Tick | None = None
         self.longest_step_s = 0.0
         # Set by the rank loop before a step:
@@ -161,7 +159,7 @@ class StepAgreement:
     def exchange(self, num_reqs: int, decoding_ctxs: list[int]) -> Tick:
         if self.exchanged:
             raise RuntimeError("two step exchanges in one engine step: ranks would fall out of "
-                               "lockstep (the scheduler must decide K once per step)")
+                               "lockstep (one exchange, before schedule(), per step)")
         obs = self.pending_obs
         row = [0.0] * len(_FIELDS)
         row[_IX["num_reqs"]] = num_reqs
@@ -182,17 +180,6 @@ class StepAgreement:
         self.last = tick
         self.num_ticks += 1
         return tick
-
-    def exchange_batch(self, num_reqs: int, decoding_ctxs: list[int]) -> GlobalStepView:
-        """The second exchange of a step: the global view of the batch each rank formed."""
-        if not self.exchanged or self.batch_exchanged:
-            raise RuntimeError("the formed batch's view is agreed once per engine step, after the "
-                               "tick: ranks would fall out of lockstep")
-        row = [float(num_reqs), float(len(decoding_ctxs)), float(sum(decoding_ctxs)),
-               float(max(decoding_ctxs, default=0))]
-        rows = self.gather(row, self.timeout_s())
-        self.batch_exchanged = True
-        return _global_view(rows)
 
     def _tick(self, rows: list[list[float]]) -> Tick:
         def total(name: str) -> int:
@@ -226,7 +213,7 @@ class StepAgreement:
 
 
 def _global_view(rows: list[list[float]]) -> GlobalStepView:
-    """Sums over the ranks' rows (tick rows or formed-batch rows)."""
+    """Sums over the ranks' tick rows."""
     def total(name: str) -> int:
         return int(sum(r[_IX[name]] for r in rows))
 
@@ -236,14 +223,24 @@ def _global_view(rows: list[list[float]]) -> GlobalStepView:
 
 
 class LockstepPolicy:
-    """Wraps a KPolicy so its step K comes from the global view (module docstring)."""
+    """Wraps a KPolicy under data parallelism (module docstring): its step K comes from the
+    global view agreed before ``schedule``, and the shared state it reads (cost model, engine-wide
+    acceptance) moves only with what every rank gathered (``apply_tick``)."""
 
-    def __init__(self, inner, agreement: StepAgreement) -> None:
-        self.inner, self.agreement = inner, agreement
-        self.reserved_k = 0  # the agreed K this step reserved KV for (the step K's ceiling)
+    def __init__(self, inner, agreement: StepAgreement) -> None:  # type: ignore[no-untyped-def]
+        self.agreement = agreement
+        self.set_inner(inner)
+
+    def set_inner(self, inner) -> None:  # type: ignore[no-untyped-def]
+        """Wrap `inner` (also when a rank switches to rank 0's policy at start-up)."""
+        self.inner = inner
         self.keeps_history = getattr(inner, "keeps_history", False)
         if hasattr(inner, "engine_history"):  # goodput: the engine-wide prior must be shared
-            inner.engine_history = agreement.shared = SharedAcceptance(agreement.max_k)
+            inner.engine_history = self.agreement.shared = SharedAcceptance(self.agreement.max_k)
+
+    @property
+    def plan(self):  # type: ignore[no-untyped-def]
+        return self.inner.plan
 
     @property
     def histories(self) -> dict:
@@ -253,24 +250,20 @@ class LockstepPolicy:
     def num_reprobes(self) -> int:
         return self.inner.num_reprobes
 
-    def decide(self, view: StepView) -> StepK:
+    def apply_tick(self, tick: Tick) -> None:
+        """The previous step's observations, gathered from every rank, applied on every rank."""
         a = self.agreement
-        ctxs = [r.context_len for r in view.requests]
-        if not view.planned:  # the formed batch: its own agreed view; K capped as the scheduler will
-            g = a.exchange_batch(view.num_reqs, ctxs)
-            decision = self.inner.decide(replace(view, global_view=g))
-            a.decisions.append((a.last.index, min(decision.k, self.reserved_k), g.num_reqs,
-                                g.ctx_stat, view.num_reqs))
-            return decision
-        tick = a.exchange(view.num_reqs, ctxs)
         obs = a.shared_step_observation(tick)
         if obs is not None:
             self.inner.observe_step(*obs)
         if a.shared is not None:
             a.shared.apply(*a.shared_acceptance(tick))
-        decision = self.inner.decide(replace(view, global_view=tick.view))
-        self.reserved_k = decision.k
-        return decision
+
+    def decide(self, view: StepView) -> StepK:
+        if view.global_view is None:
+            raise RuntimeError("data parallel: schedule() needs the step view agreed before it "
+                               "(StepAgreement.exchange), or ranks would choose different K")
+        return self.inner.decide(view)
 
     def observe(self, request_id: str, num_drafted: int, num_accepted: int, ctx: int) -> None:
         self.inner.observe(request_id, num_drafted, num_accepted, ctx)
@@ -296,7 +289,7 @@ def share_cost_model(policy, rank: int) -> None:
     inner = getattr(policy, "inner", policy)
     cost = getattr(inner, "cost_model", None)
     # Every rank takes part, with or without a table: a rank whose measured table was refused
-    # runs the plan's table instead (engine/cost_profile), and must not leave the others
+    # runs the plan's table instead (spec_decode/cost_profile), and must not leave the others
     # waiting in this broadcast.
     payload = [cost.to_json() if rank == 0 and cost is not None else None]
     dist.broadcast_object_list(payload, src=0)
@@ -315,7 +308,7 @@ def share_cost_model(policy, rank: int) -> None:
 
 
 def _follow_rank0(policy, inner, table: dict | None) -> None:
-    """One rank's start-up table checks disagreed with rank 0's (engine/cost_profile refuses
+    """One rank's start-up table checks disagreed with rank 0's (spec_decode/cost_profile refuses
     a table that fails them, and the policy falls back to the plan's table): every rank runs
     what rank 0 runs, so the step K stays one decision."""
     import logging
@@ -333,4 +326,4 @@ def _follow_rank0(policy, inner, table: dict | None) -> None:
     logging.getLogger("dynaspec").warning(
         "K policy: following rank 0 (%s) for one K decision per step",
         "table: its step cost table was refused" if table is None else "goodput, its cost table")
-    policy.__init__(new, policy.agreement)  # re-wires the shared acceptance for goodput
+    policy.set_inner(new)  # re-wires the shared acceptance for goodput

@@ -7,10 +7,11 @@ NCCL), build the engine, start from rank 0's step cost table, report ready.
 The loop, once per engine step on every rank (lockstep):
   1. run the front end's commands (add, abort, query, stop); when every rank was idle at the
      last exchange, wait for one (up to ``IDLE_POLL_S``, then tick anyway: a liveness check);
-  2. ``engine.step()``: the scheduler forms the batch and decides K through ``LockstepPolicy``,
-     which exchanges the step view with the other ranks; without speculation the loop makes
-     the exchange itself. A rank with no work exchanges and runs nothing (the dummy step);
-  3. send the front end a ``TickReport`` (new tokens, the step's stats, a snapshot).
+  2. the step exchange (dp/agreement.py): the scheduler's step view goes out, the global view
+     and the gathered observations come back (``LockstepPolicy.apply_tick``);
+  3. the engine's phases: ``schedule(global view) -> launch -> land -> emit``. A rank with no
+     work exchanged and runs nothing (the dummy step);
+  4. send the front end a ``TickReport`` (new tokens, the step's stats, a snapshot).
 When any rank set the stop flag, every rank leaves after the same exchange. When the exchange
 fails (a peer died or stopped answering), the rank tells the front end and exits with code 3.
 """
@@ -102,18 +103,30 @@ def _start(spec: RankSpec):
         torch.cuda.set_device(spec.rank % torch.cuda.device_count())
     dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", store=store,
                             rank=spec.rank, world_size=spec.world_size, timeout=timeout)
-    engine = _build_engine(spec, store, LLMEngine)
+    from dynaspec.engine.builder import build_engine_parts
+
     pc = spec.config.parallel
-    agreement = StepAgreement(torch_gather(spec.world_size), spec.rank, spec.world_size,
-                              engine.plan.max_k, pc.dp_rank_timeout_s, IDLE_POLL_S)
+    made: list[StepAgreement] = []
+
+    def agreement_for(max_k: int) -> StepAgreement:
+        if not made:
+            made.append(StepAgreement(torch_gather(spec.world_size), spec.rank, spec.world_size,
+                                      max_k, pc.dp_rank_timeout_s, IDLE_POLL_S))
+        return made[0]
+
+    def lockstep(policy):  # type: ignore[no-untyped-def]
+        return LockstepPolicy(policy, agreement_for(policy.plan.max_k))
+
+    engine = _build_engine(spec, store,
+                           lambda cfg: LLMEngine(cfg, build_engine_parts(cfg, lockstep)))
+    agreement = agreement_for(engine.plan.max_k)
     if engine.scheduler.policy is not None:
-        engine.scheduler.policy = LockstepPolicy(engine.scheduler.policy, agreement)
         share_cost_model(engine.scheduler.policy, spec.rank)
     dist.barrier()  # every rank built: the first step exchange starts on an even footing
     return engine, agreement
 
 
-def _build_engine(spec: RankSpec, store, engine_cls):  # type: ignore[no-untyped-def]
+def _build_engine(spec: RankSpec, store, make_engine):  # type: ignore[no-untyped-def]
     """Rank 0 builds first when the goodput policy profiles step costs: the other ranks then
     read its cached table (same machine) instead of profiling all at once, contending for the
     cores and measuring each other; only rank 0's table is used anyway (share_cost_model)."""
@@ -125,7 +138,7 @@ def _build_engine(spec: RankSpec, store, engine_cls):  # type: ignore[no-untyped
     key = "dynaspec/rank0-built"
     if profiles and spec.rank != 0:
         store.wait([key])
-    engine = engine_cls(spec.config)
+    engine = make_engine(spec.config)
     if profiles and spec.rank == 0:
         store.set(key, "1")
     return engine
@@ -152,13 +165,11 @@ class RankLoop:
         idle = False
         while True:
             self._commands(block=idle)
-            a.exchanged = a.batch_exchanged = False
+            a.exchanged = False
             a.num_unfinished = eng.num_running + eng.num_waiting
             a.stopping = self.stop_requested
             steps, t0 = eng.times.steps, time.perf_counter()
-            outs = eng.step()
-            if not a.exchanged:  # no speculation: nothing decided K, but lockstep still holds
-                a.exchange(0, [])
+            outs = self._step()
             ran = eng.times.steps > steps
             a.step_seconds = time.perf_counter() - t0 if ran else 0.0
             a.ran_step = ran
@@ -167,6 +178,23 @@ class RankLoop:
             if tick.stopping:
                 return 0
             idle = tick.num_unfinished == 0 and not eng.has_unfinished_requests()
+
+    def _step(self) -> list:
+        """One lockstep step: the exchange, then the engine's phases on the agreed view."""
+        a, eng = self.agreement, self.engine
+        view = eng.step_view()
+        tick = a.exchange(view.num_reqs, [r.context_len for r in view.requests])
+        policy = eng.scheduler.policy
+        if policy is not None:
+            policy.apply_tick(tick)
+        plan = eng.schedule(tick.view)
+        if plan.step_k is not None:
+            a.decisions.append((tick.index, plan.step_k, tick.view.num_reqs, tick.view.ctx_stat,
+                                view.num_reqs))
+        if not plan.scheduled:
+            return []
+        launched = eng.launch(plan)
+        return eng.emit(eng.land(launched)) if launched is not None else []
 
     # ---- commands ----------------------------------------------------------------------------
     def _commands(self, block: bool) -> None:

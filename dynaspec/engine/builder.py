@@ -5,14 +5,18 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import Callable
+
 import torch
 
 from dynaspec.config import EngineConfig, default_num_threads
+from dynaspec.engine.output_processor import OutputProcessor
 from dynaspec.kv.kv_cache_manager import KVCacheManager
+from dynaspec.kv.sizing import num_kv_blocks
 from dynaspec.models.gemma3 import create_model
 from dynaspec.models.llama import LlamaModel
 from dynaspec.models.loader import load_model_files
-from dynaspec.sample.rejection_sampler import make_synthetic_verifier
+from dynaspec.sample.synthetic import make_synthetic_verifier
 from dynaspec.models.quant_linear import WeightPlan, cpu_info, linear_kernel_summary, resolve_quantization
 from dynaspec.scheduler.scheduler import Scheduler
 from dynaspec.spec_decode import cost_cache
@@ -22,14 +26,15 @@ from dynaspec.spec_decode.k_policy import KPolicy, make_policy, resolve_policy_n
 from dynaspec.spec_decode.plan import SpecPlan, build_spec_plan, plan_for_policy
 from dynaspec.structured.manager import StructuredOutputManager
 from dynaspec.worker.compiled import make_executor
-from dynaspec.worker.execution_plan import AdmissionTable, ExecutionPlan, default_admission_path
+from dynaspec.spec_decode.execution_plan import (AdmissionTable, ExecutionPlan,
+                                                 default_admission_path)
 from dynaspec.worker.input_buffers import InputBuffers
 from dynaspec.worker.model_runner import ModelRunner
 
 log = logging.getLogger("dynaspec")
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class EngineParts:
     tokenizer: object
     plan: SpecPlan
@@ -44,6 +49,7 @@ class EngineParts:
     eos_token_ids: tuple[int, ...]
     model_name: str
     structured: StructuredOutputManager
+    outputs: OutputProcessor  # detokenization and the stop-string check the scheduler calls
     policy_info: "PolicyInfo | None" = None
 
 
@@ -117,17 +123,6 @@ def resolve_attention(name: str, device: torch.device):
     return get_backend(name)
 
 
-def num_kv_blocks(budget_gb: float, override: int | None, bytes_per_token: int, block_size: int) -> int:
-    """Deterministic: the same flags give the same pool on every launch."""
-    if override is not None:
-        return override
-    n = int(budget_gb * (1 << 30)) // (bytes_per_token * block_size)
-    if n < 1:
-        raise ValueError(f"kv_cache_memory_gb {budget_gb} is too small for one block "
-                         f"({bytes_per_token * block_size} bytes)")
-    return n
-
-
 def _max_model_len(mc, trained: int) -> int:
     """The model's own context unless asked for less; more only with the explicit override
     (positions past the trained context give the model inputs it never saw)."""
@@ -139,7 +134,11 @@ def _max_model_len(mc, trained: int) -> int:
     return mc.max_model_len
 
 
-def build_engine_parts(config: EngineConfig) -> EngineParts:
+def build_engine_parts(config: EngineConfig,
+                       wrap_policy: Callable[[KPolicy], KPolicy] | None = None) -> EngineParts:
+    """Every part of an engine, wired by construction. `wrap_policy`: a data-parallel rank's
+    wrapper around the K policy (dp/agreement.LockstepPolicy), applied before the scheduler
+    is built with it."""
     mc, cc, sc = config.model, config.cache, config.spec
     torch.set_num_threads(config.parallel.num_threads or default_num_threads())
     device, dtype = resolve_device(mc.device), resolve_dtype(mc.dtype)
@@ -147,8 +146,13 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     loaded = load_model_files(mc.model, keep_quantized=quant != "none")
     arch = loaded.arch
     max_model_len = _max_model_len(mc, arch.max_position_embeddings)
+    # The grammar library loads on the first structured request, not here.
+    so = config.structured
+    structured = StructuredOutputManager(so.structured_output_backend, loaded.tokenizer,
+                                         arch.vocab_size, loaded.eos_token_ids,
+                                         so.structured_any_whitespace)
     plan, proposer, drafter_tokens, drafter_max_len = _plan_and_proposer(config, arch.vocab_size,
-                                                                         device, dtype)
+                                                                         device, dtype, structured)
     weights = WeightPlan(quant, mc.quant_dense_above, dtype, device, mc.dense_row_buckets, mc.linear_kernel)
     model = create_model(arch, loaded.state_dict, dtype, device, max_model_len + plan.max_k + 1, weights)
     del loaded.state_dict
@@ -168,27 +172,27 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     policy, info = None, None
     if plan.speculating:
         policy, plan, info = _k_policy(config, plan, model, kv_caches, blocks, max_model_len)
+    if policy is not None and wrap_policy is not None:
+        policy = wrap_policy(policy)
     exec_plan = _execution_plan(config, plan, device)
+    outputs = OutputProcessor(loaded.tokenizer)
     sched = Scheduler(config.scheduler, kv, plan, policy, max_model_len, loaded.eos_token_ids,
-                      drafter_max_len, exec_plan)
+                      drafter_max_len=drafter_max_len, exec_plan=exec_plan,
+                      stop_check=outputs.check_stop)
     verifier = make_synthetic_verifier(sc.rejection_mode, sc.acceptance_rates, mc.seed,
                                        loaded.eos_token_ids) if plan.speculating else None
-    # The grammar library loads on the first structured request, not here.
-    so = config.structured
-    structured = StructuredOutputManager(so.structured_output_backend, loaded.tokenizer,
-                                         arch.vocab_size, loaded.eos_token_ids,
-                                         so.structured_any_whitespace)
-    if proposer is not None and proposer.uses_grammar:  # a draft model drafts under the grammar
-        proposer.grammar = structured
     runner = _runner(config, model, kv_caches, blocks, proposer, exec_plan,
-                     max_model_len + plan.max_k + 1, verifier, structured)
-    return EngineParts(loaded.tokenizer, plan, exec_plan, model, kv, sched, runner, max_model_len,
-                       arch.vocab_size, drafter_tokens, loaded.eos_token_ids, mc.model, structured,
-                       info)
+                     max_model_len + plan.max_k + 1, verifier, structured,
+                     tuple(loaded.eos_token_ids))
+    return EngineParts(tokenizer=loaded.tokenizer, plan=plan, exec_plan=exec_plan, model=model,
+                       kv=kv, scheduler=sched, runner=runner, max_model_len=max_model_len,
+                       vocab_size=arch.vocab_size, drafter_kv_tokens=drafter_tokens,
+                       eos_token_ids=loaded.eos_token_ids, model_name=mc.model,
+                       structured=structured, outputs=outputs, policy_info=info)
 
 
 def _plan_and_proposer(config: EngineConfig, vocab_size: int, device: torch.device,
-                       dtype: torch.dtype):
+                       dtype: torch.dtype, structured: StructuredOutputManager):
     """The plan is built before the drafter (always_zero loads none), then rebuilt with the
     drafter's own K limit so clamping and classification see it; a drafter whose limit makes
     the plan always_zero is dropped again."""
@@ -196,7 +200,7 @@ def _plan_and_proposer(config: EngineConfig, vocab_size: int, device: torch.devi
     plan = build_spec_plan(sc.speculator, sc.num_spec_tokens, sc.k_schedule)
     proposer, drafter_tokens, drafter_max_len = None, 0, None
     if plan.speculating:  # always_zero loads no drafter
-        drafter = build_drafter(config, vocab_size, device, dtype)
+        drafter = build_drafter(config, vocab_size, device, dtype, structured)
         proposer, drafter_tokens, drafter_max_len = (drafter.proposer, drafter.kv_tokens,
                                                      drafter.max_len)
     limit = proposer.k_limit if proposer is not None else None
@@ -226,7 +230,8 @@ def _execution_plan(config: EngineConfig, plan: SpecPlan, device: torch.device) 
 
 
 def _runner(config: EngineConfig, model: LlamaModel, kv_caches: list, blocks: int, proposer,
-            ep: ExecutionPlan, max_positions: int, verifier, structured) -> ModelRunner:
+            ep: ExecutionPlan, max_positions: int, verifier, structured,
+            eos_token_ids: tuple[int, ...]) -> ModelRunner:
     cc, sc = config.cache, config.scheduler
     max_tokens = max(sc.max_num_batched_tokens, max(ep.buckets) * max(ep.widths))
     max_reqs = max(sc.max_num_seqs, max(ep.buckets))
@@ -238,7 +243,7 @@ def _runner(config: EngineConfig, model: LlamaModel, kv_caches: list, blocks: in
         executor = make_executor(model, kv_caches, model.device, ec.compile_budget_s, len(ep.grid),
                                  ec.compile_backend)
     runner = ModelRunner(model, kv_caches, cc.block_size, proposer, config.model.seed, buffers,
-                         executor, verifier, structured)
+                         executor, verifier, structured, eos_token_ids)
     if executor is not None and config.execution.precompile:
         shapes = [s for s in ep.grid if ep.path_for(*s)[0] != "eager"]
         log.info("precompiling %d %s shapes", len(shapes), ep.graph_path)
@@ -282,8 +287,8 @@ def _k_policy(config: EngineConfig, plan: SpecPlan, model: LlamaModel, kv_caches
 def _step_cost_model(config: EngineConfig, model: LlamaModel, kv_caches: list[torch.Tensor],
                      num_blocks: int, max_model_len: int,
                      plan: SpecPlan) -> tuple[StepCostModel | None, PolicyInfo]:
-    """The injected table, else the checked cached/measured one (engine/cost_profile)."""
-    from dynaspec.engine.cost_profile import model_prober, startup_cost_model
+    """The injected table, else the checked cached/measured one (spec_decode/cost_profile)."""
+    from dynaspec.spec_decode.cost_profile import model_prober, startup_cost_model
 
     mc, cc, sc = config.model, config.cache, config.spec
     if sc.cost_table is not None:

@@ -1,27 +1,32 @@
-"""LLMEngine: wires loader, model, KV pool, scheduler, runner, proposer and metrics; runs steps.
+"""LLMEngine: the step's phases over the parts the builder made; requests in, outputs out.
 
-One step is `schedule -> execute -> update`. A failure inside a step fails only the requests in
-that step (their blocks are freed); the engine keeps serving the others.
+One step is `schedule -> launch -> land -> emit` (docs/design.md §1b), each a public method, and the
+drivers are orders of those calls: `step()` below (sync), `engine/async_loop.py` (launch N+1
+before emitting N) and `dp/rank.py` (a step-view exchange before `schedule`). A failure inside a
+step fails only the requests in that step (their blocks are freed); the engine keeps serving.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections import Counter
 from dataclasses import dataclass
 
 from dynaspec.config import EngineConfig
-from dynaspec.engine.output_processor import OutputProcessor
+from concurrent.futures import Executor
+
 from dynaspec.engine.builder import EngineParts, build_engine_parts
-from dynaspec.engine.step_specs import prompt_tokens, request_spec
 from dynaspec.engine.client import EngineState, ModelCard, PoolReport
+from dynaspec.engine.phases import Landed, Launched, StepPhases, drop_ended
+from dynaspec.metrics.step_records import request_spec
 from dynaspec.metrics.stats import (EngineSnapshot, FinishedRequestTimes, GrammarStepStats,
                                     RequestSpecSummary, SpecCounters, StepStats, fold_step)
-from dynaspec.outputs import RequestOutput, SchedulerOutput
+from dynaspec.outputs import RequestOutput
 from dynaspec.request import Request, RequestStatus
 from dynaspec.sampling_params import SamplingParams
 from dynaspec.scheduler.scheduler import StepUpdate
+from dynaspec.spec_decode.step_width import GlobalStepView, StepView
+from dynaspec.step_plan import StepPlan
 
 log = logging.getLogger("dynaspec")
 
@@ -59,9 +64,11 @@ def check_request(ids: list[int], params: SamplingParams, vocab: int, max_model_
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, parts: EngineParts | None = None) -> None:
+        """`parts`: built from `config` unless given (a data-parallel rank injects its policy
+        through `build_engine_parts(config, wrap_policy=...)`)."""
         self.config = config
-        parts: EngineParts = build_engine_parts(config)
+        parts = parts if parts is not None else build_engine_parts(config)
         self.parts = parts
         self.tokenizer = parts.tokenizer
         self.plan = parts.plan
@@ -71,22 +78,18 @@ class LLMEngine:
         self.kv = parts.kv
         self.max_model_len = parts.max_model_len
         self.structured = parts.structured
-        self.runner.eos_token_ids = tuple(parts.eos_token_ids)  # min_tokens bans them
-        self.outputs = OutputProcessor(parts.tokenizer)
-        self.scheduler.stop_check = self.outputs.check_stop  # the scheduler decides every end
+        self.outputs = parts.outputs  # its check_stop is the scheduler's stop-string hook
+        self.phases = StepPhases(self.scheduler, self.runner)
         self.pipeline = None  # --async-scheduling: the step runs as a pipeline (async_loop.py)
         if config.scheduler.async_scheduling:
             from dynaspec.engine.async_loop import AsyncStepLoop
-            self.scheduler.stop_check = None  # stop strings are checked one step late there
-            self.pipeline = AsyncStepLoop(self.scheduler, self.runner, self.outputs.check_stop,
-                                          self._finish_landed, self._fail_step)
+            self.pipeline = AsyncStepLoop(self)
         self.counters = SpecCounters()
         # Per request (record, step K) pairs, folded once when asked: folding every step costs.
         self.request_records: dict[str, list] = {}
         self.times = StepTimes()
         self.last_step: StepStats | None = None
         self._step_taken: StepStats | None = None  # the last one take_step handed out
-        self.last_batch = None  # BatchDescriptor of the latest step (as it ran)
         self.execution_steps: Counter = Counter()  # (path, width label) -> steps
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
@@ -144,23 +147,42 @@ class LLMEngine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
-    # ---- the step ------------------------------------------------------------------------
+    # ---- the step: schedule -> launch -> land -> emit ----------------------------------------
     def step(self) -> list[RequestOutput]:
+        """The synchronous driver (or one call of the async pipeline)."""
         if self.pipeline is not None:
             return self.pipeline.step()
-        sched_out = self.scheduler.schedule()
-        if not sched_out.scheduled:
+        plan = self.schedule()
+        if not plan.scheduled:
             return []
-        num_prompt = prompt_tokens(sched_out.scheduled)
-        try:
-            res = self.runner.execute(sched_out)
-        except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving
-            log.exception("step failed")
-            return self._fail_step(sched_out, exc)
-        t0 = time.perf_counter()
-        updates = self.scheduler.update(sched_out, res)
-        self._record(sched_out, res, updates, time.perf_counter() - t0, num_prompt)
-        outs = [self._emit(u) for u in updates]
+        launched = self.launch(plan)
+        return self.emit(self.land(launched)) if launched is not None else []
+
+    def step_view(self) -> StepView:
+        """The batch the next `schedule` expects (data parallel: what the ranks exchange)."""
+        return self.scheduler.step_view()
+
+    def schedule(self, global_view: GlobalStepView | None = None) -> StepPlan:
+        """The step's immutable plan (data parallel: `global_view` agreed before this call)."""
+        return self.scheduler.schedule(global_view)
+
+    def launch(self, plan: StepPlan, worker: Executor | None = None) -> Launched | None:
+        """Start the plan's forward, inline or on `worker` (engine/phases.py)."""
+        return self.phases.launch(plan, worker)
+
+    def land(self, launched: Launched) -> Landed:
+        """Apply the step's result to the requests (engine/phases.py)."""
+        return self.phases.land(launched)
+
+    def emit(self, landed: Landed) -> list[RequestOutput]:
+        """Record a landed step's metrics and return its outputs (error outputs if it failed)."""
+        if landed.error is not None:
+            return [self._error_output(req, landed.error) for req in landed.failed]
+        drop_ended(landed)
+        self._record(landed)
+        # A request aborted since the step landed has no output state left: nothing to emit.
+        outs = [self._emit(u) for u in landed.updates
+                if u.request.request_id in self.outputs.states]
         return [o for o in outs if o is not None]
 
     def _emit(self, u: StepUpdate) -> RequestOutput | None:
@@ -180,27 +202,15 @@ class LLMEngine:
             return None
         return out
 
-    def _fail_step(self, sched_out: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
-        outs = []
-        for s in sched_out.scheduled:
-            rid = s.request.request_id
-            self.scheduler.finish_request(rid, RequestStatus.FINISHED_ERROR)
-            self._forget(rid)
-            outs.append(RequestOutput(rid, s.request.prompt_token_ids, list(s.request.output_token_ids),
-                                      [], finished=True, finish_reason="error",
-                                      error=f"{type(exc).__name__}: {exc}"))
-        return outs
+    def _error_output(self, req: Request, exc: Exception) -> RequestOutput:
+        self._forget(req.request_id)
+        return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids), [],
+                             finished=True, finish_reason="error",
+                             error=f"{type(exc).__name__}: {exc}")
 
-    def _finish_landed(self, landed) -> list[RequestOutput]:
-        """Async scheduling: record and emit a step whose result the pipeline applied."""
-        self._record(landed.out, landed.res, landed.updates, landed.update_seconds,
-                     landed.num_prompt_tokens, landed.orphans)
-        # A request aborted since the step landed has no output state left: nothing to emit.
-        outs = [self._emit(u) for u in landed.updates if u.request.request_id in self.outputs.states]
-        return [o for o in outs if o is not None]
-
-    def _record(self, sched_out: SchedulerOutput, res, updates: list[StepUpdate], t_update: float,
-                num_prompt: int, orphans: tuple = ()) -> None:
+    def _record(self, landed: Landed) -> None:
+        sched_out, res, updates = landed.plan, landed.res, landed.updates
+        t_update, num_prompt = landed.update_seconds, landed.num_prompt_tokens
         t = self.times
         t.steps += 1
         t.schedule += sched_out.schedule_seconds
@@ -215,14 +225,13 @@ class LLMEngine:
         self.num_prompt_tokens_total += num_prompt
         self.num_generation_tokens_total += num_gen
         batch = res.batch
-        step = StepStats(sched_out.step_k, (*specs, *orphans), res.draft_seconds,
+        step = StepStats(sched_out.step_k, (*specs, *landed.orphans), res.draft_seconds,
                          res.forward_seconds + res.sample_seconds, sched_out.schedule_seconds,
                          num_prompt, num_gen, len(sched_out.preempted_ids),
                          self._grammar_stats(res),
                          batch.path if batch else None, batch.width_label if batch else None)
         self.counters = fold_step(self.counters, step)
         self.last_step = step
-        self.last_batch = res.batch
         if batch is not None:
             self.execution_steps[(batch.path, batch.width_label)] += 1
         for spec in specs:

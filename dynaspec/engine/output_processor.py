@@ -1,9 +1,10 @@
 """Tokens to user-facing outputs: detokenization, stop strings, timing per request.
 
-The scheduler decides when a request ends, stop strings included: it hands the tokens it is
-about to append to `check_stop`, which feeds them to the request's detokenizer (one at a time
-when the request has stop strings) and says how many to keep. `process` then only builds the
-output from text already decoded.
+The scheduler decides when a request ends, stop strings included, in the same step for every
+driver (sync, async, data parallel): for a request with stop strings it hands the tokens it is
+about to append to `check_stop`, which feeds them to the request's detokenizer one at a time and
+says how many to keep. `process` builds the output, decoding the tokens of requests without stop
+strings itself.
 """
 
 from __future__ import annotations
@@ -39,11 +40,7 @@ class OutputProcessor:
         """Decode the tokens the scheduler is about to append; when a stop string appears,
         return how many of them to keep (up to the one completing it), else None."""
         st = self.states.get(req.request_id)
-        if st is None or st.stop_hit:
-            return None
-        if not req.sampling_params.stop:
-            st.detok.feed(tokens)
-            st.text = st.detok.text
+        if st is None or st.stop_hit or not req.sampling_params.stop:
             return None
         for i, t in enumerate(tokens):  # one at a time: the same cut with or without drafts
             prev = len(st.detok.text)
@@ -59,9 +56,14 @@ class OutputProcessor:
 
     def process(self, req: Request, new_tokens: list[int], finished: bool,
                 logprobs: list | None) -> RequestOutput:
-        """The output after a step whose tokens `check_stop` has already decoded."""
+        """The output after a step: tokens of a request with stop strings were decoded by
+        `check_stop` already; the others are decoded here (off the scheduler's path, which
+        under async scheduling overlaps the next forward)."""
         st = self.states[req.request_id]
         now = time.monotonic()
+        if new_tokens and not req.sampling_params.stop:
+            st.detok.feed(new_tokens)
+            st.text = st.detok.text
         if new_tokens:
             if req.first_token_time is None:
                 req.first_token_time = now

@@ -2,14 +2,15 @@
 
 A request carries `num_computed_tokens`; the scheduler grants it the tokens it still has to
 compute (chunked under `max_num_batched_tokens`), plus a draft budget on steps where it samples.
-The draft budget (token budget and KV lookahead) is charged for the K the step will choose, not
-the plan's maximum: the policy is asked once for the step's prospective batch before the batch
-is formed, and again for the batch formed (never above what was reserved).
+`schedule()` returns the step's immutable `StepPlan`; how its K, caps and width are reserved,
+decided, clamped and described is `spec_decode/step_width.py`, which this module only calls.
 After verification, `num_computed_tokens` advances past the accepted drafts only, so the slots of
 rejected drafts are rewritten next step. Preemption is by recompute: the victim frees its blocks
 and rejoins the front of the queue; its output so far is kept and its prompt+output recomputed.
-`update` is the one place that decides a request's end (EOS, stop token, stop string through
-`stop_check`, max_tokens, max_model_len), before its blocks are cached or freed.
+The scheduler is the only writer of a request's counters: `update` applies a step's result and
+is the one place that decides a request's end (EOS, stop token, stop string through
+`stop_check`, max_tokens, max_model_len), before its blocks are cached or freed; under async
+scheduling `hold`/`release` advance and restore the counters of a step in flight.
 """
 
 from __future__ import annotations
@@ -21,34 +22,20 @@ from typing import Callable
 
 from dynaspec.config import SchedulerConfig
 from dynaspec.kv.kv_cache_manager import KVCacheManager
-from dynaspec.outputs import RequestResult, RunnerOutput, ScheduledRequest, SchedulerOutput
+from dynaspec.outputs import RequestResult, RunnerOutput
 from dynaspec.request import Request, RequestStatus
-from dynaspec.spec_decode.k_policy import (KPolicy, RequestView, StepK, StepView, drafter_gate,
-                                           hard_cap)
+from dynaspec.spec_decode import step_width as width
+from dynaspec.spec_decode.execution_plan import ExecutionPlan
+from dynaspec.spec_decode.k_policy import KPolicy
 from dynaspec.spec_decode.plan import SpecPlan
-from dynaspec.worker.execution_plan import ExecutionPlan
+from dynaspec.spec_decode.step_width import GlobalStepView, RequestView, Reserve, StepView
+from dynaspec.step_plan import ScheduledRequest, StepPlan
 
 
 # (request, tokens about to be appended) -> how many of them to keep because a stop string
-# ended the request with the last kept one, or None. The engine's output processor provides it.
+# ended the request with the last kept one, or None. The engine's output processor provides it;
+# it is called only for requests with stop strings.
 StopCheck = Callable[[Request, list[int]], "int | None"]
-
-
-@dataclass(frozen=True)
-class _Reserve:
-    """Draft slots each request may reserve this step, from the K decided for the prospective
-    batch; requests it does not name (admitted from the queue) get `k`."""
-
-    per_request: dict[str, int]
-    reasons: dict[str, str]
-    k: int
-
-    def of(self, request_id: str) -> tuple[int, str | None]:
-        n = self.per_request.get(request_id, self.k)
-        return n, (self.reasons.get(request_id, "schedule_zero") if n == 0 else None)
-
-
-_NO_RESERVE = _Reserve({}, {}, 0)
 
 
 @dataclass
@@ -61,21 +48,42 @@ class StepUpdate:
     finished: bool
 
 
+@dataclass(frozen=True)
+class Hold:
+    """A launched step's counter advance (async scheduling), undone by `release`."""
+
+    request: Request
+    advance: int  # new tokens + drafts in flight, added to num_computed_tokens
+    num_preemptions: int  # at launch: a request preempted since restarts from 0 instead
+
+
+@dataclass
+class _Row:
+    """A request being placed in the step (mutable while the step forms)."""
+
+    request: Request
+    num_new_tokens: int
+    lookahead: int
+    reason: str | None
+    sampling: bool
+
+
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager, plan: SpecPlan,
-                 policy: KPolicy | None, max_model_len: int, eos_token_ids: tuple[int, ...],
-                 drafter_max_len: int | None = None, exec_plan: ExecutionPlan | None = None) -> None:
+                 policy: KPolicy | None, max_model_len: int, eos_token_ids: tuple[int, ...], *,
+                 drafter_max_len: int | None = None, exec_plan: ExecutionPlan | None = None,
+                 stop_check: StopCheck | None = None) -> None:
         self.cfg, self.kv, self.plan, self.policy = cfg, kv, plan, policy
         self.exec_plan = exec_plan or ExecutionPlan.build(plan, cfg.max_num_seqs)
-        self._may_pad = any(self.exec_plan.path_for(*shape)[0] != "eager" for shape in self.exec_plan.grid)
+        self._may_pad = width.may_pad(self.exec_plan)
         self.max_model_len = max_model_len
         self.eos = frozenset(eos_token_ids)
         self.drafter_max_len = drafter_max_len
+        self.stop_check = stop_check
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
-        self.stop_check: StopCheck | None = None  # stop strings; set by the engine
 
     # ---- request lifecycle -------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -103,79 +111,79 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ---- schedule -----------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
-        t0 = time.perf_counter()
-        budget = self.cfg.max_num_batched_tokens
-        reserve = self._planned_reserve()
-        scheduled: list[ScheduledRequest] = []
-        preempted: list[str] = []
-        budget = self._schedule_running(scheduled, preempted, budget, reserve)
-        if not preempted:
-            self._schedule_waiting(scheduled, budget, reserve)
-        step_k = self._decide_k(scheduled, reserve.k) if self.plan.speculating else None
-        num_tokens = sum(s.num_new_tokens for s in scheduled)
-        batch = self._describe(scheduled, step_k)
-        return SchedulerOutput(scheduled, step_k, num_tokens, preempted, time.perf_counter() - t0,
-                               batch)
-
-    def _describe(self, scheduled: list[ScheduledRequest], step_k: int | None):
-        """The step's BatchDescriptor, from the plan: a decode-only step verifies width 1+K (K
-        from the plan, so the width is one of plan.widths); it may take a fixed-shape path only
-        if every request has KV slots reserved for K drafts, because there every request is
-        padded to the full width."""
-        k = step_k or 0
-        decode_only = bool(scheduled) and all(s.sampling and s.num_new_tokens == 1 for s in scheduled)
-        planned = sum(s.num_new_tokens + s.draft_budget for s in scheduled)
-        batch = self.exec_plan.descriptor(len(scheduled), 1 + k if decode_only else None, planned)
-        if batch.fixed_shape and any(s.num_lookahead < k for s in scheduled):
-            # A request reserved fewer slots than K (its cap, or the batch changed since the
-            # reservation): padding it to the full width would write past them, so run eager.
-            batch = replace(batch, path="eager", num_reqs_padded=len(scheduled),
-                            num_tokens_padded=planned)
-        if batch.fixed_shape:
-            for s in scheduled:
-                s.pad_drafts = True
-        return batch
-
-    def _planned_reserve(self) -> _Reserve:
-        """The K decision for the batch this step will most likely form: every running request
-        plus the queue up to max_num_seqs. Its caps are what the decoding requests reserve."""
-        if not self.plan.speculating:
-            return _NO_RESERVE
+    def step_view(self) -> StepView:
+        """The batch this step will most likely form: every running request plus the queue up
+        to max_num_seqs, with its decoding requests' views (what data-parallel ranks exchange)."""
         room = max(0, self.cfg.max_num_seqs - len(self.running))
         num_reqs = len(self.running) + min(len(self.waiting), room)
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        decision = self.policy.decide(StepView(tuple(map(self._view, decoding)), num_reqs,
-                                               planned=True))
-        return _Reserve(dict(decision.per_request), dict(decision.reasons), decision.k)
+        return StepView(tuple(map(self._view, decoding)), num_reqs, planned=True)
 
-    def _schedule_running(self, scheduled: list[ScheduledRequest], preempted: list[str],
-                          budget: int, reserve: _Reserve) -> int:
+    def schedule(self, global_view: GlobalStepView | None = None) -> StepPlan:
+        """The step's plan. `global_view`: under data parallelism, the step view agreed with the
+        other ranks before this call; both K decisions read it, so every rank gets one K."""
+        t0 = time.perf_counter()
+        budget = self.cfg.max_num_batched_tokens
+        reserve = width.NO_RESERVE
+        if self.plan.speculating:
+            reserve = width.reserve(self.policy, replace(self.step_view(), global_view=global_view))
+        rows: list[_Row] = []
+        preempted: list[str] = []
+        budget = self._schedule_running(rows, preempted, budget, reserve)
+        if not preempted:
+            self._schedule_waiting(rows, budget, reserve)
+        step_k, entries = self._finalize(rows, reserve.k, global_view)
+        shapes = [width.RowShape(e.num_new_tokens, e.sampling, e.draft_budget, e.num_lookahead)
+                  for e in entries]
+        return StepPlan(scheduled=tuple(entries), step_k=step_k,
+                        num_batched_tokens=sum(e.num_new_tokens for e in entries),
+                        batch=width.describe(self.exec_plan, shapes, step_k or 0),
+                        preempted_ids=tuple(preempted), schedule_seconds=time.perf_counter() - t0)
+
+    def _finalize(self, rows: list[_Row], reserved_k: int, global_view: GlobalStepView | None
+                  ) -> tuple[int | None, list[ScheduledRequest]]:
+        """Decide K for the batch formed (the verifying batch) and fix every row's cap."""
+        decision = None
+        if self.plan.speculating:
+            views = tuple(self._view(r.request) for r in rows if r.lookahead > 0)
+            view = StepView(views, len(rows), global_view)
+            decision = width.decide(self.policy, view, reserved_k)
+        entries = []
+        for r in rows:
+            budget, reason = r.lookahead, r.reason
+            if decision is not None:
+                budget, reason = width.cap(r.lookahead, r.reason, decision, r.request.request_id)
+            entries.append(ScheduledRequest(
+                request=r.request, num_new_tokens=r.num_new_tokens, draft_budget=budget,
+                skip_reason=reason, block_table=self.kv.block_table(r.request.request_id),
+                sampling=r.sampling, num_lookahead=r.lookahead))
+        return (None if decision is None else decision.k), entries
+
+    def _schedule_running(self, rows: list[_Row], preempted: list[str], budget: int,
+                          reserve: Reserve) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            la, reason = self._lookahead(req, num_new, budget, reserve)
-            while not self.kv.allocate_slots(req, num_new + la):
+            row = self._row(req, num_new, budget, reserve, req.num_computed_tokens)
+            while not self.kv.allocate_slots(req, num_new + row.lookahead):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is req:
                     return budget
-            scheduled.append(self._entry(req, num_new, la, reason))
-            budget -= num_new + la
+            rows.append(row)
+            budget -= num_new + row.lookahead
             i += 1
         return budget
 
-    def _schedule_waiting(self, scheduled: list[ScheduledRequest], budget: int,
-                          reserve: _Reserve) -> None:
+    def _schedule_waiting(self, rows: list[_Row], budget: int, reserve: Reserve) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[0]
             blocks, hit = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else ([], 0)
             num_new = min(req.num_tokens - req.num_computed_tokens - hit, budget)
-            la, reason = self._lookahead(req, num_new, budget, reserve,
-                                         computed=req.num_computed_tokens + hit)
-            if not self.kv.allocate_slots(req, num_new + la, new_computed_blocks=blocks,
+            row = self._row(req, num_new, budget, reserve, req.num_computed_tokens + hit)
+            if not self.kv.allocate_slots(req, num_new + row.lookahead, new_computed_blocks=blocks,
                                           num_new_computed_tokens=hit):
                 break
             self.waiting.popleft()
@@ -184,29 +192,18 @@ class Scheduler:
             req.num_computed_tokens += hit
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            scheduled.append(self._entry(req, num_new, la, reason))
-            budget -= num_new + la
+            rows.append(row)
+            budget -= num_new + row.lookahead
 
-    def _lookahead(self, req: Request, num_new: int, budget: int, reserve: _Reserve,
-                   computed: int | None = None) -> tuple[int, str | None]:
-        """Draft slots to reserve, and why there are none: only a request decoding one token
-        drafts (not a prefill step), as many as its reserve, if the token budget fits them."""
-        if not self.plan.speculating:
-            return 0, None
-        computed = req.num_computed_tokens if computed is None else computed
-        if num_new != 1 or computed + num_new != req.num_tokens:
-            return 0, "prefill"
-        want, reason = reserve.of(req.request_id)
-        if self._may_pad:  # a fixed-shape step pads every decoding row to 1+K: reserve them all
-            want, reason = max(want, reserve.k), (reason if reserve.k == 0 else None)
-        if want == 0:
-            return 0, reason
-        return (want, None) if budget >= 1 + want else (0, "token_budget")
-
-    def _entry(self, req: Request, num_new: int, la: int, reason: str | None) -> ScheduledRequest:
-        # draft_budget starts as the reserved lookahead; _decide_k lowers it to the step's K.
-        return ScheduledRequest(req, num_new, la, reason, self.kv.block_table(req.request_id),
-                                num_lookahead=la)
+    def _row(self, req: Request, num_new: int, budget: int, reserve: Reserve,
+             computed: int) -> _Row:
+        sampling = computed + num_new == req.num_tokens
+        la, reason = 0, None
+        if self.plan.speculating:
+            la, reason = width.lookahead(reserve, req.request_id,
+                                         decoding=num_new == 1 and sampling, budget=budget,
+                                         padding=self._may_pad)
+        return _Row(req, num_new, la, reason, sampling)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -219,7 +216,7 @@ class Scheduler:
 
     def _view(self, r: Request) -> RequestView:
         # Async scheduling: a step in flight emits at least one token, so caps are computed for
-        # one (an upper bound on the true caps; recap_drafts lowers them once its tokens land).
+        # one (an upper bound on the true caps; `revise` lowers them once its tokens land).
         inflight = 1 if r.num_placeholders else 0
         ctx = r.num_tokens - r.num_placeholders + inflight
         room = None if self.drafter_max_len is None else self.drafter_max_len - ctx
@@ -227,25 +224,8 @@ class Scheduler:
                            r.sampling_params.max_tokens - r.num_output_tokens - inflight,
                            self.max_model_len - ctx, room)
 
-    def _decide_k(self, scheduled: list[ScheduledRequest], reserved_k: int) -> int:
-        """Apply the K policy to the batch just formed: the verifying batch is this batch. Its K
-        never exceeds the K whose slots were reserved (the batch can differ from the planned
-        one), so every decoding request has KV for the step's width."""
-        views = [self._view(s.request) for s in scheduled if s.draft_budget > 0]
-        decision = self.policy.decide(StepView(tuple(views), len(scheduled)))
-        if decision.k > reserved_k:
-            decision = _clamped(decision, reserved_k)
-        for s in scheduled:
-            if s.draft_budget == 0:
-                continue
-            rid = s.request.request_id
-            s.draft_budget = min(s.draft_budget, decision.per_request.get(rid, decision.k))
-            if s.draft_budget == 0:
-                s.skip_reason = decision.reasons.get(rid, "schedule_zero")
-        return decision.k
-
     # ---- update -------------------------------------------------------------------------
-    def update(self, out: SchedulerOutput, res: RunnerOutput) -> list[StepUpdate]:
+    def update(self, out: StepPlan, res: RunnerOutput) -> list[StepUpdate]:
         """Append verified tokens, roll back rejected drafts, cache verified blocks, finish requests."""
         updates = []
         if self.policy is not None:
@@ -277,14 +257,14 @@ class Scheduler:
             updates.append(StepUpdate(req, emitted, r, status is not None))
         return updates
 
-    def _observe_step(self, out: SchedulerOutput, res: RunnerOutput) -> None:
+    def _observe_step(self, out: StepPlan, res: RunnerOutput) -> None:
         """Feed a pure decode/verify step's timing to the policy's cost model (before the
         step's tokens are appended, so contexts are the ones the decision saw)."""
         if not out.scheduled or any(not s.sampling or s.num_new_tokens != 1 for s in out.scheduled):
             return  # prefill chunks in the step: not the shape the cost model describes
         ctx = -(-sum(s.request.num_tokens for s in out.scheduled) // len(out.scheduled))
-        verified = [r.num_draft_tokens + r.num_padding_tokens for r in res.results]
-        self.policy.observe_step(len(out.scheduled), ctx, 1 + max(verified), res.forward_seconds
+        # The width the runner laid out from the plan before the forward, not re-derived here.
+        self.policy.observe_step(len(out.scheduled), ctx, res.verified_width, res.forward_seconds
                                  + res.sample_seconds + res.prepare_seconds, res.draft_seconds,
                                  sum(r.num_draft_tokens for r in res.results),
                                  sum(len(r.token_ids) for r in res.results))
@@ -304,7 +284,9 @@ class Scheduler:
                 n, status = i + 1, RequestStatus.FINISHED_LENGTH
                 break
         emitted = tokens[:n]
-        kept = self.stop_check(req, emitted) if self.stop_check is not None else None
+        kept = None
+        if self.stop_check is not None and sp.stop:  # the one stop-string check, every driver
+            kept = self.stop_check(req, emitted)
         if kept is not None:  # a stop string ended with token kept-1 (stop_check set stop_reason)
             emitted, status = emitted[:kept], RequestStatus.FINISHED_STOPPED
         req.output_token_ids.extend(emitted)
@@ -320,37 +302,51 @@ class Scheduler:
             self.finish_request(req.request_id, status)
         return StepUpdate(req, emitted, r, status is not None)
 
-    def recap_drafts(self, out: SchedulerOutput) -> None:
-        """`out` was formed while the previous step was in flight, with caps for its fewest
-        tokens. Now that they are known, lower each draft budget to the exact cap (max_tokens,
-        max_model_len, drafter length); the slots cut are placeholders that turned out skipped:
-        invalid `async_placeholder`, never drafts."""
-        if out.step_k is None:
-            return
-        for s in out.scheduled:
-            if s.draft_budget == 0:
+    def revise(self, plan: StepPlan) -> StepPlan:
+        """`plan` was formed while the previous step was in flight; that step has landed. Drop
+        the requests that ended since (they never drafted: nothing of them runs) and lower each
+        draft cap to the exact one (step_width.recap_cap); the slots cut are placeholders that
+        turned out skipped: invalid `async_placeholder`, never drafts. A new plan; the width
+        and path stay as planned."""
+        kept = []
+        for s in plan.scheduled:
+            if s.request.status is not RequestStatus.RUNNING:
                 continue
-            view = self._view(s.request)
-            cap, why = drafter_gate(*hard_cap(out.step_k, view), view)
-            if cap < s.draft_budget:
-                s.num_async_invalid += s.draft_budget - cap
-                s.draft_budget = cap
-                if cap == 0:
-                    s.skip_reason = why
+            if plan.step_k is not None and s.draft_budget > 0:
+                cap, why, cut = width.recap_cap(plan.step_k, self._view(s.request), s.draft_budget)
+                if cut:
+                    s = replace(s, draft_budget=cap, skip_reason=why,
+                                num_async_invalid=s.num_async_invalid + cut)
+            kept.append(s)
+        return replace(plan, scheduled=tuple(kept))
 
-    def end_at_stop_string(self, req: Request, num_drop: int) -> None:
-        """A stop string was found (one step late: stop strings are checked while the next
-        step runs) in the tokens appended last for `req`: drop the `num_drop` after it and
-        finish the request, "stop" even if that step had also ended it by length."""
-        if num_drop:
-            del req.output_token_ids[-num_drop:]
-        if req.request_id in self.requests:
-            self.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
-        else:
-            req.status = RequestStatus.FINISHED_STOPPED
+    def hold(self, plan: StepPlan, num_drafts: dict[str, int]) -> tuple[Hold, ...]:
+        """A step launched before the previous one's outputs are applied: advance each request's
+        counters as if every draft in its row were accepted (`num_computed_tokens += new +
+        drafts`; a sampling request holds `1 + drafts` placeholder tokens, which `num_tokens`
+        counts), so the next schedule reserves KV for the longest outcome."""
+        holds = []
+        for s in plan.scheduled:
+            req = s.request
+            d = num_drafts.get(req.request_id, 0) if s.sampling else 0
+            if s.sampling:
+                req.num_placeholders = 1 + d
+            req.num_computed_tokens += s.num_new_tokens + d
+            holds.append(Hold(req, s.num_new_tokens + d, req.num_preemptions))
+        return tuple(holds)
 
+    def release(self, holds: tuple[Hold, ...]) -> None:
+        """Undo `hold` before the step's result is applied (`update` then rolls back exactly)."""
+        for h in holds:
+            h.request.num_placeholders = 0
+            if h.request.num_preemptions == h.num_preemptions:  # preempted: restarts from 0
+                h.request.num_computed_tokens -= h.advance
 
-def _clamped(d: StepK, k: int) -> StepK:
-    """The decision with its K lowered to `k` (a K the plan produced for the reservation)."""
-    per = {rid: min(c, k) for rid, c in d.per_request.items()}
-    return StepK(k, per, d.reasons, d.ctx_stat)
+    def fail(self, plan: StepPlan) -> list[Request]:
+        """A step raised: finish its requests that are still live with an error (their blocks
+        are freed; the engine keeps serving the others). Returns them."""
+        failed = []
+        for s in plan.scheduled:
+            if self.finish_request(s.request.request_id, RequestStatus.FINISHED_ERROR) is not None:
+                failed.append(s.request)
+        return failed

@@ -3,7 +3,7 @@
 The goodput policy (``goodput_policy.py``) needs to know what a wider verify costs *here*: on a
 memory-bound batch-1 decode one more verified token is almost free, on a compute-bound batch of
 64 it costs nearly a full token. The model is a grid measured (in part) and checked at start-up
-(``engine/cost_profile``), cached on disk cell by cell (``cost_cache``), or injected as a fixed
+(``spec_decode/cost_profile``), cached on disk cell by cell (``cost_cache``), or injected as a fixed
 table (``SpecConfig.cost_table``). While serving, every decode step the engine runs refreshes
 the grid point nearest to it by an exponential moving average (not an injected table's), so a
 noisy start or a changed load is corrected from the step times actually seen.

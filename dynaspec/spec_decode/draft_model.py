@@ -15,6 +15,7 @@ import torch
 
 from dynaspec.attention.paged import build_metadata
 from dynaspec.kv.kv_cache_manager import KVCacheManager
+from dynaspec.kv.sizing import num_kv_blocks
 from dynaspec.models.llama import LlamaModel
 from dynaspec.request import Request
 from dynaspec.sample.metadata import SamplingMetadata
@@ -51,16 +52,16 @@ class DraftModelProposer(Proposer):
     uses_grammar = True
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, max_len: int,
-                 seed: int = 0) -> None:
+                 seed: int = 0, grammar=None) -> None:  # type: ignore[no-untyped-def]
         self.model, self.block_size, self.max_len = model, block_size, max_len
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
         self.kv_caches = model.allocate_kv(num_blocks * block_size)
         self.num_kv_tokens = num_blocks * block_size
         self.seqs: dict[str, _DraftSeq] = {}
         self.seed = seed
-        # Structured output: set by the builder; masks drafts like the target's (mask_draft_logits,
-        # accept_draft, end_drafts), so a grammar request's drafts follow its grammar.
-        self.grammar = None
+        # Structured output (the StructuredOutputManager): masks drafts like the target's
+        # (mask_draft_logits, accept_draft, end_drafts), so a grammar request's drafts follow it.
+        self.grammar = grammar
 
     @property
     def k_limit(self) -> int:
@@ -69,9 +70,8 @@ class DraftModelProposer(Proposer):
         return max(0, self.max_len - 1)
 
     @staticmethod
-    def load(path: str, config, target_vocab: int, device: torch.device,
-             dtype: torch.dtype) -> "DraftModelProposer":
-        from dynaspec.engine.builder import num_kv_blocks
+    def load(path: str, config, target_vocab: int, device: torch.device,  # type: ignore[no-untyped-def]
+             dtype: torch.dtype, grammar=None) -> "DraftModelProposer":
         from dynaspec.models.loader import load_model_files
 
         loaded = load_model_files(path)
@@ -84,7 +84,7 @@ class DraftModelProposer(Proposer):
         cc = config.cache
         blocks = num_kv_blocks(cc.kv_cache_memory_gb, cc.num_kv_blocks, model.kv_bytes_per_token(),
                                cc.block_size)
-        return DraftModelProposer(model, blocks, cc.block_size, max_len, config.model.seed)
+        return DraftModelProposer(model, blocks, cc.block_size, max_len, config.model.seed, grammar)
 
     def forget(self, request_id: str) -> None:
         seq = self.seqs.pop(request_id, None)

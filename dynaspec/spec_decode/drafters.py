@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -26,15 +27,17 @@ class DrafterBuild:
 
 
 def build_drafter(config: EngineConfig, vocab_size: int, device: torch.device,
-                  dtype: torch.dtype) -> DrafterBuild:
+                  dtype: torch.dtype, grammar: Any = None) -> DrafterBuild:
+    """`grammar` (the structured-output manager) reaches drafters that draft under a
+    request's grammar (`Proposer.uses_grammar`)."""
     from dynaspec.registry import SPECULATORS
 
     factory = SPECULATORS.load(config.spec.speculator)
-    return factory(config, vocab_size, device, dtype)
+    return factory(config, vocab_size, device, dtype, grammar)
 
 
 def build_ngram(config: EngineConfig, vocab_size: int, device: torch.device,
-                dtype: torch.dtype) -> DrafterBuild:
+                dtype: torch.dtype, grammar: Any = None) -> DrafterBuild:
     from dynaspec.spec_decode.ngram import NgramProposer
 
     sc = config.spec
@@ -42,7 +45,7 @@ def build_ngram(config: EngineConfig, vocab_size: int, device: torch.device,
 
 
 def build_suffix(config: EngineConfig, vocab_size: int, device: torch.device,
-                 dtype: torch.dtype) -> DrafterBuild:
+                 dtype: torch.dtype, grammar: Any = None) -> DrafterBuild:
     from dynaspec.spec_decode.suffix import SuffixParams, SuffixProposer, memory_bound_bytes
 
     sc = config.spec
@@ -56,8 +59,9 @@ def build_suffix(config: EngineConfig, vocab_size: int, device: torch.device,
 
 
 def build_draft_model(config: EngineConfig, vocab_size: int, device: torch.device,
-                      dtype: torch.dtype) -> DrafterBuild:
+                      dtype: torch.dtype, grammar: Any = None) -> DrafterBuild:
     from dynaspec.spec_decode.draft_model import DraftModelProposer
 
-    prop = DraftModelProposer.load(config.spec.draft_model, config, vocab_size, device, dtype)
+    prop = DraftModelProposer.load(config.spec.draft_model, config, vocab_size, device, dtype,
+                                   grammar)
     return DrafterBuild(prop, prop.num_kv_tokens, prop.max_len)

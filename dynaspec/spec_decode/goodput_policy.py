@@ -44,6 +44,7 @@ from dynaspec.spec_decode.cost_model import StepCostModel
 from dynaspec.spec_decode.k_policy import (AcceptanceHistory, RequestView, StepK, StepView,
                                            TablePolicy, drafter_gate, hard_cap)
 from dynaspec.spec_decode.plan import SpecPlan
+from dynaspec.spec_decode.step_width import runnable_k
 
 log = logging.getLogger("dynaspec")
 
@@ -197,7 +198,8 @@ class GoodputPolicy(TablePolicy):
             if value > best * (1 + 1e-9):
                 best_k, best = k, value
         if best_k == 0 and self.reprobe_pending:
-            best_k, fixed = self._runnable_k(1), {}  # the guard's re-probe: one narrow K>0 step
+            # the guard's re-probe: one narrow K>0 step
+            best_k, fixed = runnable_k(1, self.allowed_widths), {}
         self.last_modelled_goodput = best
         return self._step_k(best_k, ctx, caps, fixed, g is not None)
 
@@ -238,7 +240,7 @@ class GoodputPolicy(TablePolicy):
         per = self._per_request(caps, fixed, k)
         tokens = sum(1.0 + self._rates(r).expected_accepted(per[r.request_id]) for r in view.requests)
         drafted = sum(per.values())
-        width = 1 + self._runnable_k(max(per.values(), default=0))
+        width = 1 + runnable_k(max(per.values(), default=0), self.allowed_widths)
         return tokens / (cost(width) + self.draft_seconds_per_token * drafted)
 
     def _step_k(self, k: int, ctx: int, caps: dict, fixed: dict[str, int],
@@ -254,10 +256,5 @@ class GoodputPolicy(TablePolicy):
                 reasons[rid] = why
         # The step's K: the widest any request verifies, rounded up to a width the plan runs;
         # under DP it is the K every rank agreed on (this rank's requests may all verify less).
-        k = k if agreed else self._runnable_k(max(per.values(), default=0))
+        k = k if agreed else runnable_k(max(per.values(), default=0), self.allowed_widths)
         return StepK(k, per, reasons, ctx)
-
-    def _runnable_k(self, k: int) -> int:
-        if k == 0 or self.allowed_widths is None:
-            return k
-        return min((w - 1 for w in self.allowed_widths if w - 1 >= k), default=k)

@@ -27,11 +27,12 @@ Per-request caps, each recorded with its reason for the metrics (``draft_skips{r
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Protocol
 
 from dynaspec.spec_decode.plan import SpecPlan
+# The step view and the per-request caps live with the rest of the width logic.
+from dynaspec.spec_decode.step_width import (GlobalStepView, RequestView, StepK, StepView,  # noqa: F401
+                                             context_statistic, drafter_gate, hard_cap)
 
 class AcceptanceHistory:
     """Per request: EMA of the conditional acceptance rate at each draft position.
@@ -82,78 +83,8 @@ class AcceptanceHistory:
         return total
 
 
-@dataclass(frozen=True)
-class RequestView:
-    request_id: str
-    context_len: int  # tokens already in context (prompt + output)
-    remaining_tokens: int  # max_tokens - num_output_tokens
-    max_model_len_room: int  # max_model_len - context_len
-    drafter_room: int | None = None  # positions the drafter can still take; None = unlimited
-    history: AcceptanceHistory | None = None
-
-
-@dataclass(frozen=True)
-class GlobalStepView:
-    """The step summed over every data-parallel rank (docs/design.md §7), all-reduced before deciding.
-
-    Under data parallelism the step's K is a function of this view (and of state every rank
-    holds identically), so all ranks choose one K; per-request caps still come from each rank's
-    own ``StepView.requests``.
-    """
-
-    num_reqs: int  # requests in the step on all ranks, prefill included
-    num_decoding: int  # decoding requests on all ranks
-    sum_ctx: int  # sum of their contexts
-    max_ctx: int  # the longest of them (reported; the K lookup uses the mean, as single-rank)
-    max_rank_reqs: int  # requests on the busiest rank: the lockstep step runs at its pace
-
-    @property
-    def ctx_stat(self) -> int:
-        """The same statistic as ``context_statistic``, over every rank's decoding requests."""
-        return max(1, -(-self.sum_ctx // self.num_decoding)) if self.num_decoding else 1
-
-
-@dataclass(frozen=True)
-class StepView:
-    requests: tuple[RequestView, ...]  # decoding requests of this step (prefill chunks excluded)
-    num_reqs: int  # requests in the step, prefill included
-    global_view: GlobalStepView | None = None  # set under data parallelism (dynaspec/dp)
-    # True for the scheduler's reservation decision (the batch it expects, before it forms);
-    # False for the decision on the batch that verifies. Under DP each is agreed separately.
-    planned: bool = False
-
-    @property
-    def batch_size(self) -> int:
-        """The batch axis of the K lookup: this step's requests, on every rank under DP."""
-        return self.num_reqs if self.global_view is None else self.global_view.num_reqs
-
-    @property
-    def ctx_stat(self) -> int:
-        """The context axis of the K lookup (module docstring), on every rank under DP."""
-        if self.global_view is None:
-            return context_statistic(self.requests)
-        return self.global_view.ctx_stat
-
-    def __post_init__(self) -> None:
-        if self.num_reqs < len(self.requests):
-            raise ValueError(f"num_reqs {self.num_reqs} < {len(self.requests)} decoding requests")
-        ids = [r.request_id for r in self.requests]
-        if len(set(ids)) != len(ids):
-            raise ValueError(f"duplicate request ids in a step: {sorted(i for i in ids if ids.count(i) > 1)}")
-
-
-@dataclass(frozen=True)
-class StepK:
-    k: int  # the step's K from the plan
-    per_request: dict[str, int]  # request_id -> drafts allowed this step (<= k)
-    reasons: dict[str, str]  # request_id -> why its cap is below k (metrics.stats.SKIP_REASONS)
-    ctx_stat: int  # the context statistic used for the lookup
-
-
 class KPolicy(Protocol):
     """``decide`` is pure; the ``observe*``/``forget`` writers run after a step's result."""
-
-    num_reprobes: int
 
     def decide(self, view: StepView) -> StepK: ...
 
@@ -165,31 +96,6 @@ class KPolicy(Protocol):
     def forget(self, request_id: str) -> None: ...
 
     def num_cached(self) -> int: ...
-
-
-def context_statistic(requests: tuple[RequestView, ...]) -> int:
-    """Mean context of the decoding requests, rounded up (module docstring says why)."""
-    if not requests:
-        return 1
-    return max(1, math.ceil(sum(r.context_len for r in requests) / len(requests)))
-
-
-def hard_cap(k: int, r: RequestView) -> tuple[int, str | None]:
-    """The request's cap from the step's K and its length limits, with the binding reason."""
-    if k == 0:
-        return 0, "schedule_zero"
-    cap, reason = k, None
-    for limit, why in ((r.remaining_tokens - 1, "max_tokens"), (r.max_model_len_room - 1, "max_model_len")):
-        if limit < cap:
-            cap, reason = max(0, limit), why
-    return cap, reason
-
-
-def drafter_gate(cap: int, reason: str | None, r: RequestView) -> tuple[int, str | None]:
-    """A request whose drafts would overflow the drafter gets 0 this step, and only it."""
-    if cap > 0 and r.drafter_room is not None and r.drafter_room < cap:
-        return 0, "drafter_length"
-    return cap, reason
 
 
 def _step_k(k: int, ctx: int, caps: dict[str, tuple[int, str | None]]) -> StepK:

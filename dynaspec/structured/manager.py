@@ -16,7 +16,7 @@ from typing import Sequence
 
 import torch
 
-from dynaspec.outputs import ScheduledRequest
+from dynaspec.step_plan import ScheduledRequest
 from dynaspec.request import Request
 from dynaspec.structured.backend import GrammarBackend, Matcher, allocate_bitmask, load_backend
 from dynaspec.structured.params import StructuredOutputParams

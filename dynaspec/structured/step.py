@@ -5,10 +5,11 @@ must be masked with the grammar state after the accepted output plus d_0..d_{j-1
 state non-speculative decoding would be in at that position, so constrained greedy output with
 speculation equals constrained greedy output without it. `add` walks the drafts through the
 matcher: at position j it fills row j's bitmask, and stops at the first draft that mask rejects
-(the rest are cut and counted `invalid{grammar}`; a -1 pad ends the real drafts and is left as
-is). The matcher then holds the state after the valid drafts; `commit` rolls back the drafts the
-verifier rejected and accepts the one recovered/bonus token, so the state only ever covers
-accepted output.
+(the rest are cut and counted `invalid{grammar}`). Drafts reach `add` unpadded: on a fixed-shape
+step the runner pads the row back to the planned width after the cut, and `mask` leaves the pad
+rows past the first one unmasked (their logits are never sampled). The matcher then holds the
+state after the valid drafts; `commit` rolls back the drafts the verifier rejected and accepts
+the one recovered/bonus token, so the state only ever covers accepted output.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dynaspec.structured.backend import GrammarBackend, Matcher, allocate_bitmas
 
 @dataclass
 class _Entry:
-    index: int  # position in SchedulerOutput.scheduled
+    index: int  # position in StepPlan.scheduled
     request_id: str
     matcher: Matcher
     num_fed: int  # valid drafts the matcher advanced over
@@ -49,12 +50,12 @@ class GrammarStep:
             if m.is_terminated():  # after an accepted stop token nothing more is allowed
                 break
             m.fill_bitmask(bitmask, j)
-            if j == len(d) or d[j] < 0 or not is_allowed(bitmask, j, d[j]):
+            if j == len(d) or not is_allowed(bitmask, j, d[j]):
                 break
             if not m.accept(d[j]):
                 raise RuntimeError(f"grammar matcher refused draft {d[j]} its own bitmask allowed")
             fed += 1
-        invalid = sum(1 for t in d[fed:] if t >= 0)
+        invalid = len(d) - fed
         if invalid:
             d = d[:fed]
             bitmask = bitmask[: fed + 1]
@@ -70,16 +71,18 @@ class GrammarStep:
 
     def mask(self, logits: torch.Tensor, sampling: list[tuple[int, int]]) -> None:
         """Mask grammar rows of `logits` [R, vocab] in place; `sampling` is the runner's row
-        layout: per sampling request in order, (scheduled index, drafts verified)."""
+        layout: per sampling request in order, (scheduled index, drafts verified, pads
+        included). Rows past a row's checked drafts + 1 are pads' rows: left unmasked."""
         t0 = time.perf_counter()
         rows, spans, start = [], [], 0
         for i, n in sampling:
             e = self.entries.get(i)
             if e is not None:
-                if e.bitmask.shape[0] != n + 1:
+                checked = e.bitmask.shape[0]  # valid drafts + 1
+                if checked > n + 1:
                     raise RuntimeError(f"request {e.request_id!r}: {n} drafts verified but the "
-                                       f"grammar checked {e.bitmask.shape[0] - 1}")
-                rows.extend(range(start, start + n + 1))
+                                       f"grammar checked {checked - 1}")
+                rows.extend(range(start, start + checked))
                 spans.append((start, e.bitmask))
             start += n + 1
         if len(rows) == logits.shape[0]:  # every row is constrained: no gather needed

@@ -1,21 +1,22 @@
-"""Turns a SchedulerOutput into one target forward: drafts, flat inputs, logits, verification.
+"""Turns a StepPlan into one target forward: drafts, flat inputs, logits, verification.
 
 Drafters that need nothing from the target (n-gram, a draft model) run here, after the batch is
 formed and before the forward, so the K chosen for a batch is the K that batch verifies.
 A request with d drafts gets d+1 logits rows in the same forward as everyone else's prefill
 chunks and decodes; the rejection sampler returns accepted drafts plus one token per request.
 
-The step's shape and path come from the scheduler's `BatchDescriptor`, never from the inputs:
-on a fixed-shape path every request's drafts are padded to width-1 with -1 and the rows to
-`num_reqs_padded`, and the fixed-shape executor (torch.compile / CUDA graphs) runs it over the
-persistent input buffers; otherwise the eager attention backend runs the ragged batch.
+The step's shape and path come from the plan's `BatchDescriptor`, never from the inputs: on a
+fixed-shape path every request's drafts (after the grammar's cut) are padded to width-1 with -1
+(`step_width.pad_row`) and the rows to `num_reqs_padded`, and the fixed-shape executor
+(torch.compile / CUDA graphs) runs it over the persistent input buffers; otherwise the eager
+attention backend runs the ragged batch. The runner never changes a width: it reports per
+request what was drafted, verified and accepted.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -23,30 +24,21 @@ import torch
 
 from dynaspec.attention.backend import AttentionBatch
 from dynaspec.models.llama import LlamaModel
-from dynaspec.outputs import BatchDescriptor, RequestResult, RunnerOutput, SchedulerOutput
+from dynaspec.outputs import RequestResult, RunnerOutput
 from dynaspec.request import Request
 from dynaspec.sample.logits_processor import LogitsProcessing
 from dynaspec.sample.metadata import SamplingMetadata
-from dynaspec.sample.rejection_sampler import SyntheticVerifier, rejection_sample
+from dynaspec.sample.rejection_sampler import rejection_sample
+from dynaspec.sample.synthetic import SyntheticVerifier
 from dynaspec.sample.sampler import Sampler
+from dynaspec.spec_decode import step_width as width
 from dynaspec.spec_decode.base import Drafts, Proposer
+from dynaspec.step_plan import BatchDescriptor, StepPlan
 from dynaspec.structured.manager import StructuredOutputManager
 from dynaspec.worker.compiled import FixedShapeExecutor
 from dynaspec.worker.input_buffers import InputBuffers
 
 log = logging.getLogger("dynaspec")
-
-PAD = -1  # never a real token id: rejected by the verifier, counted as invalid "padding"
-
-
-def _pad_probs(p: torch.Tensor, n: int) -> torch.Tensor:
-    """Draft probs [d, vocab] -> [n, vocab]. Pad rows are zero: a pad is never accepted, and if
-    every real draft was accepted the token sampled at the first pad must come from
-    max(p - 0, 0) = p, the target itself, exactly as the bonus token would without padding."""
-    if p.shape[0] >= n:
-        return p[:n]
-    return torch.cat([p, p.new_zeros(n - p.shape[0], p.shape[1])])
-
 
 @dataclass
 class StepInputs:
@@ -65,12 +57,14 @@ class StepInputs:
 class PreparedStep:
     """A step ready for the forward: built from the requests on the engine thread."""
 
-    out: SchedulerOutput
+    out: StepPlan
     batch: BatchDescriptor
     inputs: StepInputs
     drafts: dict[str, list[int]]  # request id -> the row's draft ids (-1 pads included)
     draft_probs: dict[str, torch.Tensor | None]
     draft_skips: dict[str, str]
+    num_valid: dict[str, int]  # request id -> real drafts in its row (after the grammar's cut)
+    num_cut: dict[str, int]  # request id -> drafts the grammar cut
     grammar: Any  # structured output's per-step state, or None
     sampling_md: SamplingMetadata | None  # None when no request samples this step
     logits_proc: LogitsProcessing | None = None  # penalties, logit_bias, min_tokens, bans
@@ -83,7 +77,8 @@ class ModelRunner:
                  proposer: Proposer | None, seed: int, buffers: InputBuffers | None = None,
                  executor: FixedShapeExecutor | None = None,
                  synthetic: SyntheticVerifier | None = None,
-                 structured: StructuredOutputManager | None = None) -> None:
+                 structured: StructuredOutputManager | None = None,
+                 eos_token_ids: tuple[int, ...] = ()) -> None:
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         self.device = model.device
         self.proposer = proposer
@@ -94,8 +89,7 @@ class ModelRunner:
         self.structured = structured
         self.buffers = buffers
         self.executor = executor
-        self.steps_by_path: Counter = Counter()  # (path, width label) -> steps actually run
-        self.eos_token_ids: tuple[int, ...] = ()  # set by the engine: min_tokens bans them
+        self.eos_token_ids = eos_token_ids  # min_tokens bans them
 
     def forget(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
@@ -116,8 +110,9 @@ class ModelRunner:
             self.generators[req.request_id] = g
         return g
 
-    def _draft(self, out: SchedulerOutput, batch: BatchDescriptor
+    def _draft(self, out: StepPlan
                ) -> tuple[dict[str, list[int]], dict[str, torch.Tensor | None], dict[str, str]]:
+        """Real drafts only, at most each request's cap; padding comes after the grammar."""
         tokens, probs, skips = {}, {}, {}
         idx = [i for i, s in enumerate(out.scheduled) if s.draft_budget > 0]
         if idx and self.proposer is not None:
@@ -129,37 +124,44 @@ class ModelRunner:
                     d = self.synthetic.cut(d)  # no coin-flip EOS (see SyntheticVerifier)
                 if d:
                     tokens[req.request_id] = d
-                    p = drafts.probs[j] if drafts.probs is not None else None
-                    probs[req.request_id] = p
+                    probs[req.request_id] = drafts.probs[j] if drafts.probs is not None else None
                 else:
                     skips[req.request_id] = drafts.skip_reasons[j] or "no_match"
-        if batch.fixed_shape:  # every request verifies exactly `width`: pad with -1
-            for s in out.scheduled:
-                rid, d = s.request.request_id, tokens.get(s.request.request_id, [])
-                if s.pad_drafts and s.sampling and len(d) < batch.width - 1:
-                    tokens[rid] = d + [PAD] * (batch.width - 1 - len(d))
-        for rid, p in probs.items():
-            if p is not None:
-                probs[rid] = _pad_probs(p, len(tokens[rid]))
         return tokens, probs, skips
 
-    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+    @staticmethod
+    def _pad(out: StepPlan, tokens: dict[str, list[int]], probs: dict) -> None:
+        """On a fixed-shape step every sampling row verifies exactly the planned width."""
+        if out.batch.fixed_shape:
+            for s in out.scheduled:
+                if s.sampling:
+                    rid = s.request.request_id
+                    tokens[rid] = width.pad_row(tokens.get(rid, []), out.batch.width)
+        for rid, p in probs.items():
+            if p is not None:
+                probs[rid] = width.pad_probs(p, len(tokens[rid]))
+
+    def execute(self, out: StepPlan) -> RunnerOutput:
         return self.run(self.prepare(out))
 
-    def prepare(self, out: SchedulerOutput) -> PreparedStep:
-        """Drafts, grammar cuts, flat inputs and sampling state: everything read from requests.
-        Runs on the engine thread; `run` then reads only the PreparedStep (async scheduling
-        runs it on a worker thread while the engine mutates requests)."""
+    def prepare(self, out: StepPlan) -> PreparedStep:
+        """Drafts, grammar cuts, padding, flat inputs and sampling state: everything read from
+        requests. Runs on the engine thread; `run` then reads only the PreparedStep (async
+        scheduling runs it on a worker thread while the engine mutates requests)."""
         t0 = time.perf_counter()
         if self.proposer is not None:
             for rid in out.preempted_ids:
                 self.proposer.preempt(rid)  # a preempted request must not keep drafter KV blocks
-        batch = out.batch or BatchDescriptor("eager", out.num_reqs, None, 0)
-        drafts, draft_probs, draft_skips = self._draft(out, batch)
+        drafts, draft_probs, draft_skips = self._draft(out)
         t1 = time.perf_counter()
-        # Structured output: cut grammar-invalid drafts before they are verified (docs/design.md §7c).
+        num_real = {rid: len(d) for rid, d in drafts.items()}
+        # Structured output: cut grammar-invalid drafts before they are verified (docs/design.md §7c);
+        # the row is padded back to the planned width after the cut.
         grammar = self.structured.begin_step(out.scheduled, drafts, draft_probs) \
             if self.structured is not None else None
+        num_valid = {rid: len(d) for rid, d in drafts.items()}
+        num_cut = {rid: n - num_valid.get(rid, 0) for rid, n in num_real.items()}
+        self._pad(out, drafts, draft_probs)
         inputs = self._flatten(out, drafts)
         reqs = [out.scheduled[i].request for i, _ in inputs.sampling]
         md = SamplingMetadata.from_params([r.sampling_params for r in reqs],
@@ -167,8 +169,8 @@ class ModelRunner:
             if reqs else None
         # After the grammar cut: rows are processed with the drafts they actually verify.
         proc = LogitsProcessing.build(reqs, inputs.sampling, drafts, self.eos_token_ids)
-        return PreparedStep(out, batch, inputs, drafts, draft_probs, draft_skips, grammar, md,
-                            proc, t1 - t0, time.perf_counter() - t1)
+        return PreparedStep(out, out.batch, inputs, drafts, draft_probs, draft_skips, num_valid,
+                            num_cut, grammar, md, proc, t1 - t0, time.perf_counter() - t1)
 
     def run(self, p: PreparedStep) -> RunnerOutput:
         """The target forward and verification of a prepared step."""
@@ -183,14 +185,15 @@ class ModelRunner:
         if p.grammar is not None:
             p.grammar.commit(results)
         t4 = time.perf_counter()
-        self.steps_by_path[(batch.path, batch.width_label)] += 1
-        res = RunnerOutput(results, p.prepare_seconds + (t2 - t_run), p.draft_seconds, t3 - t2,
-                           t4 - t3, batch)
+        res = RunnerOutput(results, prepare_seconds=p.prepare_seconds + (t2 - t_run),
+                           draft_seconds=p.draft_seconds, forward_seconds=t3 - t2,
+                           sample_seconds=t4 - t3, batch=batch,
+                           verified_width=1 + max((n for _, n in p.inputs.sampling), default=0))
         if p.grammar is not None:
             res.grammar_seconds, res.grammar_rows = p.grammar.seconds, p.grammar.num_rows
         return res
 
-    def _flatten(self, out: SchedulerOutput, drafts: dict[str, list[int]]) -> StepInputs:
+    def _flatten(self, out: StepPlan, drafts: dict[str, list[int]]) -> StepInputs:
         x = StepInputs()
         for i, s in enumerate(out.scheduled):
             req, c = s.request, s.request.num_computed_tokens
@@ -288,13 +291,15 @@ class ModelRunner:
         for (i, n), req, toks in zip(sampling, reqs, tokens):
             r = results[i]
             r.token_ids = toks
-            pads = sum(1 for t in drafts.get(req.request_id, ()) if t == PAD)
-            r.num_draft_tokens, r.num_accepted_tokens = n - pads, len(toks) - 1
-            # Async: budgeted slots that turned invalid are pads on a fixed-shape row (and not
-            # in the row at all on eager); they are counted apart from padding.
+            rid = req.request_id
+            valid = p.num_valid.get(rid, 0)
+            r.num_draft_tokens, r.num_accepted_tokens = valid, len(toks) - 1
+            # Slots cut (by the grammar, or found invalid under async scheduling) are pads on a
+            # fixed-shape row and not in the row at all on eager; each counts under its reason.
             r.num_async_invalid_tokens = out.scheduled[i].num_async_invalid
-            r.num_padding_tokens = pads - min(pads, r.num_async_invalid_tokens)
-            if n - pads == 0 and r.skip_reason is None and not pads:
+            r.num_padding_tokens = width.num_padding(n, valid, p.num_cut.get(rid, 0)
+                                                     + r.num_async_invalid_tokens)
+            if valid == 0 and r.skip_reason is None and n == 0:
                 r.skip_reason = p.draft_skips.get(req.request_id)
             if req.sampling_params.logprobs is not None:
                 r.logprobs = _logprobs(logits[row: row + len(toks)], toks, req.sampling_params.logprobs)

@@ -96,13 +96,13 @@ def tiny_draft_dir(tiny_llama_dir, tmp_path_factory) -> str:
 
 
 def watch_steps(llm) -> list:
-    """Record every step's (SchedulerOutput, RunnerOutput) as the engine runs it."""
-    seen, orig = [], llm.engine.runner.execute
+    """Record every step's (StepPlan, RunnerOutput) as the engine runs it."""
+    seen, orig = [], llm.engine.runner.run
 
-    def execute(out):
-        res = orig(out)
-        seen.append((out, res))
+    def run(prepared):
+        res = orig(prepared)
+        seen.append((prepared.out, res))
         return res
 
-    llm.engine.runner.execute = execute
+    llm.engine.runner.run = run
     return seen

@@ -13,7 +13,7 @@ import pytest
 
 from dynaspec import LLM, SamplingParams
 
-from .conftest import assert_greedy_equal, greedy, random_prompts
+from .conftest import assert_greedy_equal, greedy, random_prompts, watch_steps
 from tests.cost_tables import FREE_VERIFY
 
 
@@ -127,6 +127,34 @@ def test_stop_strings_cut_the_same(tiny_llama_dir, prompts12):
     _check_books(llm, got)
 
 
+def test_stop_string_ends_the_request_in_the_step_that_found_it(tiny_llama_dir, prompts12):
+    """The scheduler checks stop strings when a step lands, for the async driver as for sync:
+    the step whose tokens complete a stop string is the request's last row (it used to be found
+    one step late, with the next step's row run and thrown away)."""
+    spec = {"speculator": "ngram", "num_spec_tokens": 4, "prompt_lookup_min": 1}
+    ref_llm = _engine(tiny_llama_dir, False, **spec)
+    prompts, params = [], []
+    for p in prompts12:
+        stop = _stop_case(ref_llm, p, 24)
+        if stop and stop.strip():
+            prompts.append(p)
+            params.append(SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
+                                         stop=[stop]))
+    llm = _engine(tiny_llama_dir, True, **spec)
+    seen = watch_steps(llm)
+    outs = llm.generate(prompts, params)
+    stopped = [o for o in outs if o.finish_reason == "stop"]
+    assert stopped, "the workload must stop on a stop string"
+    for o in stopped:
+        rows = [r for plan, res in seen for s, r in zip(plan.scheduled, res.results)
+                if s.request.request_id == o.request_id and r.token_ids]
+        before_last = sum(len(r.token_ids) for r in rows[:-1])
+        assert before_last < len(o.token_ids) <= before_last + len(rows[-1].token_ids), \
+            f"{o.request_id}: a row ran after the step that completed its stop string"
+    assert "async_placeholder" not in llm.engine.counters.draft_skips
+    _check_books(llm, outs)
+
+
 def test_stop_string_and_abort_while_in_flight_account_drafts(tiny_llama_dir, prompts12):
     """A request ended while its next step is in flight: that step's row counts
     async_placeholder (never num_draft_tokens) and it emits nothing more."""
@@ -138,7 +166,7 @@ def test_stop_string_and_abort_while_in_flight_account_drafts(tiny_llama_dir, pr
     for _ in range(6):
         streamed += sum(len(o.new_token_ids) for o in eng.step())
     assert eng.pipeline.inflight is not None
-    inflight = [s.request.request_id for s in eng.pipeline.inflight.out.scheduled]
+    inflight = [s.request.request_id for s in eng.pipeline.inflight.plan.scheduled]
     victim = inflight[0]
     assert eng.abort_request(victim)
     before = eng.counters
@@ -169,7 +197,7 @@ def test_1000_aborts_during_in_flight_steps_leak_nothing(tiny_llama_dir, prompts
                for i in range(8)]
         for _ in range(1 + round_ % 3):
             kept_out += [o for o in eng.step() if o.request_id == keep]
-        running = {s.request.request_id for s in eng.pipeline.inflight.out.scheduled} \
+        running = {s.request.request_id for s in eng.pipeline.inflight.plan.scheduled} \
             if eng.pipeline.inflight is not None else set()
         for rid in ids:
             in_flight_aborts += rid in running

@@ -20,7 +20,9 @@ from tests.e2e.dp_helpers import assert_processes_gone, finish_all
 SCHEDULE = [[1, 2, 3], [3, 5, 2], [6, 64, 1]]
 KW = dict(dtype="float32", num_kv_blocks=128, speculator="ngram", num_spec_tokens=3,
           k_schedule=SCHEDULE, prompt_lookup_min=1)  # auto + a schedule: the table
-TIMEOUT_S = 3.0
+# Generous enough that a loaded machine's stall of a healthy rank is not taken for a stuck
+# rank; the stuck-rank test below waits for it once.
+TIMEOUT_S = 10.0
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +121,9 @@ def test_stuck_rank_is_named_and_its_requests_error(dp2):
         assert out.finish_reason == "error", out
         expected = "rank 0 stopped answering" if i % 2 == 0 else "shut down: data-parallel rank 0"
         assert expected in out.error, out.error
-    # Rank 1 waits grace + idle poll + 2 x the longest step, then the front end settles 1 s.
-    assert elapsed < 2 * (TIMEOUT_S + 1.0) + 10, f"failure took {elapsed:.1f} s to surface"
+    # Rank 1 waits grace + idle poll + 2 x the longest step, then the front end settles 1 s;
+    # a generous deadline on top (a loaded machine), never a tight wall clock.
+    assert elapsed < 2 * (TIMEOUT_S + 1.0) + 60, f"failure took {elapsed:.1f} s to surface"
     assert "rank 0" in eng.failure()
     assert_processes_gone(pids.values())
     with pytest.raises(RuntimeError, match="rank 0"):

@@ -17,7 +17,9 @@ from dynaspec import LLM, SamplingParams
 from tests.e2e.conftest import random_prompts
 from tests.e2e.dp_helpers import assert_processes_gone, finish_all
 
-TIMEOUT_S = 3.0
+# Generous: a loaded machine can stall a healthy rank for seconds, and a rank that misses the
+# timeout is declared stuck. A killed rank is seen by its exit, not by this timeout.
+TIMEOUT_S = 30.0
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +67,7 @@ def test_killed_rank_errors_its_requests_and_leaves_no_process(dp3):
             assert "data-parallel rank 1 died (exit code -9)" in out.error, out.error
         else:
             assert "shut down: data-parallel rank 1 died" in out.error, out.error
-    assert elapsed < TIMEOUT_S + 5, f"failure took {elapsed:.1f} s to surface"
+    assert elapsed < TIMEOUT_S, f"failure took {elapsed:.1f} s to surface (a death, not a timeout)"
     assert_processes_gone(pids.values())
     with pytest.raises(RuntimeError, match="rank 1 died"):
         dp3.generate([[4, 5]], SamplingParams(max_tokens=2))

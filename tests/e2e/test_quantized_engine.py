@@ -8,7 +8,7 @@ import gguf
 import pytest
 
 from dynaspec.cli.main import main
-from dynaspec.engine.llm import LLM
+from dynaspec.llm import LLM
 from dynaspec.models.int8_dot import Int8DotLinear
 from dynaspec.models.quant_linear import QuantLinear
 from dynaspec.sampling_params import SamplingParams

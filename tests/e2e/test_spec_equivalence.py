@@ -53,10 +53,17 @@ def test_ngram_batch16_each_k(tiny_llama_dir, prompts16, baseline, k, check_inte
 @pytest.mark.parametrize("prefix", [True, False])
 def test_ngram_batch1_prefix_cache_on_off(tiny_llama_dir, prompts16, baseline, prefix, check_integrity):
     for i in (0, 9):
-        got, _ = _run(tiny_llama_dir, [prompts16[i]] * 2, check_integrity, speculator="ngram",
-                      num_spec_tokens=4, prompt_lookup_min=1, enable_prefix_caching=prefix,
-                      num_kv_blocks=256)
+        got, llm = _run(tiny_llama_dir, [prompts16[i]] * 2, check_integrity, speculator="ngram",
+                        num_spec_tokens=4, prompt_lookup_min=1, enable_prefix_caching=prefix,
+                        num_kv_blocks=256, block_size=4)
         _check(tiny_llama_dir, [prompts16[i]] * 2, [baseline[i]] * 2, got, f"prefix={prefix}")
+        # Again, now that the first run's blocks are cached: the prompt must hit (or not, off).
+        again = llm.generate([prompts16[i]], greedy(MAX_TOKENS, ignore_eos=True))[0]
+        _check(tiny_llama_dir, [prompts16[i]], [baseline[i]], [again.token_ids],
+               f"prefix={prefix} again")
+        hit = again.num_cached_tokens
+        assert (hit > 0) == prefix and llm.engine.kv.prefix_cache_hits >= hit, \
+            f"prefix={prefix}: {hit} cached tokens, the cache must {'' if prefix else 'not '}hit"
 
 
 def test_ngram_under_preemption(tiny_llama_dir, prompts16, baseline, check_integrity):

@@ -47,7 +47,7 @@ def test_prefix_hit_first_decode_is_padded_in_constant_plan(tiny_llama_dir, chec
     out = llm.generate([prompt], greedy(8, ignore_eos=True))[0]
     assert out.num_cached_tokens == 32
     first_out, first_res = seen[0]
-    assert first_out.scheduled[0].pad_drafts
+    assert first_out.batch.fixed_shape and first_out.scheduled[0].sampling
     assert first_out.batch.width == 5 and first_res.batch.path == "compiled", \
         "the hit request verifies the full width 1+k on the fixed-shape path"
     assert first_res.results[0].num_padding_tokens == 4

@@ -229,3 +229,34 @@ def test_ngram_constrained_under_preemption(tiny_llama_dir, prompts, baseline):
     assert llm.engine.scheduler.num_preemptions > 0
     _check_run(tiny_llama_dir, prompts, baseline, outs, "ngram preempted")
     llm.engine.check_integrity()
+
+
+def test_grammar_cut_on_a_compiled_step_keeps_the_compiled_path(tiny_llama_dir, prompts, baseline):
+    """--execution compiled: every decode step verifies the planned width 1+K. A grammar cut of a
+    real draft used to drop the row's trailing pads too; the short row made the fixed-shape
+    runner raise, and the shape was marked broken (eager for the rest of the run). The cut is
+    now re-padded to the planned width: the compiled path stays in use, the output is right, and
+    every slot is accounted once (valid, grammar, or padding)."""
+    ref = baseline[1].token_ids
+
+    def valid_then_special(r, k):  # the true continuation's next 2 tokens, then an invalid one
+        n = r.num_output_tokens
+        return ref[n: n + 2] + [SPECIAL, ref[min(n + 2, len(ref) - 1)]]
+
+    llm = LLM(cost_table=FREE_VERIFY, model=tiny_llama_dir, dtype="float32", num_kv_blocks=256,
+              speculator="ngram", num_spec_tokens=3, k_policy="table", max_num_seqs=1,
+              execution="compiled", compile_backend="aot_eager")
+    llm.engine.runner.proposer = _FakeProposer(valid_then_special)
+    out = llm.generate([prompts[1]], _params())[0]
+    _assert_equal(tiny_llama_dir, prompts[1], ref, out.token_ids, "compiled cut drafts")
+    eng = llm.engine
+    assert not eng.runner.executor.broken, "a grammar cut marked a compiled shape broken"
+    steps = eng.execution_steps
+    # Every step but the prefill is a decode step on the compiled path, none fell back.
+    assert steps[("compiled", "4")] == eng.times.steps - 1 > 0, dict(steps)
+    assert steps[("eager", "4")] == 0, dict(steps)
+    c = eng.counters
+    assert c.invalid_draft_tokens["grammar"] > 0, "the workload must cut real drafts"
+    decode_rows = c.num_spec_request_steps - 1  # minus the prefill step
+    assert c.num_draft_tokens + sum(c.invalid_draft_tokens.values()) == 3 * decode_rows
+    assert not c.check_identities()

@@ -1,6 +1,7 @@
 """Async scheduling driven by hand-built runner outputs: the invalid-draft channel (docs/design.md §7b).
 
-The real Scheduler and the real AsyncStepLoop run; a fake runner plays prepare/run: it drafts
+The real Scheduler, the real launch/land phases and the real AsyncStepLoop driver run; a fake
+engine emits (folds records) and a fake runner plays prepare/run: it drafts
 its whole budget, every draft is right (the target agrees) unless a test says otherwise, and it
 emits accepted + 1 tokens, the token at output position p being `_tok(p)`. The worker thread
 runs `run`, which only returns what `prepare` built, and the engine side waits for it before
@@ -16,7 +17,8 @@ import pytest
 
 from dynaspec.config import SchedulerConfig
 from dynaspec.engine.async_loop import AsyncStepLoop
-from dynaspec.engine.step_specs import request_spec
+from dynaspec.engine.phases import StepPhases, drop_ended
+from dynaspec.metrics.step_records import request_spec
 from dynaspec.kv.kv_cache_manager import KVCacheManager
 from dynaspec.metrics.stats import SpecCounters, StepStats, fold_step
 from dynaspec.outputs import RequestResult, RunnerOutput
@@ -63,31 +65,43 @@ class FakeRunner:
 
 
 class Harness:
-    """Scheduler + AsyncStepLoop + fake runner; folds every landed step like the engine."""
+    """Scheduler + phases + AsyncStepLoop + fake runner; the harness is the engine the driver
+    calls (schedule, launch, land, emit) and folds every emitted step like the engine."""
 
     def __init__(self, k: int = 4, num_blocks: int = 64, block_size: int = 4,
                  drafter_max_len: int | None = None, stop=None) -> None:  # type: ignore[no-untyped-def]
         plan = build_spec_plan("ngram", k, None)
         kv = KVCacheManager(num_blocks, block_size, False)
         self.sch = Scheduler(SchedulerConfig(64, 16), kv, plan, make_policy(plan, "table"), 256,
-                             (EOS,), drafter_max_len=drafter_max_len)
+                             (EOS,), drafter_max_len=drafter_max_len, stop_check=stop)
         self.runner = FakeRunner()
+        self.phases = StepPhases(self.sch, self.runner)
         self.counters = SpecCounters()
         self.steps: list[StepStats] = []
         self.emitted: dict[str, list[int]] = {}
-        self.loop = AsyncStepLoop(self.sch, self.runner, stop, self._finish, self._fail)
+        self.loop = AsyncStepLoop(self)
 
-    def _finish(self, landed):  # type: ignore[no-untyped-def]
+    # ---- the engine's phases, as the driver calls them -----------------------------------
+    def schedule(self):  # type: ignore[no-untyped-def]
+        return self.sch.schedule()
+
+    def launch(self, plan, worker=None):  # type: ignore[no-untyped-def]
+        return self.phases.launch(plan, worker)
+
+    def land(self, launched):  # type: ignore[no-untyped-def]
+        return self.phases.land(launched)
+
+    def emit(self, landed):  # type: ignore[no-untyped-def]
+        if landed.error is not None:
+            raise AssertionError(f"unexpected step failure: {landed.error!r}")
+        drop_ended(landed)
         specs = [request_spec(u.result, len(u.new_token_ids)) for u in landed.updates]
-        step = StepStats(landed.out.step_k, (*specs, *landed.orphans))
+        step = StepStats(landed.plan.step_k, (*specs, *landed.orphans))
         self.counters = fold_step(self.counters, step)
         self.steps.append(step)
         for u in landed.updates:
             self.emitted.setdefault(u.request.request_id, []).extend(u.new_token_ids)
         return []
-
-    def _fail(self, out, exc):  # type: ignore[no-untyped-def]
-        raise AssertionError(f"unexpected step failure: {exc!r}")
 
     def add(self, rid: str, prompt_len: int = 6, **params) -> Request:  # type: ignore[no-untyped-def]
         req = Request(rid, [10 + i for i in range(prompt_len)],
@@ -166,26 +180,27 @@ def test_drafter_length_cap_found_after_scheduling():
     h.assert_clean()
 
 
-def test_finished_while_drafts_in_flight_mixed_batch():
-    """a's stop string (found while step 2 runs, in step 1's tokens) ends it; its step-2 row is
-    thrown away: 4 async_placeholder, an all_invalid skip, nothing emitted. b, in the same
-    batch, keeps its counts."""
+def test_stop_string_ends_the_request_in_the_step_that_found_it():
+    """a's stop string is in step 1's tokens: the scheduler finds it when step 1 lands (the
+    same check as sync), before step 2 launches, so a is dropped from step 2 (formed while step
+    1 ran) and never drafts there: no placeholder, no orphan row. b, in the same batch, keeps
+    its counts."""
     stop = lambda req, toks: next((i + 1 for i, t in enumerate(toks)  # noqa: E731
                                    if req.request_id == "a" and t == _tok(3)), None)
     h = Harness(stop=stop)
-    a, b = h.add("a", max_tokens=20), h.add("b", max_tokens=11)
+    a, b = h.add("a", max_tokens=20, stop=["<end>"]), h.add("b", max_tokens=11)
     h.run()
     assert a.output_token_ids == [_tok(p) for p in range(4)] and a.status is RequestStatus.FINISHED_STOPPED
     assert h.emitted["a"] == a.output_token_ids
     assert b.output_token_ids == [_tok(p) for p in range(11)]
     assert h.spec_of(1, "a").counts == (4, 4, 3)  # emitted after the stop-string cut
-    orphan = h.spec_of(2, "a")
-    assert orphan.counts == (0, 0, 0) and dict(orphan.invalid_draft_tokens) == {"async_placeholder": 4}
+    assert all(r.request_id != "a" for st in h.steps[2:] for r in st.requests), \
+        "a stopped in step 1: nothing of it runs in step 2"
     assert h.spec_of(2, "b").counts == (4, 4, 5)
     c = h.counters
     assert (c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens) == (3, 12, 12)
-    assert dict(c.invalid_draft_tokens) == {"async_placeholder": 4}
-    assert dict(c.draft_skips) == {"prefill": 2, "all_invalid": 1}
+    assert dict(c.invalid_draft_tokens) == {}
+    assert dict(c.draft_skips) == {"prefill": 2}
     assert c.num_emitted_tokens == 15
     h.assert_clean()
 

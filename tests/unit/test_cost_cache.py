@@ -9,7 +9,7 @@ import multiprocessing
 
 import pytest
 
-from dynaspec.engine.cost_profile import ProfileSettings, essential_shapes, startup_cost_model
+from dynaspec.spec_decode.cost_profile import ProfileSettings, essential_shapes, startup_cost_model
 from dynaspec.spec_decode import cost_cache
 from dynaspec.spec_decode.cost_cache import Cell
 from dynaspec.spec_decode.cost_model import CACHE_ENV, CostGrid

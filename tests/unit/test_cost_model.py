@@ -90,7 +90,7 @@ def test_monotone_check_names_the_poisoned_cells():
 def test_profile_measures_every_shape(tiny_llama_dir):
     import torch
 
-    from dynaspec.engine.cost_profile import profile_step_costs
+    from dynaspec.spec_decode.cost_profile import profile_step_costs
     from dynaspec.models.llama import LlamaModel
     from dynaspec.models.loader import load_model_files
 

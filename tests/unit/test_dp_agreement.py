@@ -56,17 +56,21 @@ def _run_ranks(make_policy, world: int, steps: int, seed: int):
         pol = LockstepPolicy(make_policy(), a)
         try:
             for step in range(steps):
-                a.exchanged = a.batch_exchanged = False
+                a.exchanged = False
                 n = rng.randrange(0, 6 if rank else 12)  # rank 0 carries more load
                 views = tuple(RequestView(f"r{rank}-{i}", rng.randrange(5, 900), rng.randrange(1, 9),
                                           1000) for i in range(n))
-                # The scheduler's two decisions: the expected batch (reservation), then the
-                # formed one, which may have lost requests (budget, preemption).
-                planned = pol.decide(StepView(views, n + rng.randrange(0, 2), planned=True))
+                # The rank loop: the exchange of the expected batch's view, before schedule().
+                expected = n + rng.randrange(0, 2)
+                tick = a.exchange(expected, [v.context_len for v in views])
+                pol.apply_tick(tick)
+                # The scheduler's two decisions on the agreed view: the expected batch
+                # (reservation), then the formed one, which may have lost requests.
+                planned = pol.decide(StepView(views, expected, tick.view, planned=True))
                 n = rng.randrange(0, n + 1)
-                d = pol.decide(StepView(views[:n], n))
-                assert a.decisions[-1][1] == min(d.k, planned.k)
-                logs[rank].append(min(d.k, planned.k))
+                d = pol.decide(StepView(views[:n], n, tick.view))
+                assert d.k == planned.k, "one agreed view: the formed batch's K is the reserved K"
+                logs[rank].append(d.k)
                 assert all(n <= d.k for n in d.per_request.values()), (d.k, d.per_request)
                 for rid, cap in d.per_request.items():  # local, rank-specific observations
                     pol.observe(rid, cap, rng.randrange(0, cap + 1), 10)
@@ -146,16 +150,16 @@ def test_two_exchanges_in_one_step_is_an_error():
         a.exchange(0, [])
 
 
-def test_formed_batch_view_is_agreed_once_after_the_tick():
-    group = ThreadGroup(1)
-    a = StepAgreement(group.gather_for(0), 0, 1, 2, grace_s=1, idle_poll_s=0)
-    with pytest.raises(RuntimeError, match="once per engine step, after the tick"):
-        a.exchange_batch(1, [5])
-    a.exchange(2, [5, 9])
-    g = a.exchange_batch(1, [7])
-    assert (g.num_reqs, g.num_decoding, g.sum_ctx, g.max_ctx, g.max_rank_reqs) == (1, 1, 7, 7, 1)
-    with pytest.raises(RuntimeError, match="once per engine step"):
-        a.exchange_batch(1, [7])
+def test_decide_without_the_agreed_view_is_refused():
+    """No collective hides in decide: the view must have been exchanged before schedule()."""
+    plan = build_spec_plan("ngram", 3, None)
+    a = StepAgreement(ThreadGroup(1).gather_for(0), 0, 1, 3, grace_s=1, idle_poll_s=0)
+    pol = LockstepPolicy(TablePolicy(plan), a)
+    with pytest.raises(RuntimeError, match="agreed before it"):
+        pol.decide(StepView((RequestView("a", 5, 9, 100),), 1))
+    tick = a.exchange(1, [5])
+    assert pol.decide(StepView((RequestView("a", 5, 9, 100),), 1, tick.view)).k == 3
+    assert a.num_ticks == 1, "decide made no exchange"
 
 
 @pytest.mark.parametrize("rank0_has_table", [False, True])

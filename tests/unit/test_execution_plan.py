@@ -7,7 +7,7 @@ import json
 import pytest
 
 from dynaspec.spec_decode.plan import SpecPlan, build_spec_plan
-from dynaspec.worker.execution_plan import (AdmissionEntry, AdmissionTable, ExecutionPlan,
+from dynaspec.spec_decode.execution_plan import (AdmissionEntry, AdmissionTable, ExecutionPlan,
                                             batch_buckets, default_admission_path)
 
 

@@ -178,13 +178,6 @@ def test_propose_reports_drafts_and_reasons() -> None:
     assert all(type(t) is int for ids in drafts.token_ids for t in ids)
 
 
-def test_propose_never_reads_drafts() -> None:
-    proposer = NgramProposer(1, 2)
-    req = make_request("a", [1, 2, 3, 1])
-    req.spec_token_ids = [2, 3]  # pending drafts are not part of the context
-    assert proposer.propose([req], [3]).token_ids == [[2, 3, 1]]
-
-
 def test_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError):
         NgramProposer(0, 2)

@@ -1,6 +1,6 @@
 """Scheduler driven by hand-built RunnerOutputs (docs/design.md §9): no model, no runner.
 
-Each test plays the runner's part: it reads the SchedulerOutput and answers with the tokens a
+Each test plays the runner's part: it reads the StepPlan and answers with the tokens a
 model would have emitted (accepted drafts + one), then checks the counters, the block tables and
 the pool. A token a request emits at output position p is `_tok(p)`, so a recomputed request
 must reproduce the same output as one that never left the pool.
@@ -12,7 +12,8 @@ import pytest
 
 from dynaspec.config import SchedulerConfig
 from dynaspec.kv.kv_cache_manager import KVCacheManager
-from dynaspec.outputs import RequestResult, RunnerOutput, SchedulerOutput
+from dynaspec.outputs import RequestResult, RunnerOutput
+from dynaspec.step_plan import StepPlan
 from dynaspec.request import Request, RequestStatus
 from dynaspec.sampling_params import SamplingParams
 from dynaspec.scheduler.scheduler import Scheduler
@@ -42,7 +43,7 @@ def add(sch: Scheduler, rid: str, prompt_len: int, **params) -> Request:
     return req
 
 
-def respond(out: SchedulerOutput, answers: dict[str, tuple[list[int], int]] | None = None) -> RunnerOutput:
+def respond(out: StepPlan, answers: dict[str, tuple[list[int], int]] | None = None) -> RunnerOutput:
     """The runner's answer: per sampling request (tokens, drafts verified); default one token."""
     results = []
     for s in out.scheduled:
@@ -117,7 +118,7 @@ def test_preemption_by_recompute_and_recovery():
         out, _ = step(sch)
         if out.preempted_ids and preempted_at is None:
             preempted_at = n
-            assert out.preempted_ids == ["b"]  # the last admitted is the victim
+            assert out.preempted_ids == ("b",)  # the last admitted is the victim
             assert b.status is RequestStatus.PREEMPTED and b.num_computed_tokens == 0
             assert sch.waiting[0] is b and sch.kv.block_table("b") == []
             assert b.num_output_tokens > 0  # its output is kept, to be recomputed
@@ -195,6 +196,8 @@ def test_finish_in_the_middle_of_an_accepted_run(case):
         params["max_tokens"] = 3
     if case == "max_model_len":
         params.update(prompt_len=8, max_model_len=11)  # 8 prompt + 1 output + 2 more fit
+    if case == "stop_string":  # the hook runs only for requests with stop strings
+        params["stop"] = ["</s>"]
     sch, req = _decoding(**params)
     run = [_tok(1), EOS if case == "eos" else _tok(2), _tok(3), _tok(4), _tok(5)]
     if case == "stop_string":  # the output processor's hook: a stop string ends at run[1]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dynaspec.sample.metadata import SamplingMetadata
-from dynaspec.sample.rejection_sampler import SyntheticVerifier, make_synthetic_verifier
+from dynaspec.sample.synthetic import SyntheticVerifier, make_synthetic_verifier
 from dynaspec.sampling_params import SamplingParams
 
 VOCAB = 32

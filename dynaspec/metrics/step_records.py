@@ -7,7 +7,7 @@ a fixed-shape row), `grammar` (cut by the request's grammar before verification)
 skipped). A request-step with no valid draft but some invalid ones is an `all_invalid` skip (the
 fold counts it so); one with neither keeps the runner's skip reason.
 
-`orphan_spec` covers the request that ended (stop string, abort, error) while its step was in
+`orphan_spec` covers the request that ended (an abort, a failure) while its step was in
 flight or before that step's outputs were returned: the step's result for it is thrown away, so
 every slot of its row, verified or not, goes down the invalid-draft channel and it emits nothing.
 """
@@ -15,7 +15,8 @@ every slot of its row, verified or not, goes down the invalid-draft channel and 
 from __future__ import annotations
 
 from dynaspec.metrics.stats import RequestStepSpec
-from dynaspec.outputs import RequestResult, ScheduledRequest
+from dynaspec.outputs import RequestResult
+from dynaspec.step_plan import ScheduledRequest
 
 ASYNC_PLACEHOLDER = "async_placeholder"
 

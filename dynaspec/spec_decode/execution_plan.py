@@ -22,7 +22,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from dynaspec.outputs import BatchDescriptor
+from dynaspec.step_plan import BatchDescriptor
 from dynaspec.spec_decode.plan import SpecPlan
 
 MODES = ("eager", "compiled", "auto")
