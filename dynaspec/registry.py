@@ -120,5 +120,6 @@ REJECTION_MODES = Registry("rejection_mode", [
 ])
 
 STRUCTURED_BACKENDS = Registry("structured_output_backend", [
-    Entry("xgrammar", "xgrammar token bitmasks"),
+    Entry("xgrammar", "xgrammar token bitmasks",
+          "dynaspec.structured.xgrammar_backend:XGrammarBackend"),
 ])

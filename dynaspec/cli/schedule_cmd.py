@@ -14,7 +14,8 @@ import sys
 from typing import TextIO
 
 from dynaspec.spec_decode.cost_model import cache_dir
-from dynaspec.spec_decode.k_policy import POLICIES, resolve_policy_name
+from dynaspec.registry import K_POLICIES
+from dynaspec.spec_decode.policies import resolve_policy_name
 from dynaspec.spec_decode.plan import ScheduleError, SpecPlan, build_spec_plan, plan_for_policy
 
 EXIT_INVALID = 2
@@ -37,7 +38,7 @@ def register(subparsers) -> None:
     explain.add_argument("--speculator", default="ngram", choices=("none", "ngram", "draft", "suffix"))
     explain.add_argument("--drafter-max-k", type=int, default=None,
                          help="the drafter's own K limit (e.g. a draft model's), if below --num-spec-tokens")
-    explain.add_argument("--k-policy", default="auto", choices=POLICIES,
+    explain.add_argument("--k-policy", default="auto", choices=K_POLICIES.names,
                          help="the K policy to describe (auto = table when --k-schedule is given, "
                          "else goodput)")
     explain.add_argument("--draft-model", default=None,

@@ -22,7 +22,8 @@ from dynaspec.scheduler.scheduler import Scheduler
 from dynaspec.spec_decode import cost_cache
 from dynaspec.spec_decode.cost_model import CostGrid, StepCostModel
 from dynaspec.spec_decode.drafters import build_drafter
-from dynaspec.spec_decode.k_policy import KPolicy, make_policy, resolve_policy_name
+from dynaspec.spec_decode.k_policy import KPolicy
+from dynaspec.spec_decode.policies import make_policy, resolve_policy_name
 from dynaspec.spec_decode.plan import SpecPlan, build_spec_plan, plan_for_policy
 from dynaspec.structured.manager import StructuredOutputManager
 from dynaspec.worker.compiled import make_executor

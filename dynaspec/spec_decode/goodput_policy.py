@@ -41,7 +41,8 @@ import logging
 from dataclasses import dataclass
 
 from dynaspec.spec_decode.cost_model import StepCostModel
-from dynaspec.spec_decode.k_policy import (AcceptanceHistory, RequestView, StepK, StepView,
+from dynaspec.spec_decode.acceptance import AcceptanceHistory
+from dynaspec.spec_decode.k_policy import (RequestView, StepK, StepView,
                                            TablePolicy, drafter_gate, hard_cap)
 from dynaspec.spec_decode.plan import SpecPlan
 from dynaspec.spec_decode.step_width import runnable_k

@@ -33,7 +33,7 @@ from dynaspec.step_plan import BatchDescriptor
 
 if TYPE_CHECKING:
     from dynaspec.spec_decode.execution_plan import ExecutionPlan
-    from dynaspec.spec_decode.k_policy import AcceptanceHistory
+    from dynaspec.spec_decode.acceptance import AcceptanceHistory
 
 PAD = -1  # never a real token id: rejected by the verifier, counted as invalid "padding"
 

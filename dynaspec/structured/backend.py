@@ -16,7 +16,6 @@ import torch
 from dynaspec.structured.params import StructuredOutputParams
 
 EXTRA_HINT = "pip install 'dynaspec[structured]'"
-BACKENDS = ("xgrammar",)
 
 
 class GrammarCompileError(ValueError):
@@ -82,15 +81,15 @@ def is_allowed(bitmask: torch.Tensor, row: int, token_id: int) -> bool:
 def load_backend(name: str, tokenizer, vocab_size: int, stop_token_ids: Sequence[int],
                  any_whitespace: bool) -> GrammarBackend:
     """Build the named backend; a missing library raises StructuredOutputUnavailable."""
-    if name not in BACKENDS:
-        raise ValueError(f"unknown structured output backend {name!r}: "
-                         f"choose {', '.join(BACKENDS)}")
+    from dynaspec.registry import STRUCTURED_BACKENDS
+
+    STRUCTURED_BACKENDS.check(name)
     try:
-        from dynaspec.structured.xgrammar_backend import XGrammarBackend
+        backend_cls = STRUCTURED_BACKENDS.load(name)
     except ImportError as exc:
         if (exc.name or "").split(".")[0] not in ("xgrammar", "tvm_ffi"):
             raise  # a bug of ours, not a missing library
         raise StructuredOutputUnavailable(
             f"structured output needs the xgrammar package ({exc}); install it with: {EXTRA_HINT}"
         ) from None
-    return XGrammarBackend(tokenizer, vocab_size, stop_token_ids, any_whitespace)
+    return backend_cls(tokenizer, vocab_size, stop_token_ids, any_whitespace)

@@ -9,7 +9,8 @@ import pytest
 
 from dynaspec.spec_decode.cost_model import CostGrid, StepCostModel
 from dynaspec.spec_decode.goodput_policy import GoodputPolicy, GoodputSettings
-from dynaspec.spec_decode.k_policy import RequestView, StepView, make_policy
+from dynaspec.spec_decode.k_policy import RequestView, StepView
+from dynaspec.spec_decode.policies import make_policy
 from dynaspec.spec_decode.plan import build_spec_plan
 
 WIDTHS = tuple(range(1, 10))

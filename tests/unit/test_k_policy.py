@@ -7,15 +7,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dynaspec.spec_decode.acceptance import AcceptanceHistory
 from dynaspec.spec_decode.k_policy import (
-    AcceptanceHistory,
     AdaptivePolicy,
     RequestView,
     StepView,
     TablePolicy,
     context_statistic,
-    make_policy,
 )
+from dynaspec.spec_decode.policies import make_policy
 from dynaspec.spec_decode.plan import build_spec_plan
 
 GRID = "[[1,4,1,512,4],[1,4,513,null,6],[5,16,1,512,2],[5,16,513,null,3],[17,null,1,512,0],[17,null,513,null,1]]"

@@ -17,7 +17,7 @@ from dynaspec.step_plan import StepPlan
 from dynaspec.request import Request, RequestStatus
 from dynaspec.sampling_params import SamplingParams
 from dynaspec.scheduler.scheduler import Scheduler
-from dynaspec.spec_decode.k_policy import make_policy
+from dynaspec.spec_decode.policies import make_policy
 from dynaspec.spec_decode.plan import build_spec_plan
 
 EOS = 2
