@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -61,17 +62,70 @@ inline void scores16(const float* __restrict q, const float* __restrict kt, floa
 }
 
 // kt[d * 16 + t] = kf[t * D + d]: 16 converted key rows to key-major lanes. Only data moves, so
-// the gather path and the scalar one give identical scores. (A scalar scatter of every key's
-// 64 values here cost more than the arithmetic at long contexts.)
+// every path gives identical scores. (A scalar scatter of every key's 64 values here cost more
+// than the arithmetic at long contexts; 64 gathers per 16 keys then dominated decode steps.)
 inline void transpose_keys(const float* __restrict kf, float* __restrict kt, int64_t D) {
-#if defined(__AVX512F__)
-  const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                         _mm512_set1_epi32(static_cast<int>(D)));
-  for (int64_t d = 0; d < D; ++d) _mm512_storeu_ps(kt + d * KEY_LANES, _mm512_i32gather_ps(idx, kf + d, 4));
-#else
   for (int64_t t = 0; t < KEY_LANES; ++t)
     for (int64_t d = 0; d < D; ++d) kt[d * KEY_LANES + t] = kf[t * D + d];
+}
+
+#if defined(__AVX512F__)
+template <typename T>
+inline __m512 load16(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_loadu_ps(p);
+  } else {  // bf16: the high half of an fp32, exactly
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+}
+
+// The same kt as converting then transpose_keys, straight from the cache: 16 key rows (row t at
+// src + t * stride; rows n.. are zero) go through a 16x16 in-register transpose per 16 dims.
+template <typename T>
+inline void transpose_keys_from(const T* __restrict src, int64_t stride, int64_t n, float* __restrict kt,
+                                int64_t D) {
+  for (int64_t d0 = 0; d0 < D; d0 += 16) {
+    __m512 r[16], t[16], u[16];
+    for (int i = 0; i < 16; ++i) r[i] = i < n ? load16(src + i * stride + d0) : _mm512_setzero_ps();
+    for (int i = 0; i < 16; i += 2) {
+      t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+      t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {  // u[i + c]: rows i..i+3, columns {c, c+4, c+8, c+12}
+      u[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+      u[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+      u[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+      u[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    }
+    for (int c = 0; c < 4; ++c) {
+      const __m512 x0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88);   // rows 0-7: cols c, c+8
+      const __m512 x1 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xDD);   // rows 0-7: cols c+4, c+12
+      const __m512 y0 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88);
+      const __m512 y1 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xDD);
+      _mm512_storeu_ps(kt + (d0 + c) * KEY_LANES, _mm512_shuffle_f32x4(x0, y0, 0x88));
+      _mm512_storeu_ps(kt + (d0 + c + 8) * KEY_LANES, _mm512_shuffle_f32x4(x0, y0, 0xDD));
+      _mm512_storeu_ps(kt + (d0 + c + 4) * KEY_LANES, _mm512_shuffle_f32x4(x1, y1, 0x88));
+      _mm512_storeu_ps(kt + (d0 + c + 12) * KEY_LANES, _mm512_shuffle_f32x4(x1, y1, 0xDD));
+    }
+  }
+}
 #endif
+
+// 16 keys of one KV head, converted to fp32 and transposed to kt (rows n.. zero).
+template <typename T>
+inline void load_keys(const T* src, int64_t stride, int64_t n, float* kf, float* kt, int64_t D) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
+    if (D % 16 == 0) {
+      transpose_keys_from(src, stride, n, kt, D);
+      return;
+    }
+  }
+#endif
+  for (int64_t t = 0; t < n; ++t) to_float(src + t * stride, kf + t * D, D);
+  std::fill(kf + n * D, kf + KEY_LANES * D, 0.f);
+  transpose_keys(kf, kt, D);
 }
 
 template <typename T>
@@ -123,9 +177,7 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
         const int64_t n_blk = std::min(block_size, Ct - blk * block_size);
         for (int64_t t0 = 0; t0 < n_blk; t0 += KEY_LANES) {
           const int64_t n = std::min<int64_t>(KEY_LANES, n_blk - t0);
-          for (int64_t t = 0; t < n; ++t) to_float(kp + ((base + t0 + t) * Hkv + h) * D, kf.data() + t * D, D);
-          std::fill(kf.begin() + n * D, kf.end(), 0.f);
-          transpose_keys(kf.data(), kt.data(), D);
+          load_keys(kp + ((base + t0) * Hkv + h) * D, Hkv * D, n, kf.data(), kt.data(), D);
           for (int64_t r = 0; r < R; ++r)
             scores16(qf.data() + r * D, kt.data(), sf.data() + r * Ct + blk * block_size + t0, n, D);
         }
