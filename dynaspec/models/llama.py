@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from dynaspec.attention.backend import AttentionBackend
 from dynaspec.attention.paged import EagerPagedBackend
 from dynaspec.config import ModelArchConfig
-from dynaspec.models.layers import FusedOps, RotaryCache, apply_rope, rms_norm
+from dynaspec.models.layers import FusedOps, RotaryCache, apply_rope, keep, rms_norm
 from dynaspec.models.quant import cat_rows
 from dynaspec.models.int8_dot import Int8DotLinear
 from dynaspec.models.quant_linear import WeightPlan, make_embedding, make_linear, make_lm_head
@@ -20,15 +20,16 @@ from dynaspec.models.quant_linear import WeightPlan, make_embedding, make_linear
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 
-class DecoderLayer:
+class DecoderLayer(torch.nn.Module):
     def __init__(self, w: dict, cfg: ModelArchConfig, plan: WeightPlan, ops: FusedOps) -> None:
+        super().__init__()
         self.ops = ops
         self.qkv = make_linear(w["qkv"], w.get("qkv_bias"), plan)  # [(H + 2*Hkv) * D, hidden]
         self.o = make_linear(w["o"], None, plan)  # [hidden, H * D]
         self.gate_up = make_linear(w["gate_up"], None, plan)  # [2 * inter, hidden]
         self.down = make_linear(w["down"], None, plan)  # [hidden, inter]
-        self.ln1, self.ln2 = w["ln1"], w["ln2"]
-        self.q_norm, self.k_norm = w.get("q_norm"), w.get("k_norm")
+        for name in ("ln1", "ln2", "q_norm", "k_norm"):  # [hidden] / [D]; q/k norms only on Qwen3
+            keep(self, name, w.get(name))
         self.eps = cfg.rms_norm_eps
         self.H, self.Hkv, self.D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.scale = self.D ** -0.5
@@ -57,11 +58,13 @@ class DecoderLayer:
         return x, self.down(self.ops.silu_and_mul(self.gate_up(h)))
 
 
-class LlamaModel:
+class LlamaModel(torch.nn.Module):
     """Weights and forward; KV tensors are owned by the caller and passed in per step.
 
     state_dict values are float tensors or, for weights kept quantized, QuantizedTensors;
-    `weights` says which kernels they become (default: dense, the reference path).
+    `weights` says which kernels they become (default: dense, the reference path). Float
+    weights are frozen parameters, packed kernel layouts buffers; the kernels are built for the
+    device and dtype given here, so the model is not meant to be moved with `.to()` after load.
     """
 
     ARCHITECTURES = SUPPORTED_ARCHITECTURES  # what this class runs; a subclass names its own
@@ -71,6 +74,7 @@ class LlamaModel:
         if cfg.architecture not in self.ARCHITECTURES:
             raise ValueError(f"unknown architecture {cfg.architecture!r} for {type(self).__name__}: "
                              f"supported are {', '.join(self.ARCHITECTURES)}")
+        super().__init__()
         self.cfg, self.dtype, self.device = cfg, dtype, device
         self.weights = plan = weights or WeightPlan("none", 0, dtype, device)
         sd = state_dict
@@ -86,10 +90,10 @@ class LlamaModel:
         tied = cfg.tie_word_embeddings or "lm_head.weight" not in sd
         self.embed, head = make_embedding(raw("model.embed_tokens.weight"), plan, tied)
         self.lm_head = head if tied else make_lm_head(raw("lm_head.weight"), plan)  # [vocab, hidden]
-        self.norm = t("model.norm.weight")
+        keep(self, "norm", t("model.norm.weight"))  # [hidden]
         # The fused small ops run wherever the C++ kernels build (fp32 too: same rounding).
         self.ops = FusedOps(enabled=device.type == "cpu")
-        self.layers = self._build_layers(raw, t, sd, plan)
+        self.layers = torch.nn.ModuleList(self._build_layers(raw, t, sd, plan))
         self.rope = RotaryCache(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_positions, device)
         self.attn: AttentionBackend = EagerPagedBackend()  # used when forward() is given none
         self._stack = layer_stack(self)  # all layers in one C++ call, where every part is C++
@@ -158,7 +162,7 @@ class LlamaModel:
         else:
             delta = None
             for layer, kv in zip(self.layers, kv_caches):
-                x, delta = layer.forward(x, delta, cos, sin, kv, md, attn)
+                x, delta = layer(x, delta, cos, sin, kv, md, attn)  # Module call: hooks fire
         if logits_indices is not None:  # None: every token's logits (the fixed-shape path)
             x, delta = x[logits_indices], delta[logits_indices]
         h = self.ops.rms_norm(x + delta, self.norm, self.cfg.rms_norm_eps)  # [R, hidden]
