@@ -127,7 +127,7 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
 
 
-_SPECULATORS = ("none", "ngram", "draft", "suffix")
+_SPECULATORS = ("none", "ngram", "draft", "suffix", "eagle")
 _REJECTION_MODES = ("strict", "synthetic")
 
 
@@ -153,11 +153,14 @@ def parse_rates(value: object) -> tuple[float, ...]:
 
 @dataclass(frozen=True)
 class SpecConfig:
-    speculator: str = "none"  # none | ngram | draft | suffix
+    speculator: str = "none"  # none | ngram | draft | suffix | eagle
     num_spec_tokens: int = 0
     k_schedule: str | None = None  # JSON text or a path to a JSON file
     k_policy: str = "auto"  # auto (= goodput with a drafter) | goodput | table | adaptive
     draft_model: str | None = None
+    # EAGLE/EAGLE-3 head folder (config.json + weights) for --speculator eagle; None: the head
+    # shipped for the default model.
+    draft_head: str | None = None
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
     # Suffix decoding, with vLLM's meanings and defaults (suffix_decoding_*); see spec_decode/suffix.py.
@@ -183,6 +186,9 @@ class SpecConfig:
             raise ValueError(f"unknown speculator {self.speculator!r}: choose {', '.join(_SPECULATORS)}")
         if self.num_spec_tokens < 0:
             raise ValueError(f"num_spec_tokens must be >= 0, got {self.num_spec_tokens}")
+        if self.speculator == "eagle" and self.num_spec_tokens == 0 and self.k_schedule is None:
+            from dynaspec.spec_decode.eagle import DEFAULT_K  # the depth the shipped head learned
+            object.__setattr__(self, "num_spec_tokens", DEFAULT_K)
         if self.speculator != "none" and self.num_spec_tokens == 0 and self.k_schedule is None:
             raise ValueError(f"--speculator {self.speculator} needs --num-spec-tokens K >= 1")
         if self.speculator == "draft" and not self.draft_model:

@@ -17,6 +17,7 @@ from dynaspec.models.quant_linear import WeightPlan, cpu_info, linear_kernel_sum
 from dynaspec.scheduler.scheduler import Scheduler
 from dynaspec.spec_decode import cost_cache
 from dynaspec.spec_decode.cost_model import CostGrid, StepCostModel
+from dynaspec.spec_decode.eagle import EagleProposer
 from dynaspec.spec_decode.k_policy import KPolicy, make_policy, resolve_policy_name
 from dynaspec.spec_decode.plan import SpecPlan, build_spec_plan, plan_for_policy
 from dynaspec.structured.manager import StructuredOutputManager
@@ -147,12 +148,14 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     arch = loaded.arch
     max_model_len = _max_model_len(mc, arch.max_position_embeddings)
     plan, proposer, drafter_tokens, drafter_max_len = _plan_and_proposer(config, arch.vocab_size,
-                                                                         device, dtype)
+                                                                         device, dtype, arch)
     weights = WeightPlan(quant, mc.quant_dense_above, dtype, device, mc.dense_row_buckets, mc.linear_kernel)
     model = create_model(arch, loaded.state_dict, dtype, device, max_model_len + plan.max_k + 1, weights)
     del loaded.state_dict
     _release_load_memory()
     model.attn = resolve_attention(mc.attention_backend, device)
+    if isinstance(proposer, EagleProposer):  # the target captures the head's layers from now on
+        proposer.attach(model)
     log.info("weights: quantization %s, linear kernel %s, %.1f MB read per decode step; CPU %s", quant,
              linear_kernel_summary(model), model.weight_bytes_per_step() / 1e6,
              cpu_info().summary() if device.type == "cpu" else "n/a")
@@ -187,13 +190,13 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
 
 
 def _plan_and_proposer(config: EngineConfig, vocab_size: int, device: torch.device,
-                       dtype: torch.dtype):
+                       dtype: torch.dtype, arch=None):
     """The plan is built before the drafter (always_zero loads none), then rebuilt with the
     drafter's own K limit so clamping and classification see it; a drafter whose limit makes
     the plan always_zero is dropped again."""
     sc = config.spec
     plan = build_spec_plan(sc.speculator, sc.num_spec_tokens, sc.k_schedule)
-    proposer, drafter_tokens, drafter_max_len = _build_proposer(config, plan, vocab_size, device, dtype)
+    proposer, drafter_tokens, drafter_max_len = _build_proposer(config, plan, vocab_size, device, dtype, arch)
     limit = getattr(proposer, "k_limit", None)
     if limit is not None:
         plan = build_spec_plan(sc.speculator, sc.num_spec_tokens, sc.k_schedule, limit)
@@ -233,7 +236,8 @@ def _runner(config: EngineConfig, model: LlamaModel, kv_caches: list, blocks: in
         executor = make_executor(model, kv_caches, model.device, ec.compile_budget_s, len(ep.grid),
                                  ec.compile_backend)
     runner = ModelRunner(model, kv_caches, cc.block_size, proposer, config.model.seed, buffers,
-                         executor, verifier, structured)
+                         executor, verifier, structured,
+                         hidden_sink=proposer if isinstance(proposer, EagleProposer) else None)
     if executor is not None and config.execution.precompile:
         shapes = [s for s in ep.grid if ep.path_for(*s)[0] != "eager"]
         log.info("precompiling %d %s shapes", len(shapes), ep.graph_path)
@@ -310,7 +314,7 @@ def _step_cost_model(config: EngineConfig, model: LlamaModel, kv_caches: list[to
 
 
 def _build_proposer(config: EngineConfig, plan: SpecPlan, vocab_size: int, device: torch.device,
-                    dtype: torch.dtype):
+                    dtype: torch.dtype, arch=None):
     """Returns (proposer, drafter KV tokens, drafter max len). always_zero loads nothing."""
     sc = config.spec
     if not plan.speculating:
@@ -327,6 +331,27 @@ def _build_proposer(config: EngineConfig, plan: SpecPlan, vocab_size: int, devic
                  sc.suffix_cache_max_requests, sc.suffix_cache_max_tokens,
                  memory_bound_bytes(sc.suffix_cache_max_tokens, sc.suffix_cache_max_requests) / 2**20)
         return prop, 0, None
+    if sc.speculator == "eagle":
+        return _eagle_proposer(config, arch), 0, None
     from dynaspec.spec_decode.draft_model import DraftModelProposer
     prop = DraftModelProposer.load(sc.draft_model, config, vocab_size, device, dtype)
     return prop, prop.num_kv_tokens, prop.max_len
+
+
+def _eagle_proposer(config: EngineConfig, arch) -> EagleProposer:
+    """The EAGLE head (--draft-head, or the one shipped for the default model), checked against
+    the target's architecture as it loads."""
+    from dynaspec.spec_decode.eagle import DEFAULT_HEAD
+    from dynaspec.spec_decode.eagle_io import load_head
+
+    path = config.spec.draft_head
+    if path is None:
+        if config.model.model != "default":
+            raise ValueError("--speculator eagle needs --draft-head DIR for a model other than the default "
+                             "(train one with: dynaspec train-draft-head --model M --out DIR)")
+        path = DEFAULT_HEAD
+    head, emb = load_head(path, arch)
+    c = head.cfg
+    log.info("EAGLE drafter: %s head from %s (draft vocabulary %d, target layers %s)", c.kind, path,
+             c.draft_vocab_size, ",".join(map(str, c.aux_layers)))
+    return EagleProposer(head, arch.max_position_embeddings, emb)

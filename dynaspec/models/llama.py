@@ -97,6 +97,11 @@ class LlamaModel(torch.nn.Module):
         self.rope = RotaryCache(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_positions, device)
         self.attn: AttentionBackend = EagerPagedBackend()  # used when forward() is given none
         self._stack = layer_stack(self)  # all layers in one C++ call, where every part is C++
+        # Hidden states an EAGLE-style drafter reads: the residual stream after each listed
+        # number of layers (num_hidden_layers: the final normed state). Empty: nothing captured,
+        # nothing paid. After a forward, aux_hidden holds them for every token [T, len * hidden].
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux_hidden: torch.Tensor | None = None
 
     def _build_layers(self, raw, t, sd: dict, plan: WeightPlan) -> list:
         """The decoder layers from the checkpoint (`raw`: a matrix as loaded, `t`: a vector in
@@ -156,17 +161,33 @@ class LlamaModel(torch.nn.Module):
         cos, sin = self.rope.lookup(positions, self.dtype)
         if self._stack is not None and attn.name == "cpu_paged" and not torch.compiler.is_compiling():
             T = x.shape[0]  # the same kernels in the same order as the loop below, bit for bit
-            x, delta = self._stack.forward(x, cos.reshape(T, -1), sin.reshape(T, -1), kv_caches, md.slot_mapping,
-                                           md.block_tables, md.context_lens, md.query_start, md.query_lens,
-                                           md.block_size, self.layers[0].scale)
+            args = (x, cos.reshape(T, -1), sin.reshape(T, -1), kv_caches, md.slot_mapping, md.block_tables,
+                    md.context_lens, md.query_start, md.query_lens, md.block_size, self.layers[0].scale)
+            if self.aux_layers:
+                inner = [i for i in self.aux_layers if i < self.cfg.num_hidden_layers]
+                x, delta, got = self._stack.forward_capture(*args, inner)
+                self.aux_hidden = self._aux(dict(zip(inner, got)), x, delta)
+            else:
+                x, delta = self._stack.forward(*args)
         else:
-            delta = None
-            for layer, kv in zip(self.layers, kv_caches):
+            delta, feats = None, {}
+            for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
+                if i in self.aux_layers:  # the stream entering layer i (x is updated in place: a copy)
+                    feats[i] = x.clone() if delta is None else x + delta
                 x, delta = layer(x, delta, cos, sin, kv, md, attn)  # Module call: hooks fire
+            if self.aux_layers:
+                self.aux_hidden = self._aux(feats, x, delta)
         if logits_indices is not None:  # None: every token's logits (the fixed-shape path)
             x, delta = x[logits_indices], delta[logits_indices]
         h = self.ops.rms_norm(x + delta, self.norm, self.cfg.rms_norm_eps)  # [R, hidden]
         return self.lm_head(h).float()
+
+    def _aux(self, feats: dict, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """The captured streams in aux_layers order: [T, len(aux_layers) * hidden]."""
+        n = self.cfg.num_hidden_layers
+        if n in self.aux_layers:  # the final normed state (EAGLE-1 reads it)
+            feats[n] = self.ops.rms_norm(x + delta, self.norm, self.cfg.rms_norm_eps)
+        return torch.cat([feats[i] for i in self.aux_layers], dim=-1)
 
 
 def layer_stack(model: LlamaModel):
