@@ -1,6 +1,8 @@
 """`dynaspec train-draft-head`: train an EAGLE-3 head for a target on this machine.
 
-  dynaspec train-draft-head --model default --out heads/smollm2 --steps 600 --seed 0
+  dynaspec train-draft-head --model default --out heads/smollm2 --seed 0
+
+(the defaults are the run that trained the head shipped for the default model).
 
 The folder receives corpus.pt (the token sequences, built once), train_state.pt (resume point),
 history.json, loss.png and head/ (config.json + model.safetensors in the EAGLE-3 layout, fp16),
@@ -17,17 +19,29 @@ import time
 log = logging.getLogger("dynaspec")
 
 
+_HELP = {
+    "steps": "optimizer steps (the LR schedule's length)", "seq_len": "tokens per training sequence",
+    "batch_seqs": "sequences per step", "passes": "training-time unrolling depth (EAGLE-3's test steps)",
+    "lr": "peak AdamW learning rate", "warmup": "linear warm-up steps", "draft_vocab": "draft vocabulary size",
+    "text_tokens": "stdlib text collected for the corpus", "chat_prompts": "prompts the target answers",
+    "answer_tokens": "longest answer generated", "save_every": "steps between resumable states",
+    "max_train_tokens": "tokens trained on (answers first, then text); 0 = the whole corpus",
+    "intermediate_size": "the head's MLP width (0: the target's)", "seed": "seed of data order and init",
+}
+
+
 def register(sub) -> None:
     from dynaspec.train.draft_head import TrainConfig
 
     p = sub.add_parser("train-draft-head", help="train an EAGLE-3 draft head for a target (teacher forcing)",
                        description=__doc__)
     d = TrainConfig()
-    p.add_argument("--model", default=d.model)
+    p.add_argument("--model", default=d.model, help="the target (path, .gguf or default)")
     p.add_argument("--out", required=True, help="output folder (resumes if it holds a training state)")
     for f in dataclasses.fields(TrainConfig):
         if f.name not in ("model", "out"):
-            p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
+            p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default,
+                           help=_HELP.get(f.name, f.name.replace("_", " ")))
     p.set_defaults(func=run)
 
 

@@ -35,7 +35,7 @@ class TrainConfig:
     model: str = "default"
     out: str = "draft-head"
     seed: int = 0
-    steps: int = 360
+    steps: int = 160
     seq_len: int = 512
     batch_seqs: int = 4  # sequences per step
     passes: int = 3  # training-time unrolling depth
@@ -45,10 +45,10 @@ class TrainConfig:
     text_tokens: int = 100_000  # stdlib text for teacher forcing
     chat_prompts: int = 128  # prompts the target answers (its own generations)
     answer_tokens: int = 256
-    save_every: int = 25
+    save_every: int = 20
     # Sequences trained on: the target's own answers first, then stdlib text, up to this many
     # tokens (the target pass over them is the costly part on a small CPU). 0: all.
-    max_train_tokens: int = 0
+    max_train_tokens: int = 80_000
     intermediate_size: int = 0  # 0: the target's
 
 

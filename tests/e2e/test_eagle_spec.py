@@ -11,6 +11,7 @@ import torch
 from dynaspec import LLM
 from dynaspec.models import int8_dot
 from dynaspec.train.draft_head import target_pass
+from tests.cost_tables import FREE_VERIFY
 
 from ..model.tiny_eagle import write_eagle1, write_eagle3
 from .conftest import greedy, random_prompts
@@ -56,6 +57,15 @@ def test_greedy_with_eagle_heads_equals_no_speculation(tiny_llama_dir, q41, head
         assert c.num_draft_tokens > 0, name
         if name == "copy":  # drafts the target's own choice: most are accepted, at every position
             assert c.num_accepted_tokens > 0.4 * c.num_emitted_tokens and min(c.accepted_per_pos) > 0
+
+
+def test_goodput_policy_drafts_with_the_head_and_stays_lossless(tiny_llama_dir, heads, prompts):
+    ref, _ = _run(tiny_llama_dir, prompts, dtype="float32")
+    llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=256, speculator="eagle",
+              draft_head=heads["copy"], num_spec_tokens=3, cost_table=FREE_VERIFY)  # default policy
+    assert llm.engine.parts.policy_info.name == "goodput"
+    got = [o.token_ids for o in llm.generate(prompts, greedy(MAX_TOKENS, ignore_eos=True))]
+    assert got == ref and llm.engine.counters.num_accepted_tokens > 0
 
 
 @needs_kernels
