@@ -201,6 +201,7 @@ def batch_at(step: int, n: int, cfg: TrainConfig) -> list[int]:
 def train(model, seqs: list[list[int]], cached: list, d2t: torch.Tensor, cfg: TrainConfig,
           progress=None) -> dict:
     """Run (or resume) training; writes the head and the state into cfg.out. Returns the history."""
+    os.makedirs(cfg.out, exist_ok=True)
     state_path = os.path.join(cfg.out, "train_state.pt")
     head = new_head(model, cfg, d2t)
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
@@ -228,7 +229,7 @@ def train(model, seqs: list[list[int]], cached: list, d2t: torch.Tensor, cfg: Tr
         hist["loss"].append(float(loss.detach()))
         hist["acc"].append(accs)
         if progress is not None:
-            progress(step + 1, float(loss), accs)
+            progress(step + 1, float(loss.detach()), accs)
         if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
             hist["seconds"] += time.perf_counter() - t0
             t0 = time.perf_counter()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 from dynaspec import LLM
@@ -28,10 +29,16 @@ def test_training_lowers_the_loss_and_resumes_exactly(tiny_llama_dir, tmp_path):
     base = dict(steps=12, batch_seqs=2, lr=3e-3, warmup=2, passes=2, intermediate_size=64, save_every=6)
     whole = train(model, seqs, cached, d2t, TrainConfig(out=str(tmp_path / "a"), **base))
     assert whole["loss"][-1] < whole["loss"][0]
-    # Interrupted after step 6 (the state saved there), then rerun to 12.
-    train(model, seqs, cached, d2t, TrainConfig(out=str(tmp_path / "b"), **{**base, "steps": 6}))
-    os.remove(tmp_path / "b" / "head" / "model.safetensors")
-    resumed = train(model, seqs, cached, d2t, TrainConfig(out=str(tmp_path / "b"), **base))
+    # The same run killed during step 7 (the state was saved after step 6), then rerun.
+    def kill(step, loss, accs):
+        if step == 7:
+            raise KeyboardInterrupt
+
+    cfg = TrainConfig(out=str(tmp_path / "b"), **base)
+    with pytest.raises(KeyboardInterrupt):
+        train(model, seqs, cached, d2t, cfg, kill)
+    assert not os.path.exists(tmp_path / "b" / "head")
+    resumed = train(model, seqs, cached, d2t, cfg)
     assert resumed["loss"] == whole["loss"]
     a = torch.load(tmp_path / "a" / "train_state.pt", weights_only=False)["head"]
     b = torch.load(tmp_path / "b" / "train_state.pt", weights_only=False)["head"]
