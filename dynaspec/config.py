@@ -132,6 +132,9 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
 
 
+EAGLE_DEFAULT_K = 3  # drafts per step the shipped EAGLE head was trained for
+
+
 def parse_rates(value: object) -> tuple[float, ...]:
     """Synthetic acceptance rates from "0.9" / "0.9,0.7" / 0.9 / [0.9, 0.7]; each in [0, 1]."""
     if value is None:
@@ -160,6 +163,8 @@ class SpecConfig:
     k_policy: str = opt("auto", "who picks K each step", choices=reg.K_POLICIES)
     draft_model: str | None = opt(None, "draft model (HF folder or .gguf) for --speculator draft",
                                   type=str)
+    draft_head: str | None = opt(None, "EAGLE/EAGLE-3 head folder for --speculator eagle "
+                                 "(default: the head shipped for --model default)", type=str)
     prompt_lookup_min: int = opt(2, "shortest n-gram to match")
     prompt_lookup_max: int = opt(5, "longest n-gram to match")
     # Suffix decoding, with vLLM's meanings and defaults (suffix_decoding_*); spec_decode/suffix.py.
@@ -188,6 +193,9 @@ class SpecConfig:
         reg.K_POLICIES.check(self.k_policy)
         if self.num_spec_tokens < 0:
             raise ValueError(f"num_spec_tokens must be >= 0, got {self.num_spec_tokens}")
+        if self.speculator == "eagle" and self.num_spec_tokens == 0 and self.k_schedule is None:
+            # The depth the shipped head was trained to draft, when the user names no K.
+            object.__setattr__(self, "num_spec_tokens", EAGLE_DEFAULT_K)
         if self.speculator != "none" and self.num_spec_tokens == 0 and self.k_schedule is None:
             raise ValueError(f"--speculator {self.speculator} needs --num-spec-tokens K >= 1")
         if self.speculator == "draft" and not self.draft_model:

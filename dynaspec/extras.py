@@ -16,6 +16,7 @@ EXTRAS = {
     "server": ("fastapi", "starlette", "uvicorn", "pydantic", "prometheus_client"),
     "bench": ("matplotlib", "httpx", "schemathesis"),
     "peers": ("transformers", "accelerate"),
+    "train": ("matplotlib",),
 }
 
 

@@ -67,6 +67,8 @@ SPECULATORS = Registry("speculator", [
           "dynaspec.spec_decode.drafters:build_draft_model"),
     Entry("suffix", "suffix decoding over this request and earlier outputs",
           "dynaspec.spec_decode.drafters:build_suffix"),
+    Entry("eagle", "an EAGLE/EAGLE-3 head on the target's hidden states (--draft-head)",
+          "dynaspec.spec_decode.drafters:build_eagle"),
 ])
 
 K_POLICIES = Registry("k_policy", [

@@ -12,7 +12,8 @@ from dynaspec.extras import MissingExtraError
 
 # Subcommand modules; each exposes register(subparsers) and sets args.func.
 _COMMANDS = ["dynaspec.cli.generate", "dynaspec.cli.schedule_cmd", "dynaspec.cli.bench_cmd",
-             "dynaspec.cli.serve_cmd", "dynaspec.cli.tune_cmd", "dynaspec.cli.dp_worker_cmd"]
+             "dynaspec.cli.serve_cmd", "dynaspec.cli.tune_cmd", "dynaspec.cli.dp_worker_cmd",
+             "dynaspec.cli.train_cmd"]
 
 
 class Parser(argparse.ArgumentParser):

@@ -63,9 +63,33 @@ class LayerStack {
                                                    std::vector<torch::Tensor> kv_caches, torch::Tensor slots,
                                                    torch::Tensor tables, torch::Tensor ctx, torch::Tensor qstart,
                                                    torch::Tensor qlen, int64_t block_size, double scale) const {
+    return run(x, cos, sin, kv_caches, slots, tables, ctx, qstart, qlen, block_size, scale, {}, nullptr);
+  }
+
+  // forward, also returning the residual stream entering each layer listed in `capture` (as
+  // x + delta, a new tensor: x is updated in place by the next layer), for an EAGLE-style drafter.
+  std::tuple<torch::Tensor, torch::Tensor, std::vector<torch::Tensor>> forward_capture(
+      torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> kv_caches,
+      torch::Tensor slots, torch::Tensor tables, torch::Tensor ctx, torch::Tensor qstart, torch::Tensor qlen,
+      int64_t block_size, double scale, std::vector<int64_t> capture) const {
+    std::vector<torch::Tensor> feats(capture.size());
+    auto [y, delta] = run(x, cos, sin, kv_caches, slots, tables, ctx, qstart, qlen, block_size, scale, capture, &feats);
+    return {y, delta, feats};
+  }
+
+ private:
+  std::tuple<torch::Tensor, torch::Tensor> run(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
+                                               const std::vector<torch::Tensor>& kv_caches, torch::Tensor slots,
+                                               torch::Tensor tables, torch::Tensor ctx, torch::Tensor qstart,
+                                               torch::Tensor qlen, int64_t block_size, double scale,
+                                               const std::vector<int64_t>& capture,
+                                               std::vector<torch::Tensor>* feats) const {
     const int64_t T = x.size(0);
     torch::Tensor delta;
     for (size_t i = 0; i < layers_.size(); ++i) {
+      for (size_t c = 0; c < capture.size(); ++c) {
+        if (capture[c] == static_cast<int64_t>(i)) (*feats)[c] = delta.defined() ? x + delta : x.clone();
+      }
       const Layer& L = layers_[i];
       torch::Tensor h = delta.defined() ? add_rms_norm(x, delta, L.ln1, eps_) : rms_norm(x, L.ln1, eps_);
       torch::Tensor qkv = L.qkv(h);  // [T, (H + 2 Hkv) D]
@@ -82,7 +106,6 @@ class LayerStack {
     return {x, delta};
   }
 
- private:
   std::vector<Layer> layers_;
   int64_t H_, Hkv_, D_;
   double eps_;
@@ -90,13 +113,17 @@ class LayerStack {
 
 void register_layer_stack(pybind11::module& m) {
   namespace py = pybind11;
-  py::class_<QLinear>(m, "QLinear")
+  // module_local: a JIT build of edited sources loads beside the prebuilt module in one process
+  // (cpu_kernels.py imports the prebuilt one first to read its build facts); global pybind types
+  // of the same name would clash there.
+  py::class_<QLinear>(m, "QLinear", py::module_local())
       .def(py::init([](torch::Tensor w, torch::Tensor d, c10::optional<torch::Tensor> mn, int64_t N, int64_t G,
                        int64_t bits) { return QLinear{w, d, mn, N, G, bits}; }));
-  py::class_<Layer>(m, "Layer").def(py::init([](QLinear qkv, QLinear o, QLinear gu, QLinear down, torch::Tensor ln1,
+  py::class_<Layer>(m, "Layer", py::module_local()).def(py::init([](QLinear qkv, QLinear o, QLinear gu, QLinear down, torch::Tensor ln1,
                                                  torch::Tensor ln2) { return Layer{qkv, o, gu, down, ln1, ln2}; }));
-  py::class_<LayerStack>(m, "LayerStack")
+  py::class_<LayerStack>(m, "LayerStack", py::module_local())
       .def(py::init<std::vector<Layer>, int64_t, int64_t, int64_t, double>())
-      .def("forward", &LayerStack::forward);
+      .def("forward", &LayerStack::forward)
+      .def("forward_capture", &LayerStack::forward_capture);
   m.def("write_kv", &write_kv, "rows of k and v into their KV slots");
 }

@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from dynaspec.config import EngineConfig, default_num_threads
+from dynaspec.config import EngineConfig, ModelArchConfig, default_num_threads
 from dynaspec.engine.output_processor import OutputProcessor
 from dynaspec.kv.kv_cache_manager import KVCacheManager
 from dynaspec.kv.sizing import num_kv_blocks
@@ -21,7 +21,7 @@ from dynaspec.models.quant_linear import WeightPlan, cpu_info, linear_kernel_sum
 from dynaspec.scheduler.scheduler import Scheduler
 from dynaspec.spec_decode import cost_cache
 from dynaspec.spec_decode.cost_model import CostGrid, StepCostModel
-from dynaspec.spec_decode.drafters import build_drafter
+from dynaspec.spec_decode.drafters import DrafterTarget, build_drafter
 from dynaspec.spec_decode.k_policy import KPolicy
 from dynaspec.spec_decode.policies import make_policy, resolve_policy_name
 from dynaspec.spec_decode.plan import SpecPlan, build_spec_plan, plan_for_policy
@@ -153,12 +153,15 @@ def build_engine_parts(config: EngineConfig,
                                          arch.vocab_size, loaded.eos_token_ids,
                                          so.structured_any_whitespace)
     plan, proposer, drafter_tokens, drafter_max_len = _plan_and_proposer(config, arch.vocab_size,
-                                                                         device, dtype, structured)
+                                                                         device, dtype, structured,
+                                                                         arch)
     weights = WeightPlan(quant, mc.quant_dense_above, dtype, device, mc.dense_row_buckets, mc.linear_kernel)
     model = create_model(arch, loaded.state_dict, dtype, device, max_model_len + plan.max_k + 1, weights)
     del loaded.state_dict
     _release_load_memory()
     model.attn = resolve_attention(mc.attention_backend, device)
+    if proposer is not None and proposer.reads_hidden_states:  # the target captures its layers
+        proposer.attach(model)
     log.info("weights: quantization %s, linear kernel %s, %.1f MB read per decode step; CPU %s", quant,
              linear_kernel_summary(model), model.weight_bytes_per_step() / 1e6,
              cpu_info().summary() if device.type == "cpu" else "n/a")
@@ -193,7 +196,8 @@ def build_engine_parts(config: EngineConfig,
 
 
 def _plan_and_proposer(config: EngineConfig, vocab_size: int, device: torch.device,
-                       dtype: torch.dtype, structured: StructuredOutputManager):
+                       dtype: torch.dtype, structured: StructuredOutputManager,
+                       arch: ModelArchConfig):
     """The plan is built before the drafter (always_zero loads none), then rebuilt with the
     drafter's own K limit so clamping and classification see it; a drafter whose limit makes
     the plan always_zero is dropped again."""
@@ -201,7 +205,7 @@ def _plan_and_proposer(config: EngineConfig, vocab_size: int, device: torch.devi
     plan = build_spec_plan(sc.speculator, sc.num_spec_tokens, sc.k_schedule)
     proposer, drafter_tokens, drafter_max_len = None, 0, None
     if plan.speculating:  # always_zero loads no drafter
-        drafter = build_drafter(config, vocab_size, device, dtype, structured)
+        drafter = build_drafter(config, DrafterTarget(arch, device, dtype, structured))
         proposer, drafter_tokens, drafter_max_len = (drafter.proposer, drafter.kv_tokens,
                                                      drafter.max_len)
     limit = proposer.k_limit if proposer is not None else None
@@ -244,7 +248,9 @@ def _runner(config: EngineConfig, model: LlamaModel, kv_caches: list, blocks: in
         executor = make_executor(model, kv_caches, model.device, ec.compile_budget_s, len(ep.grid),
                                  ec.compile_backend)
     runner = ModelRunner(model, kv_caches, cc.block_size, proposer, config.model.seed, buffers,
-                         executor, verifier, structured, eos_token_ids)
+                         executor, verifier, structured, eos_token_ids,
+                         hidden_sink=proposer if proposer is not None
+                         and proposer.reads_hidden_states else None)
     if executor is not None and config.execution.precompile:
         shapes = [s for s in ep.grid if ep.path_for(*s)[0] != "eager"]
         log.info("precompiling %d %s shapes", len(shapes), ep.graph_path)

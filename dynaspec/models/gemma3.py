@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from dynaspec.attention.backend import AttentionBackend
 from dynaspec.attention.paged import EagerPagedBackend
 from dynaspec.config import ModelArchConfig
-from dynaspec.models.layers import FusedOps, RotaryCache, rms_norm
+from dynaspec.models.layers import FusedOps, RotaryCache, keep, rms_norm
 from dynaspec.models.llama import LlamaModel
 from dynaspec.models.quant import cat_rows
 from dynaspec.models.quant_linear import WeightPlan, make_linear
@@ -28,21 +28,28 @@ from dynaspec.models.quant_linear import WeightPlan, make_linear
 log = logging.getLogger("dynaspec")
 
 
-class Gemma3Layer:
+class Gemma3Layer(torch.nn.Module):
     def __init__(self, w: dict, cfg: ModelArchConfig, plan: WeightPlan, ops: FusedOps, i: int) -> None:
+        super().__init__()
         self.ops = ops
         self.qkv = make_linear(w["qkv"], None, plan)  # [(H + 2*Hkv) * D, hidden]
         self.o = make_linear(w["o"], None, plan)  # [hidden, H * D]
         self.gate_up = make_linear(w["gate_up"], None, plan)  # [2 * inter, hidden]
         self.down = make_linear(w["down"], None, plan)  # [hidden, inter]
-        self.norms = w["norms"]  # (input, post-attention, pre-MLP, post-MLP), each [hidden]
+        # (input, post-attention, pre-MLP, post-MLP), each [hidden]
+        for name, norm in zip(("ln_in", "ln_post_attn", "ln_pre_mlp", "ln_post_mlp"), w["norms"]):
+            keep(self, name, norm)
         H, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.qk_norm = torch.cat([w["q_norm"].expand(H, -1), w["k_norm"].expand(Hkv, -1)])  # [H + Hkv, D]
+        keep(self, "qk_norm", torch.cat([w["q_norm"].expand(H, -1), w["k_norm"].expand(Hkv, -1)]))  # [H + Hkv, D]
         self.eps = cfg.rms_norm_eps
         self.H, self.Hkv, self.D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.scale = cfg.attn_scale if cfg.attn_scale is not None else self.D ** -0.5
         self.window = cfg.layer_window(i)
         self.local = self.window is not None  # local layers also use the local RoPE base
+
+    @property
+    def norms(self) -> tuple[torch.Tensor, ...]:
+        return self.ln_in, self.ln_post_attn, self.ln_pre_mlp, self.ln_post_mlp
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None, rope: tuple, kv_cache: torch.Tensor,
                 md, attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,7 +135,7 @@ class Gemma3Model(LlamaModel):
         delta = None
         for layer, kv in zip(self.layers, kv_caches):
             rope = ropes["local" if layer.local else None]
-            x, delta = layer.forward(x, delta, rope, kv, md, attn)
+            x, delta = layer(x, delta, rope, kv, md, attn)
         if logits_indices is not None:  # None: every token's logits (the fixed-shape path)
             x, delta = x[logits_indices], delta[logits_indices]
         h = self.ops.rms_norm((x + delta).contiguous(), self.norm, self.cfg.rms_norm_eps)  # [R, hidden]

@@ -20,6 +20,7 @@ import logging
 
 import torch
 
+from dynaspec.models.layers import KernelModule, keep
 from dynaspec.models.quant import QuantizedTensor
 
 log = logging.getLogger("dynaspec")
@@ -81,19 +82,26 @@ def pack(w: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor |
     return packed, tiles(w.scale), (None if mn is None else tiles(mn)), bits
 
 
-class Int8DotLinear:
+class Int8DotLinear(KernelModule):
     """y = x W^T (+ b) through int8_gemm for any number of rows."""
 
     def __init__(self, w: QuantizedTensor, bias: torch.Tensor | None, keep_source: bool = False) -> None:
+        super().__init__()
         self.out_features, self.in_features = w.shape
-        self.group_size, self.bias = w.group_size, bias
-        self.packed, self.scales, self.mins, self.bits = pack(w)
+        self.group_size = w.group_size
+        packed, scales, mins, self.bits = pack(w)
+        # Buffers, not parameters: the scales are the kernel's own tiled layout, not a weight
+        # anyone trains, and a dtype cast of them would break the kernel's fp32 contract.
+        self.register_buffer("packed", packed)  # uint8, see pack()
+        self.register_buffer("scales", scales)  # [N/16, K/G, 16] fp32
+        self.register_buffer("mins", mins, persistent=mins is not None)
+        keep(self, "bias", bias)
         # The groups as loaded, kept only where a tied embedding looks its rows up in them.
         self.source = w if keep_source else None
         self._op = _ext().int8_gemm
         self.nbytes = self.packed.numel() + 4 * self.scales.numel() * (1 if self.mins is None else 2)
 
-    def __call__(self, x: torch.Tensor, isa: int = -1) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, isa: int = -1) -> torch.Tensor:
         """x: [M, K] bf16 or fp32 -> [M, N] in x's dtype; isa 0 forces the scalar reference."""
         y = self._op(x.contiguous(), self.packed, self.scales, self.mins, self.out_features,
                      self.group_size, self.bits, isa)

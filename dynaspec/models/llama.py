@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from dynaspec.attention.backend import AttentionBackend
 from dynaspec.attention.paged import EagerPagedBackend
 from dynaspec.config import ModelArchConfig
-from dynaspec.models.layers import FusedOps, RotaryCache, apply_rope, rms_norm
+from dynaspec.models.layers import FusedOps, RotaryCache, apply_rope, keep, rms_norm
 from dynaspec.models.quant import cat_rows
 from dynaspec.models.int8_dot import Int8DotLinear
 from dynaspec.models.quant_linear import WeightPlan, make_embedding, make_linear, make_lm_head
@@ -20,15 +20,16 @@ from dynaspec.models.quant_linear import WeightPlan, make_embedding, make_linear
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 
-class DecoderLayer:
+class DecoderLayer(torch.nn.Module):
     def __init__(self, w: dict, cfg: ModelArchConfig, plan: WeightPlan, ops: FusedOps) -> None:
+        super().__init__()
         self.ops = ops
         self.qkv = make_linear(w["qkv"], w.get("qkv_bias"), plan)  # [(H + 2*Hkv) * D, hidden]
         self.o = make_linear(w["o"], None, plan)  # [hidden, H * D]
         self.gate_up = make_linear(w["gate_up"], None, plan)  # [2 * inter, hidden]
         self.down = make_linear(w["down"], None, plan)  # [hidden, inter]
-        self.ln1, self.ln2 = w["ln1"], w["ln2"]
-        self.q_norm, self.k_norm = w.get("q_norm"), w.get("k_norm")
+        for name in ("ln1", "ln2", "q_norm", "k_norm"):  # [hidden] / [D]; q/k norms only on Qwen3
+            keep(self, name, w.get(name))
         self.eps = cfg.rms_norm_eps
         self.H, self.Hkv, self.D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.scale = self.D ** -0.5
@@ -57,11 +58,13 @@ class DecoderLayer:
         return x, self.down(self.ops.silu_and_mul(self.gate_up(h)))
 
 
-class LlamaModel:
+class LlamaModel(torch.nn.Module):
     """Weights and forward; KV tensors are owned by the caller and passed in per step.
 
     state_dict values are float tensors or, for weights kept quantized, QuantizedTensors;
-    `weights` says which kernels they become (default: dense, the reference path).
+    `weights` says which kernels they become (default: dense, the reference path). Float
+    weights are frozen parameters, packed kernel layouts buffers; the kernels are built for the
+    device and dtype given here, so the model is not meant to be moved with `.to()` after load.
     """
 
     ARCHITECTURES = SUPPORTED_ARCHITECTURES  # what this class runs; a subclass names its own
@@ -71,6 +74,7 @@ class LlamaModel:
         if cfg.architecture not in self.ARCHITECTURES:
             raise ValueError(f"unknown architecture {cfg.architecture!r} for {type(self).__name__}: "
                              f"supported are {', '.join(self.ARCHITECTURES)}")
+        super().__init__()
         self.cfg, self.dtype, self.device = cfg, dtype, device
         self.weights = plan = weights or WeightPlan("none", 0, dtype, device)
         sd = state_dict
@@ -86,13 +90,18 @@ class LlamaModel:
         tied = cfg.tie_word_embeddings or "lm_head.weight" not in sd
         self.embed, head = make_embedding(raw("model.embed_tokens.weight"), plan, tied)
         self.lm_head = head if tied else make_lm_head(raw("lm_head.weight"), plan)  # [vocab, hidden]
-        self.norm = t("model.norm.weight")
+        keep(self, "norm", t("model.norm.weight"))  # [hidden]
         # The fused small ops run wherever the C++ kernels build (fp32 too: same rounding).
         self.ops = FusedOps(enabled=device.type == "cpu")
-        self.layers = self._build_layers(raw, t, sd, plan)
+        self.layers = torch.nn.ModuleList(self._build_layers(raw, t, sd, plan))
         self.rope = RotaryCache(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_positions, device)
         self.attn: AttentionBackend = EagerPagedBackend()  # used when forward() is given none
         self._stack = layer_stack(self)  # all layers in one C++ call, where every part is C++
+        # Hidden states an EAGLE-style drafter reads: the residual stream after each listed
+        # number of layers (num_hidden_layers: the final normed state). Empty: nothing captured,
+        # nothing paid. After a forward, aux_hidden holds them for every token [T, len * hidden].
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux_hidden: torch.Tensor | None = None
 
     def _build_layers(self, raw, t, sd: dict, plan: WeightPlan) -> list:
         """The decoder layers from the checkpoint (`raw`: a matrix as loaded, `t`: a vector in
@@ -152,17 +161,33 @@ class LlamaModel:
         cos, sin = self.rope.lookup(positions, self.dtype)
         if self._stack is not None and attn.name == "cpu_paged" and not torch.compiler.is_compiling():
             T = x.shape[0]  # the same kernels in the same order as the loop below, bit for bit
-            x, delta = self._stack.forward(x, cos.reshape(T, -1), sin.reshape(T, -1), kv_caches, md.slot_mapping,
-                                           md.block_tables, md.context_lens, md.query_start, md.query_lens,
-                                           md.block_size, self.layers[0].scale)
+            args = (x, cos.reshape(T, -1), sin.reshape(T, -1), kv_caches, md.slot_mapping, md.block_tables,
+                    md.context_lens, md.query_start, md.query_lens, md.block_size, self.layers[0].scale)
+            if self.aux_layers:
+                inner = [i for i in self.aux_layers if i < self.cfg.num_hidden_layers]
+                x, delta, got = self._stack.forward_capture(*args, inner)
+                self.aux_hidden = self._aux(dict(zip(inner, got)), x, delta)
+            else:
+                x, delta = self._stack.forward(*args)
         else:
-            delta = None
-            for layer, kv in zip(self.layers, kv_caches):
-                x, delta = layer.forward(x, delta, cos, sin, kv, md, attn)
+            delta, feats = None, {}
+            for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
+                if i in self.aux_layers:  # the stream entering layer i (x is updated in place: a copy)
+                    feats[i] = x.clone() if delta is None else x + delta
+                x, delta = layer(x, delta, cos, sin, kv, md, attn)  # Module call: hooks fire
+            if self.aux_layers:
+                self.aux_hidden = self._aux(feats, x, delta)
         if logits_indices is not None:  # None: every token's logits (the fixed-shape path)
             x, delta = x[logits_indices], delta[logits_indices]
         h = self.ops.rms_norm(x + delta, self.norm, self.cfg.rms_norm_eps)  # [R, hidden]
         return self.lm_head(h).float()
+
+    def _aux(self, feats: dict, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """The captured streams in aux_layers order: [T, len(aux_layers) * hidden]."""
+        n = self.cfg.num_hidden_layers
+        if n in self.aux_layers:  # the final normed state (EAGLE-1 reads it)
+            feats[n] = self.ops.rms_norm(x + delta, self.norm, self.cfg.rms_norm_eps)
+        return torch.cat([feats[i] for i in self.aux_layers], dim=-1)
 
 
 def layer_stack(model: LlamaModel):

@@ -21,7 +21,7 @@ import torch
 
 from dynaspec.models import int8_dot
 from dynaspec.models.int8_dot import Int8DotLinear
-from dynaspec.models.layers import Linear
+from dynaspec.models.layers import KernelModule, Linear, keep
 from dynaspec.models.quant import QuantizedTensor, quantize_int4, quantize_int8, to_per_channel_int8
 
 log = logging.getLogger("dynaspec")
@@ -80,36 +80,42 @@ def resolve_quantization(mode: str, device: torch.device, dtype: torch.dtype) ->
     return "none"
 
 
-class Int4Linear:
+class Int4Linear(KernelModule):
     """y = x W^T (+ b) with W int4, one bf16 scale and zero point per 32 weights along K."""
 
     def __init__(self, w: QuantizedTensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
         self.out_features, self.in_features = w.shape
-        self.group_size, self.bias = w.group_size, bias
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.q.to(torch.int32).contiguous(), 1)
+        self.group_size = w.group_size
+        keep(self, "bias", bias)
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            w.q.to(torch.int32).contiguous(), 1))
         # [K / group, N, 2]: (scale, zero) in the activation dtype, as the kernel expects them.
-        self.scales_and_zeros = torch.stack([w.scale.t(), w.zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+        self.register_buffer("scales_and_zeros",
+                             torch.stack([w.scale.t(), w.zero.t()], dim=-1).to(torch.bfloat16).contiguous())
         self.nbytes = w.nbytes_packed()
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, self.group_size,
                                                        self.scales_and_zeros)
         return y if self.bias is None else y + self.bias
 
 
-class Int8Linear:
+class Int8Linear(KernelModule):
     """y = x W^T (+ b) with W int8 and one bf16 scale per output channel."""
 
     def __init__(self, w: QuantizedTensor, bias: torch.Tensor | None) -> None:
         if w.kind != "q8" or w.group_size != w.shape[1]:
             raise ValueError("Int8Linear takes per-channel int8 weights (see to_per_channel_int8)")
+        super().__init__()
         self.out_features, self.in_features = w.shape
-        self.q, self.bias = w.q.contiguous(), bias  # [N, K] int8
-        self.scale_f32 = w.scale.reshape(-1).contiguous()  # [N], kept for exact row lookups
-        self.scales = self.scale_f32.to(torch.bfloat16)
+        self.register_buffer("q", w.q.contiguous())  # [N, K] int8
+        keep(self, "bias", bias)
+        self.register_buffer("scale_f32", w.scale.reshape(-1).contiguous())  # [N], for exact row lookups
+        self.register_buffer("scales", self.scale_f32.to(torch.bfloat16))  # [N], what the kernel takes
         self.nbytes = w.nbytes_packed()
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.q, self.scales)
         return y if self.bias is None else y + self.bias
 
@@ -123,17 +129,18 @@ def dense_rows(m: int) -> int:
     return -(-m // step) * step
 
 
-class QuantLinear:
+class QuantLinear(KernelModule):
     """A quantized kernel for narrow steps and, optionally, a bf16 copy for steps wider than dense_above."""
 
     def __init__(self, kernel: Int4Linear | Int8Linear, dense: Linear | None, dense_above: int,
                  row_buckets: bool = True) -> None:
+        super().__init__()
         self.kernel, self.dense, self.dense_above = kernel, dense, dense_above
         self.row_buckets = row_buckets
         self.out_features, self.in_features = kernel.out_features, kernel.in_features
         self.nbytes = kernel.nbytes  # what a narrow (decode) step reads
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
         if self.dense is None or m <= self.dense_above:
             return self.kernel(x)
@@ -143,32 +150,40 @@ class QuantLinear:
         return self.dense(torch.nn.functional.pad(x, (0, 0, 0, rows - m)))[:m]  # [m, out]
 
 
-class DenseEmbedding:
+class DenseEmbedding(KernelModule):
     def __init__(self, weight: torch.Tensor) -> None:
-        self.weight = weight  # [vocab, hidden]
+        super().__init__()
+        keep(self, "weight", weight)  # [vocab, hidden]
 
-    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.weight[ids]
 
 
-class Int8Embedding:
+class Int8Embedding(KernelModule):
     """Rows of a per-channel int8 table (shared with the tied lm_head), dequantized on lookup."""
 
     def __init__(self, table: Int8Linear, dtype: torch.dtype) -> None:
-        self.table, self.dtype = table, dtype
+        super().__init__()
+        self.table, self.dtype = table, dtype  # the table is a submodule (shared with the head)
 
-    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.table.q[ids].float() * self.table.scale_f32[ids, None]  # [T, hidden]
         return rows.to(self.dtype)
 
 
-class QuantEmbedding:
+class QuantEmbedding(KernelModule):
     """Rows of a GGUF table looked up from its own blocks, dequantized exactly on lookup."""
 
     def __init__(self, table: QuantizedTensor, dtype: torch.dtype) -> None:
+        super().__init__()
         self.table, self.dtype = table, dtype
+        # The blocks as buffers too (the same tensors the lookup reads), so the module's
+        # buffers account for the table.
+        self.register_buffer("q", table.q)
+        self.register_buffer("scale", table.scale)
+        self.register_buffer("zero", table.zero, persistent=table.zero is not None)
 
-    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.table.rows(ids).dequantize().to(self.dtype)  # [T, hidden]
 
 

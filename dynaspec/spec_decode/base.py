@@ -34,6 +34,9 @@ class Proposer:
     k_limit: int | None = None
     # True when it drafts under the request's grammar (the engine then hands it the manager).
     uses_grammar: bool = False
+    # True when it drafts from the target's hidden states (EAGLE): the builder attaches the
+    # target and the runner hands it every step's verified rows (`observe_hidden`).
+    reads_hidden_states: bool = False
 
     def propose(self, requests: Sequence[Request], k_per_request: Sequence[int]) -> Drafts:
         raise NotImplementedError
@@ -58,6 +61,12 @@ class Proposer:
 
     def reset_cache(self) -> None:
         """Empty the cross-request cache, if it keeps one."""
+
+    def attach(self, model) -> None:  # type: ignore[no-untyped-def]
+        """Bind the target model (drafters that read its hidden states)."""
+
+    def observe_hidden(self, hs) -> None:  # type: ignore[no-untyped-def]
+        """The hidden states of a step's verified tokens (spec_decode/eagle.HiddenStates)."""
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,20 @@ from typing import Any
 
 import torch
 
-from dynaspec.config import EngineConfig
+from dynaspec.config import EngineConfig, ModelArchConfig
 from dynaspec.spec_decode.base import Proposer
 
 log = logging.getLogger("dynaspec.engine")
+
+
+@dataclass(frozen=True)
+class DrafterTarget:
+    """What a drafter may know of the target it drafts for."""
+
+    arch: ModelArchConfig
+    device: torch.device
+    dtype: torch.dtype
+    grammar: Any = None  # the structured-output manager, for drafters with `uses_grammar`
 
 
 @dataclass(frozen=True)
@@ -26,26 +36,20 @@ class DrafterBuild:
     max_len: int | None = None  # the drafter's context limit; None = the target's
 
 
-def build_drafter(config: EngineConfig, vocab_size: int, device: torch.device,
-                  dtype: torch.dtype, grammar: Any = None) -> DrafterBuild:
-    """`grammar` (the structured-output manager) reaches drafters that draft under a
-    request's grammar (`Proposer.uses_grammar`)."""
+def build_drafter(config: EngineConfig, target: DrafterTarget) -> DrafterBuild:
     from dynaspec.registry import SPECULATORS
 
-    factory = SPECULATORS.load(config.spec.speculator)
-    return factory(config, vocab_size, device, dtype, grammar)
+    return SPECULATORS.load(config.spec.speculator)(config, target)
 
 
-def build_ngram(config: EngineConfig, vocab_size: int, device: torch.device,
-                dtype: torch.dtype, grammar: Any = None) -> DrafterBuild:
+def build_ngram(config: EngineConfig, target: DrafterTarget) -> DrafterBuild:
     from dynaspec.spec_decode.ngram import NgramProposer
 
     sc = config.spec
     return DrafterBuild(NgramProposer(sc.prompt_lookup_min, sc.prompt_lookup_max))
 
 
-def build_suffix(config: EngineConfig, vocab_size: int, device: torch.device,
-                 dtype: torch.dtype, grammar: Any = None) -> DrafterBuild:
+def build_suffix(config: EngineConfig, target: DrafterTarget) -> DrafterBuild:
     from dynaspec.spec_decode.suffix import SuffixParams, SuffixProposer, memory_bound_bytes
 
     sc = config.spec
@@ -58,10 +62,29 @@ def build_suffix(config: EngineConfig, vocab_size: int, device: torch.device,
     return DrafterBuild(prop)
 
 
-def build_draft_model(config: EngineConfig, vocab_size: int, device: torch.device,
-                      dtype: torch.dtype, grammar: Any = None) -> DrafterBuild:
+def build_draft_model(config: EngineConfig, target: DrafterTarget) -> DrafterBuild:
     from dynaspec.spec_decode.draft_model import DraftModelProposer
 
-    prop = DraftModelProposer.load(config.spec.draft_model, config, vocab_size, device, dtype,
-                                   grammar)
+    prop = DraftModelProposer.load(config.spec.draft_model, config, target.arch.vocab_size,
+                                   target.device, target.dtype, target.grammar)
     return DrafterBuild(prop, prop.num_kv_tokens, prop.max_len)
+
+
+def build_eagle(config: EngineConfig, target: DrafterTarget) -> DrafterBuild:
+    """The EAGLE head (--draft-head, or the one shipped for the default model), checked against
+    the target's architecture as it loads."""
+    from dynaspec.spec_decode.eagle import DEFAULT_HEAD, EagleProposer
+    from dynaspec.spec_decode.eagle_io import load_head
+
+    path, arch = config.spec.draft_head, target.arch
+    if path is None:
+        if config.model.model != "default":
+            raise ValueError("--speculator eagle needs --draft-head DIR for a model other than "
+                             "the default (train one with: dynaspec train-draft-head --model M "
+                             "--out DIR)")
+        path = DEFAULT_HEAD
+    head, emb = load_head(path, arch)
+    c = head.cfg
+    log.info("EAGLE drafter: %s head from %s (draft vocabulary %d, target layers %s)", c.kind,
+             path, c.draft_vocab_size, ",".join(map(str, c.aux_layers)))
+    return DrafterBuild(EagleProposer(head, arch.max_position_embeddings, emb))

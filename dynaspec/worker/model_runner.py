@@ -34,6 +34,7 @@ from dynaspec.sample.sampler import Sampler
 from dynaspec.spec_decode import step_width as width
 from dynaspec.spec_decode.base import Drafts, Proposer
 from dynaspec.step_plan import BatchDescriptor, StepPlan
+from dynaspec.spec_decode.eagle import HiddenStates
 from dynaspec.structured.manager import StructuredOutputManager
 from dynaspec.worker.compiled import FixedShapeExecutor
 from dynaspec.worker.input_buffers import InputBuffers
@@ -78,8 +79,10 @@ class ModelRunner:
                  executor: FixedShapeExecutor | None = None,
                  synthetic: SyntheticVerifier | None = None,
                  structured: StructuredOutputManager | None = None,
-                 eos_token_ids: tuple[int, ...] = ()) -> None:
+                 eos_token_ids: tuple[int, ...] = (), hidden_sink: Proposer | None = None) -> None:
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
+        # An EAGLE-style proposer: gets the hidden states of each step's verified tokens.
+        self.hidden_sink = hidden_sink
         self.device = model.device
         self.proposer = proposer
         self.sampler = Sampler()
@@ -175,6 +178,8 @@ class ModelRunner:
     def run(self, p: PreparedStep) -> RunnerOutput:
         """The target forward and verification of a prepared step."""
         t_run = time.perf_counter()
+        if self.hidden_sink is not None:
+            self.model.aux_hidden = None  # a path that captures nothing leaves it None
         logits, batch, t2 = self._forward(p.inputs, p.batch)  # [R, vocab]
         t3 = time.perf_counter()
         if p.grammar is not None:
@@ -182,6 +187,8 @@ class ModelRunner:
         if p.logits_proc is not None:
             p.logits_proc.apply(logits)
         results = self._sample(p, logits)
+        if self.hidden_sink is not None:
+            self._observe(p, results)
         if p.grammar is not None:
             p.grammar.commit(results)
         t4 = time.perf_counter()
@@ -192,6 +199,25 @@ class ModelRunner:
         if p.grammar is not None:
             res.grammar_seconds, res.grammar_rows = p.grammar.seconds, p.grammar.num_rows
         return res
+
+    def _observe(self, p: PreparedStep, results: list[RequestResult]) -> None:
+        """Hand the drafter the hidden states of each request's verified tokens: its new tokens
+        and the drafts it accepted (rows of rejected drafts and pads are left out)."""
+        hidden = self.model.aux_hidden  # [T, features], or None where the path captured nothing
+        if hidden is None or hidden.shape[0] != len(p.inputs.ids):
+            return
+        drafted = dict(p.inputs.sampling)  # scheduled index -> drafts verified
+        ids, starts, positions, valid = [], [], [], []
+        o = 0
+        for i, (s, q) in enumerate(zip(p.out.scheduled, p.inputs.query_lens)):
+            if q > 0:
+                n = drafted.get(i)
+                ids.append(s.request.request_id)
+                starts.append(o)
+                positions.append(p.inputs.positions[o])
+                valid.append(q if n is None else q - n + results[i].num_accepted_tokens)
+            o += q
+        self.hidden_sink.observe_hidden(HiddenStates(ids, starts, positions, valid, hidden))
 
     def _flatten(self, out: StepPlan, drafts: dict[str, list[int]]) -> StepInputs:
         x = StepInputs()

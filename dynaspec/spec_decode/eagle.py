@@ -1,0 +1,205 @@
+"""EAGLE-style proposer: chain drafts from a head reading the target's hidden states (DESIGN §4b).
+
+After each target forward the runner hands the hidden states of the verified positions to
+`observe` (the model captures them only when this drafter is configured). `propose` for the
+next step first feeds the head the pairs it has not seen (target features at t, token t+1),
+writing its own small KV, then chains K drafts, each reading the head's previous output.
+
+So the drafts for step N+1 come from the hidden states of step N's accepted tokens (the §3
+lag exception: they exist only after N's forward), but they are drafted when step N+1's batch
+is formed, with the K that batch verifies: the K drafted with and the K the verifying step
+chose are one number here, recorded as the step's K. A request whose features are missing
+(a prefix-cache hit skipped its forward, an async step has not landed) attends to what the
+head has; with no features for its newest token it gets no drafts that step ("no_match").
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from dynaspec.request import Request
+from dynaspec.spec_decode.base import Drafts, Proposer
+from dynaspec.spec_decode.eagle_head import EagleHead
+
+HEADS_DIR = os.path.join(os.path.dirname(__file__), "heads")
+DEFAULT_HEAD = os.path.join(HEADS_DIR, "smollm2-135m-instruct")
+
+
+@dataclass(frozen=True)
+class HiddenStates:
+    """One target forward's hidden states, as an EAGLE-style drafter reads them (runner -> proposer)."""
+
+    request_ids: list[str]
+    starts: list[int]  # row in `hidden` of each request's first token this step
+    positions: list[int]  # that token's position
+    num_valid: list[int]  # leading rows whose tokens are verified (accepted drafts included)
+    hidden: torch.Tensor  # [T, feature_size] the captured layers, concatenated
+
+
+@dataclass
+class _HeadSeq:
+    """The head's view of one request: its KV and the target features not yet fed to it."""
+
+    keys: list[torch.Tensor] = field(default_factory=list)  # per head layer [L, Hkv, D]
+    vals: list[torch.Tensor] = field(default_factory=list)
+    next_pos: int = 0  # position after the head's last KV entry
+    pend_pos: int = 0  # position of pending[0]
+    pending: torch.Tensor | None = None  # [n, feature_size]
+
+
+class EagleProposer(Proposer):
+    reads_hidden_states = True
+
+    def __init__(self, head: EagleHead, max_len: int, embed_table: torch.Tensor | None = None) -> None:
+        self.head, self.max_len = head, max_len
+        self.embed_table = embed_table  # the head's own [vocab, H], or None: the target's
+        self.model = None  # the target, attached by the builder once it is loaded
+        self.seqs: dict[str, _HeadSeq] = {}
+
+    @property
+    def k_limit(self) -> int:
+        return max(0, self.max_len - 1)
+
+    def attach(self, model) -> None:
+        """Bind the target: it captures the head's layers from now on."""
+        self.model = model
+        model.aux_layers = self.head.cfg.aux_layers
+
+    # -- runner side ---------------------------------------------------------------------------
+
+    def observe_hidden(self, hs: HiddenStates) -> None:
+        for rid, start, pos, n in zip(hs.request_ids, hs.starts, hs.positions, hs.num_valid):
+            if n <= 0:
+                continue
+            st = self.seqs.setdefault(rid, _HeadSeq())
+            rows = hs.hidden[start: start + n]  # [n, F]
+            if pos < st.next_pos:  # recomputed positions (preemption): start the head afresh
+                st.keys, st.vals, st.next_pos, st.pending = [], [], 0, None
+            if st.pending is not None and st.pend_pos + len(st.pending) == pos:
+                st.pending = torch.cat([st.pending, rows])
+            else:  # a gap (a prefix-cache hit had no forward) keeps only the newest rows
+                st.pending, st.pend_pos = rows.clone(), pos
+
+    def forget(self, request_id: str) -> None:
+        self.seqs.pop(request_id, None)
+
+    def preempt(self, request_id: str) -> None:
+        self.seqs.pop(request_id, None)
+
+    def num_cached(self) -> int:
+        return len(self.seqs)
+
+    # -- drafting ------------------------------------------------------------------------------
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.embed_table is not None:
+            return self.embed_table[ids]
+        return self.model.embed(ids).float()  # [n, H]
+
+    def _logits(self, out: torch.Tensor) -> torch.Tensor:
+        if self.head.lm_head is not None:
+            return self.head.logits(out)
+        return self.model.lm_head(out.to(self.model.dtype)).float()  # eagle1: the target's head
+
+    def propose(self, requests: Sequence[Request], k_per_request: Sequence[int]) -> Drafts:
+        if len(requests) != len(k_per_request):
+            raise ValueError(f"{len(requests)} requests but {len(k_per_request)} k values")
+        ready = []  # (index, state, tokens of the pairs to feed, k)
+        skips: list[str | None] = [None] * len(requests)
+        for i, (req, k) in enumerate(zip(requests, k_per_request)):
+            if k <= 0:
+                continue
+            st = self.seqs.get(req.request_id)
+            n_tok = len(req.prompt_token_ids) + len(req.output_token_ids)
+            # Features must reach the token before the newest: its output predicts the next one.
+            if st is None or st.pending is None or st.pend_pos + len(st.pending) < n_tok - 1 \
+                    or st.pend_pos >= n_tok - 1:
+                skips[i] = "no_match"
+                continue
+            use = n_tok - 1 - st.pend_pos
+            ready.append((i, st, req.token_slice(st.pend_pos + 1, n_tok), k, use))
+        drafts: list[list[int]] = [[] for _ in requests]
+        if ready:
+            with torch.inference_mode():
+                for (i, *_), d in zip(ready, self._draft(ready)):
+                    drafts[i] = d
+        return Drafts(token_ids=drafts, probs=None, skip_reasons=skips)
+
+    def _draft(self, ready: list) -> list[list[int]]:
+        """Catch up on each request's pending pairs (one batched pass), then chain its drafts."""
+        head = self.head
+        feats = torch.cat([st.pending[:use] for _, st, _, _, use in ready]).float()  # [N, F]
+        toks = torch.tensor([t for _, _, tk, _, _ in ready for t in tk])
+        emb = self._embed(toks)  # [N, H]
+        pos = torch.cat([torch.arange(st.pend_pos, st.pend_pos + use) for _, st, _, _, use in ready])
+        sizes = [use for *_, use in ready]
+        h = head.fuse(feats, emb)
+        out = self._layers(h, emb, pos, [st for _, st, *_ in ready], sizes, chain=None)
+        last = torch.cumsum(torch.tensor(sizes), 0) - 1
+        for _, st, _, _, use in ready:  # pending pairs are in the head's KV now
+            st.pending = st.pending[use:] if use < len(st.pending) else None
+            st.pend_pos += use
+            st.next_pos = st.pend_pos
+        out = out[last]  # [B, H] the output at each request's newest pair
+        pos = pos[last]
+        kmax = max(k for _, _, _, k, _ in ready)
+        chain: list[list] = [[[], []] for _ in ready]  # per request: temporary draft keys/values
+        drafts = [[] for _ in ready]
+        alive = list(range(len(ready)))
+        for j in range(kmax):
+            ids = head.draft_to_target[self._logits(out).argmax(-1)]  # [b] target ids
+            for r, t in zip(alive, ids.tolist()):
+                drafts[r].append(t)
+            keep = [m for m, r in enumerate(alive) if len(drafts[r]) < ready[r][3]]
+            if not keep or j + 1 == kmax:
+                break
+            alive = [alive[m] for m in keep]
+            out, pos, ids = out[keep], pos[keep] + 1, ids[keep]
+            e = self._embed(ids)
+            h = self._chain_input(out, e)
+            out = self._layers(h, e, pos, [ready[r][1] for r in alive], [1] * len(alive),
+                               chain=[chain[r] for r in alive])
+        return drafts
+
+    def _chain_input(self, out: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        """A chained step's hidden: eagle3 reads its own output as is, eagle1 fuses it with the
+        embedding again (its fc always sees [embedding | hidden])."""
+        return out if self.head.cfg.kind == "eagle3" else self.head.fuse(out, emb)
+
+    def _layers(self, h, emb, pos, states, sizes, chain) -> torch.Tensor:
+        """The head's layers over rows grouped by request (`sizes` each). chain None: catch-up
+        rows, appended to each request's KV; else one draft row each, kept in `chain`."""
+        cos, sin = self.head.rope.lookup(pos, h.dtype)  # [N, 1, D/2]
+        for li, layer in enumerate(self.head.layers):
+            q, k, v = layer.qkv(h, emb, cos, sin)  # [N, Hq|Hkv, D]
+            outs, o = [], 0
+            for r, (st, n) in enumerate(zip(states, sizes)):
+                qi, ki, vi = q[o: o + n], k[o: o + n], v[o: o + n]
+                o += n
+                if len(st.keys) <= li:
+                    st.keys.append(ki[:0])
+                    st.vals.append(vi[:0])
+                if chain is None:
+                    st.keys[li] = torch.cat([st.keys[li], ki])
+                    st.vals[li] = torch.cat([st.vals[li], vi])
+                    K, V = st.keys[li], st.vals[li]
+                    L = K.shape[0] - n
+                    mask = torch.ones(n, L + n, dtype=torch.bool).tril(L)  # earlier entries + causal
+                else:
+                    c = chain[r]
+                    if len(c[0]) <= li:
+                        c[0].append(ki[:0])
+                        c[1].append(vi[:0])
+                    c[0][li] = torch.cat([c[0][li], ki])
+                    c[1][li] = torch.cat([c[1][li], vi])
+                    K, V, mask = torch.cat([st.keys[li], c[0][li]]), torch.cat([st.vals[li], c[1][li]]), None
+                a = F.scaled_dot_product_attention(qi.transpose(0, 1)[None], K.transpose(0, 1)[None],
+                                                   V.transpose(0, 1)[None], attn_mask=mask, enable_gqa=True)
+                outs.append(a[0].transpose(0, 1))  # [n, Hq, D]
+            h = layer.finish(torch.cat(outs), h)
+        return h

@@ -1,0 +1,168 @@
+"""An EAGLE-style draft head: one small decoder layer on the target's hidden states (DESIGN §4b).
+
+Two published forms run here, both on the head's own small KV:
+- eagle3: the target's hidden states after a low, a middle and a high layer, concatenated and
+  fused by `fc` to one vector h; the layer attends over [norm(embed(token)), hidden_norm(h)]
+  (2H wide), keeps h as its residual, and a final norm + a lm_head over a reduced draft
+  vocabulary (d2t maps draft ids to target ids) give the logits.
+- eagle1: the target's final (normed) hidden state and the token embedding concatenated and
+  fused by `fc` (with bias), then Llama decoder layer(s) (the first without input norm); the
+  target's own lm_head gives the logits.
+At head position t the input is (the target's features at t, the embedding of token t+1) and
+the output predicts token t+2; chained, the head's output at t stands in for the target's
+features at t+1. Weights are fp32 (the head is ~1/15 of the target; fp32 keeps training exact).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dynaspec.models.layers import RotaryCache, apply_rope, rms_norm
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    kind: str  # "eagle3" | "eagle1"
+    hidden_size: int
+    target_hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int  # the target's
+    draft_vocab_size: int  # eagle1: = vocab_size (the target's lm_head)
+    aux_layers: tuple[int, ...]  # target features read: the stream after that many layers
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: tuple | None = None  # sorted (key, value) pairs of the rope_scaling dict
+    num_layers: int = 1  # decoder layers (eagle3: always 1)
+    max_positions: int = 8192
+
+    @property
+    def feature_size(self) -> int:
+        """Width of the target features one position carries ([len(aux_layers) * target hidden])."""
+        return len(self.aux_layers) * self.target_hidden_size
+
+
+def default_aux_layers(num_target_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's choice (as vLLM and SGLang make it): the stream entering layers 2, N/2 and N-3
+    (clamped into 0..N-1 for targets of fewer than 5 layers)."""
+    n = num_target_layers
+    return tuple(min(max(i, 0), n - 1) for i in (2, n // 2, n - 3))
+
+
+class HeadLayer(nn.Module):
+    """One decoder layer of the head; `wide` (eagle3) attends over [embedding | hidden] (2H)."""
+
+    def __init__(self, c: HeadConfig, wide: bool, input_norm: bool) -> None:
+        super().__init__()
+        H, Hq, Hkv, D = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        n_in = 2 * H if wide else H
+        self.wide, self.eps, self.Hq, self.Hkv, self.D = wide, c.rms_norm_eps, Hq, Hkv, D
+        self.q_proj = nn.Linear(n_in, Hq * D, bias=False)
+        self.k_proj = nn.Linear(n_in, Hkv * D, bias=False)
+        self.v_proj = nn.Linear(n_in, Hkv * D, bias=False)
+        self.o_proj = nn.Linear(Hq * D, H, bias=False)
+        self.gate_proj = nn.Linear(H, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(H, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, H, bias=False)
+        self.post_attention_layernorm = nn.Parameter(torch.ones(H))
+        # eagle3: input_layernorm norms the embedding, hidden_norm the fused features;
+        # eagle1: input_layernorm norms the input (absent on the first layer, as published).
+        self.input_layernorm = nn.Parameter(torch.ones(H)) if input_norm or wide else None
+        self.hidden_norm = nn.Parameter(torch.ones(H)) if wide else None
+
+    def qkv(self, h: torch.Tensor, emb: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor):
+        """h, emb: [..., H]; cos/sin: [..., 1, D/2]. Returns q [..., Hq, D], k, v [..., Hkv, D]."""
+        if self.wide:
+            x = torch.cat((rms_norm(emb, self.input_layernorm, self.eps), rms_norm(h, self.hidden_norm, self.eps)), -1)
+        else:
+            x = h if self.input_layernorm is None else rms_norm(h, self.input_layernorm, self.eps)
+        lead = x.shape[:-1]
+        q = apply_rope(self.q_proj(x).view(*lead, self.Hq, self.D), cos, sin)
+        k = apply_rope(self.k_proj(x).view(*lead, self.Hkv, self.D), cos, sin)
+        return q, k, self.v_proj(x).view(*lead, self.Hkv, self.D)
+
+    def finish(self, attn: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """attn: [..., Hq, D] attention output; h: the residual [..., H]. Returns the layer output."""
+        x = h + self.o_proj(attn.flatten(-2))
+        m = rms_norm(x, self.post_attention_layernorm, self.eps)
+        return x + self.down_proj(F.silu(self.gate_proj(m)) * self.up_proj(m))
+
+
+class EagleHead(nn.Module):
+    def __init__(self, c: HeadConfig) -> None:
+        super().__init__()
+        self.cfg = c
+        wide = c.kind == "eagle3"
+        if c.kind not in ("eagle3", "eagle1"):
+            raise ValueError(f"unknown head kind {c.kind!r}: eagle3 or eagle1")
+        fc_in = c.feature_size if wide else c.hidden_size + c.target_hidden_size
+        self.fc = nn.Linear(fc_in, c.hidden_size, bias=not wide)
+        self.layers = nn.ModuleList(HeadLayer(c, wide, input_norm=i > 0) for i in range(c.num_layers))
+        self.norm = nn.Parameter(torch.ones(c.hidden_size)) if wide else None
+        self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False) if wide else None
+        # draft id -> target id ([draft_vocab] long); the identity for eagle1.
+        self.register_buffer("draft_to_target", torch.arange(c.draft_vocab_size))
+        self.rope = RotaryCache(c.head_dim, c.rope_theta, dict(c.rope_scaling) if c.rope_scaling else None,
+                                c.max_positions, torch.device("cpu"))
+
+    def fuse(self, features: torch.Tensor, emb: torch.Tensor | None = None) -> torch.Tensor:
+        """The head's input hidden from target features [..., feature_size] (eagle1: with the
+        token embeddings [..., H], concatenated embedding first as published)."""
+        if self.cfg.kind == "eagle3":
+            return self.fc(features)
+        return self.fc(torch.cat((emb, features), -1))
+
+    def logits(self, out: torch.Tensor, target_head=None) -> torch.Tensor:
+        """Draft-vocabulary logits [..., draft_vocab] from layer outputs [..., H]."""
+        if self.lm_head is not None:
+            return self.lm_head(rms_norm(out, self.norm, self.cfg.rms_norm_eps))
+        return target_head(out.to(target_head_dtype(target_head))).float()
+
+    # -- training: whole sequences, with EAGLE-3's training-time unrolling ----------------------
+
+    def unrolled(self, features: torch.Tensor, emb: torch.Tensor, passes: int) -> list[torch.Tensor]:
+        """Layer outputs of `passes` chained drafting passes over sequences (single-layer heads).
+
+        features: [B, T, feature_size] target features at positions 0..T-1; emb: [B, T, H] the
+        embeddings of tokens 1..T (row s holds token s+1). Pass 1 row s reads the target's
+        features at s; pass k > 1 row s reads pass k-1's output at s-1, as drafting step k reads
+        the head's own previous output at inference, and attends to pass 1's keys up to s-k+1
+        (the verified part) plus the keys pass m wrote at s-k+m (its own earlier drafts).
+        Returns [B, T, H] per pass; row s of pass k predicts token s+2 (rows s < k-1 are unused).
+        """
+        layer = self.layers[0]
+        B, T, _ = emb.shape
+        pos = torch.arange(T, device=emb.device)
+        cos, sin = self.rope.lookup(pos, emb.dtype)  # [T, 1, D/2]
+        h = self.fuse(features, emb)
+        keys, vals, outs = [], [], []
+        s = pos[:, None]
+        j = torch.arange(T, device=emb.device)[None, :]
+        for k in range(1, passes + 1):
+            if k > 1:  # row s takes the previous pass's output at s-1 (row 0 has none: zeros)
+                h = F.pad(outs[-1][:, :-1], (0, 0, 1, 0))
+            q, kk, vv = layer.qkv(h, emb, cos, sin)  # [B, T, Hq|Hkv, D]
+            keys.append(kk)
+            vals.append(vv)
+            blocks = [j <= s - k + 1] + [j == s - k + m for m in range(2, k + 1)]
+            mask = torch.cat(blocks, dim=1)  # [T, k*T]
+            K = torch.cat(keys, 1).transpose(1, 2)  # [B, Hkv, k*T, D]
+            V = torch.cat(vals, 1).transpose(1, 2)
+            a = F.scaled_dot_product_attention(q.transpose(1, 2), K, V, attn_mask=mask,
+                                               enable_gqa=True)  # [B, Hq, T, D]
+            outs.append(layer.finish(a.transpose(1, 2), h))
+        return outs
+
+
+def target_head_dtype(head) -> torch.dtype:
+    """The activation dtype a target lm_head kernel takes (its parameters' or buffers' float dtype)."""
+    for t in list(head.parameters()) + list(head.buffers()):
+        if t.is_floating_point():
+            return t.dtype
+    return torch.float32

@@ -1,0 +1,87 @@
+"""EAGLE heads: published layouts load (or are refused naming the mismatch), our EAGLE-3 writer
+round-trips, and the training-time unrolled passes compute exactly what chained drafting does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dynaspec.config import ModelArchConfig
+from dynaspec.request import Request
+from dynaspec.sampling_params import SamplingParams
+from dynaspec.spec_decode.eagle import EagleProposer, HiddenStates
+from dynaspec.spec_decode.eagle_io import HeadMismatchError, load_head, save_eagle3
+
+from .tiny_eagle import write_eagle1, write_eagle3
+
+TARGET = ModelArchConfig(architecture="llama", vocab_size=288, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         max_position_embeddings=256)
+
+
+def test_eagle3_layout_loads_with_d2t_and_default_aux_layers(tmp_path):
+    head, emb = load_head(write_eagle3(str(tmp_path / "h")), TARGET)
+    c = head.cfg
+    assert (c.kind, c.draft_vocab_size, c.aux_layers, emb) == ("eagle3", 64, (2, 3, 3), None)
+    from safetensors.torch import load_file
+    sd = load_file(str(tmp_path / "h" / "model.safetensors"))
+    assert torch.equal(head.draft_to_target, torch.arange(64) + sd["d2t"])  # target = draft + d2t
+    assert torch.equal(head.layers[0].hidden_norm, sd["midlayer.hidden_norm.weight"])
+    assert not any(p.requires_grad for p in head.parameters())
+
+
+def test_eagle1_layout_loads_from_pytorch_bin(tmp_path):
+    head, _ = load_head(write_eagle1(str(tmp_path / "h"), layers=2), TARGET)
+    c = head.cfg
+    assert (c.kind, c.num_layers, c.aux_layers, c.draft_vocab_size) == ("eagle1", 2, (6,), 288)
+    assert head.layers[0].input_layernorm is None and head.layers[1].input_layernorm is not None
+    assert head.fc.bias is not None and head.lm_head is None
+
+
+@pytest.mark.parametrize("kw, needle", [
+    (dict(hidden=32, heads=2, kv_heads=1, target_hidden=32), "target_hidden_size is 32"),
+    (dict(vocab=300), "vocab_size is 300"),
+    (dict(n_aux=2), "fc.weight shape is (64, 128), the target needs (64, 192)"),
+    (dict(aux=[1, 2, 9]), "aux hidden-state layer ids [9]"),
+])
+def test_a_head_that_does_not_fit_is_refused_naming_the_mismatch(tmp_path, kw, needle):
+    if "target_hidden" in kw:  # a head for another target: config says so
+        path = write_eagle3(str(tmp_path / "h"), **kw)
+        import json
+        cfg = json.load(open(tmp_path / "h" / "config.json"))
+        json.dump({**cfg, "target_hidden_size": 32}, open(tmp_path / "h" / "config.json", "w"))
+    else:
+        path = write_eagle3(str(tmp_path / "h"), **kw)
+    with pytest.raises(HeadMismatchError) as err:
+        load_head(path, TARGET)
+    assert needle in str(err.value)
+
+
+def test_save_eagle3_round_trips(tmp_path):
+    head, _ = load_head(write_eagle3(str(tmp_path / "a")), TARGET)
+    save_eagle3(head, str(tmp_path / "b"), dtype=torch.float32)
+    again, _ = load_head(str(tmp_path / "b"), TARGET)
+    for (k, v), (k2, v2) in zip(head.state_dict().items(), again.state_dict().items()):
+        assert k == k2 and torch.equal(v, v2), k
+
+
+def test_unrolled_training_passes_equal_chained_drafting(tmp_path):
+    """Row n-2 of pass 1, n-1 of pass 2 and n of pass 3 (teacher-forced on the drafts) give the
+    three chained drafts: training-time test and inference agree on inputs, keys and positions."""
+    head, _ = load_head(write_eagle3(str(tmp_path / "h"), draft_vocab=288, scale=0.3), TARGET)
+    g = torch.Generator().manual_seed(3)
+    table = torch.randn(288, 64, generator=g)
+    prop = EagleProposer(head, 256, embed_table=table)
+    n = 11
+    toks = torch.randint(3, 288, (n,), generator=g).tolist()
+    feats = torch.randn(n + 2, 192, generator=g)
+    prop.observe_hidden(HiddenStates(["r"], [0], [0], [n - 1], feats[: n - 1]))
+    req = Request("r", toks[:-1], SamplingParams(temperature=0.0))
+    req.output_token_ids.append(toks[-1])
+    drafts = prop.propose([req], [3]).token_ids[0]
+    assert len(drafts) == 3
+    seq = toks + drafts[:2]
+    with torch.no_grad():
+        outs = head.unrolled(feats[None, : len(seq)], table[torch.tensor(seq[1:] + [0])][None], 3)
+    got = [int(head.draft_to_target[head.logits(outs[k][0, n - 2 + k]).argmax()]) for k in range(3)]
+    assert got == drafts
