@@ -20,12 +20,16 @@ class DPMetrics:
     """Quacks like ``PrometheusMetrics`` for the AsyncEngine, which feeds it nothing under DP
     (the DP engine reports no ``last_step`` and no finished times); the front end feeds it."""
 
-    def __init__(self, world_size: int, labels: dict[str, str]) -> None:
-        from dynaspec.metrics.prometheus import PrometheusMetrics
+    def __init__(self, world_size: int, labels: dict[str, str], prefix: str | None = None) -> None:
+        from dynaspec.metrics.prometheus import PREFIX, PrometheusMetrics
 
+        # Every registry gets the same prefix: `--metrics-prefix vllm` renames the per-rank and
+        # the summed series alike, so one dashboard reads both.
+        prefix = prefix or PREFIX
         self.lock = threading.Lock()
-        self.ranks = [PrometheusMetrics(labels={**labels, "rank": str(r)}) for r in range(world_size)]
-        self.total = PrometheusMetrics(labels={**labels, "rank": "all"})
+        self.ranks = [PrometheusMetrics(labels={**labels, "rank": str(r)}, prefix=prefix)
+                      for r in range(world_size)]
+        self.total = PrometheusMetrics(labels={**labels, "rank": "all"}, prefix=prefix)
         self.snapshots: dict[int, EngineSnapshot] = {}
 
     # ---- fed by the front end (its engine thread) --------------------------------------------

@@ -45,7 +45,7 @@ def build_async_engine(served_model_name: str | None = None, metrics_prefix: str
     if config.parallel.data_parallel_size > 1:  # /metrics per rank and summed (dynaspec/dp)
         from dynaspec.dp.front_end import DPEngine
         name = served_model_name or config.model.model
-        dp = DPEngine(config, metrics_labels={"model_name": name})
+        dp = DPEngine(config, metrics_labels={"model_name": name}, metrics_prefix=metrics_prefix)
         return AsyncEngine(dp, dp.metrics)
     engine = LLMEngine(config)
     name = served_model_name or engine.parts.model_name
