@@ -24,9 +24,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from dynaspec.server.async_engine import AsyncEngine
+from dynaspec.server.openapi import openapi_components
 from dynaspec.server.protocol import (ChatCompletionRequest, CompletionRequest, APIError,
-                                      DetokenizeRequest, TokenizeRequest, openapi_components,
-                                      parse_body)
+                                      DetokenizeRequest, TokenizeRequest, parse_body)
 from dynaspec.server.serving import OpenAIServing
 
 log = logging.getLogger("dynaspec.server")
