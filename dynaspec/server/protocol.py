@@ -222,6 +222,10 @@ def _tool_errors(req: ChatCompletionRequest) -> APIError | None:
     return None
 
 
+def _choice_label(choice: Any) -> str:
+    return repr(choice) if isinstance(choice, str) else f"'{choice.function.name}'"
+
+
 class TokenizeRequest(_Strict):
     """vLLM's /tokenize: a prompt, or chat messages rendered through the chat template."""
 
