@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, WithJsonSchema, field_validator
+from pydantic import ConfigDict, Field, WithJsonSchema, field_validator
 
 # Re-exported: callers import these from here, as before the split.
 from dynaspec.server.body_fields import (MAX_PROMPTS, MAX_TOP_LOGPROBS, IntIn, PromptField,  # noqa: F401
@@ -26,6 +26,25 @@ from dynaspec.server.structured_body import (JsonSchemaFormat, ResponseFormat,  
 from dynaspec.structured.params import StructuredOutputParams
 
 MAX_N = 16  # choices per prompt; each is a sequence in the engine
+
+# Rules between fields, in the published schema as well as in the checks (unsupported(),
+# structured_output()), so a body the schema calls valid is not refused for them.
+_GRAMMAR_FORMAT = {"type": "object", "required": ["type"],
+                   "properties": {"type": {"enum": ["json_object", "json_schema"]}}}
+_GIVEN = {"structured_outputs": {"required": ["structured_outputs"],
+                                 "properties": {"structured_outputs": {"type": "object"}}},
+          "response_format": {"required": ["response_format"],
+                              "properties": {"response_format": _GRAMMAR_FORMAT}}}
+# response_format (other than text) and structured_outputs: one grammar at most.
+_ONE_GRAMMAR = {"not": {"allOf": list(_GIVEN.values())}}
+# tool_choice auto/required/{named} needs tools; a forced call is the grammar, so no other.
+_FORCING = {"required": ["tool_choice"], "properties": {"tool_choice": {
+    "anyOf": [{"const": "required"}, {"type": "object"}]}}}
+_TOOL_RULES = [
+    {"if": {"required": ["tool_choice"], "properties": {"tool_choice": {
+        "anyOf": [{"enum": ["auto", "required"]}, {"type": "object"}]}}},
+     "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}},
+    {"not": {"allOf": [_FORCING, {"anyOf": list(_GIVEN.values())}]}}]
 _TOKEN_KEY = r"^[0-9]{1,9}$"
 
 
@@ -114,6 +133,7 @@ class _Common(_Strict):
 
 
 class CompletionRequest(_Common):
+    model_config = ConfigDict(json_schema_extra={"allOf": [_ONE_GRAMMAR]})
     prompt: PromptField
     max_tokens: IntIn(ge=1) | None = Field(default=16)  # OpenAI's legacy default
     logprobs: IntIn(ge=0, le=MAX_TOP_LOGPROBS) | None = Field(default=None)
@@ -156,17 +176,20 @@ def _is_ids(v: Any) -> bool:
 
 
 class ChatCompletionRequest(_Common):
+    model_config = ConfigDict(json_schema_extra={"allOf": [_ONE_GRAMMAR, *_TOOL_RULES]})
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: IntIn(ge=1) | None = Field(default=None)  # None: up to the context limit
     max_completion_tokens: IntIn(ge=1) | None = Field(default=None)
     logprobs: bool | None = False
     top_logprobs: IntIn(ge=0, le=MAX_TOP_LOGPROBS) | None = Field(
         default=None, description="read only when logprobs is true")
-    tools: list[ToolDef] | None = Field(default=None, max_length=128)
+    tools: list[ToolDef] | None = Field(default=None, max_length=128, description=(
+        "function names must be unique (400 otherwise)"))
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         default=None, description="'auto' (default with tools) parses <tool_call>{...}</tool_call> "
         "from the text; 'required' and a named function constrain the output to the tools' "
-        "argument schemas, so the arguments always parse")
+        "argument schemas, so the arguments always parse; a named function must be one of "
+        "tools (400 otherwise: a rule JSON Schema cannot state)")
     parallel_tool_calls: bool | None = Field(
         default=None, description="honoured: false allows at most one call (default true)")
 
@@ -228,6 +251,10 @@ def _choice_label(choice: Any) -> str:
 
 class TokenizeRequest(_Strict):
     """vLLM's /tokenize: a prompt, or chat messages rendered through the chat template."""
+
+    model_config = ConfigDict(json_schema_extra={"oneOf": [  # exactly one of them (400 else)
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}}}]})
 
     model: str | None = None
     prompt: str | None = None
