@@ -34,7 +34,9 @@ PHASES=${PHASES:-examples,coverage,fuzzing}   # stateful ignores --max-examples:
 SEED=${SEED:-1}
 WORKERS=${WORKERS:-1}
 MAX_TIME=${MAX_TIME:-120}
-RATE_LIMIT=${RATE_LIMIT:-5/s}   # schemathesis --rate-limit; RATE_LIMIT= (empty) for no limit
+# ${RATE_LIMIT-...}, not :-: the shared copy's :- turned the documented "RATE_LIMIT= (empty)
+# for no limit" back into 5/s.
+RATE_LIMIT=${RATE_LIMIT-5/s}   # schemathesis --rate-limit; RATE_LIMIT= (empty) for no limit
 SCHEMATHESIS=${SCHEMATHESIS:-schemathesis}
 NICE=${NICE:-nice -n 19}
 OUT_DIR=${OUT_DIR:-$(mktemp -d /tmp/fuzz-run.XXXXXX)}
@@ -50,7 +52,7 @@ fi
 export FUZZ_MODEL
 FUZZ_MAX_MODEL_LEN=${FUZZ_MAX_MODEL_LEN:-$(curl -sf "$URL/v1/models" | python3 -c 'import json,sys; print(json.load(sys.stdin)["data"][0].get("max_model_len") or "")' 2>/dev/null || true)}
 export FUZZ_MAX_MODEL_LEN
-echo "fuzz.sh: $URL, max-examples $MAX_EXAMPLES, checks $CHECKS, phases $PHASES, seed $SEED, model pinned to '${FUZZ_MODEL}'; artifacts in $OUT_DIR/"
+echo "fuzz.sh: $URL, max-examples $MAX_EXAMPLES, checks $CHECKS, phases $PHASES, seed $SEED, workers $WORKERS, max-time $MAX_TIME s, rate limit '${RATE_LIMIT:-none}', model pinned to '${FUZZ_MODEL}', max_model_len '${FUZZ_MAX_MODEL_LEN}'; artifacts in $OUT_DIR/"
 cd "$OUT_DIR"   # hypothesis' example database (.hypothesis/) lands here, not in the caller's tree
 PYTHONPATH="$HERE:$REPO${PYTHONPATH:+:$PYTHONPATH}" SCHEMATHESIS_HOOKS=fuzz_hooks \
   $NICE "$SCHEMATHESIS" run "$URL/openapi.json" --url "$URL" \

@@ -21,8 +21,8 @@ A fixed copy of ../shared/clients/fuzz_hooks.py. What it changes in a generated 
 - The grammar string formats the schema declares (`xgrammar-ebnf`, `json-schema-text`) get
   generators (dynaspec/bench/fuzz_formats.py), as OpenAPI intends for custom formats.
 
-after_call: appends one JSON line per request (method, path, status, elapsed, body excerpt for
-5xx) to $FUZZ_LOG, which fuzz.sh summarises.
+after_call: appends one JSON line per request (method, path, status, the response time
+schemathesis measured, body excerpt for 5xx) to $FUZZ_LOG, which fuzz.sh summarises.
 """
 import json
 import os
@@ -114,8 +114,14 @@ def before_call(context, case, kwargs):
 
 @schemathesis.hook
 def after_call(context, case, response):
+    # The server's answer time as schemathesis measured it (its response-time check reads the
+    # same); the wall time since before_call is the fallback (with workers it can mix up cases).
+    t0 = _t0.pop(id(case), None)
+    elapsed = getattr(response, "elapsed", None)
+    if not isinstance(elapsed, (int, float)):
+        elapsed = time.monotonic() - t0 if t0 is not None else 0.0
     rec = {"method": case.method, "path": case.formatted_path, "status": response.status_code,
-           "elapsed_s": round(time.monotonic() - _t0.pop(id(case), time.monotonic()), 3)}
+           "elapsed_s": round(elapsed, 3)}
     if response.status_code >= 500:
         rec["request_body"] = json.dumps(case.body, default=str)[:600] if case.body is not None else None
         rec["response"] = response.text[:600]
