@@ -25,6 +25,7 @@ from starlette.requests import ClientDisconnect
 
 from dynaspec.server.async_engine import AsyncEngine
 from dynaspec.server.openapi import openapi_components
+from dynaspec.structured.spellable import pattern_class
 from dynaspec.server.protocol import (ChatCompletionRequest, CompletionRequest, APIError,
                                       DetokenizeRequest, TokenizeRequest, parse_body)
 from dynaspec.server.serving import OpenAIServing
@@ -86,7 +87,8 @@ def _openapi(app: FastAPI) -> dict:
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         serving = app.state.serving
         schema.setdefault("components", {}).setdefault("schemas", {}).update(
-            openapi_components(serving.vocab, serving.engine.max_model_len))
+            openapi_components(serving.vocab, serving.engine.max_model_len,
+                               pattern_class(serving.unspellable)))
         # One model is served: its id is the one path value that is not a 404.
         for param in schema["paths"]["/v1/models/{model_id}"]["get"].get("parameters", []):
             if param.get("name") == "model_id":

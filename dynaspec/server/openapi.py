@@ -7,10 +7,12 @@ from pydantic.json_schema import models_json_schema
 from dynaspec.server.protocol import (ChatCompletionRequest, CompletionRequest,
                                       DetokenizeRequest, TextPart, TokenizeRequest)
 
-def openapi_components(vocab: int | None = None, max_model_len: int | None = None) -> dict:
+def openapi_components(vocab: int | None = None, max_model_len: int | None = None,
+                       unspellable: str = "") -> dict:
     """JSON schemas of the request bodies (and what they refer to) plus the error body, keyed
     by name for OpenAPI's components/schemas; with the served model's vocabulary and context
-    length, token ids and token limits say their real maximum."""
+    length, token ids and token limits say their real maximum; `unspellable` (a character
+    class: structured/spellable.py) is kept out of choice strings and regexes."""
     _, defs = models_json_schema([(m, "validation") for m in (
         CompletionRequest, ChatCompletionRequest, TextPart, TokenizeRequest, DetokenizeRequest)],
                                  ref_template="#/components/schemas/{model}")
@@ -21,7 +23,19 @@ def openapi_components(vocab: int | None = None, max_model_len: int | None = Non
     out = {**defs["$defs"], "ErrorResponse": {"type": "object", "required": ["error"],
                                               "properties": {"error": error}}}
     _set_limits(out, vocab, max_model_len)
+    if unspellable:
+        _exclude_chars(out["StructuredOutputsBody"]["properties"], unspellable)
     return out
+
+
+def _exclude_chars(props: dict, cls: str) -> None:
+    """Choice strings and regexes may not contain a character no token spells (the server
+    answers 400: such a grammar could never finish)."""
+    props["choice"]["items"]["pattern"] = f"^[^{cls}]*$"
+    props["regex"]["pattern"] = f"^[^\\u0000{cls}]*[^\\s\\u0000{cls}][^\\u0000{cls}]*$"
+    note = " (no character this model's vocabulary cannot spell)"
+    props["choice"]["description"] = "the output is exactly one of these strings" + note
+    props["regex"]["description"] += note
 
 
 def _set_limits(schemas: dict, vocab: int | None, max_model_len: int | None) -> None:

@@ -147,3 +147,22 @@ class _Tok:
 def test_a_prompt_the_vocabulary_cannot_encode_starts_a_document():
     req = parse_body(CompletionRequest, b'{"model": "m", "prompt": ["\\u0014", "ab"]}')
     assert prompts_ids(_Tok(), req, None) == [[7], [97, 98]]
+
+
+def test_unspellable_characters_of_the_default_vocabulary(default_gguf_path):
+    import re
+
+    from dynaspec.models.loader import load_tokenizer
+    from dynaspec.structured.spellable import (first_unspellable, pattern_class,
+                                               unspellable_ranges)
+
+    tok = load_tokenizer(default_gguf_path)
+    ranges = unspellable_ranges(tok)
+    assert ranges == ((0x04, 0x04), (0x06, 0x06), (0x13, 0x14), (0x16, 0x16), (0x1D, 0x1D),
+                      (0x40000, 0xBFFFF))  # six control bytes, lead bytes F1 and F2
+    for ch in "\x14\U0005e659":
+        assert tok.decode(tok.encode("a" + ch + "a", add_special_tokens=False)) != "a" + ch + "a"
+    assert first_unspellable("ok \U0001F600", ranges) is None
+    assert first_unspellable("x\x13", ranges) == "\x13"
+    cls = re.compile(f"^[^{pattern_class(ranges)}]*$")
+    assert cls.match("ok \U0001F600") and not cls.match("x\x13") and not cls.match("\U00087d5e")
