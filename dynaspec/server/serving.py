@@ -179,6 +179,8 @@ class OpenAIServing:
             watcher.cancel()
             if not task.done():
                 task.cancel()  # the client left (or we are being cancelled): stop waiting
+                # Retrieved, so asyncio does not log "exception was never retrieved" for it.
+                task.add_done_callback(lambda t: t.cancelled() or t.exception())
         if not task.done() or task.cancelled():
             return None  # nobody to answer; the caller's finally aborts the request
         done: list[Finished] = task.result()
