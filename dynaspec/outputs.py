@@ -21,6 +21,9 @@ class RequestResult:
     num_padding_tokens: int = 0  # -1 pads verified (invalid, reason "padding")
     num_grammar_invalid_tokens: int = 0  # drafts cut before verification (invalid, "grammar")
     grammar_terminated: bool = False  # the request's grammar accepted its stop: finish "stop"
+    # No token of the vocabulary continues the grammar (it needs a character no token spells):
+    # the request alone finishes with an error; the sampled token was dropped.
+    grammar_dead_end: bool = False
     num_async_invalid_tokens: int = 0  # budgeted slots invalid under async ("async_placeholder")
 
 

@@ -37,6 +37,7 @@ class Request:
     num_preemptions: int = 0
     first_token_time: float | None = None
     stop_reason: str | int | None = None
+    error: str | None = None  # why a FINISHED_ERROR request failed (it alone, not its step)
     # Async scheduling: tokens the step in flight may still append (1 + its drafts), counted
     # in num_tokens until its result lands, so the next step is formed for the longest outcome.
     num_placeholders: int = 0

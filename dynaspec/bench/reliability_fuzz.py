@@ -27,6 +27,9 @@ def generate_cases(url: str, num_cases: int, seed: int, negative_share: float = 
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import seed as hseed
 
+    from dynaspec.bench.fuzz_formats import register
+
+    register()  # generators for the grammar formats the schema declares
     schema = schemathesis.openapi.from_url(url + "/openapi.json")
     modes = schemathesis.GenerationMode
     cases: list = []

@@ -123,7 +123,8 @@ void register_layer_stack(pybind11::module& m) {
                                                  torch::Tensor ln2) { return Layer{qkv, o, gu, down, ln1, ln2}; }));
   py::class_<LayerStack>(m, "LayerStack", py::module_local())
       .def(py::init<std::vector<Layer>, int64_t, int64_t, int64_t, double>())
-      .def("forward", &LayerStack::forward)
-      .def("forward_capture", &LayerStack::forward_capture);
-  m.def("write_kv", &write_kv, "rows of k and v into their KV slots");
+      // Without the GIL (see paged_decode.cpp's module): the whole layer stack is one call.
+      .def("forward", &LayerStack::forward, py::call_guard<py::gil_scoped_release>())
+      .def("forward_capture", &LayerStack::forward_capture, py::call_guard<py::gil_scoped_release>());
+  m.def("write_kv", &write_kv, "rows of k and v into their KV slots", py::call_guard<py::gil_scoped_release>());
 }

@@ -271,17 +271,21 @@ int64_t int8_gemm_isa();
 // layer_stack.cpp
 void register_layer_stack(pybind11::module& m);
 
+// The kernels run without the GIL (arguments are converted before it is released): a long
+// forward holding it starved the server's event loop, so /health waited ~90 s behind a
+// 130k-token prefill. They touch no Python object.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
   register_layer_stack(m);
   m.def("build_info", [] { return std::make_tuple(std::string(DYNASPEC_STR(DYNASPEC_ISA_TAG)), std::string(DYNASPEC_STR(DYNASPEC_SRC_HASH))); },
         "(ISA tag, source hash) this module was built with");
-  m.def("int8_gemm", &int8_gemm, "x W^T with W in GGUF groups, x quantized to int8 per 32 (row-invariant)");
+  m.def("int8_gemm", &int8_gemm, "x W^T with W in GGUF groups, x quantized to int8 per 32 (row-invariant)", nogil);
   m.def("int8_gemm_isa", &int8_gemm_isa, "0 scalar, 1 AVX2, 2 AVX-VNNI, 3 AVX-512 VNNI");
   m.def("paged_decode", &paged_decode, "paged attention over the KV cache in place, any query length",
         py::arg("q"), py::arg("kv"), py::arg("tables"), py::arg("ctx"), py::arg("qstart"), py::arg("qlen"),
-        py::arg("block_size"), py::arg("scale"), py::arg("out"), py::arg("window") = 0);
-  m.def("rms_norm", &rms_norm, "w * rms_normalise(x), row-wise");
-  m.def("add_rms_norm", &add_rms_norm, "residual += delta; rms_norm(residual)");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up of a [T, 2*inter] gate|up product");
-  m.def("rope_inplace", &rope_inplace, "rotate-half RoPE in place on the first heads of each row");
+        py::arg("block_size"), py::arg("scale"), py::arg("out"), py::arg("window") = 0, nogil);
+  m.def("rms_norm", &rms_norm, "w * rms_normalise(x), row-wise", nogil);
+  m.def("add_rms_norm", &add_rms_norm, "residual += delta; rms_norm(residual)", nogil);
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a [T, 2*inter] gate|up product", nogil);
+  m.def("rope_inplace", &rope_inplace, "rotate-half RoPE in place on the first heads of each row", nogil);
 }

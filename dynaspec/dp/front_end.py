@@ -56,11 +56,13 @@ class _Record:
 
 
 class DPEngine:
-    def __init__(self, config: EngineConfig, metrics_labels: dict[str, str] | None = None) -> None:
+    def __init__(self, config: EngineConfig, metrics_labels: dict[str, str] | None = None,
+                 metrics_prefix: str | None = None) -> None:
         pc = config.parallel
         self.config, self.world_size = config, pc.data_parallel_size
         self.rdv = resolve(pc)
-        self.metrics = DPMetrics(self.world_size, metrics_labels) if metrics_labels is not None else None
+        self.metrics = (DPMetrics(self.world_size, metrics_labels, metrics_prefix)
+                        if metrics_labels is not None else None)
         self.procs: dict[int, RankProcess] = {}
         self.conns: dict[int, Connection] = {}
         self.ready: dict[int, RankReady] = {}

@@ -20,15 +20,18 @@ class DPMetrics:
     (the DP engine's `take_step` and `take_finished_times` hand out nothing); the front end
     feeds it each rank's reports."""
 
-    def __init__(self, world_size: int, labels: dict[str, str]) -> None:
-        from dynaspec.metrics.prometheus import PrometheusMetrics
+    def __init__(self, world_size: int, labels: dict[str, str], prefix: str | None = None) -> None:
+        from dynaspec.metrics.prometheus import PREFIX, PrometheusMetrics
 
+        # Every registry gets the same prefix: `--metrics-prefix vllm` renames the per-rank and
+        # the summed series alike, so one dashboard reads both.
+        prefix = prefix or PREFIX
         self.lock = threading.Lock()
         # One rank (--engine-process): the series of a single engine, with no rank label.
-        self.ranks = [PrometheusMetrics(labels={**labels, "rank": str(r)})
+        self.ranks = [PrometheusMetrics(labels={**labels, "rank": str(r)}, prefix=prefix)
                       for r in range(world_size)] if world_size > 1 else []
         self.total = PrometheusMetrics(labels={**labels, "rank": "all"} if world_size > 1
-                                       else labels)
+                                       else labels, prefix=prefix)
         self.snapshots: dict[int, EngineSnapshot] = {}
 
     # ---- fed by the front end (its engine thread) --------------------------------------------

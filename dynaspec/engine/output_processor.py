@@ -82,6 +82,7 @@ class OutputProcessor:
             finished=done, finish_reason=status.value if done else None,
             num_cached_tokens=req.num_cached_tokens,
             logprobs=st.logprobs if req.sampling_params.logprobs is not None else None,
+            error=req.error if done else None,
         )
         if done:
             out.timings = self._timings(st, now)

@@ -68,6 +68,9 @@ class _Row:
     sampling: bool
 
 
+GRAMMAR_DEAD_END = "grammar dead end"  # the server answers 400 for errors that start so
+
+
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager, plan: SpecPlan,
                  policy: KPolicy | None, max_model_len: int, eos_token_ids: tuple[int, ...], *,
@@ -236,6 +239,9 @@ class Scheduler:
                 if req.status is RequestStatus.PREEMPTED and r.token_ids:
                     updates.append(self._keep_preempted(req, r))
                 continue  # finished or aborted while the step ran
+            if r.grammar_dead_end:  # before the prefill branch: it may have no token at all
+                updates.append(self._finish_dead_end(req, r))
+                continue
             if not r.token_ids:  # partial prefill chunk
                 req.num_computed_tokens += s.num_new_tokens
                 self.kv.cache_full_blocks(req, req.num_computed_tokens)
@@ -256,6 +262,18 @@ class Scheduler:
                 self.finish_request(req.request_id, status)
             updates.append(StepUpdate(req, emitted, r, status is not None))
         return updates
+
+    def _finish_dead_end(self, req: Request, r) -> StepUpdate:
+        """No token continues the request's grammar: keep what it accepted, then end it (it
+        alone) with an error the server turns into a 400."""
+        req.num_computed_tokens = req.num_tokens + r.num_accepted_tokens
+        emitted, status = self._append_checked(req, r.token_ids)
+        if status is None:
+            status = RequestStatus.FINISHED_ERROR
+            req.error = (f"{GRAMMAR_DEAD_END} after {req.num_output_tokens} tokens: the grammar "
+                         "needs a character that no token of this model's vocabulary spells")
+        self.finish_request(req.request_id, status)
+        return StepUpdate(req, emitted, r, True)
 
     def _observe_step(self, out: StepPlan, res: RunnerOutput) -> None:
         """Feed a pure decode/verify step's timing to the policy's cost model (before the

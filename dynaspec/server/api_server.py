@@ -24,9 +24,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from dynaspec.server.async_engine import AsyncEngine
+from dynaspec.server.openapi import openapi_components
+from dynaspec.structured.spellable import pattern_class
 from dynaspec.server.protocol import (ChatCompletionRequest, CompletionRequest, APIError,
-                                      DetokenizeRequest, TokenizeRequest, openapi_components,
-                                      parse_body)
+                                      DetokenizeRequest, TokenizeRequest, parse_body)
 from dynaspec.server.serving import OpenAIServing
 
 log = logging.getLogger("dynaspec.server")
@@ -45,7 +46,7 @@ def build_async_engine(served_model_name: str | None = None, metrics_prefix: str
     if config.parallel.data_parallel_size > 1 or config.parallel.engine_process:  # dynaspec/dp
         from dynaspec.dp.front_end import DPEngine
         name = served_model_name or config.model.model
-        dp = DPEngine(config, metrics_labels={"model_name": name})
+        dp = DPEngine(config, metrics_labels={"model_name": name}, metrics_prefix=metrics_prefix)
         return AsyncEngine(dp, dp.metrics)
     engine = LLMEngine(config)
     name = served_model_name or engine.parts.model_name
@@ -86,7 +87,8 @@ def _openapi(app: FastAPI) -> dict:
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         serving = app.state.serving
         schema.setdefault("components", {}).setdefault("schemas", {}).update(
-            openapi_components(serving.vocab, serving.engine.max_model_len))
+            openapi_components(serving.vocab, serving.engine.max_model_len,
+                               pattern_class(serving.unspellable)))
         # One model is served: its id is the one path value that is not a 404.
         for param in schema["paths"]["/v1/models/{model_id}"]["get"].get("parameters", []):
             if param.get("name") == "model_id":

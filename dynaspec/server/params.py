@@ -32,7 +32,19 @@ def prompts_ids(tok, req: Req, tools: ToolPlan | None) -> list[list[int]]:
             raise APIError(400, f"chat template failed: {type(exc).__name__}: {exc}",
                            "messages", "chat_template_error") from None
         return [tok.encode(text)]
-    return [tok.encode(p) if isinstance(p, str) else list(p) for p in req.prompt]
+    return [_encode_prompt(tok, p) if isinstance(p, str) else list(p) for p in req.prompt]
+
+
+def _encode_prompt(tok, text: str) -> list[int]:
+    """A text prompt's ids. Text made only of characters the vocabulary cannot encode (some
+    control characters, which the tokenizer drops) has no ids: it is generated from the start of
+    a document (the BOS token, else the EOS document separator), as OpenAI's completions API
+    does for an empty prompt, rather than refused for a prompt the client did send."""
+    ids = tok.encode(text)
+    if not ids:
+        start = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
+        ids = [start] if start is not None else []
+    return ids
 
 
 def base_params(req: Req, num_prompt: int, ctx: int, vocab: int, tok,

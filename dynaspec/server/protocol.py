@@ -1,105 +1,50 @@
-"""OpenAI request bodies as pydantic models, validated strictly, plus error formatting.
+"""OpenAI request bodies as pydantic models, validated strictly.
 
-Strict JSON validation: `"max_tokens": "16"` or `true` is a wrong type, as OpenAI's own API says,
-rather than being coerced; a whole-number float (`16.0`) is an integer, as JSON Schema says, so
-the published schema and the validator agree. Unknown fields are refused (a misspelt `max_token`
-would otherwise silently generate with defaults). Fields OpenAI clients send that change nothing
-here (`service_tier`, `user`, `metadata`, `store`) are accepted and say so in their description.
-The same models are published in /openapi.json, so clients and fuzzers read the real contract.
+Unknown fields are refused (a misspelt `max_token` would otherwise silently generate with
+defaults). Fields OpenAI clients send that change nothing here (`service_tier`, `user`,
+`metadata`, `store`) are accepted and say so in their description. The same models are published
+in /openapi.json (dynaspec/server/openapi.py), so clients and fuzzers read the real contract;
+the parts live beside this module: shared field types (body_fields), structured-output fields
+(structured_body), chat messages and tools (chat_body).
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator
-from pydantic.json_schema import models_json_schema
+from pydantic import ConfigDict, Field, WithJsonSchema, field_validator
 
-# Re-exported: callers import the error helpers from here, as before the split.
+# Re-exported: callers import these from here, as before the split.
+from dynaspec.server.body_fields import (MAX_PROMPTS, MAX_TOP_LOGPROBS, IntIn, PromptField,  # noqa: F401
+                                         StopField, StreamOptions, _ignored, _Strict, _whole)
+from dynaspec.server.chat_body import (ChatMessage, FunctionCall, FunctionDef,  # noqa: F401
+                                       NamedFunction, NamedToolChoice, TextPart, ToolCall,
+                                       ToolDef, _json_or_text)
 from dynaspec.server.errors import APIError, parse_body, validation_error  # noqa: F401
+from dynaspec.server.structured_body import (JsonSchemaFormat, ResponseFormat,  # noqa: F401
+                                             StructuredOutputsBody)
 from dynaspec.structured.params import StructuredOutputParams
 
-MAX_TOP_LOGPROBS = 20  # SamplingParams' bound
-
-
-def _whole(v: Any) -> Any:
-    """A float with no fraction is an integer (JSON Schema's rule); anything else is left to the
-    strict int check, which names it."""
-    return int(v) if type(v) is float and v.is_integer() and abs(v) < 2**63 else v
-
-
-Int = Annotated[int, BeforeValidator(_whole)]
-
-
-def IntIn(**bounds: int) -> Any:  # noqa: N802 - a type
-    """An integer with bounds inside the type, so the published schema says minimum/maximum
-    (bounds on an Optional field's Field() come out as pydantic's own "ge"/"le" keys)."""
-    return Annotated[int, Field(**bounds), BeforeValidator(_whole)]
-
-
-def _ignored(what: str) -> Any:
-    return Field(default=None, description=f"Accepted and ignored: {what}")
-
-
-# Fields typed Any are checked by a validator (one clear message); their published schema says
-# what the validator accepts, so /openapi.json tells clients and fuzzers the real contract.
-_STR_LIST = {"type": "array", "items": {"type": "string", "minLength": 1}}
-StopField = Annotated[Any, WithJsonSchema({"anyOf": [{"type": "string", "minLength": 1},
-                                                     {**_STR_LIST, "maxItems": 16},
-                                                     {"type": "null"}]})]
-_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
-MAX_PROMPTS = 16  # prompts in one batched /v1/completions request
-PromptField = Annotated[Any, WithJsonSchema({"anyOf": [
-    {"type": "string", "minLength": 1},
-    {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1,
-     "maxItems": MAX_PROMPTS},
-    _IDS,
-    {"type": "array", "items": _IDS, "minItems": 1, "maxItems": MAX_PROMPTS}],
-    "description": "a string, a list of strings, token ids, or a list of token-id lists"})]
-ContentField = Annotated[Any, WithJsonSchema({"anyOf": [
-    {"type": "string"}, {"type": "array", "items": {"$ref": "#/components/schemas/TextPart"}},
-    {"type": "null"}]})]
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-class StreamOptions(_Strict):
-    include_usage: bool | None = False
-
-
-class JsonSchemaFormat(_Strict):
-    name: str
-    description: str | None = None
-    # "schema" would shadow a BaseModel method: the field is schema_, the JSON key "schema".
-    # Not nullable: a json_schema format needs it (the schema below says so).
-    schema_: dict = Field(default=None, alias="schema")
-    strict: bool | None = None  # the schema is always enforced; strict only documents that
-
-
-class ResponseFormat(_Strict):
-    model_config = ConfigDict(json_schema_extra={
-        "if": {"properties": {"type": {"const": "json_schema"}}},
-        "then": {"required": ["json_schema"], "properties": {"json_schema": {
-            "type": "object", "required": ["schema"]}}}})
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-
-class StructuredOutputsBody(_Strict):
-    """vLLM's extension: exactly one of json (a schema), regex, grammar (EBNF), choice,
-    json_object. Fields are not nullable and exactly one is given, as the schema says."""
-
-    model_config = ConfigDict(json_schema_extra={"minProperties": 1, "maxProperties": 1})
-    json_: dict | Annotated[str, Field(pattern=r"\S")] = Field(default=None, alias="json")
-    regex: Annotated[str, Field(pattern=r"\S")] = None
-    grammar: Annotated[str, Field(pattern=r"\S")] = None
-    choice: list[Annotated[str, Field(min_length=1)]] = Field(default=None, min_length=1)
-    json_object: Literal[True] = None
-
-
 MAX_N = 16  # choices per prompt; each is a sequence in the engine
+
+# Rules between fields, in the published schema as well as in the checks (unsupported(),
+# structured_output()), so a body the schema calls valid is not refused for them.
+_GRAMMAR_FORMAT = {"type": "object", "required": ["type"],
+                   "properties": {"type": {"enum": ["json_object", "json_schema"]}}}
+_GIVEN = {"structured_outputs": {"required": ["structured_outputs"],
+                                 "properties": {"structured_outputs": {"type": "object"}}},
+          "response_format": {"required": ["response_format"],
+                              "properties": {"response_format": _GRAMMAR_FORMAT}}}
+# response_format (other than text) and structured_outputs: one grammar at most.
+_ONE_GRAMMAR = {"not": {"allOf": list(_GIVEN.values())}}
+# tool_choice auto/required/{named} needs tools; a forced call is the grammar, so no other.
+_FORCING = {"required": ["tool_choice"], "properties": {"tool_choice": {
+    "anyOf": [{"const": "required"}, {"type": "object"}]}}}
+_TOOL_RULES = [
+    {"if": {"required": ["tool_choice"], "properties": {"tool_choice": {
+        "anyOf": [{"enum": ["auto", "required"]}, {"type": "object"}]}}},
+     "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}},
+    {"not": {"allOf": [_FORCING, {"anyOf": list(_GIVEN.values())}]}}]
 _TOKEN_KEY = r"^[0-9]{1,9}$"
 
 
@@ -188,6 +133,7 @@ class _Common(_Strict):
 
 
 class CompletionRequest(_Common):
+    model_config = ConfigDict(json_schema_extra={"allOf": [_ONE_GRAMMAR]})
     prompt: PromptField
     max_tokens: IntIn(ge=1) | None = Field(default=16)  # OpenAI's legacy default
     logprobs: IntIn(ge=0, le=MAX_TOP_LOGPROBS) | None = Field(default=None)
@@ -224,87 +170,26 @@ class CompletionRequest(_Common):
                             "template", "suffix", "unsupported")
         return super().unsupported()
 
-
 def _is_ids(v: Any) -> bool:
     return isinstance(v, list) and bool(v) and all(
         (type(t) is int or (type(t) is float and t.is_integer())) and 0 <= t < 2**63 for t in v)
 
 
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
-
-
-class FunctionCall(_Strict):
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
-
-
-class ToolCall(_Strict):
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class FunctionDef(_Strict):
-    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
-    description: str | None = None
-    parameters: dict | None = Field(default=None, description="a JSON schema of the arguments")
-    strict: bool | None = _ignored("arguments always follow the schema when constrained")
-
-
-class ToolDef(_Strict):
-    type: Literal["function"]
-    function: FunctionDef
-
-
-class NamedFunction(_Strict):
-    name: str
-
-
-class NamedToolChoice(_Strict):
-    type: Literal["function"]
-    function: NamedFunction
-
-
-class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: ContentField = None  # a string or a list of text parts (checked below)
-    name: str | None = None
-    tool_call_id: str | None = None
-    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
-
-    @field_validator("content")
-    @classmethod
-    def _content(cls, v: Any) -> str | list[TextPart] | None:
-        if v is None or isinstance(v, str):
-            return v
-        ok = isinstance(v, list) and all(
-            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-            and set(p) == {"type", "text"} for p in v)
-        if not ok:
-            raise ValueError("content must be a string or a list of {\"type\": \"text\", "
-                             "\"text\": ...} parts (images and other parts are not supported)")
-        return [TextPart(type="text", text=p["text"]) for p in v]
-
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
-        return self.content or ""
-
-
 class ChatCompletionRequest(_Common):
+    model_config = ConfigDict(json_schema_extra={"allOf": [_ONE_GRAMMAR, *_TOOL_RULES]})
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: IntIn(ge=1) | None = Field(default=None)  # None: up to the context limit
     max_completion_tokens: IntIn(ge=1) | None = Field(default=None)
     logprobs: bool | None = False
     top_logprobs: IntIn(ge=0, le=MAX_TOP_LOGPROBS) | None = Field(
         default=None, description="read only when logprobs is true")
-    tools: list[ToolDef] | None = Field(default=None, max_length=128)
+    tools: list[ToolDef] | None = Field(default=None, max_length=128, description=(
+        "function names must be unique (400 otherwise)"))
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         default=None, description="'auto' (default with tools) parses <tool_call>{...}</tool_call> "
         "from the text; 'required' and a named function constrain the output to the tools' "
-        "argument schemas, so the arguments always parse")
+        "argument schemas, so the arguments always parse; a named function must be one of "
+        "tools (400 otherwise: a rule JSON Schema cannot state)")
     parallel_tool_calls: bool | None = Field(
         default=None, description="honoured: false allows at most one call (default true)")
 
@@ -364,16 +249,12 @@ def _choice_label(choice: Any) -> str:
     return repr(choice) if isinstance(choice, str) else f"'{choice.function.name}'"
 
 
-def _json_or_text(text: str) -> Any:
-    import json
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
-
-
 class TokenizeRequest(_Strict):
     """vLLM's /tokenize: a prompt, or chat messages rendered through the chat template."""
+
+    model_config = ConfigDict(json_schema_extra={"oneOf": [  # exactly one of them (400 else)
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}}}]})
 
     model: str | None = None
     prompt: str | None = None
@@ -390,40 +271,3 @@ class DetokenizeRequest(_Strict):
 
 def _bad(message: str, param: str) -> StructuredOutputParams:
     raise APIError(400, message, param, "invalid_value")
-
-
-def openapi_components(vocab: int | None = None, max_model_len: int | None = None) -> dict:
-    """JSON schemas of the request bodies (and what they refer to) plus the error body, keyed
-    by name for OpenAPI's components/schemas; with the served model's vocabulary and context
-    length, token ids and token limits say their real maximum."""
-    _, defs = models_json_schema([(m, "validation") for m in (
-        CompletionRequest, ChatCompletionRequest, TextPart, TokenizeRequest, DetokenizeRequest)],
-                                 ref_template="#/components/schemas/{model}")
-    error = {"type": "object", "required": ["message", "type", "param", "code"],
-             "properties": {"message": {"type": "string"}, "type": {"type": "string"},
-                            "param": {"type": ["string", "null"]},
-                            "code": {"type": ["string", "null"]}}}
-    out = {**defs["$defs"], "ErrorResponse": {"type": "object", "required": ["error"],
-                                              "properties": {"error": error}}}
-    _set_limits(out, vocab, max_model_len)
-    return out
-
-
-def _set_limits(schemas: dict, vocab: int | None, max_model_len: int | None) -> None:
-    def cap(schema: dict, maximum: int) -> None:
-        for branch in schema.get("anyOf", [schema]):
-            if branch.get("type") == "integer":
-                branch["maximum"] = maximum
-            elif branch.get("type") == "array":
-                cap(branch["items"], maximum)
-
-    if vocab is not None:
-        cap(schemas["CompletionRequest"]["properties"]["prompt"], vocab - 1)
-        cap(schemas["DetokenizeRequest"]["properties"]["tokens"], vocab - 1)
-    if max_model_len is not None:  # a prompt of token ids must leave room to generate
-        ids, batch = schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"][2:4]
-        ids["maxItems"] = batch["items"]["maxItems"] = max_model_len - 1
-        for name, fields in (("CompletionRequest", ("max_tokens",)),
-                             ("ChatCompletionRequest", ("max_tokens", "max_completion_tokens"))):
-            for f in fields:
-                cap(schemas[name]["properties"][f], max_model_len - 1)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from dynaspec.engine.client import EngineUnavailable
+from dynaspec.scheduler.scheduler import GRAMMAR_DEAD_END
 from dynaspec.server.async_engine import AsyncEngine, OutputDelta, RequestStream
 from dynaspec.server.format import Finished, Formatter, Usage
 from dynaspec.server.params import base_params, choice_params, prompts_ids
@@ -25,6 +26,7 @@ from dynaspec.server.protocol import ChatCompletionRequest, CompletionRequest, A
 from dynaspec.server.sse import SSEResponse, TextTracker, sse, wait_disconnect
 from dynaspec.server.tools import ToolPlan, ToolStream, tool_plan
 from dynaspec.structured.params import StructuredOutputParams
+from dynaspec.structured.spellable import Ranges, first_unspellable, unspellable_ranges
 
 MAX_CHOICES = 256  # engine requests one API request may start (prompts x best_of)
 
@@ -53,6 +55,11 @@ class OpenAIServing:
         self._share_after = card.block_size if card.prefix_caching else None
         self.vocab = card.vocab_size
 
+    @functools.cached_property
+    def unspellable(self) -> Ranges:
+        """Characters no token spells (a grammar needing one could never finish)."""
+        return unspellable_ranges(self.engine.tokenizer)
+
     def check_model(self, name: str) -> None:
         if name != self.model_name:
             raise APIError(404, f"the model '{name}' does not exist; this server serves "
@@ -75,6 +82,8 @@ class OpenAIServing:
                            f"{MAX_CHOICES} sequences", "n")
         grammar = tools.grammar if tools is not None and tools.grammar else \
             _structured(req)
+        if grammar is not None:
+            _check_spellable(grammar, self.unspellable)
         params = [base_params(req, len(ids), self.engine.max_model_len, self.vocab,
                               self.engine.tokenizer, grammar, 0 if n_gen > n else None)
                   for ids in all_ids]
@@ -168,6 +177,8 @@ class OpenAIServing:
             watcher.cancel()
             if not task.done():
                 task.cancel()  # the client left (or we are being cancelled): stop waiting
+                # Retrieved, so asyncio does not log "exception was never retrieved" for it.
+                task.add_done_callback(lambda t: t.cancelled() or t.exception())
         if not task.done() or task.cancelled():
             return None  # nobody to answer; the caller's finally aborts the request
         done: list[Finished] = task.result()
@@ -247,6 +258,19 @@ def _structured(req: CompletionRequest | ChatCompletionRequest) -> StructuredOut
     return req.structured_output()
 
 
+def _check_spellable(spec: StructuredOutputParams, ranges: Ranges) -> None:
+    """A choice or regex that needs a character no token spells is a 400 here, as the
+    published schema says (its pattern excludes them), not a dead end mid-generation."""
+    texts = [(f"structured_outputs.choice[{i}]", c) for i, c in enumerate(spec.choice or ())]
+    if spec.regex is not None:
+        texts.append(("structured_outputs.regex", spec.regex))
+    for param, text in texts:
+        if (ch := first_unspellable(text, ranges)) is not None:
+            raise APIError(400, f"{param} contains U+{ord(ch):04X}, a character no token of "
+                           "this model's vocabulary spells, so the output could never match",
+                           param, "unspellable_character")
+
+
 def _best(done: list[Finished], n: int) -> list[Finished]:
     """best_of: per prompt, the n choices with the highest mean logprob, in index order."""
     per_prompt = len(done) // max(1, len({f.prompt_index for f in done}))
@@ -261,6 +285,8 @@ def _best(done: list[Finished], n: int) -> list[Finished]:
 
 
 def _failure(delta: OutputDelta) -> APIError:
+    if delta.finish_reason == "error" and (delta.error or "").startswith(GRAMMAR_DEAD_END):
+        return APIError(400, f"structured output: {delta.error}", None, "grammar_dead_end")
     if delta.finish_reason == "error":
         return APIError(500, f"generation failed: {delta.error or 'engine error'}", None,
                         "engine_error")

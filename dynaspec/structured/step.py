@@ -95,6 +95,13 @@ class GrammarStep:
         self.num_rows += len(rows)
         self.seconds += time.perf_counter() - t0
 
+    def _dead_end(self, matcher: Matcher) -> bool:
+        """No token continues the grammar from the matcher's state (a grammar that needs a
+        character no token spells, e.g. one of the control characters a vocabulary lacks)."""
+        mask = allocate_bitmask(1, self.backend.vocab_size)
+        matcher.fill_bitmask(mask, 0)
+        return not bool(mask.any())
+
     def commit(self, results: list[RequestResult]) -> None:
         """Advance each grammar over its accepted tokens; record cuts and termination."""
         t0 = time.perf_counter()
@@ -107,8 +114,12 @@ class GrammarStep:
             if e.matcher.is_terminated():  # an accepted draft was the stop token: drop the bonus
                 r.token_ids = r.token_ids[:a]
             elif not e.matcher.accept(r.token_ids[a]):
-                raise RuntimeError(f"request {e.request_id!r}: sampled token {r.token_ids[a]} "
-                                   "is outside its grammar mask")
+                if not self._dead_end(e.matcher):
+                    raise RuntimeError(f"request {e.request_id!r}: sampled token "
+                                       f"{r.token_ids[a]} is outside its grammar mask")
+                # Every token was masked: the sample is noise. This request alone ends.
+                r.token_ids = r.token_ids[:a]
+                r.grammar_dead_end = True
             r.grammar_terminated = e.matcher.is_terminated()
             r.num_grammar_invalid_tokens = e.num_invalid
         self.seconds += time.perf_counter() - t0

@@ -156,3 +156,51 @@ def test_grammar_metrics_are_exported(servers):
     assert re.search(r"dynaspec:structured_output_mask_seconds_count\{[^}]*\} [1-9]", text), text
     assert re.search(r"dynaspec:structured_output_compile_seconds_count\{[^}]*\} [1-9]", text)
     assert re.search(r"dynaspec:structured_output_masked_rows_total\{[^}]*\} [1-9]", text)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"choice": ["yes", ",\u0014"]}, "structured_outputs.choice[1]"),
+    ({"regex": "a\U0005e659"}, "structured_outputs.regex"),
+])
+def test_a_character_no_token_spells_is_a_400_as_the_schema_says(servers, body, param):
+    """The default vocabulary lacks U+0014 and the UTF-8 lead bytes of U+40000..U+BFFFF."""
+    import httpx
+
+    server = servers["plain"]
+    with pytest.raises(openai.BadRequestError) as info:
+        server.client().completions.create(model=MODEL, prompt="hi", max_tokens=4,
+                                           extra_body={"structured_outputs": body})
+    err = info.value.body
+    assert err["param"] == param and err["code"] == "unspellable_character", err
+    props = httpx.get(server.url + "/openapi.json").json()["components"]["schemas"][
+        "StructuredOutputsBody"]["properties"]
+    for pattern in (props["choice"]["items"]["pattern"], props["regex"]["pattern"]):
+        assert re.search(pattern, "yes") and not re.search(pattern, ",\u0014")
+        assert not re.search(pattern, "a\U0005e659") and re.search(pattern, "a\U0001F600")
+
+
+def test_a_grammar_dead_end_fails_only_its_request(servers):
+    """A regex that escapes U+0014 passes the up-front check (the check reads characters, not escapes), then no token can continue it
+    after "a": that request alone is a 400 (it was a 500 for its whole step), the others in
+    the batch finish normally, and every KV block comes back."""
+    server = servers["ngram"]
+    client = server.client()
+    dead = dict(model=MODEL, prompt="Say a", max_tokens=8, temperature=0,
+                extra_body={"structured_outputs": {"regex": "a\\x14z"}})
+    fine = dict(model=MODEL, prompt="Is water wet?", max_tokens=8, temperature=0,
+                extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+
+    def run(kw):
+        try:
+            return client.completions.create(**kw).choices[0].text
+        except openai.BadRequestError as exc:
+            return exc.body
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(run, [dead, fine, dead, fine]))
+    for err in results[0::2]:
+        assert isinstance(err, dict) and err["code"] == "grammar_dead_end", err
+        assert "no token" in err["message"]
+    assert all(r in ("yes", "no") for r in results[1::2]), results
+    state = server.wait_idle()
+    assert state["free"] == state["blocks"]

@@ -5,6 +5,7 @@ refused unless asked for; /metrics without `*_created` series and with a vLLM pr
 from __future__ import annotations
 
 import argparse
+import re
 
 import pytest
 
@@ -70,3 +71,36 @@ def test_every_commands_help_renders():
         assert parser.format_help(), path
         seen.append(" ".join(path))
     assert {"bench", "bench compare", "bench decode", "serve", "generate", "tune"} <= set(seen)
+
+
+def test_metrics_prefix_reaches_data_parallel_metrics(monkeypatch):
+    """`serve --metrics-prefix vllm --data-parallel-size 2`: the per-rank and the summed series
+    both take the prefix (the DP engine builds its own registries)."""
+    import dynaspec.dp.front_end as front_end
+    from dynaspec.dp.metrics import DPMetrics
+    from dynaspec.metrics.stats import EngineSnapshot
+    from dynaspec.server.api_server import build_async_engine
+
+    dp = DPMetrics(2, {"model_name": "m"}, "vllm")
+    for rank in (0, 1):
+        dp.rank_snapshot(rank, EngineSnapshot(1, 0, 0.5, 64, 0, 10, 4, 0))
+    text = dp.render().decode()
+    for rank in ("0", "1", "all"):
+        assert re.search(rf'^vllm:num_requests_running\{{[^}}]*rank="{rank}"', text, re.M), rank
+    assert "dynaspec:" not in text
+    assert "dynaspec:num_requests_running" in DPMetrics(1, {}).render().decode()
+
+    seen = {}
+
+    class FakeDP:  # records what the server hands the DP engine; starts no rank processes
+        def __init__(self, config, metrics_labels=None, metrics_prefix=None):
+            seen.update(prefix=metrics_prefix)
+            self.metrics = DPMetrics(config.parallel.data_parallel_size, metrics_labels,
+                                     metrics_prefix)
+
+    monkeypatch.setattr(front_end, "DPEngine", FakeDP)
+    monkeypatch.setattr("dynaspec.server.api_server.AsyncEngine", lambda eng, met: met)
+    metrics = build_async_engine("m", metrics_prefix="vllm", model="default",
+                                 data_parallel_size=2)
+    assert seen == {"prefix": "vllm"}
+    assert "vllm:num_requests_running" in metrics.render().decode()

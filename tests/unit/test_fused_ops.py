@@ -52,3 +52,34 @@ def test_rope_in_place_matches_eager(dtype):
     got = FusedOps(enabled=True).rope_qk(qkv, cos, sin, H + Hkv, D)
     torch.testing.assert_close(got, ref, rtol=0, atol=0)
     torch.testing.assert_close(qkv[:, (H + Hkv) * D:], v_before, rtol=0, atol=0)  # v untouched
+
+
+def test_kernels_release_the_gil():
+    """A kernel call lets other Python threads run (the server's event loop answered /health
+    ~90 s late behind a long prefill while the kernels held the GIL): a thread that stamps the
+    time every millisecond keeps stamping during one long call (holding the GIL, the call froze
+    it for most of its length)."""
+    import threading
+    import time
+
+    ext = cpu_kernels.extension()
+    x, w = _x(8192, 8192, dtype=torch.float32), torch.ones(8192)  # one call of ~0.1-0.5 s
+    stamps, done = [], threading.Event()
+
+    def stamp() -> None:
+        while not done.is_set():
+            stamps.append(time.perf_counter())
+            time.sleep(0.001)
+
+    th = threading.Thread(target=stamp)
+    th.start()
+    time.sleep(0.05)
+    t0 = time.perf_counter()
+    ext.rms_norm(x, w, 1e-6)
+    t1 = time.perf_counter()
+    done.set()
+    th.join()
+    # Holding the GIL, the first stamp after t0 came ~75% into the call (old kernels).
+    edges = [t0, *[s for s in stamps if t0 < s < t1], t1]
+    gap = max(b - a for a, b in zip(edges, edges[1:]))
+    assert gap < (t1 - t0) / 2, (round(t1 - t0, 3), round(gap, 3))
