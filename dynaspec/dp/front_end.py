@@ -71,7 +71,8 @@ class DPEngine:
         self.snapshots: dict[int, EngineSnapshot] = {}
         self.free_blocks: dict[int, int] = {}
         self.counters = SpecCounters()
-        self.num_rank_steps = 0  # rank steps reported: the driver's progress
+        self.num_rank_steps = 0  # rank steps reported
+        self.num_rank_waits = 0  # step() calls that waited on ranks with requests in flight
         self.failure_reason: str | None = None  # set by the failure watch
         self._culprits: dict[int, str] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -256,6 +257,11 @@ class DPEngine:
         if self.failure_reason is not None and self.records:
             self._fail_all()
         outs, self._backlog = self._backlog, []
+        if not outs and self.records:
+            # The ranks are mid-step: waiting on them is progress, not a stall. Counted, so a
+            # driver keeps calling step() (each waits wait_s on the inbox) instead of parking
+            # until the next command, which delayed every token by its idle wait.
+            self.num_rank_waits += 1
         return outs
 
     def generate_sync(self, prompts: list, params: list[SamplingParams]) -> list[RequestOutput]:
@@ -365,7 +371,7 @@ class DPEngine:
         self.structured.compile(spec)
 
     def progress(self) -> int:
-        return self.num_rank_steps
+        return self.num_rank_steps + self.num_rank_waits
 
     def failure(self) -> str | None:
         return self.failure_reason
