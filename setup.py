@@ -20,7 +20,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def _cpu_kernels():
     """dynaspec/cpu_kernels.py alone: the package's other imports are not in the build env."""
-    spec = importlib.util.spec_from_file_location("_dynaspec_cpu_kernels", os.path.join(HERE, "dynaspec", "cpu_kernels.py"))
+    spec = importlib.util.spec_from_file_location(
+        "_dynaspec_cpu_kernels", os.path.join(HERE, "dynaspec", "cpu_kernels.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -43,8 +44,9 @@ def _extensions():
             try:
                 super().run()
             except Exception as exc:  # noqa: BLE001 - any toolchain failure
-                print(f"dynaspec: the C++ CPU kernels were not built ({exc}); they will be built on "
-                      "first use if a compiler appears, else plain PyTorch runs", file=sys.stderr)
+                print(f"dynaspec: the C++ CPU kernels were not built ({exc}); they will be "
+                      "built on first use if a compiler appears, else plain PyTorch runs",
+                      file=sys.stderr)
 
     ext = CppExtension(
         ck.EXT_MODULE, [os.path.join("dynaspec", "csrc", s) for s in ck.SOURCES],

@@ -44,14 +44,27 @@ def main() -> None:
     from dynaspec.attention.cpu_paged import CpuPagedBackend
 
     a = loaded.arch
-    ref = LlamaModel(a, loaded.state_dict, torch.float32, CPU, 1024, WeightPlan("none", 0, torch.float32, CPU))
-    arms = {k: LlamaModel(a, loaded.state_dict, torch.bfloat16, CPU, 1024,
-                          WeightPlan("auto", 0, torch.bfloat16, CPU, kernel=k)) for k in ("int8dot", "torch")}
+    ref = LlamaModel(
+        a, loaded.state_dict, torch.float32, CPU, 1024, WeightPlan("none", 0, torch.float32, CPU)
+    )
+    arms = {
+        k: LlamaModel(
+            a,
+            loaded.state_dict,
+            torch.bfloat16,
+            CPU,
+            1024,
+            WeightPlan("auto", 0, torch.bfloat16, CPU, kernel=k),
+        )
+        for k in ("int8dot", "torch")
+    }
     for m in arms.values():
         m.attn = CpuPagedBackend()
     import llama_cpp
 
-    llm = llama_cpp.Llama(model_path=path, n_ctx=WIN + 16, n_threads=2, logits_all=True, verbose=False)
+    llm = llama_cpp.Llama(
+        model_path=path, n_ctx=WIN + 16, n_threads=2, logits_all=True, verbose=False
+    )
     agree = {k: 0 for k in (*arms, "llama.cpp")}
     total = 0
     for w in windows:

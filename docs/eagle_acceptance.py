@@ -1,4 +1,5 @@
-"""Acceptance of the shipped EAGLE head vs n-gram on held-out bench prompts (token counts, no timings).
+"""Acceptance of the shipped EAGLE head vs n-gram on held-out bench prompts (token counts, no
+timings).
 
 Workloads: code_edit and chat from dynaspec/bench/workloads.py (their modules and questions are
 excluded from the head's training corpus, dynaspec/train/corpus.py). Greedy, K fixed per arm
@@ -20,18 +21,28 @@ from dynaspec.bench.workloads import load_workload
 def measure(arm: dict, workload: str, n: int, max_tokens: int) -> dict:
     llm = LLM(model="default", k_policy="table", **arm)
     items = load_workload(workload, llm.tokenizer, n, seed=0)
-    params = [SamplingParams(temperature=0.0, max_tokens=min(max_tokens, it.max_tokens)) for it in items]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=min(max_tokens, it.max_tokens)) for it in items
+    ]
     outs = llm.generate([it.prompt_ids for it in items], params)
     c = llm.engine.counters
     emitted = sum(len(o.token_ids) for o in outs)
     res = {
-        "workload": workload, "arm": arm, "prompts": len(items), "output_tokens": emitted,
-        "accepted": c.num_accepted_tokens, "draft_tokens": c.num_draft_tokens, "drafts": c.num_drafts,
+        "workload": workload,
+        "arm": arm,
+        "prompts": len(items),
+        "output_tokens": emitted,
+        "accepted": c.num_accepted_tokens,
+        "draft_tokens": c.num_draft_tokens,
+        "drafts": c.num_drafts,
         "share_from_drafts": round(c.num_accepted_tokens / max(1, emitted), 3),
         "acceptance_rate": round(c.num_accepted_tokens / max(1, c.num_draft_tokens), 3),
         "mean_acceptance_length": round(1 + c.num_accepted_tokens / max(1, c.num_drafts), 3),
-        "per_position": [round(a / d, 3) if d else None for a, d in zip(c.accepted_per_pos, c.drafted_per_pos)],
-        "accepted_per_pos": list(c.accepted_per_pos), "drafted_per_pos": list(c.drafted_per_pos),
+        "per_position": [
+            round(a / d, 3) if d else None for a, d in zip(c.accepted_per_pos, c.drafted_per_pos)
+        ],
+        "accepted_per_pos": list(c.accepted_per_pos),
+        "drafted_per_pos": list(c.drafted_per_pos),
         "draft_skips": dict(c.draft_skips),
     }
     llm.shutdown()

@@ -66,8 +66,15 @@ def main() -> None:
         arms = {"int4": [Int4Linear(q, None) for q in q4],
                 "bf16": [Linear(w.to(torch.bfloat16).contiguous()) for w in ws],
                 "int8dot": [Int8DotLinear(q, None) for q in q4]}
-        w8 = [(w / (w.abs().amax(1, keepdim=True) / 127)).round().clamp(-127, 127).to(torch.int8).t().contiguous()
-              for w in ws]
+        w8 = [
+            (w / (w.abs().amax(1, keepdim=True) / 127))
+            .round()
+            .clamp(-127, 127)
+            .to(torch.int8)
+            .t()
+            .contiguous()
+            for w in ws
+        ]
         arms["_int_mm"] = [(lambda x, w=w: torch._int_mm(x, w)) for w in w8]
         ao = [_torchao_linear(w.to(torch.bfloat16)) for w in ws[:copies]]
         if all(a[0] is not None for a in ao):
@@ -76,7 +83,12 @@ def main() -> None:
             ao_note = next(a[1] for a in ao if a[0] is None)
         for m in MS:
             xb = [torch.randn(m, k, generator=g).to(torch.bfloat16) for _ in range(4)]
-            xi = [torch.randint(-127, 128, (max(m, 17), k), generator=g, dtype=torch.int8)[:m].contiguous() for _ in range(4)]
+            xi = [
+                torch.randint(-127, 128, (max(m, 17), k), generator=g, dtype=torch.int8)[
+                    :m
+                ].contiguous()
+                for _ in range(4)
+            ]
             row = {"shape": name, "M": m}
             for arm, fns in arms.items():
                 for f in fns[:2]:

@@ -9,9 +9,9 @@ import time
 
 import torch
 
-from dynaspec.spec_decode.cost_profile import synthetic_step
 from dynaspec.config import EngineConfig
 from dynaspec.engine.llm_engine import LLMEngine
+from dynaspec.spec_decode.cost_profile import synthetic_step
 
 
 def timed(f, rounds: int = 7, reps: int = 30) -> float:
@@ -38,10 +38,17 @@ def main() -> None:
                 stack, m._stack = m._stack, None
                 rows["step, Python layer loop"] = timed(step)
                 m._stack = stack
-            mats = [m.lm_head] + [x for layer in m.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+            mats = [m.lm_head] + [
+                x for layer in m.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)
+            ]
             xs = [torch.randn(1, x.in_features).to(torch.bfloat16) for x in mats]
-            rows["matmuls only"] = timed(lambda: [f(x) for f, x in zip(mats, xs)])
-            print(kernel, f"ctx {ctx}:", ", ".join(f"{k} {v:.2f} ms" for k, v in rows.items()), flush=True)
+            rows["matmuls only"] = timed(lambda mats=mats, xs=xs: [f(x) for f, x in zip(mats, xs)])
+            print(
+                kernel,
+                f"ctx {ctx}:",
+                ", ".join(f"{k} {v:.2f} ms" for k, v in rows.items()),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

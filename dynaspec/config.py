@@ -83,9 +83,13 @@ class ModelConfig:
                                  "copy of quantized weights (0 = no copy)")
     # oneDNN keeps native state per distinct row count: unbucketed, RSS grows with every new
     # step size (dynaspec/models/quant_linear.py).
-    dense_row_buckets: bool = opt(True, "run the bf16 copy of quantized weights at the exact row "
-                                  "count instead of rounding rows up to a few buckets (which "
-                                  "bounds oneDNN's per-shape memory)", flag="--no-dense-row-buckets")
+    dense_row_buckets: bool = opt(
+        True,
+        "run the bf16 copy of quantized weights at the exact row "
+        "count instead of rounding rows up to a few buckets (which "
+        "bounds oneDNN's per-shape memory)",
+        flag="--no-dense-row-buckets",
+    )
     attention_backend: str = opt("auto", "attention kernel", choices=reg.ATTENTION_BACKENDS)
 
     def __post_init__(self) -> None:
@@ -127,7 +131,9 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
 
@@ -148,7 +154,9 @@ def parse_rates(value: object) -> tuple[float, ...]:
     try:
         rates = tuple(float(p) for p in parts)
     except (TypeError, ValueError):
-        raise ValueError(f"synthetic acceptance must be rates like 0.9 or 0.9,0.7, got {value!r}") from None
+        raise ValueError(
+            f"synthetic acceptance must be rates like 0.9 or 0.9,0.7, got {value!r}"
+        ) from None
     bad = [r for r in rates if not 0.0 <= r <= 1.0]
     if not rates or bad:
         raise ValueError(f"synthetic acceptance rates must be in [0, 1], got {value!r}")
@@ -214,18 +222,26 @@ class SpecConfig:
         if not self.suffix_spec_factor > 0:
             raise ValueError(f"suffix_spec_factor must be > 0, got {self.suffix_spec_factor}")
         if not 0.0 <= self.suffix_min_token_prob <= 1.0:
-            raise ValueError(f"suffix_min_token_prob must be in [0, 1], got {self.suffix_min_token_prob}")
+            raise ValueError(
+                f"suffix_min_token_prob must be in [0, 1], got {self.suffix_min_token_prob}"
+            )
         if self.suffix_cache_max_requests < 0:
-            raise ValueError(f"suffix_cache_max_requests must be >= 0, got {self.suffix_cache_max_requests}")
+            raise ValueError(
+                f"suffix_cache_max_requests must be >= 0, got {self.suffix_cache_max_requests}"
+            )
         if self.suffix_cache_max_tokens < 1:
-            raise ValueError(f"suffix_cache_max_tokens must be >= 1, got {self.suffix_cache_max_tokens}")
+            raise ValueError(
+                f"suffix_cache_max_tokens must be >= 1, got {self.suffix_cache_max_tokens}"
+            )
 
     def _check_rejection_mode(self) -> None:
         reg.REJECTION_MODES.check(self.rejection_mode)
         rates = parse_rates(self.synthetic_acceptance)  # validates the format either way
         if self.rejection_mode == "synthetic":
             if not rates:
-                raise ValueError("--rejection-mode synthetic needs --synthetic-acceptance RATE[,RATE...]")
+                raise ValueError(
+                    "--rejection-mode synthetic needs --synthetic-acceptance RATE[,RATE...]"
+                )
             if self.speculator == "none":
                 raise ValueError("--rejection-mode synthetic needs a --speculator to draft tokens")
         elif rates:
@@ -308,7 +324,9 @@ class ParallelConfig:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
         local = self.data_parallel_size if self.dp_local_size is None else self.dp_local_size
         if not 0 <= local <= self.data_parallel_size:
-            raise ValueError(f"dp_local_size must be in [0, {self.data_parallel_size}], got {local}")
+            raise ValueError(
+                f"dp_local_size must be in [0, {self.data_parallel_size}], got {local}"
+            )
         if not 0 <= self.dp_rank_start <= self.data_parallel_size - local:
             raise ValueError(f"dp_rank_start {self.dp_rank_start} + dp_local_size {local} exceeds "
                              f"data_parallel_size {self.data_parallel_size}")
@@ -345,8 +363,9 @@ class EngineConfig:
         return {f.name: f.default_factory for f in fields(EngineConfig)}  # type: ignore[misc]
 
     @staticmethod
-    def from_kwargs(**kwargs) -> "EngineConfig":
-        """Build from flat engine args (as the CLI and LLM() take them); unknown names are errors."""
+    def from_kwargs(**kwargs) -> EngineConfig:
+        """Build from flat engine args (as the CLI and LLM() take them); unknown names are
+        errors."""
         parts = EngineConfig.parts()
         values: dict[str, dict] = {name: {} for name in parts}
         for key, value in kwargs.items():
@@ -358,4 +377,6 @@ class EngineConfig:
 
 
 def default_num_threads() -> int:
-    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    return max(
+        1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    )

@@ -1,4 +1,5 @@
-"""The engine's C++ CPU kernels (csrc/): built at install, loaded at run time, JIT only as a fallback.
+"""The engine's C++ CPU kernels (csrc/): built at install, loaded at run time, JIT only as a
+fallback.
 
 `pip install` compiles csrc/*.cpp into `dynaspec._cpu_kernels` (setup.py) for the vector ISA the
 installing machine reports, so a first start loads them in well under a second. At load the
@@ -41,7 +42,10 @@ def isa_flags() -> tuple[str, list[str]]:
     flags: set[str] = set()
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+            flags = next(
+                (set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")),
+                set(),
+            )
     except OSError:
         pass
     if {"avx512f", "avx512bw", "avx512vl", "fma", "f16c"} <= flags:
@@ -78,8 +82,14 @@ def _prebuilt(tag: str):
         return None
     built_tag, built_hash = mod.build_info()
     if built_tag != tag or built_hash != "h" + source_hash(tag):
-        log.info("the installed CPU kernels were built for %s/%s, this CPU and source need %s/%s: rebuilding",
-                 built_tag, built_hash, tag, source_hash(tag))
+        log.info(
+            "the installed CPU kernels were built for %s/%s, this CPU and source need %s/%s: "
+            "rebuilding",
+            built_tag,
+            built_hash,
+            tag,
+            source_hash(tag),
+        )
         return None
     return mod
 
@@ -87,7 +97,9 @@ def _prebuilt(tag: str):
 def build_dir(tag: str) -> str:
     """This install's own JIT directory: keyed by the package's path and the source hash, so two
     installs (or checkouts) never build over each other's files."""
-    root = os.environ.get("DYNASPEC_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "dynaspec")
+    root = os.environ.get("DYNASPEC_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "dynaspec"
+    )
     install = hashlib.sha256(os.path.abspath(os.path.dirname(__file__)).encode()).hexdigest()[:10]
     return os.path.join(root, "kernels", f"{tag}-{source_hash(tag)}-{install}")
 
@@ -106,10 +118,14 @@ def _lock(path: str, wait_s: float):
                 raise
         if time.monotonic() > deadline:
             os.close(fd)
-            raise TimeoutError(f"another process has been building the kernels in {os.path.dirname(path)} "
-                               f"for over {wait_s:.0f} s (DYNASPEC_KERNEL_BUILD_WAIT)")
+            raise TimeoutError(
+                f"another process has been building the kernels in {os.path.dirname(path)} "
+                f"for over {wait_s:.0f} s (DYNASPEC_KERNEL_BUILD_WAIT)"
+            )
         if time.monotonic() > next_note:
-            log.info("waiting for another process building the CPU kernels in %s", os.path.dirname(path))
+            log.info(
+                "waiting for another process building the CPU kernels in %s", os.path.dirname(path)
+            )
             next_note += 30
         time.sleep(0.5)
 
@@ -126,12 +142,21 @@ def _jit(tag: str):
             os.remove(stale)
         built = any(f.endswith(".so") for f in os.listdir(where))
         if not built:
-            log.info("building the dynaspec CPU kernels for %s into %s (not built at install; ~1-4 min once)",
-                     tag, where)
+            log.info(
+                "building the dynaspec CPU kernels for %s into %s (not built at install; ~1-4 min "
+                "once)",
+                tag,
+                where,
+            )
         t0 = time.perf_counter()
-        mod = load(name=f"dynaspec_cpu_kernels_{tag}", sources=[os.path.join(_CSRC, s) for s in SOURCES],
-                   extra_cflags=compile_flags(tag),
-                   extra_ldflags=["-fopenmp"], build_directory=where, verbose=False)
+        mod = load(
+            name=f"dynaspec_cpu_kernels_{tag}",
+            sources=[os.path.join(_CSRC, s) for s in SOURCES],
+            extra_cflags=compile_flags(tag),
+            extra_ldflags=["-fopenmp"],
+            build_directory=where,
+            verbose=False,
+        )
         if not built:
             log.info("CPU kernels built in %.0f s", time.perf_counter() - t0)
         return mod

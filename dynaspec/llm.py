@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from dynaspec.config import EngineConfig
 from dynaspec.engine.llm_engine import LLMEngine

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 from dynaspec.structured.params import StructuredOutputParams
 
-
 _GREEDY_BELOW = 1e-5  # temperatures below this are greedy
 _MAX_TOP_K = 2**31 - 1  # above any vocabulary; bounded so it fits the sampler's int64 tensor
 
@@ -68,7 +67,9 @@ class SamplingParams:
     def _check_logits_processing(self) -> None:
         if isinstance(self.logit_bias, dict):
             object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
-        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias))
+        object.__setattr__(
+            self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias)
+        )
         object.__setattr__(self, "bad_words_ids", tuple(tuple(w) for w in self.bad_words_ids))
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:

@@ -1,6 +1,7 @@
 """The step plan: what `Scheduler.schedule()` hands the runner, immutable once it leaves.
 
-One `StepPlan` per engine step (docs/design.md §1b): the requests, the tokens each computes, each one's
+One `StepPlan` per engine step (docs/design.md §1b): the requests, the tokens each computes, each
+one's
 draft cap and skip reason, the step's K and the `BatchDescriptor` (path, padded rows, width)
 planned before the forward. Nothing downstream changes it; under async scheduling the scheduler
 may issue a revised plan (`Scheduler.revise`) once the previous step's tokens are known, as a
@@ -17,7 +18,8 @@ from dynaspec.request import Request
 @dataclass(frozen=True)
 class BatchDescriptor:
     """Shape and path of one step's target forward, planned by `schedule()` before it runs
-    (docs/design.md §6). On a fixed-shape path ("compiled", "cuda_graph") every request verifies exactly
+    (docs/design.md §6). On a fixed-shape path ("compiled", "cuda_graph") every request verifies
+    exactly
     `width` tokens and rows are padded to `num_reqs_padded`; on "eager" the step is ragged and
     `width` is the planned verify width (1+K) of a decode-only step (None: mixed prefill+decode),
     `num_tokens_padded` an upper bound on its tokens."""

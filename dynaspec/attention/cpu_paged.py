@@ -59,7 +59,9 @@ class CpuPagedBackend:
             pos += q
         dev = batch.device
         nb = max((len(t) for t in tables), default=1)
-        padded = torch.tensor([t + [0] * (nb - len(t)) for t in tables], dtype=torch.long, device=dev)
+        padded = torch.tensor(
+            [t + [0] * (nb - len(t)) for t in tables], dtype=torch.long, device=dev
+        )
 
         def vec(xs) -> torch.Tensor:
             return torch.tensor(list(xs), dtype=torch.long, device=dev)
@@ -71,7 +73,12 @@ class CpuPagedBackend:
                 md: CpuPagedMetadata, scale: float, window: int | None = None) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D]; kv_cache: [2, num_slots, Hkv, D]. Returns [T, H, D].
         window: a query at position p sees keys max(0, p - window + 1) .. p."""
-        if k.stride(2) == 1 and k.stride(1) == k.shape[2] and v.stride(2) == 1 and v.stride(1) == v.shape[2]:
+        if (
+            k.stride(2) == 1
+            and k.stride(1) == k.shape[2]
+            and v.stride(2) == 1
+            and v.stride(1) == v.shape[2]
+        ):
             self._write_kv(kv_cache, k, v, md.slot_mapping)  # two index_copy_ calls cost ~50 us
         else:
             kv_cache[0].index_copy_(0, md.slot_mapping, k)

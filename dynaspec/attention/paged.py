@@ -25,7 +25,9 @@ SHORT_QUERY_MAX = 16
 class ShortGroup:
     """Padded batch of short-query requests (decode / verify)."""
 
-    token_index: torch.Tensor | None  # [B, W] flat token index (None: tokens are already [B*W] in order)
+    token_index: (
+        torch.Tensor | None
+    )  # [B, W] flat token index (None: tokens are already [B*W] in order)
     token_valid: torch.Tensor | None  # [B, W] bool; None when every row is full
     kv_slots: torch.Tensor  # [B, C] slot of each context position (pad: slot 0)
     mask: torch.Tensor | None  # [B, 1, W, C] bool, True = attend; None = no masking needed
@@ -88,8 +90,15 @@ def _slots(table: list[int], n: int, block_size: int, device: torch.device) -> t
     return (blocks[:, None] * block_size + offs[None, :]).reshape(-1)[:n].to(device)
 
 
-def _build_short(ids: list[int], starts: list[int], query_lens: list[int], context_lens: list[int],
-                 block_tables: list[list[int]], block_size: int, device: torch.device) -> ShortGroup:
+def _build_short(
+    ids: list[int],
+    starts: list[int],
+    query_lens: list[int],
+    context_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device,
+) -> ShortGroup:
     qs = [query_lens[i] for i in ids]
     cs = [context_lens[i] for i in ids]
     B, W, C = len(ids), max(qs), max(cs)
@@ -152,7 +161,9 @@ def long_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: 
         if windowed:
             mask = seq.window_masks.get(window)
             if mask is None:
-                q_pos = torch.arange(seq.context_len - seq.query_len, seq.context_len, device=q.device)
+                q_pos = torch.arange(
+                    seq.context_len - seq.query_len, seq.context_len, device=q.device
+                )
                 mask = seq.window_masks[window] = window_mask(q_pos, seq.context_len, window)
             causal = False
         elif seq.kv_slots is None:
@@ -190,7 +201,11 @@ def _short_attention(q: torch.Tensor, kv_cache: torch.Tensor, g: ShortGroup, sca
         mask = g.window_masks.get(window)
         if mask is None:  # pad rows (past a request's query) see keys <= its last position only
             ctx = torch.tensor(g.ctx_lens, device=q.device)[:, None]
-            q_pos = ctx - torch.tensor(g.query_lens, device=q.device)[:, None] + torch.arange(W, device=q.device)
+            q_pos = (
+                ctx
+                - torch.tensor(g.query_lens, device=q.device)[:, None]
+                + torch.arange(W, device=q.device)
+            )
             m = window_mask(torch.minimum(q_pos, ctx - 1), C, window).unsqueeze(1)  # [B, 1, W, C]
             mask = m.unsqueeze(3).expand(B, 1, W, G, C).reshape(B, 1, W * G, C)
             g.window_masks[window] = mask

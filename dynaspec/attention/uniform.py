@@ -50,9 +50,11 @@ class UniformDecodeBackend:
 
     def build_metadata(self, batch: AttentionBatch) -> DecodeMetadata:
         if not self.supports(batch):
-            raise ValueError("uniform attention needs a fixed-shape batch: width, num_reqs_padded, "
-                             f"buffers and every query length == width (got {list(batch.query_lens)}, "
-                             f"width {batch.width}, padded {batch.num_reqs_padded})")
+            raise ValueError(
+                "uniform attention needs a fixed-shape batch: width, num_reqs_padded, "
+                f"buffers and every query length == width (got {list(batch.query_lens)}, "
+                f"width {batch.width}, padded {batch.num_reqs_padded})"
+            )
         buf, bs, W, B = batch.buffers, batch.block_size, batch.width, batch.num_reqs_padded
         max_blocks = buf.block_tables.shape[1]
         need = max((-(-c // bs) for c in batch.context_lens), default=1)
@@ -60,7 +62,9 @@ class UniformDecodeBackend:
             raise ValueError(f"context of {max(batch.context_lens)} tokens needs {need} blocks, "
                              f"the buffers hold {max_blocks}")
         nb = max_blocks if self.pin_blocks else min(max_blocks, max(MIN_BLOCKS, need))
-        rows = [list(t[:nb]) + [buf.scratch_block] * (nb - min(nb, len(t))) for t in batch.block_tables]
+        rows = [
+            list(t[:nb]) + [buf.scratch_block] * (nb - min(nb, len(t))) for t in batch.block_tables
+        ]
         rows += [[buf.scratch_block] * nb] * (B - len(rows))
         tables = buf.block_tables[:B, :nb]
         tables.copy_(torch.tensor(rows, dtype=torch.long))

@@ -1,4 +1,5 @@
-"""Performance admission (docs/design.md §6): is the compiled/graph path faster than eager, per shape?
+"""Performance admission (docs/design.md §6): is the compiled/graph path faster than eager, per
+shape?
 
 For every (batch bucket, width) of the engine's execution grid, the same synthetic decode step
 is run through `ModelRunner.execute` on both paths as they really run: eager ragged over the
@@ -15,12 +16,12 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from dynaspec.bench.stats import paired_ratio
 from dynaspec.bench.tune import _synthetic_batch
-from dynaspec.step_plan import BatchDescriptor
 from dynaspec.spec_decode.execution_plan import AdmissionEntry, AdmissionTable
+from dynaspec.step_plan import BatchDescriptor
 
 
 def _time(runner, out, steps: int) -> tuple[float, str]:
@@ -42,7 +43,9 @@ def measure_shape(engine, bucket: int, width: int, ctx: int, pairs: int,
     out = dataclasses.replace(out, scheduled=tuple(dataclasses.replace(s, num_lookahead=width - 1)
                                                    for s in out.scheduled))
     eager = dataclasses.replace(out, batch=BatchDescriptor("eager", n, width, n * width))
-    fixed = dataclasses.replace(out, batch=BatchDescriptor(ep.graph_path, bucket, width, bucket * width))
+    fixed = dataclasses.replace(
+        out, batch=BatchDescriptor(ep.graph_path, bucket, width, bucket * width)
+    )
     try:
         t_build = time.perf_counter()
         _, path = _time(runner, fixed, 1)  # builds the shape (compile / capture)
@@ -78,9 +81,11 @@ def measure_admission(engine, ctx: int = 256, pairs: int = 5, steps: int = 5,
         builds[f"{bucket}x{width}"] = round(build_s, 2)
         if progress is not None:
             verdict = "compiled" if entry.compiled_wins else "eager"
-            progress(f"requests {bucket:>3} width {width:>2}: eager {entry.eager_ms:7.2f} ms, "
-                     f"{ep.graph_path} {entry.compiled_ms:7.2f} ms, ratio {entry.ratio:.3f} "
-                     f"[{entry.ci_low:.3f}, {entry.ci_high:.3f}] -> {verdict} (build {build_s:.1f} s)")
+            progress(
+                f"requests {bucket:>3} width {width:>2}: eager {entry.eager_ms:7.2f} ms, "
+                f"{ep.graph_path} {entry.compiled_ms:7.2f} ms, ratio {entry.ratio:.3f} "
+                f"[{entry.ci_low:.3f}, {entry.ci_high:.3f}] -> {verdict} (build {build_s:.1f} s)"
+            )
     meta = {"model": engine.parts.model_name, "plan": engine.plan.summary(), "ctx": ctx,
             "pairs": pairs, "steps_per_sample": steps, "path": ep.graph_path,
             "build_seconds": builds, "buckets": list(ep.buckets), "widths": list(ep.widths)}

@@ -70,7 +70,11 @@ def _retry(fn, chat_ids, rng: random.Random) -> list[tuple[list[int], int, str]]
     out = []
     for j in range(GROUP):
         err = _ERRORS[rng.randrange(len(_ERRORS))]
-        note = "" if j == 0 else f"\n\nAttempt {j + 1}: your previous attempt failed with `{err}`. Try again."
+        note = (
+            ""
+            if j == 0
+            else f"\n\nAttempt {j + 1}: your previous attempt failed with `{err}`. Try again."
+        )
         out.append((chat_ids(f"{task} Output only the code.{note}"), 0,
                     f"agentic:retry:{fn.module}.{fn.name}:{j}"))
     return out

@@ -25,9 +25,15 @@ _MODES = ("none", "ngram")
 
 
 def register(bsub) -> None:
-    p = bsub.add_parser("async", help="--async-scheduling vs sync: paired A/B, time outside the forward",
-                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--engine", default="--model default", help="engine flags both arms share, in quotes")
+    p = bsub.add_parser(
+        "async",
+        help="--async-scheduling vs sync: paired A/B, time outside the forward",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--engine", default="--model default", help="engine flags both arms share, in quotes"
+    )
     p.add_argument("--spec", default="--speculator ngram --num-spec-tokens 4 --prompt-lookup-min 2",
                    help="speculation flags of the ngram mode, in quotes")
     p.add_argument("--modes", default="none,ngram", help="comma-separated: none, ngram")
@@ -57,7 +63,9 @@ def recovered_share(sync_runs, async_runs) -> dict:
     from dynaspec.bench.stats import t_quantile
 
     outside = [outside_forward(s.phase_s, s.elapsed_s) for s in sync_runs]
-    shares = [(s.elapsed_s - a.elapsed_s) / o for s, a, o in zip(sync_runs, async_runs, outside) if o > 0]
+    shares = [
+        (s.elapsed_s - a.elapsed_s) / o for s, a, o in zip(sync_runs, async_runs, outside) if o > 0
+    ]
     out = {"sync_outside_forward_s": outside,
            "sync_outside_share": [o / s.elapsed_s for o, s in zip(outside, sync_runs)],
            "recovered": shares, "recovered_mean": mean(shares) if shares else None, "ci95": None}
@@ -94,9 +102,19 @@ def _bucket(args, arms, items_all, mode: str, c: int) -> dict:
     records = run_pairs(arms, items, params, c, args.pairs, "alternate",
                         lambda r: _say(f"{mode} c={c} pair {r.pair} arm {r.arm}: "
                                        f"{r.tokens_per_s:.2f} tok/s"))
-    settings = {"workload": args.workload, "num_prompts": n, "max_tokens": args.max_tokens,
-                "concurrency": c, "pairs": args.pairs, "order": "alternate", "temperature": 0.0,
-                "seed": args.seed, "mode": mode, "ignore_eos": True, "command": "dynaspec " + shlex.join(sys.argv[1:])}
+    settings = {
+        "workload": args.workload,
+        "num_prompts": n,
+        "max_tokens": args.max_tokens,
+        "concurrency": c,
+        "pairs": args.pairs,
+        "order": "alternate",
+        "temperature": 0.0,
+        "seed": args.seed,
+        "mode": mode,
+        "ignore_eos": True,
+        "command": "dynaspec " + shlex.join(sys.argv[1:]),
+    }
     report = build_report(arms, records, settings, None)
     sync = [r for r in records if r.arm == "a"]
     asyn = [r for r in records if r.arm == "b"]
@@ -142,17 +160,21 @@ def markdown(rows) -> str:
     def num(x, fmt=".3f"):
         return "-" if x is None else format(x, fmt)
 
-    lines = ["| mode | concurrency | sync tok/s | async tok/s | async/sync (95% CI) | "
-             "sync time outside forward (share) | recovered by async (95% CI) | outputs identical |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| mode | concurrency | sync tok/s | async tok/s | async/sync (95% CI) | "
+        "sync time outside forward (share) | recovered by async (95% CI) | outputs identical |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for mode, c, r in rows:
         o, ratio = r["outside_forward"], r["ratios"]["b"]
         ci = "-" if ratio["lo"] is None else f"[{ratio['lo']:.3f}, {ratio['hi']:.3f}]"
         rci = "-" if o["ci95"] is None else f"[{o['ci95'][0]:.1%}, {o['ci95'][1]:.1%}]"
         same = ratio["outputs_vs_a"]
-        lines.append(f"| {mode} | {c} | {r['a']['tokens_per_s_mean']:.1f} | "
-                     f"{r['b']['tokens_per_s_mean']:.1f} | {ratio['ratio']:.3f}x {ci} | "
-                     f"{mean(o['sync_outside_forward_s']):.2f} s "
-                     f"({mean(o['sync_outside_share']):.1%}) | {num(o['recovered_mean'], '.1%')} {rci} | "
-                     f"{same['identical']}/{same['total']} |")
+        lines.append(
+            f"| {mode} | {c} | {r['a']['tokens_per_s_mean']:.1f} | "
+            f"{r['b']['tokens_per_s_mean']:.1f} | {ratio['ratio']:.3f}x {ci} | "
+            f"{mean(o['sync_outside_forward_s']):.2f} s "
+            f"({mean(o['sync_outside_share']):.1%}) | {num(o['recovered_mean'], '.1%')} {rci} | "
+            f"{same['identical']}/{same['total']} |"
+        )
     return "\n".join(lines)

@@ -17,13 +17,14 @@ import logging
 import os
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Protocol
 
 from dynaspec.bench.stats import latency_summary, paired_ratio, run_order
 from dynaspec.bench.workloads import WorkItem
-from dynaspec.sampling_params import SamplingParams
 from dynaspec.outputs import RequestTimings
+from dynaspec.sampling_params import SamplingParams
 
 log = logging.getLogger("dynaspec.bench")
 
@@ -72,9 +73,15 @@ class Arm(Protocol):
 def make_params(items: Sequence[WorkItem], max_tokens: int | None, temperature: float,
                 seed: int, ignore_eos: bool = False) -> list[SamplingParams]:
     """Per item params; item i gets seed + i in every arm and every pair (same seeds)."""
-    return [SamplingParams(temperature=temperature, seed=seed + i, ignore_eos=ignore_eos,
-                           max_tokens=min(it.max_tokens, max_tokens) if max_tokens else it.max_tokens)
-            for i, it in enumerate(items)]
+    return [
+        SamplingParams(
+            temperature=temperature,
+            seed=seed + i,
+            ignore_eos=ignore_eos,
+            max_tokens=min(it.max_tokens, max_tokens) if max_tokens else it.max_tokens,
+        )
+        for i, it in enumerate(items)
+    ]
 
 
 def request_latencies(rec: RunRecord, timings: RequestTimings | None, num_tokens: int) -> None:
@@ -139,12 +146,20 @@ class EngineArm:
 
     def describe(self) -> dict:
         e = self.engine
-        return {"kind": "engine", "label": self.label, "pool": e.pool_report().to_json(),
-                "plan": e.plan.summary(), "weight_bytes_per_step": e.parts.model.weight_bytes_per_step(),
-                "dtype": str(e.parts.model.dtype), "prefix_caching": self.kwargs.get("enable_prefix_caching"),
-                "execution": e.exec_plan.mode,
-                "build_seconds": {f"{b}x{w}": round(t, 2) for (b, w), t in
-                                  getattr(e.runner.executor, "build_seconds", {}).items()}}
+        return {
+            "kind": "engine",
+            "label": self.label,
+            "pool": e.pool_report().to_json(),
+            "plan": e.plan.summary(),
+            "weight_bytes_per_step": e.parts.model.weight_bytes_per_step(),
+            "dtype": str(e.parts.model.dtype),
+            "prefix_caching": self.kwargs.get("enable_prefix_caching"),
+            "execution": e.exec_plan.mode,
+            "build_seconds": {
+                f"{b}x{w}": round(t, 2)
+                for (b, w), t in getattr(e.runner.executor, "build_seconds", {}).items()
+            },
+        }
 
     def run(self, items: Sequence[WorkItem], params: Sequence[SamplingParams], concurrency: int,
             tag: str) -> RunRecord:
@@ -192,8 +207,10 @@ def run_pairs(arms: dict[str, Arm], items: Sequence[WorkItem], params: Sequence[
         rec.arm, rec.pair = name, pair
         rec.load_avg, rec.cpu_s = (load0, _load1()), time.process_time() - cpu0
         if rec.identity_violations:
-            raise IdentityViolation(f"arm {name} ({arms[name].label}), pair {pair}: metric identities "
-                                    "failed:\n  " + "\n  ".join(rec.identity_violations))
+            raise IdentityViolation(
+                f"arm {name} ({arms[name].label}), pair {pair}: metric identities "
+                "failed:\n  " + "\n  ".join(rec.identity_violations)
+            )
         if on_record is not None:
             on_record(rec)
         records.append(rec)
@@ -229,8 +246,9 @@ def _spec_total(recs: list[RunRecord]) -> dict | None:
     dt, nd = tot["num_draft_tokens"], tot["num_drafts"]
     tot["acceptance_rate"] = tot["num_accepted_tokens"] / dt if dt else None
     tot["mean_acceptance_length"] = 1 + tot["num_accepted_tokens"] / nd if nd else None
-    tot["acceptance_rate_per_pos"] = [a / d if d else None
-                                      for a, d in zip(tot["accepted_per_pos"], tot["drafted_per_pos"])]
+    tot["acceptance_rate_per_pos"] = [
+        a / d if d else None for a, d in zip(tot["accepted_per_pos"], tot["drafted_per_pos"])
+    ]
     busy = tot["draft_seconds"] + tot["verify_seconds"]
     tot["draft_share"] = tot["draft_seconds"] / busy if busy else None
     return tot
@@ -266,7 +284,9 @@ def build_report(arms: dict[str, Arm], records: list[RunRecord], settings: dict,
                  bandwidth: float | None) -> dict:
     """The JSON object: a, b (and peers), ratio and ci95 of B/A, ratios of every arm vs A."""
     by_arm = {name: [r for r in records if r.arm == name] for name in arms}
-    summary = {name: summarize_arm(recs, arms[name].describe()) for name, recs in by_arm.items() if recs}
+    summary = {
+        name: summarize_arm(recs, arms[name].describe()) for name, recs in by_arm.items() if recs
+    }
     base = by_arm["a"]
     ratios = {}
     for name, recs in by_arm.items():
@@ -274,18 +294,33 @@ def build_report(arms: dict[str, Arm], records: list[RunRecord], settings: dict,
             est = paired_ratio([r.tokens_per_s for r in base], [r.tokens_per_s for r in recs])
             ratios[name] = {**est.to_dict(), "ci95": [est.lo, est.hi], "text": est.fmt(),
                             "outputs_vs_a": same_outputs(recs, base)}
-    for name, s in summary.items():
+    for s in summary.values():
         wb = s.get("weight_bytes_per_step")
         if bandwidth and wb:
             # A step that reads every weight once emits at most C tokens without speculation.
             s["bandwidth_limit_tokens_per_s"] = settings["concurrency"] * bandwidth / wb
             s["bandwidth_limit_step_s"] = wb / bandwidth
     head = ratios.get("b", {})
-    return {"settings": settings, "bandwidth_bytes_per_s": bandwidth, **summary,
-            "ratio": head.get("ratio"), "ci95": head.get("ci95"), "ratios": ratios,
-            "runs": [{"arm": r.arm, "pair": r.pair, "tokens": r.tokens, "elapsed_s": r.elapsed_s,
-                      "tokens_per_s": r.tokens_per_s, "load_avg_1m": list(r.load_avg), "cpu_s": r.cpu_s}
-                     for r in records]}
+    return {
+        "settings": settings,
+        "bandwidth_bytes_per_s": bandwidth,
+        **summary,
+        "ratio": head.get("ratio"),
+        "ci95": head.get("ci95"),
+        "ratios": ratios,
+        "runs": [
+            {
+                "arm": r.arm,
+                "pair": r.pair,
+                "tokens": r.tokens,
+                "elapsed_s": r.elapsed_s,
+                "tokens_per_s": r.tokens_per_s,
+                "load_avg_1m": list(r.load_avg),
+                "cpu_s": r.cpu_s,
+            }
+            for r in records
+        ],
+    }
 
 
 def _ms(x: float | None) -> str:
@@ -299,29 +334,49 @@ def _num(x: float | None, fmt: str = ".3f") -> str:
 def markdown_report(report: dict, arm_names: Sequence[str]) -> str:
     """Markdown tables: per-arm speed and latency, speculation, census, and the paired ratios."""
     st = report["settings"]
-    lines = [f"workload `{st['workload']}`{' (long)' if st.get('long') else ''}, {st['num_prompts']} prompts, "
-             f"max_tokens {st['max_tokens']}, concurrency {st['concurrency']}, {st['pairs']} pairs "
-             f"({st['order']}), temperature {st['temperature']}, prefix caching "
-             f"{'on (warm pass first)' if st.get('prefix_caching') else 'off'}", ""]
+    lines = [
+        f"workload `{st['workload']}`{' (long)' if st.get('long') else ''}, {st['num_prompts']} "
+        f"prompts, "
+        f"max_tokens {st['max_tokens']}, concurrency {st['concurrency']}, {st['pairs']} pairs "
+        f"({st['order']}), temperature {st['temperature']}, prefix caching "
+        f"{'on (warm pass first)' if st.get('prefix_caching') else 'off'}",
+        "",
+    ]
     bw = report.get("bandwidth_bytes_per_s")
     if bw:
-        lines += [f"read bandwidth {bw / 1e9:.1f} GB/s; the bandwidth limit is the no-speculation decode "
-                  "ceiling at this concurrency: C tokens per step that reads every weight once", ""]
-    lines += ["| arm | config | tok/s (mean) | limit tok/s | TTFT p50/p99 ms | ITL p50/p99 ms | TPOT mean ms | KV pool tokens (target / drafter) | preemptions |",
-              "|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"read bandwidth {bw / 1e9:.1f} GB/s; the bandwidth limit is the no-speculation decode "
+            "ceiling at this concurrency: C tokens per step that reads every weight once",
+            "",
+        ]
+    lines += [
+        "| arm | config | tok/s (mean) | limit tok/s | TTFT p50/p99 ms | ITL p50/p99 ms | TPOT "
+        "mean ms | KV pool tokens (target / drafter) | preemptions |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for n in arm_names:
         s = report.get(n)
         if s is None:
             continue
         pool = s.get("pool") or {}
-        pool_txt = f"{pool.get('num_tokens', '-')} / {pool.get('drafter_num_tokens', '-')}" if pool else "-"
+        pool_txt = (
+            f"{pool.get('num_tokens', '-')} / {pool.get('drafter_num_tokens', '-')}"
+            if pool
+            else "-"
+        )
         lim = s.get("bandwidth_limit_tokens_per_s")
-        lines.append(f"| {n} | `{s['label']}` | {s['tokens_per_s_mean']:.2f} | {_num(lim, '.1f')} | "
-                     f"{_ms(s['ttft_s']['p50'])} / {_ms(s['ttft_s']['p99'])} | "
-                     f"{_ms(s['inter_token_s']['p50'])} / {_ms(s['inter_token_s']['p99'])} | "
-                     f"{_ms(s['tpot_s']['mean'])} | {pool_txt} | {s['census']['preemptions']} |")
-    lines += ["", "| arm | acceptance rate | mean acceptance length | per-position rate | draft s / verify s (draft share) | steps by K | draft skips |",
-              "|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {n} | `{s['label']}` | {s['tokens_per_s_mean']:.2f} | {_num(lim, '.1f')} | "
+            f"{_ms(s['ttft_s']['p50'])} / {_ms(s['ttft_s']['p99'])} | "
+            f"{_ms(s['inter_token_s']['p50'])} / {_ms(s['inter_token_s']['p99'])} | "
+            f"{_ms(s['tpot_s']['mean'])} | {pool_txt} | {s['census']['preemptions']} |"
+        )
+    lines += [
+        "",
+        "| arm | acceptance rate | mean acceptance length | per-position rate | draft s / verify s "
+        "(draft share) | steps by K | draft skips |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for n in arm_names:
         s = report.get(n)
         if s is None:
@@ -332,24 +387,41 @@ def markdown_report(report: dict, arm_names: Sequence[str]) -> str:
             continue
         pos = ", ".join(_num(x, ".2f") for x in sp["acceptance_rate_per_pos"]) or "-"
         by_k = c["steps_by_k"] or f"{c['steps']} steps, spec off"
-        lines.append(f"| {n} | {_num(sp['acceptance_rate'])} | {_num(sp['mean_acceptance_length'])} | "
-                     f"{pos} | {sp['draft_seconds']:.2f} / {sp['verify_seconds']:.2f} "
-                     f"({_num(sp['draft_share'], '.1%')}) | {by_k} | "
-                     f"{c['draft_skips'] or '-'} |")
-    lines += ["", "| arm | steps by execution path/width | compile/capture s per shape |", "|---|---|---|"]
+        lines.append(
+            f"| {n} | {_num(sp['acceptance_rate'])} | {_num(sp['mean_acceptance_length'])} | "
+            f"{pos} | {sp['draft_seconds']:.2f} / {sp['verify_seconds']:.2f} "
+            f"({_num(sp['draft_share'], '.1%')}) | {by_k} | "
+            f"{c['draft_skips'] or '-'} |"
+        )
+    lines += [
+        "",
+        "| arm | steps by execution path/width | compile/capture s per shape |",
+        "|---|---|---|",
+    ]
     for n in arm_names:
         s = report.get(n)
         if s is not None and "census" in s:
-            lines.append(f"| {n} | {s['census'].get('execution') or '-'} | {s.get('build_seconds') or '-'} |")
-    lines += ["", "| ratio (tok/s) | paired geometric mean | 95% CI | outputs identical to A |", "|---|---|---|---|"]
+            lines.append(
+                f"| {n} | {s['census'].get('execution') or '-'} | {s.get('build_seconds') or '-'} |"
+            )
+    lines += [
+        "",
+        "| ratio (tok/s) | paired geometric mean | 95% CI | outputs identical to A |",
+        "|---|---|---|---|",
+    ]
     for n, r in report["ratios"].items():
         o = r["outputs_vs_a"]
         ci = "-" if r["lo"] is None else f"[{r['lo']:.3f}, {r['hi']:.3f}]"
         lines.append(f"| {n}/a | {r['ratio']:.3f}x | {ci} | {o['identical']}/{o['total']} |")
-    lines += ["", f"runs (load = 1-minute load average before / after, on {os.cpu_count()} CPUs; "
-              "CPU/wall = this process's CPU seconds per wall second; a run slowed by another "
-              "process shows a high load and a low CPU/wall):", "",
-              "| run | arm | pair | tokens | seconds | tok/s | load | CPU/wall |", "|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        f"runs (load = 1-minute load average before / after, on {os.cpu_count()} CPUs; "
+        "CPU/wall = this process's CPU seconds per wall second; a run slowed by another "
+        "process shows a high load and a low CPU/wall):",
+        "",
+        "| run | arm | pair | tokens | seconds | tok/s | load | CPU/wall |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for i, r in enumerate(report["runs"]):
         la = r.get("load_avg_1m") or [0.0, 0.0]
         share = r.get("cpu_s", 0.0) / r["elapsed_s"] if r["elapsed_s"] else 0.0

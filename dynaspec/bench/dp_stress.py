@@ -6,7 +6,8 @@
 
 Starts two servers in this process on 127.0.0.1 (one with ``--data-parallel-size 1``, one with
 N ranks), then for each round and each concurrency runs the same requests against both, the
-arms alternating (A B A B, docs/design.md §8). Every request is a non-streamed greedy completion of one
+arms alternating (A B A B, docs/design.md §8). Every request is a non-streamed greedy completion of
+one
 of a fixed set of prompts, so each request's text must equal the DP=1 text for the same prompt.
 Prints one JSON line per (round, concurrency, arm) and a summary: requests, failures, output
 mismatches, throughput per arm and the DP/DP=1 ratio. Exit status 1 on any failure or mismatch.

@@ -87,7 +87,9 @@ async def one_request(http: httpx.AsyncClient, args: argparse.Namespace, i: int)
 
 async def run(args: argparse.Namespace) -> tuple[list[Result], float]:
     headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
+    limits = httpx.Limits(
+        max_connections=args.concurrency, max_keepalive_connections=args.concurrency
+    )
     results: list[Result] = []
     next_i = 0
 

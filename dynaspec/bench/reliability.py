@@ -107,11 +107,15 @@ def engine_state(engine: Any) -> dict:
     engine.check_integrity()  # raises on a broken pool
     kv, sched, runner = engine.kv, engine.scheduler, engine.runner
     prop = runner.proposer
-    state = {"kv_blocks_held": kv.num_blocks - kv.num_free_blocks(),
-             "scheduler_requests": len(sched.requests) + len(sched.waiting) + len(sched.running),
-             "policy_requests": sched.policy.num_cached() if sched.policy is not None else 0, "generators": len(runner.generators),
-             "metric_records": len(engine.request_records), "output_states": len(engine.outputs.states),
-             "drafter_requests": prop.num_cached() if prop is not None else 0}
+    state = {
+        "kv_blocks_held": kv.num_blocks - kv.num_free_blocks(),
+        "scheduler_requests": len(sched.requests) + len(sched.waiting) + len(sched.running),
+        "policy_requests": sched.policy.num_cached() if sched.policy is not None else 0,
+        "generators": len(runner.generators),
+        "metric_records": len(engine.request_records),
+        "output_states": len(engine.outputs.states),
+        "drafter_requests": prop.num_cached() if prop is not None else 0,
+    }
     if isinstance(prop, DraftModelProposer):
         state["drafter_kv_blocks_held"] = prop.kv.num_blocks - prop.kv.num_free_blocks()
     return state
@@ -125,8 +129,12 @@ async def _complete(http: Any, url: str, body: dict, cut_after_chunks: int | Non
         if r.status_code != 200:
             return {"status": r.status_code, "error": r.text[:300]}
         out = r.json()
-        return {"status": 200, "text": out["choices"][0]["text"], "latency_s": time.monotonic() - t0,
-                "finish": out["choices"][0]["finish_reason"]}
+        return {
+            "status": 200,
+            "text": out["choices"][0]["text"],
+            "latency_s": time.monotonic() - t0,
+            "finish": out["choices"][0]["finish_reason"],
+        }
     chunks, parts, finish = 0, [], None
     async with http.stream("POST", url + "/v1/completions", json=body) as resp:
         if resp.status_code != 200:
@@ -142,7 +150,12 @@ async def _complete(http: Any, url: str, body: dict, cut_after_chunks: int | Non
             chunks += 1
             if cut_after_chunks is not None and chunks >= cut_after_chunks:
                 return {"status": 200, "cut": True}
-    return {"status": 200, "text": "".join(parts), "latency_s": time.monotonic() - t0, "finish": finish}
+    return {
+        "status": 200,
+        "text": "".join(parts),
+        "latency_s": time.monotonic() - t0,
+        "finish": finish,
+    }
 
 
 def _client(concurrency: int, timeout_s: float) -> Any:

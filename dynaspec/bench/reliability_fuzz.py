@@ -46,8 +46,8 @@ def generate_cases(url: str, num_cases: int, seed: int, negative_share: float = 
         @settings(max_examples=count, phases=[Phase.generate], database=None, deadline=None,
                   suppress_health_check=list(HealthCheck))
         @given(case=strategy)
-        def collect(case: Any) -> None:
-            batch.append((case, mode is modes.POSITIVE))
+        def collect(case: Any) -> None:  # run at once, inside this iteration
+            batch.append((case, mode is modes.POSITIVE))  # noqa: B023
 
         collect()
         cases.extend(batch[:count])
@@ -90,7 +90,9 @@ def send_cases(url: str, model: str, cases: list, seed: int, workers: int = 32,
     by_status: dict[str, int] = {}
     for code, _, _ in outcomes:
         by_status[str(code)] = by_status.get(str(code), 0) + 1
-    bad = [(c.operation.path, c.body, why) for (c, _), (_, ok, why) in zip(cases, outcomes) if not ok]
+    bad = [
+        (c.operation.path, c.body, why) for (c, _), (_, ok, why) in zip(cases, outcomes) if not ok
+    ]
     return {"sent": len(cases), "by_status": dict(sorted(by_status.items())),
             "reached_engine": by_status.get("200", 0),
             "server_errors": sum(n for s, n in by_status.items() if s.startswith("5") or s == "0"),
@@ -119,7 +121,7 @@ def run_fuzz(server: Any, num_requests: int, seed: int) -> dict:
     totals["normal_request_after"] = after
     totals["seconds"] = round(time.monotonic() - t0, 1)
     totals["checks"] = {
-        "reached_engine >= %d" % num_requests: totals["reached_engine"] >= num_requests,
+        f"reached_engine >= {num_requests}": totals["reached_engine"] >= num_requests,
         "0 server errors (5xx)": totals["server_errors"] == 0,
         "every 4xx body is an OpenAI error": totals["bad_responses"] == 0,
         "a normal request answers afterwards": after == "ok",

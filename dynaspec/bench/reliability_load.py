@@ -103,8 +103,13 @@ def divergence_gap(engine: Any, prompt_ids: list[int], ref_ids: list[int], text:
     n, bs, dev = len(ids), engine.kv.block_size, engine.parts.model.device
     # The engine is idle: its first blocks are free scratch space for one plain prefill.
     md = build_metadata([n], [n], [list(range(-(-n // bs)))], bs, dev)
-    logits = engine.parts.model.forward(torch.tensor(ids, device=dev), torch.arange(n, device=dev),
-                                        engine.runner.kv_caches, md, torch.tensor([n - 1], device=dev))
+    logits = engine.parts.model.forward(
+        torch.tensor(ids, device=dev),
+        torch.arange(n, device=dev),
+        engine.runner.kv_caches,
+        md,
+        torch.tensor([n - 1], device=dev),
+    )
     top2 = torch.topk(logits[0].float(), 2).values
     return float(top2[0] - top2[1])
 
@@ -138,7 +143,7 @@ def run_abort(server: LocalServer, num_requests: int, seed: int, concurrency: in
     async def one(http: Any, body: dict, cut: int | None, delay: float | None) -> dict:
         try:
             return await asyncio.wait_for(_complete(http, server.url, body, cut), delay)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return {"status": 200, "cut": True}
 
     async def go() -> list:
@@ -162,7 +167,8 @@ def run_abort(server: LocalServer, num_requests: int, seed: int, concurrency: in
             "seconds": round(time.monotonic() - t0, 1), **leaks, "checks": checks}
 
 
-# ---- soak ------------------------------------------------------------------------------------------
+# ---- soak
+# ------------------------------------------------------------------------------------------
 def rss_mb() -> float:
     """Resident set size of this process (the server runs in it), from /proc."""
     try:
@@ -226,9 +232,17 @@ def run_soak(server: LocalServer, duration_s: float, concurrency: int, seed: int
     slope = slope_mb_per_min([s for s in samples if s[0] >= warm_s])
     checks = {"0 errors": not errors, "pool whole, no leaked state": leaks["leaks"] == {},
               "a normal request answers afterwards": server.normal_request() == "ok"}
-    return {"duration_s": duration_s, "concurrency": concurrency, "requests": len(latencies) + len(errors),
-            "errors": len(errors), "error_examples": errors[:3],
-            "latency_s": latency_summary(latencies), "rss_mb_samples": [round(r, 1) for _, r in samples],
-            "rss_slope_mb_per_min": None if slope is None else round(slope, 3),
-            "rss_slope_after_s": warm_s,
-            "seconds": round(time.monotonic() - t0, 1), **leaks, "checks": checks}
+    return {
+        "duration_s": duration_s,
+        "concurrency": concurrency,
+        "requests": len(latencies) + len(errors),
+        "errors": len(errors),
+        "error_examples": errors[:3],
+        "latency_s": latency_summary(latencies),
+        "rss_mb_samples": [round(r, 1) for _, r in samples],
+        "rss_slope_mb_per_min": None if slope is None else round(slope, 3),
+        "rss_slope_after_s": warm_s,
+        "seconds": round(time.monotonic() - t0, 1),
+        **leaks,
+        "checks": checks,
+    }

@@ -32,7 +32,9 @@ def make_model_free_proposer(spec):
         return SuffixProposer(SuffixParams(spec.suffix_max_depth, spec.suffix_spec_factor,
                                            spec.suffix_min_token_prob),
                               spec.suffix_cache_max_requests, spec.suffix_cache_max_tokens)
-    raise ValueError(f"replay needs a model-free drafter (ngram or suffix), got {spec.speculator!r}")
+    raise ValueError(
+        f"replay needs a model-free drafter (ngram or suffix), got {spec.speculator!r}"
+    )
 
 
 def replay(proposer, records: list[dict], k: int) -> dict:
@@ -59,8 +61,11 @@ def replay(proposer, records: list[dict], k: int) -> dict:
             "acceptance_rate": accepted / drafted if drafted else None}
 
 
-def record(workload: str, num_prompts: int, max_tokens: int, seed: int, engine_flags: list[str]) -> list[dict]:
-    """Greedy outputs of the workload, one request at a time (n-gram speculation: lossless, faster)."""
+def record(
+    workload: str, num_prompts: int, max_tokens: int, seed: int, engine_flags: list[str]
+) -> list[dict]:
+    """Greedy outputs of the workload, one request at a time (n-gram speculation: lossless,
+    faster)."""
     from dynaspec.bench.workloads import load_workload
     from dynaspec.engine_flags import parse_engine_args
     from dynaspec.llm import LLM
@@ -71,14 +76,17 @@ def record(workload: str, num_prompts: int, max_tokens: int, seed: int, engine_f
     llm = LLM(**kw)
     out = []
     for it in load_workload(workload, llm.engine.tokenizer, num_prompts, seed):
-        o = llm.generate([it.prompt_ids], SamplingParams(temperature=0.0, max_tokens=min(max_tokens, it.max_tokens)))[0]
+        o = llm.generate(
+            [it.prompt_ids],
+            SamplingParams(temperature=0.0, max_tokens=min(max_tokens, it.max_tokens)),
+        )[0]
         out.append({"label": it.label, "prompt": it.prompt_ids, "output": o.token_ids})
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dynaspec.engine_flags import parse_engine_args
     from dynaspec.config import EngineConfig
+    from dynaspec.engine_flags import parse_engine_args
     p = argparse.ArgumentParser(prog="python -m dynaspec.bench.replay", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--record", required=True, help="outputs JSON: read if it exists, else recorded")
@@ -93,7 +101,9 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.record) as fh:
             records = json.load(fh)
     else:
-        records = record(args.workload, args.num_prompts, args.max_tokens, args.seed, shlex.split(args.engine))
+        records = record(
+            args.workload, args.num_prompts, args.max_tokens, args.seed, shlex.split(args.engine)
+        )
         os.makedirs(os.path.dirname(os.path.abspath(args.record)), exist_ok=True)
         with open(args.record, "w") as fh:
             json.dump(records, fh)

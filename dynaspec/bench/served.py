@@ -42,7 +42,9 @@ class ServedRun:
 def register(bsub) -> None:
     p = bsub.add_parser("served", help="two servers under aiperf load, alternating, paired",
                         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--a", required=True, help="arm A's server command (its --port must be --port-a)")
+    p.add_argument(
+        "--a", required=True, help="arm A's server command (its --port must be --port-a)"
+    )
     p.add_argument("--b", required=True, help="arm B's server command")
     p.add_argument("--port-a", type=int, default=8301, help="port arm A listens on")
     p.add_argument("--port-b", type=int, default=8302, help="port arm B listens on")
@@ -84,7 +86,7 @@ class _server:
     def __init__(self, cmd: str, port: int, log: str, timeout_s: float) -> None:
         self.cmd, self.port, self.log, self.timeout_s = cmd, port, log, timeout_s
 
-    def __enter__(self) -> "_server":
+    def __enter__(self) -> _server:
         self.f = open(self.log, "w", encoding="utf-8")
         self.proc = subprocess.Popen(shlex.split(self.cmd), stdout=self.f, stderr=subprocess.STDOUT,
                                      start_new_session=True)
@@ -167,9 +169,12 @@ def _report(runs: list[ServedRun], args: argparse.Namespace) -> None:
     print("|---|---|---|---|---|")
     for arm, cmd in (("a", args.a), ("b", args.b)):
         rs = [r for r in runs if r.arm == arm]
-        print(f"| {arm}: `{cmd}` | {_median([r.output_tok_s for r in rs]):.1f} | "
-              f"{_median([r.ttft_p50_ms for r in rs]):.0f} | {_median([r.itl_p50_ms for r in rs]):.1f}"
-              f" | {sum(r.errors for r in rs)} |")
+        print(
+            f"| {arm}: `{cmd}` | {_median([r.output_tok_s for r in rs]):.1f} | "
+            f"{_median([r.ttft_p50_ms for r in rs]):.0f} | "
+            f"{_median([r.itl_p50_ms for r in rs]):.1f}"
+            f" | {sum(r.errors for r in rs)} |"
+        )
     a = [r.output_tok_s for r in sorted(runs, key=lambda r: r.pair) if r.arm == "a"]
     b = [r.output_tok_s for r in sorted(runs, key=lambda r: r.pair) if r.arm == "b"]
     if a and all(a) and all(b):

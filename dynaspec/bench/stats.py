@@ -9,8 +9,8 @@ logs, back-transformed, is asymmetric around it as a ratio's interval should be.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -58,7 +58,9 @@ def paired_ratio(a: Sequence[float], b: Sequence[float], confidence: float = 0.9
         return RatioEstimate(math.exp(mean), None, None, n, confidence, None)
     sd = float(d.std(ddof=1))
     half = t_quantile((1 + confidence) / 2, n - 1) * sd / math.sqrt(n)
-    return RatioEstimate(math.exp(mean), math.exp(mean - half), math.exp(mean + half), n, confidence, sd)
+    return RatioEstimate(
+        math.exp(mean), math.exp(mean - half), math.exp(mean + half), n, confidence, sd
+    )
 
 
 def t_quantile(p: float, df: int) -> float:
@@ -141,7 +143,9 @@ def latency_summary(values: Iterable[float]) -> dict:
             "mean": float(np.mean(v)) if v else None, "n": len(v)}
 
 
-def run_order(pairs: int, arms: Sequence[str] = ("a", "b"), scheme: str = "alternate") -> list[tuple[int, str]]:
+def run_order(
+    pairs: int, arms: Sequence[str] = ("a", "b"), scheme: str = "alternate"
+) -> list[tuple[int, str]]:
     """The (pair index, arm) run order.
 
     ``alternate``: A B A B ... (every pair in the same order; docs/design.md §8).

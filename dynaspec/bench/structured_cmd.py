@@ -92,8 +92,13 @@ def grammar_summary(records, arm: str) -> dict:
 
 
 def run_structured_cmd(args: argparse.Namespace) -> int:
-    from dynaspec.bench.compare import (EngineArm, build_report, make_params, markdown_report,
-                                        run_pairs)
+    from dynaspec.bench.compare import (
+        EngineArm,
+        build_report,
+        make_params,
+        markdown_report,
+        run_pairs,
+    )
     from dynaspec.engine_flags import parse_engine_args
 
     base = parse_engine_args(shlex.split(args.engine))
@@ -112,7 +117,7 @@ def run_structured_cmd(args: argparse.Namespace) -> int:
     out: dict = {"schema": SCHEMA, "results": {}}
     for c in (int(x) for x in args.concurrency.split(",")):
         records = run_pairs(arms, items, params, c, args.pairs, "alternate",
-                            lambda r: _say(f"c={c} pair {r.pair} arm {r.arm}: "
+                            lambda r, c=c: _say(f"c={c} pair {r.pair} arm {r.arm}: "
                                            f"{r.tokens_per_s:.2f} tok/s"))
         for r in records:
             r.texts = [tok.decode(o) for o in r.outputs]

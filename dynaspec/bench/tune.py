@@ -33,8 +33,8 @@ import os
 import random
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 StepTimeFn = Callable[[int, int, int], float]  # (batch, ctx, K) -> seconds per step
 
@@ -70,7 +70,9 @@ def _ranges(values: Sequence[int]) -> list[tuple[int, int | None]]:
 def make_buckets(batch_values: Sequence[int], ctx_values: Sequence[int]) -> list[Bucket]:
     """Row-major (batch, then ctx) grid of buckets, the order the schedule grid uses."""
     bv, cv = sorted(set(batch_values)), sorted(set(ctx_values))
-    return [Bucket(br, cr, b, c) for br, b in zip(_ranges(bv), bv) for cr, c in zip(_ranges(cv), cv)]
+    return [
+        Bucket(br, cr, b, c) for br, b in zip(_ranges(bv), bv) for cr, c in zip(_ranges(cv), cv)
+    ]
 
 
 def survival(alpha: Sequence[float]) -> list[float]:
@@ -90,7 +92,9 @@ def expected_tokens(alpha: Sequence[float], k: int) -> float:
     return 1.0 + sum(survival(alpha)[:k])
 
 
-def goodput(step_time_fn: StepTimeFn, alpha: Sequence[float], batch: int, ctx: int, k: int) -> float:
+def goodput(
+    step_time_fn: StepTimeFn, alpha: Sequence[float], batch: int, ctx: int, k: int
+) -> float:
     t = step_time_fn(batch, ctx, k)
     if not t > 0:
         raise ValueError(f"step time must be > 0, got {t} at batch {batch}, ctx {ctx}, K {k}")
@@ -110,9 +114,17 @@ def choose_k(step_time_fn: StepTimeFn, acceptance: Sequence[float], buckets: Seq
         best = max(ks, key=lambda k: (g[k], -k))  # ties go to the smaller K
         if g[best] <= g[0] * (1.0 + margin):
             best = 0
-        choices.append({"batch": list(bk.batch), "ctx": list(bk.ctx), "batch_at": bk.batch_at,
-                        "ctx_at": bk.ctx_at, "k": best, "goodput": {str(k): v for k, v in g.items()},
-                        "gain": g[best] / g[0]})
+        choices.append(
+            {
+                "batch": list(bk.batch),
+                "ctx": list(bk.ctx),
+                "batch_at": bk.batch_at,
+                "ctx_at": bk.ctx_at,
+                "k": best,
+                "goodput": {str(k): v for k, v in g.items()},
+                "gain": g[best] / g[0],
+            }
+        )
     return choices
 
 
@@ -143,7 +155,9 @@ def table_step_time(times: dict[tuple[int, int, int], float]) -> StepTimeFn:
 def acceptance_from_spec(spec: dict) -> tuple[list[float], list[float], int]:
     """(alpha, e, decode request-steps) from a SpecCounters.to_dict() of a run at K = max."""
     skips = spec.get("draft_skips", {})
-    opportunities = spec["num_spec_request_steps"] - sum(skips.get(r, 0) for r in _NOT_OPPORTUNITIES)
+    opportunities = spec["num_spec_request_steps"] - sum(
+        skips.get(r, 0) for r in _NOT_OPPORTUNITIES
+    )
     if opportunities <= 0:
         raise ValueError("the acceptance run had no decode steps that could draft")
     e = [a / opportunities for a in spec["accepted_per_pos"]]
@@ -166,17 +180,24 @@ def measure_acceptance(engine, items, params) -> dict:
     spec = delta.to_dict()
     alpha, e, n = acceptance_from_spec(spec)
     busy = max(delta.num_spec_request_steps, 1)
-    return {"alpha": alpha, "accepted_run_prob": e, "decode_request_steps": n,
-            "acceptance_rate": spec["acceptance_rate"], "mean_acceptance_length": spec["mean_acceptance_length"],
-            "draft_seconds_per_request_step": delta.draft_seconds / busy,
-            "tokens": rec.tokens, "elapsed_s": rec.elapsed_s, "draft_skips": spec["draft_skips"]}
+    return {
+        "alpha": alpha,
+        "accepted_run_prob": e,
+        "decode_request_steps": n,
+        "acceptance_rate": spec["acceptance_rate"],
+        "mean_acceptance_length": spec["mean_acceptance_length"],
+        "draft_seconds_per_request_step": delta.draft_seconds / busy,
+        "tokens": rec.tokens,
+        "elapsed_s": rec.elapsed_s,
+        "draft_skips": spec["draft_skips"],
+    }
 
 
 def _synthetic_batch(engine, batch: int, ctx: int, k: int, tag: str):
     """`batch` requests with `ctx` computed tokens each, each about to verify up to k drafts."""
-    from dynaspec.step_plan import BatchDescriptor, ScheduledRequest, StepPlan
     from dynaspec.request import Request, RequestStatus
     from dynaspec.sampling_params import SamplingParams
+    from dynaspec.step_plan import BatchDescriptor, ScheduledRequest, StepPlan
     bs, nblocks, vocab = engine.kv.block_size, engine.kv.num_blocks, engine.parts.vocab_size
     per = -(-(ctx + 1 + k) // bs)
     period = min(64, max(k + 2, ctx // 2))  # the n-gram drafter matches one period back
@@ -212,7 +233,9 @@ def time_bucket(engine, batch: int, ctx: int, ks: Sequence[int], repeats: int) -
     drafted = {k: k for k in ks}
     try:
         for k in ks:
-            runner.execute(batches[k][0])  # warm: allocator; a draft model catches up on the context
+            runner.execute(
+                batches[k][0]
+            )  # warm: allocator; a draft model catches up on the context
         for _ in range(repeats):
             for k in ks:
                 t0 = time.perf_counter()
@@ -227,9 +250,14 @@ def time_bucket(engine, batch: int, ctx: int, ks: Sequence[int], repeats: int) -
                 "min_drafted": drafted[k], "kv_wrapped": batches[k][1]} for k in ks}
 
 
-def measure_step_times(engine, batch_values: Sequence[int], ctx_values: Sequence[int],
-                       k_values: Sequence[int], repeats: int = 3,
-                       progress: Callable[[str], None] | None = None) -> dict[tuple[int, int, int], dict]:
+def measure_step_times(
+    engine,
+    batch_values: Sequence[int],
+    ctx_values: Sequence[int],
+    k_values: Sequence[int],
+    repeats: int = 3,
+    progress: Callable[[str], None] | None = None,
+) -> dict[tuple[int, int, int], dict]:
     ks = sorted(set(k_values) | {0})
     out = {}
     for b in sorted(set(batch_values)):
@@ -237,7 +265,11 @@ def measure_step_times(engine, batch_values: Sequence[int], ctx_values: Sequence
             for k, m in time_bucket(engine, b, c, ks, repeats).items():
                 out[(b, c, k)] = m
                 if progress is not None:
-                    note = "" if m["min_drafted"] >= k else f" (only {m['min_drafted']} drafts verified)"
+                    note = (
+                        ""
+                        if m["min_drafted"] >= k
+                        else f" (only {m['min_drafted']} drafts verified)"
+                    )
                     progress(f"batch {b} ctx {c} K {k}: {m['seconds'] * 1e3:.1f} ms "
                              f"(median {m['median_s'] * 1e3:.1f}){note}")
     return out

@@ -1,4 +1,5 @@
-"""Benchmark workloads built on this machine without network: code edits, chat, summaries, HumanEval.
+"""Benchmark workloads built on this machine without network: code edits, chat, summaries,
+HumanEval.
 
 Every workload is deterministic for a given (name, n, seed, long) and Python installation:
 candidates are gathered in a fixed order, then `random.Random(seed)` picks n of them.
@@ -24,8 +25,8 @@ import os
 import random
 import sysconfig
 import textwrap
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 WORKLOADS = ("code_edit", "chat", "summarize", "humaneval", "agentic")
 LONG_TOKENS = 3000  # prompt size the long variants aim at (the default model allows 8192)
@@ -103,7 +104,7 @@ def stdlib_dir() -> str:
     return sysconfig.get_paths()["stdlib"]
 
 
-@functools.lru_cache(maxsize=None)  # parsing ~50 stdlib files costs about a second
+@functools.cache  # parsing ~50 stdlib files costs about a second
 def _read_module(rel: str) -> tuple[str, ast.Module] | None:
     path = os.path.join(stdlib_dir(), rel)
     try:
@@ -141,7 +142,9 @@ def stdlib_functions(min_lines: int = 20, max_lines: int = 60) -> tuple[_Functio
             end = node.end_lineno or node.lineno
             if not min_lines <= end - start <= max_lines:
                 continue
-            params = [a.arg for a in node.args.args + node.args.kwonlyargs if a.arg not in ("self", "cls")]
+            params = [
+                a.arg for a in node.args.args + node.args.kwonlyargs if a.arg not in ("self", "cls")
+            ]
             src = textwrap.dedent("".join(lines[start:end]))
             found.append(_Function(rel, node.name, src, start, end, tuple(params)))
     found.sort(key=lambda f: (f.module, f.start))  # ast.walk order is breadth-first
@@ -167,7 +170,8 @@ def _edit_instruction(fn: _Function, rng: random.Random) -> tuple[str, str]:
 
 
 def _module_window(fn: _Function, tokenizer, target: int) -> str:
-    """The largest window of fn's module around it (grown 10 lines a side) within `target` tokens."""
+    """The largest window of fn's module around it (grown 10 lines a side) within `target`
+    tokens."""
     text, _ = _read_module(fn.module)  # type: ignore[misc]
     lines = text.splitlines(keepends=True)
     lo, hi = fn.start, fn.end
@@ -180,7 +184,9 @@ def _module_window(fn: _Function, tokenizer, target: int) -> str:
 
 
 def _chat_ids(tokenizer, content: str) -> list[int]:
-    return list(tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": content}])))
+    return list(
+        tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": content}]))
+    )
 
 
 def _code_edit(tokenizer, n: int, seed: int, long: bool) -> list[WorkItem]:
@@ -192,8 +198,10 @@ def _code_edit(tokenizer, n: int, seed: int, long: bool) -> list[WorkItem]:
         code = fn.source
         if long:
             window = _module_window(fn, tokenizer, LONG_TOKENS)
-            content = (f"Here is part of the Python module `{fn.module}`:\n\n```python\n{window}```\n\n"
-                       f"{instruction}")
+            content = (
+                f"Here is part of the Python module `{fn.module}`:\n\n```python\n{window}```\n\n"
+                f"{instruction}"
+            )
         else:
             content = f"{instruction}\n\n```python\n{code}```"
         # The answer is about the function again, plus the edit and the code fence.
@@ -215,8 +223,11 @@ def module_docs(min_chars: int = 500) -> tuple[tuple[str, list[str]], ...]:
         doc = ast.get_docstring(tree) or ""
         if len(doc) < min_chars:
             continue
-        more = [d for node in tree.body
-                if isinstance(node, (ast.ClassDef, ast.FunctionDef)) and (d := ast.get_docstring(node))]
+        more = [
+            d
+            for node in tree.body
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef)) and (d := ast.get_docstring(node))
+        ]
         out.append((rel, [doc] + more))
     return tuple(out)
 
@@ -254,7 +265,9 @@ def _chat(tokenizer, n: int, seed: int, long: bool) -> list[WorkItem]:
             rel, parts = docs[(seed + i) % len(docs)]
             ref = _long_text(parts, tokenizer, LONG_TOKENS)
             content = f"Reference notes ({rel}):\n\n{ref}\n\nNow a different question: {q}"
-        items.append(WorkItem(_chat_ids(tokenizer, content), 256, f"chat:{CHAT_QUESTIONS.index(q)}"))
+        items.append(
+            WorkItem(_chat_ids(tokenizer, content), 256, f"chat:{CHAT_QUESTIONS.index(q)}")
+        )
     return items
 
 
@@ -275,7 +288,9 @@ def _humaneval(tokenizer, n: int, seed: int, long: bool) -> list[WorkItem]:
                    f"```python\n{p['prompt']}```")
         if long:
             shots = [problems[t] for t in ids if t != tid][:3]
-            examples = "\n\n".join(f"```python\n{s['prompt']}{s['canonical_solution']}```" for s in shots)
+            examples = "\n\n".join(
+                f"```python\n{s['prompt']}{s['canonical_solution']}```" for s in shots
+            )
             content = f"Examples of completed functions:\n\n{examples}\n\n{content}"
         items.append(WorkItem(_chat_ids(tokenizer, content), 384, f"humaneval:{tid}"))
     return items

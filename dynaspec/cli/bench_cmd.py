@@ -17,11 +17,16 @@ def register(sub) -> None:
     d.add_argument("--context-lens", default=None,
                    help="comma-separated prompt lengths to sweep (overrides --prompt-len)")
     d.add_argument("--gen-tokens", type=int, default=64)
-    d.add_argument("--widths", default=None,
-                   help="comma-separated verify widths (e.g. 1,2,3,4,5,8,9,16): time synthetic steps of "
-                        "each width per batch size and context instead of decoding (widths alternate "
-                        "within rounds; median of --rounds)")
-    d.add_argument("--rounds", type=int, default=5, help="rounds of the --widths sweep (default: 5)")
+    d.add_argument(
+        "--widths",
+        default=None,
+        help="comma-separated verify widths (e.g. 1,2,3,4,5,8,9,16): time synthetic steps of "
+        "each width per batch size and context instead of decoding (widths alternate "
+        "within rounds; median of --rounds)",
+    )
+    d.add_argument(
+        "--rounds", type=int, default=5, help="rounds of the --widths sweep (default: 5)"
+    )
     d.add_argument("--json", action="store_true")
     add_engine_args(d)
     d.set_defaults(func=run_decode_cmd)
@@ -30,7 +35,9 @@ def register(sub) -> None:
                         "eager decode step for every shape of the execution grid; writes the "
                         "admission JSON that --execution auto reads.")
     a.add_argument("--ctx", type=int, default=256, help="context length of the synthetic requests")
-    a.add_argument("--pairs", type=int, default=5, help="alternating eager/compiled pairs per shape")
+    a.add_argument(
+        "--pairs", type=int, default=5, help="alternating eager/compiled pairs per shape"
+    )
     a.add_argument("--steps", type=int, default=5, help="steps per sample (median)")
     a.add_argument("--out", default=None,
                    help="output JSON (default: next to a --k-schedule file, else admission.json)")
@@ -74,10 +81,19 @@ def _run_widths_cmd(args: argparse.Namespace, engine, contexts: list[int]) -> in
     bw = measure_read_bandwidth()
     m = engine.parts.model
     if args.json:
-        print(json.dumps({"bandwidth_bytes_per_s": bw, "weight_bytes_per_step": m.weight_bytes_per_step(),
-                          "bandwidth_limited_step_ms": m.weight_bytes_per_step() / bw * 1e3,
-                          "linear_kernel": linear_kernel_summary(m), "attention": m.attn.name,
-                          "cpu": cpu_info().summary(), "results": results}))
+        print(
+            json.dumps(
+                {
+                    "bandwidth_bytes_per_s": bw,
+                    "weight_bytes_per_step": m.weight_bytes_per_step(),
+                    "bandwidth_limited_step_ms": m.weight_bytes_per_step() / bw * 1e3,
+                    "linear_kernel": linear_kernel_summary(m),
+                    "attention": m.attn.name,
+                    "cpu": cpu_info().summary(),
+                    "results": results,
+                }
+            )
+        )
     else:
         print(report_widths(engine, results, bw))
     return 0
@@ -85,13 +101,15 @@ def _run_widths_cmd(args: argparse.Namespace, engine, contexts: list[int]) -> in
 
 def run_decode_cmd(args: argparse.Namespace) -> int:
     from dynaspec.bench.decode import measure_read_bandwidth, report, run_decode
-    from dynaspec.engine.llm_engine import LLMEngine
     from dynaspec.config import EngineConfig
+    from dynaspec.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineConfig.from_kwargs(**engine_kwargs(args)))
     from dynaspec.models.quant_linear import cpu_info
 
-    contexts = [int(c) for c in args.context_lens.split(",")] if args.context_lens else [args.prompt_len]
+    contexts = (
+        [int(c) for c in args.context_lens.split(",")] if args.context_lens else [args.prompt_len]
+    )
     if args.widths:
         return _run_widths_cmd(args, engine, contexts)
     run_decode(engine, 1, args.prompt_len, 8)  # warm-up
@@ -100,9 +118,18 @@ def run_decode_cmd(args: argparse.Namespace) -> int:
     bw = measure_read_bandwidth()
     if args.json:
         m = engine.parts.model
-        print(json.dumps({"bandwidth_bytes_per_s": bw, "weight_bytes_per_step": m.weight_bytes_per_step(),
-                          "quantization": m.weights.mode, "attention": m.attn.name,
-                          "cpu": cpu_info().summary(), "results": results}))
+        print(
+            json.dumps(
+                {
+                    "bandwidth_bytes_per_s": bw,
+                    "weight_bytes_per_step": m.weight_bytes_per_step(),
+                    "quantization": m.weights.mode,
+                    "attention": m.attn.name,
+                    "cpu": cpu_info().summary(),
+                    "results": results,
+                }
+            )
+        )
     else:
         print(report(engine, results, bw))
     return 0

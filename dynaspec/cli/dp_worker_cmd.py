@@ -18,7 +18,9 @@ log = logging.getLogger("dynaspec.dp")
 
 
 def register(sub) -> None:  # type: ignore[no-untyped-def]
-    p = sub.add_parser("dp-worker", help="start this machine's data-parallel ranks for a remote front end")
+    p = sub.add_parser(
+        "dp-worker", help="start this machine's data-parallel ranks for a remote front end"
+    )
     add_engine_args(p)
     p.set_defaults(func=run)
 

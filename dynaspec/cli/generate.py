@@ -19,7 +19,9 @@ def register(sub) -> None:
     p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0 = off)")
     p.add_argument("--seed", type=int, default=None,
                    help="sampling seed (None: a fresh one per run)")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument(
+        "--chat", action="store_true", help="wrap the prompt in the model's chat template"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_engine_args(p)
     p.set_defaults(func=run)

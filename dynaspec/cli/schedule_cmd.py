@@ -13,10 +13,10 @@ import os
 import sys
 from typing import TextIO
 
-from dynaspec.spec_decode.cost_model import cache_dir
 from dynaspec.registry import K_POLICIES
-from dynaspec.spec_decode.policies import resolve_policy_name
+from dynaspec.spec_decode.cost_model import cache_dir
 from dynaspec.spec_decode.plan import ScheduleError, SpecPlan, build_spec_plan, plan_for_policy
+from dynaspec.spec_decode.policies import resolve_policy_name
 
 EXIT_INVALID = 2
 
@@ -31,19 +31,34 @@ def register(subparsers) -> None:
         help="print the speculation plan a schedule resolves to",
         description="Validate a K schedule, clamp it, classify it and print the resulting plan.",
     )
-    explain.add_argument("--num-spec-tokens", type=int, default=0,
-                         help="runtime maximum K; every entry is clamped to it (0 = the schedule's own maximum)")
-    explain.add_argument("--k-schedule", default=None,
-                         help="JSON (constant, batch rows, grid rows, tuned table) or a path to a JSON file")
-    explain.add_argument("--speculator", default="ngram", choices=("none", "ngram", "draft", "suffix"))
-    explain.add_argument("--drafter-max-k", type=int, default=None,
-                         help="the drafter's own K limit (e.g. a draft model's), if below --num-spec-tokens")
+    explain.add_argument(
+        "--num-spec-tokens",
+        type=int,
+        default=0,
+        help="runtime maximum K; every entry is clamped to it (0 = the schedule's own maximum)",
+    )
+    explain.add_argument(
+        "--k-schedule",
+        default=None,
+        help="JSON (constant, batch rows, grid rows, tuned table) or a path to a JSON file",
+    )
+    explain.add_argument(
+        "--speculator", default="ngram", choices=("none", "ngram", "draft", "suffix")
+    )
+    explain.add_argument(
+        "--drafter-max-k",
+        type=int,
+        default=None,
+        help="the drafter's own K limit (e.g. a draft model's), if below --num-spec-tokens",
+    )
     explain.add_argument("--k-policy", default="auto", choices=K_POLICIES.names,
                          help="the K policy to describe (auto = table when --k-schedule is given, "
                          "else goodput)")
     explain.add_argument("--draft-model", default=None,
                          help="a draft model: its position limit clamps K (as the engine does)")
-    explain.add_argument("--max-num-seqs", type=int, default=64, help="batch buckets are capped by it")
+    explain.add_argument(
+        "--max-num-seqs", type=int, default=64, help="batch buckets are capped by it"
+    )
     explain.add_argument("--execution", default="auto", choices=("eager", "compiled", "auto"))
     explain.add_argument("--admission", default=None,
                          help="admission JSON (default: next to a --k-schedule file)")
@@ -78,9 +93,18 @@ def explain(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
               f"got {dp}", file=err)
         return EXIT_INVALID
     if args.json:
-        print(json.dumps({**plan.to_json(), "policy": policy, "cost_cache": _cost_cache(policy),
-                          "execution": execution_rows_json(plan, ep),
-                          "data_parallel": {"size": dp, "text": format_dp(plan, policy, dp)}}), file=out)
+        print(
+            json.dumps(
+                {
+                    **plan.to_json(),
+                    "policy": policy,
+                    "cost_cache": _cost_cache(policy),
+                    "execution": execution_rows_json(plan, ep),
+                    "data_parallel": {"size": dp, "text": format_dp(plan, policy, dp)},
+                }
+            ),
+            file=out,
+        )
     else:
         out.write(format_plan(plan))
         if ep is not None:
@@ -90,11 +114,14 @@ def explain(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 def format_dp(plan: SpecPlan, policy: str | None, dp: int) -> str:
-    """How the plan applies under data parallelism (docs/design.md §7); vLLM drops the schedule there."""
+    """How the plan applies under data parallelism (docs/design.md §7); vLLM drops the schedule
+    there."""
     if dp == 1:
         return "data parallel: off (one rank)"
     if not plan.speculating:
-        return f"data parallel: {dp} ranks, no speculation: ranks step in lockstep, K is not decided"
+        return (
+            f"data parallel: {dp} ranks, no speculation: ranks step in lockstep, K is not decided"
+        )
     head = (f"data parallel: {dp} ranks keep this plan (no fallback to the raw maximum): each step "
             "the ranks all-reduce their step view (requests, decoding requests, sum and max of "
             "contexts) and apply one K decision to the global view, so every rank runs the same K")
@@ -119,7 +146,11 @@ def _drafter_limit(args: argparse.Namespace) -> int | None:
 
 
 def _execution_plan(args: argparse.Namespace, plan: SpecPlan):
-    from dynaspec.spec_decode.execution_plan import AdmissionTable, ExecutionPlan, default_admission_path
+    from dynaspec.spec_decode.execution_plan import (
+        AdmissionTable,
+        ExecutionPlan,
+        default_admission_path,
+    )
     if not hasattr(args, "execution"):
         return None  # called by code that predates the execution plan
     path = args.admission or default_admission_path(args.k_schedule)
@@ -158,7 +189,9 @@ def format_execution(plan: SpecPlan, ep) -> str:
         lo, hi = r["requests"]
         lines.append(f"  {_bound(lo, hi):>9}  {r['bucket']:>6}  {r['k']:>3}  {r['width']:>5}  "
                      f"{r['path']:<10}  {r['why']}")
-    lines.append(f"  mixed prefill+decode steps and batches above {max(ep.buckets)} requests: eager")
+    lines.append(
+        f"  mixed prefill+decode steps and batches above {max(ep.buckets)} requests: eager"
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -219,10 +252,11 @@ def _bound(lo: int, hi: int | None) -> str:
 
 _KIND_TEXT = {
     "off": "no speculator: the drafter is not loaded",
-    "always_zero": "every entry is K=0: the drafter is not loaded, no drafter KV, no-speculation path",
+    "always_zero": "every entry is K=0: the drafter is not loaded, no drafter KV, no-speculation "
+    "path",
     "constant": "one K everywhere: uniform verify width, full-width graphs/compiled decode allowed",
     "variable": "the verify width varies (by bucket, or by the policy's per-step K): "
-                "width-specific optimisations are decided per width",
+    "width-specific optimisations are decided per width",
 }
 
 

@@ -20,24 +20,36 @@ log = logging.getLogger("dynaspec")
 
 
 _HELP = {
-    "steps": "optimizer steps (the LR schedule's length)", "seq_len": "tokens per training sequence",
-    "batch_seqs": "sequences per step", "passes": "training-time unrolling depth (EAGLE-3's test steps)",
-    "lr": "peak AdamW learning rate", "warmup": "linear warm-up steps", "draft_vocab": "draft vocabulary size",
-    "text_tokens": "stdlib text collected for the corpus", "chat_prompts": "prompts the target answers",
-    "answer_tokens": "longest answer generated", "save_every": "steps between resumable states",
+    "steps": "optimizer steps (the LR schedule's length)",
+    "seq_len": "tokens per training sequence",
+    "batch_seqs": "sequences per step",
+    "passes": "training-time unrolling depth (EAGLE-3's test steps)",
+    "lr": "peak AdamW learning rate",
+    "warmup": "linear warm-up steps",
+    "draft_vocab": "draft vocabulary size",
+    "text_tokens": "stdlib text collected for the corpus",
+    "chat_prompts": "prompts the target answers",
+    "answer_tokens": "longest answer generated",
+    "save_every": "steps between resumable states",
     "max_train_tokens": "tokens trained on (answers first, then text); 0 = the whole corpus",
-    "intermediate_size": "the head's MLP width (0: the target's)", "seed": "seed of data order and init",
+    "intermediate_size": "the head's MLP width (0: the target's)",
+    "seed": "seed of data order and init",
 }
 
 
 def register(sub) -> None:
     from dynaspec.train.draft_head import TrainConfig
 
-    p = sub.add_parser("train-draft-head", help="train an EAGLE-3 draft head for a target (teacher forcing)",
-                       description=__doc__)
+    p = sub.add_parser(
+        "train-draft-head",
+        help="train an EAGLE-3 draft head for a target (teacher forcing)",
+        description=__doc__,
+    )
     d = TrainConfig()
     p.add_argument("--model", default=d.model, help="the target (path, .gguf or default)")
-    p.add_argument("--out", required=True, help="output folder (resumes if it holds a training state)")
+    p.add_argument(
+        "--out", required=True, help="output folder (resumes if it holds a training state)"
+    )
     for f in dataclasses.fields(TrainConfig):
         if f.name not in ("model", "out"):
             p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default,
@@ -50,9 +62,16 @@ def run(args) -> int:
     from tqdm import tqdm
 
     from dynaspec import LLM
-    from dynaspec.train import corpus as C
     from dynaspec.spec_decode.eagle_head import default_aux_layers
-    from dynaspec.train.draft_head import TrainConfig, draft_vocab, feature_cache, plot_loss, select, train
+    from dynaspec.train import corpus as C
+    from dynaspec.train.draft_head import (
+        TrainConfig,
+        draft_vocab,
+        feature_cache,
+        plot_loss,
+        select,
+        train,
+    )
 
     cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
     torch.manual_seed(cfg.seed)
@@ -66,17 +85,31 @@ def run(args) -> int:
         t0 = time.perf_counter()
         files = C.stdlib_files(cfg.seed)
         text = C.text_windows(llm.tokenizer, files, cfg.seq_len, cfg.text_tokens)
-        gen = C.generate_answers(llm, C.chat_prompts(files, cfg.chat_prompts, cfg.seed), cfg.answer_tokens,
-                                 cfg.seq_len) if cfg.chat_prompts else []
-        seqs = [s for s in text if len(s) > 8] + gen  # the generated answers last (select() relies on it)
+        gen = (
+            C.generate_answers(
+                llm,
+                C.chat_prompts(files, cfg.chat_prompts, cfg.seed),
+                cfg.answer_tokens,
+                cfg.seq_len,
+            )
+            if cfg.chat_prompts
+            else []
+        )
+        seqs = [
+            s for s in text if len(s) > 8
+        ] + gen  # the generated answers last (select() relies on it)
         eos = tuple(llm.engine.parts.eos_token_ids)
         data = {"seqs": seqs, "d2t": draft_vocab(seqs, cfg.draft_vocab, model.cfg.vocab_size, eos),
                 "num_generated": len(gen), "seconds": time.perf_counter() - t0}
         torch.save(data, cpath)
     seqs = select(data["seqs"], data["num_generated"], cfg.max_train_tokens)
-    print(f"corpus: {len(data['seqs'])} sequences, {sum(len(s) for s in data['seqs'])} tokens "
-          f"({data['num_generated']} generated answers, built in {data['seconds']:.0f} s); training on "
-          f"{len(seqs)} sequences, {sum(len(s) for s in seqs)} tokens; draft vocabulary {len(data['d2t'])}")
+    print(
+        f"corpus: {len(data['seqs'])} sequences, {sum(len(s) for s in data['seqs'])} tokens "
+        f"({data['num_generated']} generated answers, built in {data['seconds']:.0f} s); training "
+        f"on "
+        f"{len(seqs)} sequences, {sum(len(s) for s in seqs)} tokens; draft vocabulary "
+        f"{len(data['d2t'])}"
+    )
     t0 = time.perf_counter()
     fbar = tqdm(total=len(seqs), desc="target features", unit="seq")
     cached = feature_cache(model, seqs, default_aux_layers(model.cfg.num_hidden_layers),
@@ -92,7 +125,10 @@ def run(args) -> int:
 
     hist = train(model, seqs, cached, data["d2t"], cfg, progress)
     bar.close()
-    print(f"trained {hist['step'][-1]} steps in {hist['seconds']:.0f} s; head in {os.path.join(cfg.out, 'head')}")
+    print(
+        f"trained {hist['step'][-1]} steps in {hist['seconds']:.0f} s; head in "
+        f"{os.path.join(cfg.out, 'head')}"
+    )
     try:
         print(f"loss plot: {plot_loss(hist, os.path.join(cfg.out, 'loss.png'))}")
     except ImportError as exc:

@@ -30,7 +30,9 @@ def _ints(text: str) -> list[int]:
     try:
         vals = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
     if not vals:
         raise argparse.ArgumentTypeError("expected at least one integer")
     return vals
@@ -40,7 +42,9 @@ def register(sub) -> None:
     p = sub.add_parser("tune", help="measure goodput and write a tuned K schedule",
                        description=__doc__, epilog=_EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=None, help="schedule JSON to write (required unless --reprofile)")
+    p.add_argument(
+        "--out", default=None, help="schedule JSON to write (required unless --reprofile)"
+    )
     p.add_argument("--reprofile", action="store_true",
                    help="measure the goodput policy's step cost cells afresh for these engine "
                    "flags (as `serve` would start), check them and merge them into the cache; "
@@ -85,7 +89,9 @@ def _check(args: argparse.Namespace, max_model_len: int) -> None:
     if min(args.k_values) < 0 or min(args.batch_buckets) < 1 or min(args.ctx_buckets) < 1:
         raise ValueError("K values must be >= 0, batch and context buckets >= 1")
     if max(args.ctx_buckets) + max(args.k_values) + 1 > max_model_len:
-        raise ValueError(f"context bucket {max(args.ctx_buckets)} + K does not fit max_model_len {max_model_len}")
+        raise ValueError(
+            f"context bucket {max(args.ctx_buckets)} + K does not fit max_model_len {max_model_len}"
+        )
 
 
 def _reprofile(args: argparse.Namespace) -> int:
@@ -93,7 +99,9 @@ def _reprofile(args: argparse.Namespace) -> int:
     from dynaspec.config import EngineConfig
     from dynaspec.engine.llm_engine import LLMEngine
     if args.speculator == "none":
-        raise ValueError("dynaspec tune --reprofile needs a --speculator (the goodput policy's table)")
+        raise ValueError(
+            "dynaspec tune --reprofile needs a --speculator (the goodput policy's table)"
+        )
     kw = engine_kwargs(args)
     kw.update(k_policy="goodput", reprofile_costs=True, cost_table=None)
     info = LLMEngine(EngineConfig.from_kwargs(**kw)).parts.policy_info
@@ -124,7 +132,9 @@ def run_tune_cmd(args: argparse.Namespace) -> int:
                                   args.repeats, progress=lambda m: _say("  " + m))
     times = {key: m["seconds"] for key, m in raw.items()}
     buckets = tune.make_buckets(args.batch_buckets, args.ctx_buckets)
-    choices = tune.choose_k(tune.table_step_time(times), acc["alpha"], buckets, args.k_values, args.margin)
+    choices = tune.choose_k(
+        tune.table_step_time(times), acc["alpha"], buckets, args.k_values, args.margin
+    )
     measurements = {
         "model": args.model, "speculator": args.speculator, "dtype": str(engine.parts.model.dtype),
         "workload": args.workload, "long": args.long, "k_values": sorted(set(args.k_values) | {0}),

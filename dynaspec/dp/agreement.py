@@ -30,8 +30,8 @@ from __future__ import annotations
 import datetime
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from dynaspec.spec_decode.k_policy import GlobalStepView, StepK, StepView
 
@@ -148,7 +148,9 @@ class StepAgreement:
         self.stopping = False
         self.step_seconds = 0.0
         self.ran_step = False  # a real step ran since the previous exchange
-        self.pending_obs: tuple[float, ...] | None = None  # (num_reqs, ctx, width, tgt, draft, drafted, emitted)
+        self.pending_obs: tuple[float, ...] | None = (
+            None  # (num_reqs, ctx, width, tgt, draft, drafted, emitted)
+        )
         # (tick, K agreed, global requests, ctx statistic, this rank's requests), for tests/metrics.
         self.decisions: deque[tuple[int, int, int, int, int]] = deque(maxlen=log_size)
 
@@ -195,15 +197,22 @@ class StepAgreement:
         """The previous lockstep step as the cost model should see it, when every rank that
         ran a step ran a pure decode step (else the step's shape is not what the model prices):
         the busiest rank's requests, the request-weighted mean context, the widest verify, the
-        slowest rank's target time (the lockstep pace), and draft time / drafted / emitted summed."""
+        slowest rank's target time (the lockstep pace), and draft time / drafted / emitted
+        summed."""
         ran = [r for r in tick.rows if r[_IX["obs_ran"]]]
         if not ran or not all(r[_IX["obs_valid"]] for r in ran):
             return None
         reqs = [r[_IX["obs_num_reqs"]] for r in ran]
         ctx = math.ceil(sum(r[_IX["obs_ctx"]] * n for r, n in zip(ran, reqs)) / max(1.0, sum(reqs)))
-        return (int(max(reqs)), max(1, ctx), int(max(r[_IX["obs_width"]] for r in ran)),
-                max(r[_IX["obs_target_s"]] for r in ran), sum(r[_IX["obs_draft_s"]] for r in ran),
-                int(sum(r[_IX["obs_drafted"]] for r in ran)), int(sum(r[_IX["obs_emitted"]] for r in ran)))
+        return (
+            int(max(reqs)),
+            max(1, ctx),
+            int(max(r[_IX["obs_width"]] for r in ran)),
+            max(r[_IX["obs_target_s"]] for r in ran),
+            sum(r[_IX["obs_draft_s"]] for r in ran),
+            int(sum(r[_IX["obs_drafted"]] for r in ran)),
+            int(sum(r[_IX["obs_emitted"]] for r in ran)),
+        )
 
     def shared_acceptance(self, tick: Tick) -> tuple[list[float], list[float]]:
         base, k = len(_FIELDS), self.max_k

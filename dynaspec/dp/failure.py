@@ -99,8 +99,13 @@ class FailureWatch:
         if not culprits:
             culprits = {r: "lost its peers" for r in range(eng.world_size)}
         eng._culprits = culprits
-        eng.failure_reason = "; ".join(f"data-parallel rank {r} {why}" for r, why in sorted(culprits.items()))
-        log.error("%s: failing its requests and shutting the data-parallel engine down", eng.failure_reason)
+        eng.failure_reason = "; ".join(
+            f"data-parallel rank {r} {why}" for r, why in sorted(culprits.items())
+        )
+        log.error(
+            "%s: failing its requests and shutting the data-parallel engine down",
+            eng.failure_reason,
+        )
         eng._inbox.put(("failure", -1, None))  # wake step() so in-flight requests fail now
         for rank in list(eng.conns):
             eng._send(rank, Stop())

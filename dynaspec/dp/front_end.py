@@ -30,20 +30,36 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, Listener, wait
 
 from dynaspec.config import EngineConfig
-from dynaspec.dp.messages import (AbortRequest, AddRequest, Hello, Query, RankFailed, RankReady,
-                                  RankSpec, Reply, Stop, TickReport, Wake)
-from dynaspec.dp.metrics import DPMetrics, sum_snapshots
 from dynaspec.dp.failure import FailureWatch, reap
+from dynaspec.dp.messages import (
+    AbortRequest,
+    AddRequest,
+    Hello,
+    Query,
+    RankFailed,
+    RankReady,
+    RankSpec,
+    Reply,
+    Stop,
+    TickReport,
+    Wake,
+)
+from dynaspec.dp.metrics import DPMetrics, sum_snapshots
 from dynaspec.dp.process import RankProcess
 from dynaspec.dp.rank import spawn_spec
 from dynaspec.dp.rendezvous import resolve, threads_per_rank
-from dynaspec.engine.client import (EngineState, EngineUnavailable, ModelCard, PoolReport)
+from dynaspec.engine.client import EngineState, EngineUnavailable, ModelCard, PoolReport
 from dynaspec.engine.llm_engine import check_request
-from dynaspec.structured.manager import StructuredOutputManager
-from dynaspec.metrics.stats import (EngineSnapshot, FinishedRequestTimes, SpecCounters,
-                                    StepStats, fold_step)
+from dynaspec.metrics.stats import (
+    EngineSnapshot,
+    FinishedRequestTimes,
+    SpecCounters,
+    StepStats,
+    fold_step,
+)
 from dynaspec.outputs import RequestOutput
 from dynaspec.sampling_params import SamplingParams
+from dynaspec.structured.manager import StructuredOutputManager
 
 log = logging.getLogger("dynaspec.dp")
 
@@ -89,7 +105,11 @@ class DPEngine:
             self.shutdown()
             raise
         r0 = self.ready[0]
-        self.tokenizer, self.max_model_len, self.vocab_size = r0.tokenizer, r0.max_model_len, r0.vocab_size
+        self.tokenizer, self.max_model_len, self.vocab_size = (
+            r0.tokenizer,
+            r0.max_model_len,
+            r0.vocab_size,
+        )
         self.plan, self.model_name = r0.plan, r0.model_name
         self.exec_plan, self.lossless = r0.exec_plan, r0.lossless
         so = config.structured  # grammars are checked here too, so a bad one is a clear 400
@@ -97,8 +117,11 @@ class DPEngine:
                                                   self.vocab_size, r0.eos_token_ids,
                                                   so.structured_any_whitespace)
         atexit.register(self.shutdown)
-        log.info("data parallel: %d ranks ready (%s)", self.world_size,
-                 ", ".join(f"rank {r}: pid {i.pid} on {i.host}" for r, i in sorted(self.ready.items())))
+        log.info(
+            "data parallel: %d ranks ready (%s)",
+            self.world_size,
+            ", ".join(f"rank {r}: pid {i.pid} on {i.host}" for r, i in sorted(self.ready.items())),
+        )
 
     # ---- start-up ----------------------------------------------------------------------------
     def _start(self) -> None:
@@ -154,8 +177,10 @@ class DPEngine:
             elif kind == "msg" and isinstance(msg, RankFailed):
                 raise RuntimeError(f"data-parallel rank {rank} failed to start: {msg.reason}")
             elif kind in ("exit", "eof"):
-                raise RuntimeError(f"data-parallel rank {rank} exited during start-up "
-                                   f"({'exit code ' + str(msg) if kind == 'exit' else 'channel closed'})")
+                raise RuntimeError(
+                    f"data-parallel rank {rank} exited during start-up "
+                    f"({'exit code ' + str(msg) if kind == 'exit' else 'channel closed'})"
+                )
 
     # ---- the pump thread: reads every rank, watches the processes ------------------------------
     def _pump(self) -> None:
@@ -311,8 +336,17 @@ class DPEngine:
             why = self._culprits.get(rec.rank)
             msg = (f"data-parallel rank {rec.rank} {why}" if why is not None else
                    f"the data-parallel engine shut down: {self.failure_reason}")
-            self._backlog.append(RequestOutput(rid, rec.prompt_ids, rec.token_ids, [], finished=True,
-                                               finish_reason="error", error=msg))
+            self._backlog.append(
+                RequestOutput(
+                    rid,
+                    rec.prompt_ids,
+                    rec.token_ids,
+                    [],
+                    finished=True,
+                    finish_reason="error",
+                    error=msg,
+                )
+            )
         self.records.clear()
         self.load = [0] * self.world_size
 
@@ -336,7 +370,9 @@ class DPEngine:
         deadline = time.monotonic() + timeout_s
         while len(self._replies.get(qid, {})) < self.world_size:
             if self.failure_reason is not None or time.monotonic() > deadline:
-                raise EngineUnavailable(self.failure_reason or f"ranks did not answer {name!r} in time")
+                raise EngineUnavailable(
+                    self.failure_reason or f"ranks did not answer {name!r} in time"
+                )
             try:
                 self._handle(*self._inbox.get(timeout=0.1))
             except queue.Empty:

@@ -11,8 +11,12 @@ from typing import Any
 
 from dynaspec.config import EngineConfig
 from dynaspec.engine.client import PoolReport
-from dynaspec.metrics.stats import (EngineSnapshot, FinishedRequestTimes, RequestSpecSummary,
-                                    StepStats)
+from dynaspec.metrics.stats import (
+    EngineSnapshot,
+    FinishedRequestTimes,
+    RequestSpecSummary,
+    StepStats,
+)
 from dynaspec.outputs import RequestTimings
 
 

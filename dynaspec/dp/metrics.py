@@ -10,7 +10,6 @@ families so each metric name appears once. Sum over ranks with ``{rank="all"}`` 
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 from dynaspec.metrics.stats import EngineSnapshot, FinishedRequestTimes, StepStats
 

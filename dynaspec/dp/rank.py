@@ -26,9 +26,26 @@ import time
 from dataclasses import replace
 from multiprocessing.connection import Client, Connection
 
-from dynaspec.dp.agreement import CollectiveError, LockstepPolicy, StepAgreement, share_cost_model, torch_gather
-from dynaspec.dp.messages import (AbortRequest, AddRequest, Hello, Query, RankFailed, RankOutput,
-                                  RankReady, RankSpec, Reply, Stop, TickReport)
+from dynaspec.dp.agreement import (
+    CollectiveError,
+    LockstepPolicy,
+    StepAgreement,
+    share_cost_model,
+    torch_gather,
+)
+from dynaspec.dp.messages import (
+    AbortRequest,
+    AddRequest,
+    Hello,
+    Query,
+    RankFailed,
+    RankOutput,
+    RankReady,
+    RankSpec,
+    Reply,
+    Stop,
+    TickReport,
+)
 from dynaspec.dp.process import die_with_parent
 from dynaspec.metrics.stats import EngineSnapshot
 

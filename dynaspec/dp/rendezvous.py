@@ -65,7 +65,9 @@ def resolve(pc: ParallelConfig, worker: bool = False) -> Rendezvous:
     port = pc.dp_master_port or _env_int("MASTER_PORT") or 0
     ranks = tuple(range(start, start + local))
     if not (0 <= start and start + local <= world):
-        raise ValueError(f"ranks {start}..{start + local - 1} do not fit data_parallel_size {world}")
+        raise ValueError(
+            f"ranks {start}..{start + local - 1} do not fit data_parallel_size {world}"
+        )
     multi = local < world
     if multi and port == 0:
         raise ValueError("ranks on several machines need a rendezvous port: set --dp-master-port "

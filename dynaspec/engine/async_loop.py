@@ -16,7 +16,8 @@ rejected drafts rolled back. The driver itself touches no request counter.
 
 Where drafting sits: at the end of step N for N+1, on the engine thread in `launch(N+1)` after
 `land(N)`, because n-gram, suffix and draft-model drafters need N's tokens. The K used is the one
-`schedule()` decided for N+1, the batch that verifies the drafts (docs/design.md §3: no lag); only its
+`schedule()` decided for N+1, the batch that verifies the drafts (docs/design.md §3: no lag); only
+its
 per-request caps are re-checked with N's real tokens (`Scheduler.revise`), and the budgeted slots
 they cut are `async_placeholder` invalids, never drafts. Acceptance-aware policies see N's
 acceptance one step late (N+1 was decided before N landed).

@@ -1,11 +1,12 @@
-"""Start-up: resolve device and dtype, load weights, size the KV pool, build the SpecPlan and parts."""
+"""Start-up: resolve device and dtype, load weights, size the KV pool, build the SpecPlan and
+parts."""
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -16,19 +17,27 @@ from dynaspec.kv.sizing import num_kv_blocks
 from dynaspec.models.gemma3 import create_model
 from dynaspec.models.llama import LlamaModel
 from dynaspec.models.loader import load_model_files
+from dynaspec.models.quant_linear import (
+    WeightPlan,
+    cpu_info,
+    linear_kernel_summary,
+    resolve_quantization,
+)
 from dynaspec.sample.synthetic import make_synthetic_verifier
-from dynaspec.models.quant_linear import WeightPlan, cpu_info, linear_kernel_summary, resolve_quantization
 from dynaspec.scheduler.scheduler import Scheduler
 from dynaspec.spec_decode import cost_cache
 from dynaspec.spec_decode.cost_model import CostGrid, StepCostModel
 from dynaspec.spec_decode.drafters import DrafterTarget, build_drafter
+from dynaspec.spec_decode.execution_plan import (
+    AdmissionTable,
+    ExecutionPlan,
+    default_admission_path,
+)
 from dynaspec.spec_decode.k_policy import KPolicy
-from dynaspec.spec_decode.policies import make_policy, resolve_policy_name
 from dynaspec.spec_decode.plan import SpecPlan, build_spec_plan, plan_for_policy
+from dynaspec.spec_decode.policies import make_policy, resolve_policy_name
 from dynaspec.structured.manager import StructuredOutputManager
 from dynaspec.worker.compiled import make_executor
-from dynaspec.spec_decode.execution_plan import (AdmissionTable, ExecutionPlan,
-                                                 default_admission_path)
 from dynaspec.worker.input_buffers import InputBuffers
 from dynaspec.worker.model_runner import ModelRunner
 
@@ -51,7 +60,7 @@ class EngineParts:
     model_name: str
     structured: StructuredOutputManager
     outputs: OutputProcessor  # detokenization and the stop-string check the scheduler calls
-    policy_info: "PolicyInfo | None" = None
+    policy_info: PolicyInfo | None = None
 
 
 @dataclass(frozen=True)
@@ -120,7 +129,9 @@ def resolve_attention(name: str, device: torch.device):
             return get_backend("eager")
         name = "cpu_paged"
     if name == "cpu_paged" and device.type != "cpu":
-        raise ValueError(f"--attention-backend cpu_paged runs on the CPU only (device {device.type})")
+        raise ValueError(
+            f"--attention-backend cpu_paged runs on the CPU only (device {device.type})"
+        )
     return get_backend(name)
 
 
@@ -155,16 +166,24 @@ def build_engine_parts(config: EngineConfig,
     plan, proposer, drafter_tokens, drafter_max_len = _plan_and_proposer(config, arch.vocab_size,
                                                                          device, dtype, structured,
                                                                          arch)
-    weights = WeightPlan(quant, mc.quant_dense_above, dtype, device, mc.dense_row_buckets, mc.linear_kernel)
-    model = create_model(arch, loaded.state_dict, dtype, device, max_model_len + plan.max_k + 1, weights)
+    weights = WeightPlan(
+        quant, mc.quant_dense_above, dtype, device, mc.dense_row_buckets, mc.linear_kernel
+    )
+    model = create_model(
+        arch, loaded.state_dict, dtype, device, max_model_len + plan.max_k + 1, weights
+    )
     del loaded.state_dict
     _release_load_memory()
     model.attn = resolve_attention(mc.attention_backend, device)
     if proposer is not None and proposer.reads_hidden_states:  # the target captures its layers
         proposer.attach(model)
-    log.info("weights: quantization %s, linear kernel %s, %.1f MB read per decode step; CPU %s", quant,
-             linear_kernel_summary(model), model.weight_bytes_per_step() / 1e6,
-             cpu_info().summary() if device.type == "cpu" else "n/a")
+    log.info(
+        "weights: quantization %s, linear kernel %s, %.1f MB read per decode step; CPU %s",
+        quant,
+        linear_kernel_summary(model),
+        model.weight_bytes_per_step() / 1e6,
+        cpu_info().summary() if device.type == "cpu" else "n/a",
+    )
     blocks = num_kv_blocks(cc.kv_cache_memory_gb, cc.num_kv_blocks, model.kv_bytes_per_token(),
                            cc.block_size)
     kv = KVCacheManager(blocks, cc.block_size, cc.enable_prefix_caching)
@@ -226,7 +245,9 @@ def _execution_plan(config: EngineConfig, plan: SpecPlan, device: torch.device) 
     if ec.execution == "auto" and path is not None:
         if ec.admission is not None or os.path.isfile(path):
             admission = AdmissionTable.load(path)
-    ep = ExecutionPlan.build(plan, config.scheduler.max_num_seqs, ec.execution, device.type, admission)
+    ep = ExecutionPlan.build(
+        plan, config.scheduler.max_num_seqs, ec.execution, device.type, admission
+    )
     fixed = [s for s in ep.grid if ep.path_for(*s)[0] != "eager"]
     log.info("execution plan: --execution %s, %d of %d grid shapes on %s%s", ec.execution,
              len(fixed), len(ep.grid), ep.graph_path,

@@ -10,17 +10,23 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 from dynaspec.config import EngineConfig
-from concurrent.futures import Executor
-
 from dynaspec.engine.builder import EngineParts, build_engine_parts
 from dynaspec.engine.client import EngineState, ModelCard, PoolReport
 from dynaspec.engine.phases import Landed, Launched, StepPhases, drop_ended
+from dynaspec.metrics.stats import (
+    EngineSnapshot,
+    FinishedRequestTimes,
+    GrammarStepStats,
+    RequestSpecSummary,
+    SpecCounters,
+    StepStats,
+    fold_step,
+)
 from dynaspec.metrics.step_records import request_spec
-from dynaspec.metrics.stats import (EngineSnapshot, FinishedRequestTimes, GrammarStepStats,
-                                    RequestSpecSummary, SpecCounters, StepStats, fold_step)
 from dynaspec.outputs import RequestOutput
 from dynaspec.request import Request, RequestStatus
 from dynaspec.sampling_params import SamplingParams
@@ -333,5 +339,7 @@ class LLMEngine:
     def check_integrity(self) -> None:
         self.kv.check_integrity()
         if not self.has_unfinished_requests():
-            assert self.kv.num_free_blocks() == self.kv.num_blocks, "blocks leaked after all requests finished"
+            assert self.kv.num_free_blocks() == self.kv.num_blocks, (
+                "blocks leaked after all requests finished"
+            )
 

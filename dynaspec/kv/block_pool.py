@@ -74,7 +74,8 @@ class BlockPool:
 
     # ------------------------------------------------------------------ mutations
     def allocate(self, n: int) -> list[int]:
-        """Take n blocks with ref 1 each. Raises ValueError (changing nothing) if too few are free."""
+        """Take n blocks with ref 1 each. Raises ValueError (changing nothing) if too few are
+        free."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} blocks")
         if n > self.num_free_blocks():
@@ -167,14 +168,18 @@ class BlockPool:
             elif hashed:
                 assert block in self._evictable, f"free hashed block {block} is not in the LRU"
             else:
-                assert block in free_set, f"free unhashed block {block} is lost (not on the free list)"
+                assert block in free_set, (
+                    f"free unhashed block {block} is lost (not on the free list)"
+                )
         used = sum(1 for r in self.ref_cnt if r > 0)
         assert self.num_free_blocks() + used == n, (
             f"free {self.num_free_blocks()} + used {used} != total {n}"
         )
         for h, block in self._hash_to_block.items():
             assert 0 <= block < n, f"hash map points at nonexistent block {block}"
-            assert self.block_hash[block] == h, f"hash map entry for block {block} disagrees with the block"
+            assert self.block_hash[block] == h, (
+                f"hash map entry for block {block} disagrees with the block"
+            )
         num_hashed = sum(1 for h in self.block_hash if h is not None)
         assert num_hashed == len(self._hash_to_block), (
             f"{num_hashed} blocks carry a hash but the map has {len(self._hash_to_block)} entries"

@@ -101,7 +101,8 @@ class KVCacheManager:
         slots. Returns False and changes nothing if the pool (free + evictable) is too small."""
         if num_new_tokens < 0 or num_new_computed_tokens < 0:
             raise ValueError(
-                f"token counts must be >= 0, got {num_new_tokens} new, {num_new_computed_tokens} computed"
+                f"token counts must be >= 0, got {num_new_tokens} new, {num_new_computed_tokens} "
+                f"computed"
             )
         state = self._reqs.get(request.request_id)
         table = state.table if state is not None else []
@@ -136,23 +137,30 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             raise ValueError("prefix caching is off; allocate_slots got computed blocks")
         if state is not None and state.table:
-            raise ValueError(f"request {request.request_id}: computed blocks only on the first allocation")
+            raise ValueError(
+                f"request {request.request_id}: computed blocks only on the first allocation"
+            )
         if request.num_computed_tokens != 0:
-            raise ValueError(f"request {request.request_id}: prefix hit with num_computed_tokens != 0")
+            raise ValueError(
+                f"request {request.request_id}: prefix hit with num_computed_tokens != 0"
+            )
         if num_hit_tokens != len(hit) * self.block_size:
             raise ValueError(
                 f"request {request.request_id}: {num_hit_tokens} hit tokens for {len(hit)} blocks "
                 f"of {self.block_size}"
             )
         if num_hit_tokens > request.num_tokens - 1:
-            raise ValueError(f"request {request.request_id}: prefix hit must leave one token to compute")
+            raise ValueError(
+                f"request {request.request_id}: prefix hit must leave one token to compute"
+            )
         if state is None:
             state = self._reqs[request.request_id] = _ReqState()
         hashes = self._hash_chain(request, state, len(hit))
         for i, block in enumerate(hit):
             if self.pool.block_hash[block] != hashes[i]:
                 raise ValueError(
-                    f"request {request.request_id}: stale prefix hit, block {block} no longer holds "
+                    f"request {request.request_id}: stale prefix hit, block {block} no longer "
+                    f"holds "
                     f"block {i} of the prompt; call get_computed_blocks right before allocate_slots"
                 )
         return state
@@ -213,7 +221,9 @@ class KVCacheManager:
 
     @property
     def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        return (
+            self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        )
 
     def check_integrity(self) -> None:
         """Pool invariants plus: each block's ref count equals the tables that hold it, and
@@ -224,15 +234,20 @@ class KVCacheManager:
             assert len(set(state.table)) == len(state.table), f"request {rid} holds a block twice"
             holders.update(state.table)
             assert state.num_cached_blocks <= len(state.table), (
-                f"request {rid}: {state.num_cached_blocks} cached blocks > table length {len(state.table)}"
+                f"request {rid}: {state.num_cached_blocks} cached blocks > table length "
+                f"{len(state.table)}"
             )
             for i in range(min(state.num_cached_blocks, len(state.hashes))):
                 h = self.pool.block_hash[state.table[i]]
                 assert h is None or h == state.hashes[i], (
-                    f"request {rid}: block {state.table[i]} at position {i} carries another prefix's hash"
+                    f"request {rid}: block {state.table[i]} at position {i} carries another "
+                    f"prefix's hash"
                 )
         for block in range(self.num_blocks):
             assert self.pool.ref_cnt[block] == holders[block], (
-                f"block {block}: ref count {self.pool.ref_cnt[block]} but {holders[block]} tables hold it"
+                f"block {block}: ref count {self.pool.ref_cnt[block]} but {holders[block]} tables "
+                f"hold it"
             )
-        assert 0 <= self.prefix_cache_hits <= self.prefix_cache_queries, "hit tokens exceed query tokens"
+        assert 0 <= self.prefix_cache_hits <= self.prefix_cache_queries, (
+            "hit tokens exceed query tokens"
+        )

@@ -1,4 +1,5 @@
-"""The periodic engine/speculation log line (docs/design.md §5; vLLM's `SpecDecodingLogging`, fixed).
+"""The periodic engine/speculation log line (docs/design.md §5; vLLM's `SpecDecodingLogging`,
+fixed).
 
 Differences from vLLM (reference/vllm-spec-decode.md §4.4-§4.5), on purpose:
 - per-position rates are *conditional*, accepted_per_pos[i] / drafted_per_pos[i], so deep
@@ -15,7 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 from dynaspec.metrics.stats import EngineSnapshot, SpecCounters
 

@@ -42,16 +42,22 @@ PromQL (over a window, e.g. [5m]; add `sum by (...)` when several engines are sc
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from dynaspec.extras import require
 
 require("prometheus_client", "server", "Prometheus metrics")
-from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,  # noqa: E402
-                               disable_created_metrics, generate_latest)
+from prometheus_client import (  # noqa: E402
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST  # noqa: E402
 
-from dynaspec.metrics.stats import (
+from dynaspec.metrics.stats import (  # noqa: E402 - after the extra check
     EngineSnapshot,
     FinishedRequestTimes,
     SpecCounters,

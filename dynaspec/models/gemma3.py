@@ -29,7 +29,9 @@ log = logging.getLogger("dynaspec")
 
 
 class Gemma3Layer(torch.nn.Module):
-    def __init__(self, w: dict, cfg: ModelArchConfig, plan: WeightPlan, ops: FusedOps, i: int) -> None:
+    def __init__(
+        self, w: dict, cfg: ModelArchConfig, plan: WeightPlan, ops: FusedOps, i: int
+    ) -> None:
         super().__init__()
         self.ops = ops
         self.qkv = make_linear(w["qkv"], None, plan)  # [(H + 2*Hkv) * D, hidden]
@@ -40,7 +42,9 @@ class Gemma3Layer(torch.nn.Module):
         for name, norm in zip(("ln_in", "ln_post_attn", "ln_pre_mlp", "ln_post_mlp"), w["norms"]):
             keep(self, name, norm)
         H, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-        keep(self, "qk_norm", torch.cat([w["q_norm"].expand(H, -1), w["k_norm"].expand(Hkv, -1)]))  # [H + Hkv, D]
+        keep(
+            self, "qk_norm", torch.cat([w["q_norm"].expand(H, -1), w["k_norm"].expand(Hkv, -1)])
+        )  # [H + Hkv, D]
         self.eps = cfg.rms_norm_eps
         self.H, self.Hkv, self.D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.scale = cfg.attn_scale if cfg.attn_scale is not None else self.D ** -0.5
@@ -51,8 +55,15 @@ class Gemma3Layer(torch.nn.Module):
     def norms(self) -> tuple[torch.Tensor, ...]:
         return self.ln_in, self.ln_post_attn, self.ln_pre_mlp, self.ln_post_mlp
 
-    def forward(self, x: torch.Tensor, delta: torch.Tensor | None, rope: tuple, kv_cache: torch.Tensor,
-                md, attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        x: torch.Tensor,
+        delta: torch.Tensor | None,
+        rope: tuple,
+        kv_cache: torch.Tensor,
+        md,
+        attn: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the residual stream [T, hidden]; delta: the previous block's output, not yet added
         (so the add fuses with this layer's input norm). rope: (cos, sin) of this layer's kind."""
         T = x.shape[0]
@@ -74,7 +85,9 @@ class Gemma3Layer(torch.nn.Module):
             a = attn.forward(q, k, v, kv_cache, md, self.scale)
         else:
             a = attn.forward(q, k, v, kv_cache, md, self.scale, window=self.window)  # [T, H, D]
-        o = self.ops.rms_norm(self.o(a.reshape(T, self.H * self.D)).contiguous(), ln_post_attn, self.eps)
+        o = self.ops.rms_norm(
+            self.o(a.reshape(T, self.H * self.D)).contiguous(), ln_post_attn, self.eps
+        )
         x, h = self.ops.add_rms_norm(x, o, ln_pre_mlp, self.eps)
         gate, up = self.gate_up(h).chunk(2, dim=-1)  # [T, inter] each
         mlp = self.down(F.gelu(gate, approximate="tanh") * up)
@@ -86,8 +99,15 @@ class Gemma3Model(LlamaModel):
 
     ARCHITECTURES = ("gemma3",)
 
-    def __init__(self, cfg: ModelArchConfig, state_dict: dict, dtype: torch.dtype,
-                 device: torch.device, max_positions: int, weights: WeightPlan | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ModelArchConfig,
+        state_dict: dict,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_positions: int,
+        weights: WeightPlan | None = None,
+    ) -> None:
         super().__init__(cfg, state_dict, dtype, device, max_positions, weights)
         local_theta = cfg.rope_local_theta or cfg.rope_theta
         self.rope_local = RotaryCache(cfg.head_dim, local_theta, None, max_positions, device)
@@ -103,13 +123,23 @@ class Gemma3Model(LlamaModel):
         p = f"model.layers.{i}."
         a = p + "self_attn."
         return {
-            "qkv": cat_rows([raw(a + "q_proj.weight"), raw(a + "k_proj.weight"), raw(a + "v_proj.weight")]),
+            "qkv": cat_rows(
+                [raw(a + "q_proj.weight"), raw(a + "k_proj.weight"), raw(a + "v_proj.weight")]
+            ),
             "o": raw(a + "o_proj.weight"),
             "gate_up": cat_rows([raw(p + "mlp.gate_proj.weight"), raw(p + "mlp.up_proj.weight")]),
             "down": raw(p + "mlp.down_proj.weight"),
-            "norms": tuple(t(p + n + ".weight") for n in ("input_layernorm", "post_attention_layernorm",
-                                                         "pre_feedforward_layernorm", "post_feedforward_layernorm")),
-            "q_norm": t(a + "q_norm.weight"), "k_norm": t(a + "k_norm.weight"),
+            "norms": tuple(
+                t(p + n + ".weight")
+                for n in (
+                    "input_layernorm",
+                    "post_attention_layernorm",
+                    "pre_feedforward_layernorm",
+                    "post_feedforward_layernorm",
+                )
+            ),
+            "q_norm": t(a + "q_norm.weight"),
+            "k_norm": t(a + "k_norm.weight"),
         }
 
     @property
@@ -138,7 +168,9 @@ class Gemma3Model(LlamaModel):
             x, delta = layer(x, delta, rope, kv, md, attn)
         if logits_indices is not None:  # None: every token's logits (the fixed-shape path)
             x, delta = x[logits_indices], delta[logits_indices]
-        h = self.ops.rms_norm((x + delta).contiguous(), self.norm, self.cfg.rms_norm_eps)  # [R, hidden]
+        h = self.ops.rms_norm(
+            (x + delta).contiguous(), self.norm, self.cfg.rms_norm_eps
+        )  # [R, hidden]
         logits = self.lm_head(h).float()  # [R, vocab]
         cap = self.cfg.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap

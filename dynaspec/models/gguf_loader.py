@@ -12,7 +12,7 @@ import torch
 from gguf import quants
 
 from dynaspec.config import ModelArchConfig
-from dynaspec.models.quant import KEPT_QUANTIZED, QuantizedTensor, from_gguf_blocks
+from dynaspec.models.gguf_spm import build_spm
 from dynaspec.models.loader import (
     END_OF_TURN_TOKENS,
     SUPPORTED_ARCHITECTURES,
@@ -23,7 +23,7 @@ from dynaspec.models.loader import (
     progress,
     validate_arch,
 )
-from dynaspec.models.gguf_spm import build_spm
+from dynaspec.models.quant import KEPT_QUANTIZED, QuantizedTensor, from_gguf_blocks
 from dynaspec.models.tokenizer import Tokenizer
 
 log = logging.getLogger("dynaspec")
@@ -33,8 +33,10 @@ _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 # for Gemma-3 files that carry no template.
 GEMMA_TEMPLATE = (
     "{{ bos_token }}{% set ns = namespace(system='') %}"
-    "{% for m in messages %}{% if m['role'] == 'system' %}{% set ns.system = m['content'] + '\n\n' %}"
-    "{% else %}{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\n' }}"
+    "{% for m in messages %}{% if m['role'] == 'system' %}"
+    "{% set ns.system = m['content'] + '\n\n' %}"
+    "{% else %}"
+    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\n' }}"
     "{% if m['role'] == 'user' %}{{ ns.system }}{% set ns.system = '' %}{% endif %}"
     "{{ m['content'] | trim }}<end_of_turn>\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
@@ -42,15 +44,31 @@ GEMMA_TEMPLATE = (
 
 # GGUF per-layer tensor names -> HF names (the "blk.N." prefix becomes "model.layers.N.").
 _LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
 }
-# Gemma-3 sandwiches each block in norms: its ffn_norm is the pre-MLP norm, not Llama's post-attention one.
-_GEMMA3_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
-                 "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
-_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# Gemma-3 sandwiches each block in norms: its ffn_norm is the pre-MLP norm, not Llama's
+# post-attention one.
+_GEMMA3_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
 _GEMMA3_SWA_PATTERN = 6  # llama.cpp's default for gemma3 files: every 6th layer is global
 _GEMMA3_LOCAL_THETA = 10000.0  # llama.cpp's RoPE base for gemma3 local layers (not in the file)
 
@@ -90,7 +108,9 @@ def _open(path: str) -> gguf.GGUFReader:
     try:
         return _PlainArrayReader(path)
     except Exception as exc:  # the reader raises ValueError/IndexError/... on a bad or cut file
-        raise ModelLoadError(f"{path}: not a valid GGUF file (corrupt or truncated?): {exc}") from exc
+        raise ModelLoadError(
+            f"{path}: not a valid GGUF file (corrupt or truncated?): {exc}"
+        ) from exc
 
 
 class _PlainArrayReader(gguf.GGUFReader):
@@ -133,7 +153,8 @@ def arch_from_gguf(meta: _Metadata, reader) -> ModelArchConfig:  # type: ignore[
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
-            f"{meta.path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"{meta.path}: GGUF architecture {arch!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     names = {t.name for t in reader.tensors}
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
@@ -144,13 +165,17 @@ def arch_from_gguf(meta: _Metadata, reader) -> ModelArchConfig:  # type: ignore[
         # llama.cpp bakes llama3.1-style scaling into a rope_freqs tensor whose parameters the
         # file does not keep; running without it would give silently wrong long-context output.
         kind = scaling if scaling not in ("none", None) else "rope_freqs (llama3.1)"
-        raise ModelLoadError(f"{meta.path}: GGUF rope scaling {kind!r} is not supported; load the HF folder instead")
+        raise ModelLoadError(
+            f"{meta.path}: GGUF rope scaling {kind!r} is not supported; load the HF folder instead"
+        )
     hidden = int(meta.get(f"{arch}.embedding_length"))
     heads = int(meta.get(f"{arch}.attention.head_count"))
     head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
     rope_dims = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
     if rope_dims != head_dim:
-        raise ModelLoadError(f"{meta.path}: partial RoPE ({rope_dims} of {head_dim} dims) is not supported")
+        raise ModelLoadError(
+            f"{meta.path}: partial RoPE ({rope_dims} of {head_dim} dims) is not supported"
+        )
     tokens = meta.get("tokenizer.ggml.tokens", None)
     vocab = len(tokens) if tokens else int(meta.get(f"{arch}.vocab_size"))
     return ModelArchConfig(
@@ -181,14 +206,22 @@ def _gemma3_fields(meta: _Metadata, arch: str) -> dict:
         out["sliding_window"] = int(window)
         pattern = meta.get(f"{arch}.attention.sliding_window_pattern", _GEMMA3_SWA_PATTERN)
         if not isinstance(pattern, int):
-            raise ModelLoadError(f"{meta.path}: a per-layer sliding_window_pattern array is not supported")
+            raise ModelLoadError(
+                f"{meta.path}: a per-layer sliding_window_pattern array is not supported"
+            )
         out["sliding_window_pattern"] = pattern
     if meta.get(f"{arch}.rope.scaling.type", "none") == "linear":
-        out["rope_scaling"] = {"rope_type": "linear", "factor": float(meta.get(f"{arch}.rope.scaling.factor"))}
+        out["rope_scaling"] = {
+            "rope_type": "linear",
+            "factor": float(meta.get(f"{arch}.rope.scaling.factor")),
+        }
     cap = meta.get(f"{arch}.final_logit_softcapping", None)
     out["final_logit_softcapping"] = float(cap) if cap else None
     if int(meta.get(f"{arch}.block_count")) == 62:  # llama.cpp: 27B scales by hidden/heads
-        hidden, heads = int(meta.get(f"{arch}.embedding_length")), int(meta.get(f"{arch}.attention.head_count"))
+        hidden, heads = (
+            int(meta.get(f"{arch}.embedding_length")),
+            int(meta.get(f"{arch}.attention.head_count")),
+        )
         out["attn_scale"] = (hidden // heads) ** -0.5
     return out
 
@@ -229,7 +262,9 @@ def _read_tensors(reader, arch: ModelArchConfig, path: str, keep_quantized: bool
     return out
 
 
-def _unpermute(weight: torch.Tensor | QuantizedTensor, heads: int) -> torch.Tensor | QuantizedTensor:
+def _unpermute(
+    weight: torch.Tensor | QuantizedTensor, heads: int
+) -> torch.Tensor | QuantizedTensor:
     if isinstance(weight, QuantizedTensor):  # rows are whole blocks: reorder them, not the values
         order = unpermute_qk(torch.arange(weight.shape[0])[:, None], heads)[:, 0]
         return weight.rows(order)
@@ -241,7 +276,9 @@ def _quantized(tensor, path: str) -> QuantizedTensor:  # type: ignore[no-untyped
     try:
         return from_gguf_blocks(np.asarray(tensor.data), tensor.tensor_type.name, shape)
     except ValueError as exc:  # a short read of a truncated file shows up as a reshape error
-        raise ModelLoadError(f"{path}: cannot read tensor {tensor.name!r} (corrupt or truncated?): {exc}") from exc
+        raise ModelLoadError(
+            f"{path}: cannot read tensor {tensor.name!r} (corrupt or truncated?): {exc}"
+        ) from exc
 
 
 def _dequantize(tensor, path: str) -> torch.Tensor:  # type: ignore[no-untyped-def]
@@ -253,9 +290,13 @@ def _dequantize(tensor, path: str) -> torch.Tensor:  # type: ignore[no-untyped-d
             f"{path}: tensor {tensor.name!r} has GGUF type {kind.name}, which cannot be dequantized"
         ) from exc
     except Exception as exc:  # a short read of a truncated file shows up here as a shape error
-        raise ModelLoadError(f"{path}: cannot read tensor {tensor.name!r} (corrupt or truncated?): {exc}") from exc
+        raise ModelLoadError(
+            f"{path}: cannot read tensor {tensor.name!r} (corrupt or truncated?): {exc}"
+        ) from exc
     if values.dtype != np.float32:  # quants keeps integer types (I8/I32...) as integers
-        raise ModelLoadError(f"{path}: tensor {tensor.name!r} has GGUF type {kind.name}, which is not a float weight")
+        raise ModelLoadError(
+            f"{path}: tensor {tensor.name!r} has GGUF type {kind.name}, which is not a float weight"
+        )
     # GGUF lists dimensions fastest-first; torch wants them slowest-first.
     shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
     if not values.flags.writeable:  # F32 tensors are views of the read-only file mapping
@@ -263,7 +304,9 @@ def _dequantize(tensor, path: str) -> torch.Tensor:  # type: ignore[no-untyped-d
     try:
         return torch.from_numpy(np.ascontiguousarray(values).reshape(shape))
     except ValueError as exc:
-        raise ModelLoadError(f"{path}: tensor {tensor.name!r} data does not fit shape {shape}: {exc}") from exc
+        raise ModelLoadError(
+            f"{path}: tensor {tensor.name!r} data does not fit shape {shape}: {exc}"
+        ) from exc
 
 
 def unpermute_qk(weight: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -273,7 +316,9 @@ def unpermute_qk(weight: torch.Tensor, n_head: int) -> torch.Tensor:
     and biases alike; this is the inverse.
     """
     rows, rest = weight.shape[0], weight.shape[1:]
-    return weight.reshape(n_head, rows // n_head // 2, 2, *rest).transpose(1, 2).reshape(weight.shape)
+    return (
+        weight.reshape(n_head, rows // n_head // 2, 2, *rest).transpose(1, 2).reshape(weight.shape)
+    )
 
 
 def gguf_tokenizer(meta: _Metadata) -> tuple[Tokenizer, tuple[int, ...]]:
@@ -284,18 +329,28 @@ def gguf_tokenizer(meta: _Metadata) -> tuple[Tokenizer, tuple[int, ...]]:
     types = list(meta.get("tokenizer.ggml.token_type", [1] * len(tokens)))
     if model == "gpt2":
         merges = list(meta.get("tokenizer.ggml.merges"))
-        backend = _build_bpe(tokens, types, merges, meta.get("tokenizer.ggml.pre", "default"), meta.path)
+        backend = _build_bpe(
+            tokens, types, merges, meta.get("tokenizer.ggml.pre", "default"), meta.path
+        )
         add_bos_default = False  # transformers and llama.cpp: no BOS for byte-level vocabularies
     elif model == "llama":
         scores = [float(x) for x in meta.get("tokenizer.ggml.scores")]
-        backend = build_spm(tokens, scores, types, bool(meta.get("tokenizer.ggml.add_space_prefix", True)),
-                            meta.get("tokenizer.ggml.unknown_token_id", None), meta.path)
+        backend = build_spm(
+            tokens,
+            scores,
+            types,
+            bool(meta.get("tokenizer.ggml.add_space_prefix", True)),
+            meta.get("tokenizer.ggml.unknown_token_id", None),
+            meta.path,
+        )
         add_bos_default = True  # llama.cpp's default for SentencePiece vocabularies
     else:
         raise ModelLoadError(f"{meta.path}: GGUF tokenizer model {model!r} is not supported "
                              "(supported: 'gpt2' byte-level BPE, 'llama' SentencePiece)")
     ids = {k: meta.get(f"tokenizer.ggml.{k}_token_id", None) for k in ("bos", "eos", "eot", "eom")}
-    token_text = {k: tokens[v] if v is not None and 0 <= v < len(tokens) else None for k, v in ids.items()}
+    token_text = {
+        k: tokens[v] if v is not None and 0 <= v < len(tokens) else None for k, v in ids.items()
+    }
     template = meta.get("tokenizer.chat_template", None)
     if template is None and meta.get("general.architecture", None) == "gemma3":
         template = GEMMA_TEMPLATE  # llama.cpp falls back to its built-in gemma format too
@@ -320,22 +375,35 @@ def _build_bpe(tokens: list[str], types: list[int], merges: list[str], pre: str,
     kind = _PRE_KINDS.get(pre)
     if kind is None:
         raise ModelLoadError(
-            f"{path}: GGUF pre-tokenizer {pre!r} is not supported; supported: {', '.join(sorted(_PRE_KINDS))}"
+            f"{path}: GGUF pre-tokenizer {pre!r} is not supported; supported: "
+            f"{', '.join(sorted(_PRE_KINDS))}"
         )
     alphabet = set(pre_tokenizers.ByteLevel.alphabet())
     spelled = [t if set(t) <= alphabet else _byte_level_spelling(t) for t in tokens]
     vocab = {t: i for i, t in enumerate(spelled)}
     pairs = [tuple(m.split(" ", 1)) for m in merges]
     backend = BackendTokenizer(
-        models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False, ignore_merges=kind == "llama3")
+        models.BPE(
+            vocab=vocab,
+            merges=pairs,
+            fuse_unk=False,
+            byte_fallback=False,
+            ignore_merges=kind == "llama3",
+        )
     )
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=kind in ("gpt2", "smollm"))
+    byte_level = pre_tokenizers.ByteLevel(
+        add_prefix_space=False, use_regex=kind in ("gpt2", "smollm")
+    )
     if kind == "smollm":  # SmolLM's tokenizer splits every digit before the GPT-2 regex
-        backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level]
+        )
     elif kind == "gpt2":
         backend.pre_tokenizer = byte_level
     else:
-        split = pre_tokenizers.Split(Regex(_LLAMA3_SPLIT if kind == "llama3" else _QWEN2_SPLIT), behavior="isolated")
+        split = pre_tokenizers.Split(
+            Regex(_LLAMA3_SPLIT if kind == "llama3" else _QWEN2_SPLIT), behavior="isolated"
+        )
         backend.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
     if kind == "qwen2":
         backend.normalizer = normalizers.NFC()
@@ -359,7 +427,9 @@ def _byte_level_spelling(token: str) -> str:
 @lru_cache(maxsize=1)
 def _byte_table() -> dict[int, str]:
     # GPT-2's bytes_to_unicode: printable bytes map to themselves, the rest to U+0100 onwards.
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    )
     table = {b: chr(b) for b in printable}
     extra = 0
     for b in range(256):

@@ -45,7 +45,9 @@ def build_spm(tokens: list[str], scores: list[float], types: list[int], add_spac
     from tokenizers import Tokenizer as BackendTokenizer
 
     if not any(t == _BYTE for t in types):
-        raise ModelLoadError(f"{path}: SentencePiece vocabulary without <0xXX> byte tokens is not supported")
+        raise ModelLoadError(
+            f"{path}: SentencePiece vocabulary without <0xXX> byte tokens is not supported"
+        )
     vocab: dict[str, int] = {}
     for i, t in enumerate(tokens):
         vocab.setdefault(t, i)

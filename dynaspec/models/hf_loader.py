@@ -29,7 +29,12 @@ _ARCH_CLASSES = {
     "Qwen3ForCausalLM": "qwen3",
     "Gemma3ForCausalLM": "gemma3",
 }
-_LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+_LLAMA3_ROPE_KEYS = (
+    "factor",
+    "low_freq_factor",
+    "high_freq_factor",
+    "original_max_position_embeddings",
+)
 
 
 def load_hf_folder(path: str) -> LoadedModel:
@@ -40,10 +45,14 @@ def load_hf_folder(path: str) -> LoadedModel:
     if arch.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)  # some exports store the tied copy too
     if arch.architecture == "gemma3":  # HF Gemma norms compute x * (1 + w); ours x * w
-        tensors = {n: t.float() + 1.0 if n.endswith("norm.weight") else t for n, t in tensors.items()}
+        tensors = {
+            n: t.float() + 1.0 if n.endswith("norm.weight") else t for n, t in tensors.items()
+        }
     state_dict = finalize_state_dict(tensors, arch, path)
     generation = _read_json(os.path.join(path, "generation_config.json"), required=False) or {}
-    declared = _as_id_list(generation.get("eos_token_id")) or _as_id_list(config.get("eos_token_id"))
+    declared = _as_id_list(generation.get("eos_token_id")) or _as_id_list(
+        config.get("eos_token_id")
+    )
     eos_ids = collect_eos_ids(tokenizer, [*declared, tokenizer.eos_token_id])
     return LoadedModel(arch, state_dict, tokenizer, eos_ids, path)
 
@@ -52,7 +61,9 @@ def _read_json(path: str, required: bool) -> dict | None:
     if not os.path.exists(path):
         if required:
             folder = os.path.dirname(path)
-            raise ModelLoadError(f"{folder}: no {os.path.basename(path)}; an HF model folder needs one")
+            raise ModelLoadError(
+                f"{folder}: no {os.path.basename(path)}; an HF model folder needs one"
+            )
         return None
     try:
         with open(path, encoding="utf-8") as f:
@@ -75,11 +86,15 @@ def arch_from_hf_config(config: dict, source: str) -> ModelArchConfig:
     arch = _architecture_name(config, source)
     extra = _gemma3_fields(config, source) if arch == "gemma3" else {}
     if arch != "gemma3" and config.get("hidden_act", "silu") != "silu":
-        raise ModelLoadError(f"{source}: hidden_act {config['hidden_act']!r} is not supported (only silu)")
+        raise ModelLoadError(
+            f"{source}: hidden_act {config['hidden_act']!r} is not supported (only silu)"
+        )
     if config.get("mlp_bias"):
         raise ModelLoadError(f"{source}: mlp_bias=true is not supported")
     if config.get("use_sliding_window"):
-        raise ModelLoadError(f"{source}: sliding-window attention (use_sliding_window=true) is not supported")
+        raise ModelLoadError(
+            f"{source}: sliding-window attention (use_sliding_window=true) is not supported"
+        )
     try:
         hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
         # transformers' defaults when a key is absent: Qwen3 fixes head_dim at 128, others divide.
@@ -114,7 +129,9 @@ def _gemma3_fields(config: dict, source: str) -> dict:
     """Gemma-3's window pattern, per-kind RoPE and scales (transformers 5 and 4.x layouts)."""
     act = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
     if act != "gelu_pytorch_tanh":
-        raise ModelLoadError(f"{source}: Gemma-3 hidden_activation {act!r} is not supported (only gelu_pytorch_tanh)")
+        raise ModelLoadError(
+            f"{source}: Gemma-3 hidden_activation {act!r} is not supported (only gelu_pytorch_tanh)"
+        )
     if config.get("attn_logit_softcapping"):
         raise ModelLoadError(f"{source}: attn_logit_softcapping is not supported")
     n = int(config["num_hidden_layers"])
@@ -122,25 +139,38 @@ def _gemma3_fields(config: dict, source: str) -> dict:
     pattern = int(config.get("sliding_window_pattern") or 6)
     if kinds:  # the engine's pattern form: layer i is global iff (i + 1) % pattern == 0
         pattern = kinds.index("full_attention") + 1 if "full_attention" in kinds else 0
-        want = ["full_attention" if pattern and (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
+        want = [
+            "full_attention" if pattern and (i + 1) % pattern == 0 else "sliding_attention"
+            for i in range(n)
+        ]
         if kinds != want:
-            raise ModelLoadError(f"{source}: Gemma-3 layer_types that are not a repeating pattern are not supported")
+            raise ModelLoadError(
+                f"{source}: Gemma-3 layer_types that are not a repeating pattern are not supported"
+            )
     params = config.get("rope_parameters") or {}
     full = params.get("full_attention") or {"rope_theta": config.get("rope_theta", 1e6),
                                            **(config.get("rope_scaling") or {})}
-    local = params.get("sliding_attention") or {"rope_theta": config.get("rope_local_base_freq", 10000.0)}
+    local = params.get("sliding_attention") or {
+        "rope_theta": config.get("rope_local_base_freq", 10000.0)
+    }
     kind = full.get("rope_type", full.get("type", "default"))
     if kind not in ("default", "linear") or local.get("rope_type", "default") != "default":
-        raise ModelLoadError(f"{source}: Gemma-3 rope type {kind!r} is not supported (default, linear)")
+        raise ModelLoadError(
+            f"{source}: Gemma-3 rope type {kind!r} is not supported (default, linear)"
+        )
     scalar = config.get("query_pre_attn_scalar")
     return {
         "rope_theta": float(full.get("rope_theta", 1e6)),
-        "rope_scaling": {"rope_type": "linear", "factor": float(full["factor"])} if kind == "linear" else None,
+        "rope_scaling": {"rope_type": "linear", "factor": float(full["factor"])}
+        if kind == "linear"
+        else None,
         "rope_local_theta": float(local.get("rope_theta", 10000.0)),
         "sliding_window": int(config["sliding_window"]) if config.get("sliding_window") else None,
         "sliding_window_pattern": pattern,
         "attn_scale": float(scalar) ** -0.5 if scalar else None,
-        "final_logit_softcapping": float(config["final_logit_softcapping"]) if config.get("final_logit_softcapping") else None,
+        "final_logit_softcapping": float(config["final_logit_softcapping"])
+        if config.get("final_logit_softcapping")
+        else None,
     }
 
 
@@ -167,7 +197,9 @@ def _rope_settings(config: dict, source: str) -> tuple[float, dict | None]:
     if rope_type in (None, "default"):
         return theta, None
     if rope_type != "llama3":
-        raise ModelLoadError(f"{source}: rope scaling type {rope_type!r} is not supported (only llama3)")
+        raise ModelLoadError(
+            f"{source}: rope scaling type {rope_type!r} is not supported (only llama3)"
+        )
     missing = [k for k in _LLAMA3_ROPE_KEYS if k not in scaling]
     if missing:
         raise ModelLoadError(f"{source}: llama3 rope scaling lacks {', '.join(missing)}")
@@ -184,7 +216,9 @@ def _weight_files(path: str) -> list[str]:
         files = [os.path.join(path, n) for n in names]
         absent = [n for n in names if not os.path.exists(os.path.join(path, n))]
         if absent:
-            raise ModelLoadError(f"{path}: shard(s) listed in the index are missing: {', '.join(absent)}")
+            raise ModelLoadError(
+                f"{path}: shard(s) listed in the index are missing: {', '.join(absent)}"
+            )
         return files
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if files:
@@ -205,7 +239,9 @@ def _read_safetensors(files: list[str]) -> dict[str, torch.Tensor]:
             try:
                 tensors[key] = handle.get_tensor(key)
             except Exception as exc:  # safetensors raises its own error types for bad data
-                raise ModelLoadError(f"{file}: cannot read tensor {key!r} (corrupt or truncated?): {exc}") from exc
+                raise ModelLoadError(
+                    f"{file}: cannot read tensor {key!r} (corrupt or truncated?): {exc}"
+                ) from exc
     return tensors
 
 
@@ -213,7 +249,9 @@ def _open_safetensors(file: str):  # type: ignore[no-untyped-def]
     try:
         return safe_open(file, framework="pt", device="cpu")
     except Exception as exc:  # SafetensorError / OSError for a bad header or a truncated file
-        raise ModelLoadError(f"{file}: not a valid safetensors file (corrupt or truncated?): {exc}") from exc
+        raise ModelLoadError(
+            f"{file}: not a valid safetensors file (corrupt or truncated?): {exc}"
+        ) from exc
 
 
 def load_hf_tokenizer(path: str) -> Tokenizer:

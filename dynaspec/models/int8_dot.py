@@ -1,4 +1,5 @@
-"""The engine's CPU linear path: int8 dot products on GGUF-grouped weights, flat in width, row-invariant.
+"""The engine's CPU linear path: int8 dot products on GGUF-grouped weights, flat in width,
+row-invariant.
 
 torch's int4 kernel does fp32 multiply-adds per row in blocks of 4 rows and re-dequantizes every
 weight for each further block, so a 5-token verify cost 2-2.4x a 1-token step and speculation
@@ -70,7 +71,9 @@ def pack(w: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor |
     else:
         u, bits = (w.q.to(torch.int16) + 128).to(torch.uint8), 8
         mn = None if w.zero is None else w.zero.float()
-    u = u.reshape(n // TILE, TILE, k // g, steps, 4).permute(0, 2, 3, 1, 4)  # [N/16, K/G, steps, 16, 4]
+    u = u.reshape(n // TILE, TILE, k // g, steps, 4).permute(
+        0, 2, 3, 1, 4
+    )  # [N/16, K/G, steps, 16, 4]
     u = u.reshape(n // TILE, k // g, steps, TILE * 4)
     if bits == 4:  # step s in the low nibbles, step s + steps/2 in the high ones
         u = u[:, :, : steps // 2] | (u[:, :, steps // 2:] << 4)
@@ -85,7 +88,9 @@ def pack(w: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor |
 class Int8DotLinear(KernelModule):
     """y = x W^T (+ b) through int8_gemm for any number of rows."""
 
-    def __init__(self, w: QuantizedTensor, bias: torch.Tensor | None, keep_source: bool = False) -> None:
+    def __init__(
+        self, w: QuantizedTensor, bias: torch.Tensor | None, keep_source: bool = False
+    ) -> None:
         super().__init__()
         self.out_features, self.in_features = w.shape
         self.group_size = w.group_size
@@ -99,7 +104,9 @@ class Int8DotLinear(KernelModule):
         # The groups as loaded, kept only where a tied embedding looks its rows up in them.
         self.source = w if keep_source else None
         self._op = _ext().int8_gemm
-        self.nbytes = self.packed.numel() + 4 * self.scales.numel() * (1 if self.mins is None else 2)
+        self.nbytes = self.packed.numel() + 4 * self.scales.numel() * (
+            1 if self.mins is None else 2
+        )
 
     def forward(self, x: torch.Tensor, isa: int = -1) -> torch.Tensor:
         """x: [M, K] bf16 or fp32 -> [M, N] in x's dtype; isa 0 forces the scalar reference."""

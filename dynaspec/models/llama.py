@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama incl. llama3 RoPE, SmolLM2, Qwen2, Qwen3) for flat batches over paged KV.
+"""Llama-family decoder (Llama incl. llama3 RoPE, SmolLM2, Qwen2, Qwen3) for flat batches over paged
+KV.
 
 Projections are fused at load time (q|k|v into one matrix, gate|up into one) so a layer is
 three matmuls plus the attention: fewer, larger ops is what pays on the CPU at batch 1.
@@ -7,14 +8,13 @@ three matmuls plus the attention: fewer, larger ops is what pays on the CPU at b
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from dynaspec.attention.backend import AttentionBackend
 from dynaspec.attention.paged import EagerPagedBackend
 from dynaspec.config import ModelArchConfig
+from dynaspec.models.int8_dot import Int8DotLinear
 from dynaspec.models.layers import FusedOps, RotaryCache, apply_rope, keep, rms_norm
 from dynaspec.models.quant import cat_rows
-from dynaspec.models.int8_dot import Int8DotLinear
 from dynaspec.models.quant_linear import WeightPlan, make_embedding, make_linear, make_lm_head
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -34,8 +34,16 @@ class DecoderLayer(torch.nn.Module):
         self.H, self.Hkv, self.D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.scale = self.D ** -0.5
 
-    def forward(self, x: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: torch.Tensor, md, attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        x: torch.Tensor,
+        delta: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        md,
+        attn: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the residual stream [T, hidden]; delta: the previous layer's MLP output, not yet
         added (so the add fuses with this layer's norm). Returns (residual, this MLP's output)."""
         T = x.shape[0]
@@ -69,11 +77,20 @@ class LlamaModel(torch.nn.Module):
 
     ARCHITECTURES = SUPPORTED_ARCHITECTURES  # what this class runs; a subclass names its own
 
-    def __init__(self, cfg: ModelArchConfig, state_dict: dict, dtype: torch.dtype,
-                 device: torch.device, max_positions: int, weights: WeightPlan | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ModelArchConfig,
+        state_dict: dict,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_positions: int,
+        weights: WeightPlan | None = None,
+    ) -> None:
         if cfg.architecture not in self.ARCHITECTURES:
-            raise ValueError(f"unknown architecture {cfg.architecture!r} for {type(self).__name__}: "
-                             f"supported are {', '.join(self.ARCHITECTURES)}")
+            raise ValueError(
+                f"unknown architecture {cfg.architecture!r} for {type(self).__name__}: "
+                f"supported are {', '.join(self.ARCHITECTURES)}"
+            )
         super().__init__()
         self.cfg, self.dtype, self.device = cfg, dtype, device
         self.weights = plan = weights or WeightPlan("none", 0, dtype, device)
@@ -89,12 +106,16 @@ class LlamaModel(torch.nn.Module):
 
         tied = cfg.tie_word_embeddings or "lm_head.weight" not in sd
         self.embed, head = make_embedding(raw("model.embed_tokens.weight"), plan, tied)
-        self.lm_head = head if tied else make_lm_head(raw("lm_head.weight"), plan)  # [vocab, hidden]
+        self.lm_head = (
+            head if tied else make_lm_head(raw("lm_head.weight"), plan)
+        )  # [vocab, hidden]
         keep(self, "norm", t("model.norm.weight"))  # [hidden]
         # The fused small ops run wherever the C++ kernels build (fp32 too: same rounding).
         self.ops = FusedOps(enabled=device.type == "cpu")
         self.layers = torch.nn.ModuleList(self._build_layers(raw, t, sd, plan))
-        self.rope = RotaryCache(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_positions, device)
+        self.rope = RotaryCache(
+            cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_positions, device
+        )
         self.attn: AttentionBackend = EagerPagedBackend()  # used when forward() is given none
         self._stack = layer_stack(self)  # all layers in one C++ call, where every part is C++
         # Hidden states an EAGLE-style drafter reads: the residual stream after each listed
@@ -114,7 +135,9 @@ class LlamaModel(torch.nn.Module):
         p = f"model.layers.{i}."
         a = p + "self_attn."
         w = {
-            "qkv": cat_rows([raw(a + "q_proj.weight"), raw(a + "k_proj.weight"), raw(a + "v_proj.weight")]),
+            "qkv": cat_rows(
+                [raw(a + "q_proj.weight"), raw(a + "k_proj.weight"), raw(a + "v_proj.weight")]
+            ),
             "o": raw(a + "o_proj.weight"),
             "gate_up": cat_rows([raw(p + "mlp.gate_proj.weight"), raw(p + "mlp.up_proj.weight")]),
             "down": raw(p + "mlp.down_proj.weight"),
@@ -122,7 +145,9 @@ class LlamaModel(torch.nn.Module):
             "ln2": t(p + "post_attention_layernorm.weight"),
         }
         if a + "q_proj.bias" in sd:
-            w["qkv_bias"] = torch.cat([t(a + "q_proj.bias"), t(a + "k_proj.bias"), t(a + "v_proj.bias")])
+            w["qkv_bias"] = torch.cat(
+                [t(a + "q_proj.bias"), t(a + "k_proj.bias"), t(a + "v_proj.bias")]
+            )
         if a + "q_norm.weight" in sd:
             w["q_norm"], w["k_norm"] = t(a + "q_norm.weight"), t(a + "k_norm.weight")
         return w
@@ -145,8 +170,15 @@ class LlamaModel(torch.nn.Module):
                             device=self.device) for _ in range(c.num_hidden_layers)]
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                md, logits_indices: torch.Tensor, attn: AttentionBackend | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        md,
+        logits_indices: torch.Tensor,
+        attn: AttentionBackend | None = None,
+    ) -> torch.Tensor:
         """input_ids, positions: [T]; logits_indices: [R]; md: the metadata `attn` built for this
         step (default backend: eager paged SDPA). Returns float32 logits [R, vocab]."""
         return self.forward_traceable(input_ids, positions, kv_caches, md, logits_indices,
@@ -159,10 +191,25 @@ class LlamaModel(torch.nn.Module):
         step writes the KV cache in place; compiled callers run it under `torch.no_grad()`."""
         x = self.embed(input_ids)  # [T, hidden]
         cos, sin = self.rope.lookup(positions, self.dtype)
-        if self._stack is not None and attn.name == "cpu_paged" and not torch.compiler.is_compiling():
+        if (
+            self._stack is not None
+            and attn.name == "cpu_paged"
+            and not torch.compiler.is_compiling()
+        ):
             T = x.shape[0]  # the same kernels in the same order as the loop below, bit for bit
-            args = (x, cos.reshape(T, -1), sin.reshape(T, -1), kv_caches, md.slot_mapping, md.block_tables,
-                    md.context_lens, md.query_start, md.query_lens, md.block_size, self.layers[0].scale)
+            args = (
+                x,
+                cos.reshape(T, -1),
+                sin.reshape(T, -1),
+                kv_caches,
+                md.slot_mapping,
+                md.block_tables,
+                md.context_lens,
+                md.query_start,
+                md.query_lens,
+                md.block_size,
+                self.layers[0].scale,
+            )
             if self.aux_layers:
                 inner = [i for i in self.aux_layers if i < self.cfg.num_hidden_layers]
                 x, delta, got = self._stack.forward_capture(*args, inner)
@@ -172,7 +219,9 @@ class LlamaModel(torch.nn.Module):
         else:
             delta, feats = None, {}
             for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
-                if i in self.aux_layers:  # the stream entering layer i (x is updated in place: a copy)
+                if (
+                    i in self.aux_layers
+                ):  # the stream entering layer i (x is updated in place: a copy)
                     feats[i] = x.clone() if delta is None else x + delta
                 x, delta = layer(x, delta, cos, sin, kv, md, attn)  # Module call: hooks fire
             if self.aux_layers:
@@ -194,16 +243,25 @@ def layer_stack(model: LlamaModel):
     """The C++ LayerStack for this model's layers, or None where some part of a layer is not on
     the int8dot + fused-ops path (bias, QK-norm, another kernel): those run the Python loop."""
     ext = model.ops.ext
-    if ext is None or not hasattr(ext, "LayerStack") or model.dtype not in (torch.bfloat16, torch.float32):
+    if (
+        ext is None
+        or not hasattr(ext, "LayerStack")
+        or model.dtype not in (torch.bfloat16, torch.float32)
+    ):
         return None
     layers = []
     for layer in model.layers:
         if type(layer) is not DecoderLayer:  # another architecture's layer (Gemma-3): its own loop
             return None
         mats = (layer.qkv, layer.o, layer.gate_up, layer.down)
-        if layer.q_norm is not None or not all(isinstance(m, Int8DotLinear) and m.bias is None for m in mats):
+        if layer.q_norm is not None or not all(
+            isinstance(m, Int8DotLinear) and m.bias is None for m in mats
+        ):
             return None
-        q = [ext.QLinear(m.packed, m.scales, m.mins, m.out_features, m.group_size, m.bits) for m in mats]
+        q = [
+            ext.QLinear(m.packed, m.scales, m.mins, m.out_features, m.group_size, m.bits)
+            for m in mats
+        ]
         layers.append(ext.Layer(*q, layer.ln1, layer.ln2))
     first = model.layers[0]
     return ext.LayerStack(layers, first.H, first.Hkv, first.D, first.eps)

@@ -24,7 +24,14 @@ SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 # Tokens that end a turn in common chat formats. When a model's chat template ends turns with
 # one, generation must stop on it too, even if the config only names the end-of-text token.
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
+END_OF_TURN_TOKENS = (
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+)
 
 _T = TypeVar("_T")
 
@@ -93,9 +100,12 @@ def resolve_model_path(model: str) -> tuple[str, str]:
     if kind == "pickle":
         raise pickle_refusal(path)
     if os.path.basename(path) == "config.json" or path.endswith(".safetensors"):
-        raise ModelLoadError(f"{path}: pass the folder that holds config.json and the weights, not one file")
+        raise ModelLoadError(
+            f"{path}: pass the folder that holds config.json and the weights, not one file"
+        )
     raise ModelLoadError(
-        f"{path}: not a model this engine loads; give an HF folder (config.json + *.safetensors) or a .gguf file"
+        f"{path}: not a model this engine loads; give an HF folder (config.json + *.safetensors) "
+        f"or a .gguf file"
     )
 
 
@@ -116,7 +126,8 @@ def sniff_file_kind(path: str) -> str:
 
 def pickle_refusal(path: str) -> ModelLoadError:
     return ModelLoadError(
-        f"{path} is a pickle-based checkpoint (.bin/.pt); only safetensors and GGUF files are loaded, "
+        f"{path} is a pickle-based checkpoint (.bin/.pt); only safetensors and GGUF files are "
+        f"loaded, "
         "because unpickling can run arbitrary code. Convert it to safetensors first."
     )
 
@@ -136,7 +147,10 @@ def expected_tensor_names(arch: ModelArchConfig) -> list[str]:
         names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
         names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
         if arch.architecture == "gemma3":
-            names += [p + "pre_feedforward_layernorm.weight", p + "post_feedforward_layernorm.weight"]
+            names += [
+                p + "pre_feedforward_layernorm.weight",
+                p + "post_feedforward_layernorm.weight",
+            ]
     return names
 
 
@@ -144,11 +158,20 @@ def expected_shape(name: str, arch: ModelArchConfig) -> tuple[int, ...]:
     h, hd, inter = arch.hidden_size, arch.head_dim, arch.intermediate_size
     q, kv = arch.num_attention_heads * hd, arch.num_key_value_heads * hd
     table = {
-        "embed_tokens.weight": (arch.vocab_size, h), "lm_head.weight": (arch.vocab_size, h),
-        "q_proj.weight": (q, h), "k_proj.weight": (kv, h), "v_proj.weight": (kv, h), "o_proj.weight": (h, q),
-        "q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,),
-        "q_norm.weight": (hd,), "k_norm.weight": (hd,),
-        "gate_proj.weight": (inter, h), "up_proj.weight": (inter, h), "down_proj.weight": (h, inter),
+        "embed_tokens.weight": (arch.vocab_size, h),
+        "lm_head.weight": (arch.vocab_size, h),
+        "q_proj.weight": (q, h),
+        "k_proj.weight": (kv, h),
+        "v_proj.weight": (kv, h),
+        "o_proj.weight": (h, q),
+        "q_proj.bias": (q,),
+        "k_proj.bias": (kv,),
+        "v_proj.bias": (kv,),
+        "q_norm.weight": (hd,),
+        "k_norm.weight": (hd,),
+        "gate_proj.weight": (inter, h),
+        "up_proj.weight": (inter, h),
+        "down_proj.weight": (h, inter),
     }
     key = ".".join(name.split(".")[-2:])
     return table.get(key, (h,))  # the remaining tensors are the hidden-size RMSNorm weights
@@ -163,7 +186,9 @@ def finalize_state_dict(
     for name in expected_tensor_names(arch):
         tensor = tensors.get(name)
         if tensor is None:
-            raise ModelLoadError(f"{source}: missing tensor {name!r} (architecture {arch.architecture})")
+            raise ModelLoadError(
+                f"{source}: missing tensor {name!r} (architecture {arch.architecture})"
+            )
         want = expected_shape(name, arch)
         if tuple(tensor.shape) != want:
             raise ModelLoadError(

@@ -54,7 +54,7 @@ class QuantizedTensor:
             return w if self.zero is None else w + self.zero.repeat_interleave(g, dim=1)
         return (self.q.float() - 8.0) * s + self.zero.repeat_interleave(g, dim=1)
 
-    def rows(self, index: torch.Tensor) -> "QuantizedTensor":
+    def rows(self, index: torch.Tensor) -> QuantizedTensor:
         """The tensor with its output rows reordered (e.g. undoing llama.cpp's q/k permutation)."""
         z = None if self.zero is None else self.zero[index]
         return QuantizedTensor(self.kind, self.q[index], self.scale[index], z, self.group_size)
@@ -67,7 +67,7 @@ class QuantizedTensor:
             return n * k // 2 + n * groups * 2 * 2
         return n * k + n * groups * 2 * (1 if self.zero is None else 2)
 
-    def as_q8(self, group_size: int | None = None) -> "QuantizedTensor":
+    def as_q8(self, group_size: int | None = None) -> QuantizedTensor:
         """The same values as q8 (q4's q-8 fits int8), optionally with smaller groups (the
         scales repeated): what lets q4 and q8 weights share one fused matrix exactly."""
         g = group_size or self.group_size
@@ -79,12 +79,14 @@ class QuantizedTensor:
         return QuantizedTensor("q8", q, self.scale.repeat_interleave(r, dim=1), z, g)
 
 
-def cat_rows(parts: list) -> "QuantizedTensor | torch.Tensor":
+def cat_rows(parts: list) -> QuantizedTensor | torch.Tensor:
     """Stack weights along the output axis (q|k|v, gate|up). Q4_K_M files mix types inside one
     fused matrix (q|k Q4_K, v Q6_K): mixed kinds become q8 in the smallest group (exact); float
     parts make the whole matrix float32."""
     if not all(isinstance(p, QuantizedTensor) for p in parts):
-        return torch.cat([p.dequantize() if isinstance(p, QuantizedTensor) else p.float() for p in parts])
+        return torch.cat(
+            [p.dequantize() if isinstance(p, QuantizedTensor) else p.float() for p in parts]
+        )
     g = min(p.group_size for p in parts)
     groups = {p.group_size for p in parts}
     if len(groups) > 1 and (max(groups) > GGUF_GROUP or any(x % g for x in groups)):
@@ -103,7 +105,9 @@ def cat_rows(parts: list) -> "QuantizedTensor | torch.Tensor":
 def from_gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> QuantizedTensor:
     """raw: uint8, GGUF's rows of blocks ([N, K / block_weights * block_bytes]); shape [N, K]."""
     if type_name not in GGUF_BLOCKS:
-        raise ValueError(f"GGUF type {type_name} is not kept quantized (only {', '.join(KEPT_QUANTIZED)})")
+        raise ValueError(
+            f"GGUF type {type_name} is not kept quantized (only {', '.join(KEPT_QUANTIZED)})"
+        )
     n, k = shape
     nbytes, per_block = GGUF_BLOCKS[type_name]
     blocks = np.ascontiguousarray(raw).reshape(n, k // per_block, nbytes)  # [N, blocks, bytes]
@@ -190,7 +194,9 @@ def _q6_k(b):
     out = []
     for half in range(2):  # two 128-weight halves, each from 64 ql bytes and 32 qh bytes
         lo, h = ql[..., 64 * half: 64 * half + 64], qh[..., 32 * half: 32 * half + 32]
-        for j, nib in enumerate((lo[..., :32] & 0xF, lo[..., 32:] & 0xF, lo[..., :32] >> 4, lo[..., 32:] >> 4)):
+        for j, nib in enumerate(
+            (lo[..., :32] & 0xF, lo[..., 32:] & 0xF, lo[..., :32] >> 4, lo[..., 32:] >> 4)
+        ):
             out.append(nib | (((h >> (2 * j)) & 3) << 4))
     q = (np.concatenate(out, axis=-1).astype(np.int8) - 32)  # [N, blocks, 256] in -32..31
     return "q8", q, d * sc, None, 16

@@ -1,4 +1,5 @@
-"""Weight-only int4/int8 matmuls on the CPU, chosen at run time, behind the model's Linear interface.
+"""Weight-only int4/int8 matmuls on the CPU, chosen at run time, behind the model's Linear
+interface.
 
 Decode is memory-bound, so a batch-1 step costs the bytes of weights it streams: torch's int4
 kernel (`_weight_int4pack_mm_for_cpu`, group 32) reads ~0.56 bytes per weight and its int8 one
@@ -30,7 +31,15 @@ QUANTIZATION_MODES = ("auto", "none", "int8", "int4")
 # torch: torch's int4/int8 weight-only kernels plus the bf16 copy for wide steps (the wave-2 path);
 # auto: int8dot where the C++ kernels build, else torch.
 LINEAR_KERNELS = ("auto", "int8dot", "torch")
-_ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16")
+_ISA_FLAGS = (
+    "avx2",
+    "avx512f",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_tile",
+    "amx_bf16",
+)
 
 
 @dataclass(frozen=True)
@@ -40,7 +49,8 @@ class CpuInfo:
     flags: tuple[str, ...]  # the ISA extensions relevant to the kernels, as the kernel reports them
 
     def summary(self) -> str:
-        return f"{self.model}; torch kernels {self.capability}; ISA {' '.join(self.flags) or 'none listed'}"
+        isa = " ".join(self.flags) or "none listed"
+        return f"{self.model}; torch kernels {self.capability}; ISA {isa}"
 
 
 @lru_cache(maxsize=1)
@@ -56,13 +66,17 @@ def cpu_info() -> CpuInfo:
                     flags = set(value.split())
     except OSError:  # not Linux: the model name stays unknown, torch still reports its dispatch
         pass
-    return CpuInfo(model, torch.backends.cpu.get_cpu_capability(), tuple(f for f in _ISA_FLAGS if f in flags))
+    return CpuInfo(
+        model, torch.backends.cpu.get_cpu_capability(), tuple(f for f in _ISA_FLAGS if f in flags)
+    )
 
 
 def resolve_quantization(mode: str, device: torch.device, dtype: torch.dtype) -> str:
     """The mode that will run: "none" where the kernels do not apply, with a log line saying why."""
     if mode not in QUANTIZATION_MODES:
-        raise ValueError(f"unknown quantization {mode!r}: choose one of {', '.join(QUANTIZATION_MODES)}")
+        raise ValueError(
+            f"unknown quantization {mode!r}: choose one of {', '.join(QUANTIZATION_MODES)}"
+        )
     if mode == "none":
         return mode
     why = None
@@ -91,8 +105,10 @@ class Int4Linear(KernelModule):
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
             w.q.to(torch.int32).contiguous(), 1))
         # [K / group, N, 2]: (scale, zero) in the activation dtype, as the kernel expects them.
-        self.register_buffer("scales_and_zeros",
-                             torch.stack([w.scale.t(), w.zero.t()], dim=-1).to(torch.bfloat16).contiguous())
+        self.register_buffer(
+            "scales_and_zeros",
+            torch.stack([w.scale.t(), w.zero.t()], dim=-1).to(torch.bfloat16).contiguous(),
+        )
         self.nbytes = w.nbytes_packed()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -111,8 +127,12 @@ class Int8Linear(KernelModule):
         self.out_features, self.in_features = w.shape
         self.register_buffer("q", w.q.contiguous())  # [N, K] int8
         keep(self, "bias", bias)
-        self.register_buffer("scale_f32", w.scale.reshape(-1).contiguous())  # [N], for exact row lookups
-        self.register_buffer("scales", self.scale_f32.to(torch.bfloat16))  # [N], what the kernel takes
+        self.register_buffer(
+            "scale_f32", w.scale.reshape(-1).contiguous()
+        )  # [N], for exact row lookups
+        self.register_buffer(
+            "scales", self.scale_f32.to(torch.bfloat16)
+        )  # [N], what the kernel takes
         self.nbytes = w.nbytes_packed()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -130,7 +150,8 @@ def dense_rows(m: int) -> int:
 
 
 class QuantLinear(KernelModule):
-    """A quantized kernel for narrow steps and, optionally, a bf16 copy for steps wider than dense_above."""
+    """A quantized kernel for narrow steps and, optionally, a bf16 copy for steps wider than
+    dense_above."""
 
     def __init__(self, kernel: Int4Linear | Int8Linear, dense: Linear | None, dense_above: int,
                  row_buckets: bool = True) -> None:
@@ -201,14 +222,18 @@ class WeightPlan:
     def int8dot(self, w: QuantizedTensor) -> bool:
         """Whether this weight runs on the int8 dot-product kernel."""
         if self.kernel not in LINEAR_KERNELS:
-            raise ValueError(f"unknown linear kernel {self.kernel!r}: choose one of {', '.join(LINEAR_KERNELS)}")
+            raise ValueError(
+                f"unknown linear kernel {self.kernel!r}: choose one of {', '.join(LINEAR_KERNELS)}"
+            )
         if self.kernel == "torch" or self.device.type != "cpu":
             return False
         if int8_dot.supports(w):
             return True
         if self.kernel == "int8dot" and int8_dot.kernel_isa() == "unavailable":
-            raise RuntimeError("--linear-kernel int8dot: the dynaspec CPU kernels are not built here "
-                               "(see the start-up log; --linear-kernel torch runs torch's kernels)")
+            raise RuntimeError(
+                "--linear-kernel int8dot: the dynaspec CPU kernels are not built here "
+                "(see the start-up log; --linear-kernel torch runs torch's kernels)"
+            )
         return False
 
     @property
@@ -261,7 +286,9 @@ def _kernel(w: QuantizedTensor, bias: torch.Tensor | None) -> Int4Linear | Int8L
             return Int4Linear(w, bias)
         return Int8Linear(to_per_channel_int8(w), bias)
     except RuntimeError as exc:  # a shape the packing op rejects: this one weight runs dense
-        log.info("weight [%d, %d] runs dense: the %s kernel rejected it (%s)", *w.shape, w.kind, exc)
+        log.info(
+            "weight [%d, %d] runs dense: the %s kernel rejected it (%s)", *w.shape, w.kind, exc
+        )
         return None
 
 
@@ -275,7 +302,9 @@ def make_embedding(w: QuantizedTensor | torch.Tensor, plan: WeightPlan, tied: bo
     gain at one thread. Float weights under int8/int4 get one per-channel int8 table for both.
     """
     if not _quantize_head(w, plan):
-        dense = (w.dequantize() if isinstance(w, QuantizedTensor) else w).to(device=plan.device, dtype=plan.dtype)
+        dense = (w.dequantize() if isinstance(w, QuantizedTensor) else w).to(
+            device=plan.device, dtype=plan.dtype
+        )
         return DenseEmbedding(dense.contiguous()), (Linear(dense.contiguous()) if tied else None)
     if isinstance(w, QuantizedTensor):
         return QuantEmbedding(w, plan.dtype), (make_lm_head(w, plan) if tied else None)
@@ -315,7 +344,9 @@ def _int8_head(w: torch.Tensor, plan: WeightPlan) -> QuantLinear | Int8DotLinear
 def linear_kernel_summary(model) -> str:
     """Which kernels the model's matrices run on, e.g. "int8dot avx512_vnni (211 matrices)"."""
     counts: dict[str, int] = {}
-    mats = [model.lm_head] + [m for layer in model.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    mats = [model.lm_head] + [
+        m for layer in model.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)
+    ]
     for m in mats:
         name = {Int8DotLinear: f"int8dot {int8_dot.kernel_isa()}", QuantLinear: "torch int4/int8",
                 Linear: "dense"}.get(type(m), type(m).__name__)

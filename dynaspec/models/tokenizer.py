@@ -63,7 +63,8 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
-        """Tokens the tokenizer knows, added tokens included (the model's embedding may be larger)."""
+        """Tokens the tokenizer knows, added tokens included (the model's embedding may be
+        larger)."""
         return self._backend.get_vocab_size(with_added_tokens=True)
 
     def token_to_id(self, token: str) -> int | None:
@@ -77,7 +78,10 @@ class Tokenizer:
 
     def _set_bos_policy(self, add_bos: bool) -> None:
         if add_bos and self.bos_token_id is None:
-            raise ValueError(f"add_bos_token is set but the BOS token {self.bos_token!r} is not in the vocabulary")
+            raise ValueError(
+                f"add_bos_token is set but the BOS token {self.bos_token!r} is not in the "
+                f"vocabulary"
+            )
         if add_bos:
             bos = self.bos_token
             self._backend.post_processor = tokenizers.processors.TemplateProcessing(
@@ -94,14 +98,21 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # A rendered chat template already starts with the BOS token (Gemma's, Llama 3's): a
         # second one would change the prompt (HF tokenizes templates without special tokens).
-        if add_special_tokens and self.add_bos_token and self.bos_token and text.startswith(self.bos_token):
+        if (
+            add_special_tokens
+            and self.add_bos_token
+            and self.bos_token
+            and text.startswith(self.bos_token)
+        ):
             add_special_tokens = False
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         ids = list(ids)
         if ids and min(ids) < 0:  # the backend would raise an opaque OverflowError
-            raise ValueError(f"cannot decode negative token id {min(ids)} (padding must not reach decode)")
+            raise ValueError(
+                f"cannot decode negative token id {min(ids)} (padding must not reach decode)"
+            )
         return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     # -- chat -------------------------------------------------------------------------------------
@@ -109,7 +120,8 @@ class Tokenizer:
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: object
     ) -> str:
-        """Render messages with the model's Jinja template, with the variables HF templates expect."""
+        """Render messages with the model's Jinja template, with the variables HF templates
+        expect."""
         if not self.chat_template:
             raise ChatTemplateError("this model has no chat template; send a plain prompt instead")
         template = _compile_template(self.chat_template)
@@ -127,8 +139,11 @@ def _raise_exception(message: str) -> None:
 
 def _tojson(value: object, ensure_ascii: bool = False, indent: int | None = None,
             separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    # Same as transformers' filter: jinja's own tojson escapes HTML characters, which changes prompts.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    # Same as transformers' filter: jinja's own tojson escapes HTML characters, which changes
+    # prompts.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _strftime_now(fmt: str) -> str:
@@ -136,7 +151,8 @@ def _strftime_now(fmt: str) -> str:
 
 
 class _GenerationTag(Extension):
-    """`{% generation %}...{% endgeneration %}` (HF's assistant-mask marker): render the body as is."""
+    """`{% generation %}...{% endgeneration %}` (HF's assistant-mask marker): render the body as
+    is."""
 
     tags = {"generation"}
 

@@ -22,12 +22,10 @@ included, is a real token.
 
 from __future__ import annotations
 
-
 import torch
 
 from dynaspec.sample.metadata import SamplingMetadata
 from dynaspec.sample.sampler import exponential_noise, processed_probs
-
 
 
 def validate_inputs(

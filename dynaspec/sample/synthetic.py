@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import zlib
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -42,7 +42,9 @@ class SyntheticVerifier:
     by a coin flip would end requests early and shrink the very run being measured.
     """
 
-    def __init__(self, rates: Sequence[float], seed: int, stop_token_ids: Sequence[int] = ()) -> None:
+    def __init__(
+        self, rates: Sequence[float], seed: int, stop_token_ids: Sequence[int] = ()
+    ) -> None:
         rates = tuple(float(r) for r in rates)
         if not rates or any(not 0.0 <= r <= 1.0 for r in rates):
             raise ValueError(f"synthetic acceptance rates must be in [0, 1], got {list(rates)}")
@@ -90,7 +92,9 @@ class SyntheticVerifier:
         """Per request: accepted drafts + the target's token at the first rejected position."""
         validate_inputs(target_logits, num_draft, draft_token_ids, None, md)
         vocab = target_logits.shape[1]
-        accepted = [self.num_accepted(rid, ids, vocab) for rid, ids in zip(request_ids, draft_token_ids)]
+        accepted = [
+            self.num_accepted(rid, ids, vocab) for rid, ids in zip(request_ids, draft_token_ids)
+        ]
         starts = np.cumsum([0] + [n + 1 for n in num_draft[:-1]])
         rows = torch.tensor([int(s) + a for s, a in zip(starts, accepted)], dtype=torch.long,
                             device=target_logits.device)  # [R]

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
 
 from dynaspec.config import SchedulerConfig
 from dynaspec.kv.kv_cache_manager import KVCacheManager
@@ -30,7 +30,6 @@ from dynaspec.spec_decode.k_policy import KPolicy
 from dynaspec.spec_decode.plan import SpecPlan
 from dynaspec.spec_decode.step_width import GlobalStepView, RequestView, Reserve, StepView
 from dynaspec.step_plan import ScheduledRequest, StepPlan
-
 
 # (request, tokens about to be appended) -> how many of them to keep because a stop string
 # ended the request with the last kept one, or None. The engine's output processor provides it;
@@ -183,7 +182,9 @@ class Scheduler:
     def _schedule_waiting(self, rows: list[_Row], budget: int, reserve: Reserve) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[0]
-            blocks, hit = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else ([], 0)
+            blocks, hit = (
+                self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else ([], 0)
+            )
             num_new = min(req.num_tokens - req.num_computed_tokens - hit, budget)
             row = self._row(req, num_new, budget, reserve, req.num_computed_tokens + hit)
             if not self.kv.allocate_slots(req, num_new + row.lookahead, new_computed_blocks=blocks,
@@ -229,7 +230,8 @@ class Scheduler:
 
     # ---- update -------------------------------------------------------------------------
     def update(self, out: StepPlan, res: RunnerOutput) -> list[StepUpdate]:
-        """Append verified tokens, roll back rejected drafts, cache verified blocks, finish requests."""
+        """Append verified tokens, roll back rejected drafts, cache verified blocks, finish
+        requests."""
         updates = []
         if self.policy is not None:
             self._observe_step(out, res)
@@ -287,7 +289,9 @@ class Scheduler:
                                  sum(r.num_draft_tokens for r in res.results),
                                  sum(len(r.token_ids) for r in res.results))
 
-    def _append_checked(self, req: Request, tokens: list[int]) -> tuple[list[int], RequestStatus | None]:
+    def _append_checked(
+        self, req: Request, tokens: list[int]
+    ) -> tuple[list[int], RequestStatus | None]:
         """Append the tokens up to the first that ends the request: EOS, a stop token,
         max_tokens, max_model_len, or a stop string (`stop_check`); the rest are dropped."""
         sp = req.sampling_params

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP server; needs the `server` extra (checked here, once, for all of it)."""
+"""The OpenAI-compatible HTTP server; needs the `server` extra (checked here, once, for all of
+it)."""
 
 from dynaspec.extras import require_extra
 

@@ -25,10 +25,16 @@ from starlette.requests import ClientDisconnect
 
 from dynaspec.server.async_engine import AsyncEngine
 from dynaspec.server.openapi import openapi_components
-from dynaspec.structured.spellable import pattern_class
-from dynaspec.server.protocol import (ChatCompletionRequest, CompletionRequest, APIError,
-                                      DetokenizeRequest, TokenizeRequest, parse_body)
+from dynaspec.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    parse_body,
+)
 from dynaspec.server.serving import OpenAIServing
+from dynaspec.structured.spellable import pattern_class
 
 log = logging.getLogger("dynaspec.server")
 

@@ -4,7 +4,8 @@ The engine is not thread-safe, so exactly one thread ("dynaspec-engine") ever to
 front talks to it only through a command queue of callables (add, abort, integrity checks, stop);
 the thread runs them between steps, steps while work exists (and waits on the queue, never
 sleeps, when there is none or when a step could schedule nothing: only a command can change
-that), and hands each step's outputs to the per-request asyncio queues with one `loop.call_soon_threadsafe` per step, so the event loop never
+that), and hands each step's outputs to the per-request asyncio queues with one
+`loop.call_soon_threadsafe` per step, so the event loop never
 waits on a step. Prometheus metrics are fed from the same thread (under `metrics_lock`, which the
 /metrics handler also takes to render).
 """
@@ -16,9 +17,10 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from dynaspec.engine.client import EngineClient, EngineUnavailable
 from dynaspec.metrics.log_line import PeriodicLogger
@@ -112,7 +114,9 @@ class AsyncEngine:
             self._cmds.put(lambda: self._abort(request_id, "abort"))
 
     # ---- API for the event loop ----------------------------------------------------------------
-    async def add_request(self, request_id: str, prompt: str | list[int], params: Any) -> RequestStream:
+    async def add_request(
+        self, request_id: str, prompt: str | list[int], params: Any
+    ) -> RequestStream:
         """Queue a request; raises ValueError (bad prompt/params) or EngineUnavailable."""
         if not self._accepting:
             raise EngineUnavailable("the server is shutting down")

@@ -7,7 +7,8 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from dynaspec.server.body_fields import ContentField, _Strict, _ignored
+from dynaspec.server.body_fields import ContentField, _ignored, _Strict
+
 
 class TextPart(_Strict):
     type: Literal["text"]

@@ -10,8 +10,9 @@ so cached_tokens <= prompt_tokens).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from dynaspec.server.async_engine import OutputDelta
 from dynaspec.server.tools import ToolPlan, parse_tool_calls

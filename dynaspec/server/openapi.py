@@ -4,8 +4,14 @@ from __future__ import annotations
 
 from pydantic.json_schema import models_json_schema
 
-from dynaspec.server.protocol import (ChatCompletionRequest, CompletionRequest,
-                                      DetokenizeRequest, TextPart, TokenizeRequest)
+from dynaspec.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TextPart,
+    TokenizeRequest,
+)
+
 
 def openapi_components(vocab: int | None = None, max_model_len: int | None = None,
                        unspellable: str = "") -> dict:

@@ -15,14 +15,30 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, WithJsonSchema, field_validator
 
 # Re-exported: callers import these from here, as before the split.
-from dynaspec.server.body_fields import (MAX_PROMPTS, MAX_TOP_LOGPROBS, IntIn, PromptField,  # noqa: F401
-                                         StopField, StreamOptions, _ignored, _Strict, _whole)
-from dynaspec.server.chat_body import (ChatMessage, FunctionCall, FunctionDef,  # noqa: F401
-                                       NamedFunction, NamedToolChoice, TextPart, ToolCall,
-                                       ToolDef, _json_or_text)
+from dynaspec.server.body_fields import (  # noqa: F401
+    MAX_PROMPTS,
+    MAX_TOP_LOGPROBS,
+    IntIn,
+    PromptField,
+    StopField,
+    StreamOptions,
+    _ignored,
+    _Strict,
+    _whole,
+)
+from dynaspec.server.chat_body import (  # noqa: F401
+    ChatMessage,
+    FunctionCall,
+    FunctionDef,
+    NamedFunction,
+    NamedToolChoice,
+    TextPart,
+    ToolCall,
+    ToolDef,
+    _json_or_text,
+)
 from dynaspec.server.errors import APIError, parse_body, validation_error  # noqa: F401
-from dynaspec.server.structured_body import (JsonSchemaFormat, ResponseFormat,  # noqa: F401
-                                             StructuredOutputsBody)
+from dynaspec.server.structured_body import JsonSchemaFormat, ResponseFormat, StructuredOutputsBody  # noqa: F401
 from dynaspec.structured.params import StructuredOutputParams
 
 MAX_N = 16  # choices per prompt; each is a sequence in the engine

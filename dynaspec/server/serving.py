@@ -14,15 +14,16 @@ from __future__ import annotations
 import asyncio
 import functools
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 from dynaspec.engine.client import EngineUnavailable
 from dynaspec.scheduler.scheduler import GRAMMAR_DEAD_END
 from dynaspec.server.async_engine import AsyncEngine, OutputDelta, RequestStream
 from dynaspec.server.format import Finished, Formatter, Usage
 from dynaspec.server.params import base_params, choice_params, prompts_ids
-from dynaspec.server.protocol import ChatCompletionRequest, CompletionRequest, APIError
+from dynaspec.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from dynaspec.server.sse import SSEResponse, TextTracker, sse, wait_disconnect
 from dynaspec.server.tools import ToolPlan, ToolStream, tool_plan
 from dynaspec.structured.params import StructuredOutputParams

@@ -25,7 +25,9 @@ class AcceptanceHistory:
 
     def update(self, num_drafted: int, num_accepted: int) -> None:
         if not 0 <= num_accepted <= num_drafted:
-            raise ValueError(f"need 0 <= num_accepted <= num_drafted, got {num_accepted}/{num_drafted}")
+            raise ValueError(
+                f"need 0 <= num_accepted <= num_drafted, got {num_accepted}/{num_drafted}"
+            )
         if num_drafted == 0:
             return  # no drafts verified: nothing learned
         for i in range(min(num_accepted + 1, num_drafted)):
@@ -39,7 +41,8 @@ class AcceptanceHistory:
         self.num_updates += 1
 
     def rate(self, position: int) -> float:
-        """Positions never reached reuse the deepest observed rate (rates rarely rise with depth)."""
+        """Positions never reached reuse the deepest observed rate (rates rarely rise with
+        depth)."""
         if not self.rates:
             return 0.0
         return self.rates[min(position, len(self.rates) - 1)]

@@ -50,7 +50,11 @@ def cache_key(**parts: object) -> str:
     """Stable key from the machine and the settings a step's cost depends on."""
     import torch  # the torch version changes kernels, so it is part of the key
 
-    fields = {"cpu": cpu_model(), "torch": torch.__version__, **{k: str(v) for k, v in parts.items()}}
+    fields = {
+        "cpu": cpu_model(),
+        "torch": torch.__version__,
+        **{k: str(v) for k, v in parts.items()},
+    }
     text = json.dumps(fields, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
@@ -131,7 +135,9 @@ def estimate(grid: CostGrid, known: dict[Shape, float]) -> list[list[list[float 
     return out
 
 
-def _estimate_cell(grid: CostGrid, known: dict[Shape, float], b: int, c: int, w: int) -> float | None:
+def _estimate_cell(
+    grid: CostGrid, known: dict[Shape, float], b: int, c: int, w: int
+) -> float | None:
     if (b, c, w) in known:
         return known[(b, c, w)]
     row = _along_batch(known, b, c, w)

@@ -34,12 +34,16 @@ class CostGrid:
     widths: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        for name, axis in (("batches", self.batches), ("contexts", self.contexts), ("widths", self.widths)):
+        for name, axis in (
+            ("batches", self.batches),
+            ("contexts", self.contexts),
+            ("widths", self.widths),
+        ):
             if not axis or any(v < 1 for v in axis) or list(axis) != sorted(set(axis)):
                 raise ValueError(f"cost grid {name} must be increasing integers >= 1, got {axis}")
 
     @staticmethod
-    def default(max_num_seqs: int, max_model_len: int, max_width: int) -> "CostGrid":
+    def default(max_num_seqs: int, max_model_len: int, max_width: int) -> CostGrid:
         """A few seconds of profiling: batch 1..64 in powers of 4, two contexts, <= 4 widths."""
         batches = tuple(b for b in (1, 4, 16, 64) if b <= max_num_seqs) or (1,)
         if max_num_seqs not in batches and max_num_seqs < 64:
@@ -76,7 +80,11 @@ class StepCostModel:
                  source: str = "measured", learn: bool = True,
                  draft_seconds_per_token: float | None = None) -> None:
         shape = (len(grid.batches), len(grid.contexts), len(grid.widths))
-        if (len(seconds), *{len(r) for r in seconds}, *{len(c) for r in seconds for c in r}) != shape:
+        if (
+            len(seconds),
+            *{len(r) for r in seconds},
+            *{len(c) for r in seconds for c in r},
+        ) != shape:
             raise ValueError(f"cost table shape does not match the grid {shape}")
         if any(not s > 0 for r in seconds for c in r for s in c):
             raise ValueError("every measured step cost must be > 0 seconds")
@@ -123,7 +131,7 @@ class StepCostModel:
                 "draft_seconds_per_token": self.draft_seconds_per_token}
 
     @staticmethod
-    def from_json(d: dict, alpha: float = 0.1) -> "StepCostModel":
+    def from_json(d: dict, alpha: float = 0.1) -> StepCostModel:
         try:
             grid = CostGrid(tuple(d["batches"]), tuple(d["contexts"]), tuple(d["widths"]))
             return StepCostModel(grid, d["seconds"], alpha, d.get("source", "cached"),
@@ -132,7 +140,7 @@ class StepCostModel:
             raise ValueError(f"cost table is missing or has a malformed field: {exc}") from exc
 
     @staticmethod
-    def injected(value: "str | dict") -> "StepCostModel":
+    def injected(value: str | dict) -> StepCostModel:
         """A table given by the user or a test (``SpecConfig.cost_table``): JSON text, a path
         to a JSON file, or the dict itself. Fixed unless it says ``"learn": true``."""
         if isinstance(value, str):
@@ -140,7 +148,9 @@ class StepCostModel:
             try:
                 value = json.loads(text)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"--cost-table is neither a JSON file nor JSON text: {exc}") from None
+                raise ValueError(
+                    f"--cost-table is neither a JSON file nor JSON text: {exc}"
+                ) from None
         if not isinstance(value, dict):
             raise ValueError(f"a cost table is a JSON object, got {type(value).__name__}")
         model = StepCostModel.from_json({"learn": False, **value})

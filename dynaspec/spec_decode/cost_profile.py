@@ -21,8 +21,8 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from dynaspec.spec_decode import cost_cache
 from dynaspec.spec_decode.cost_cache import Cell, Shape
@@ -58,7 +58,8 @@ def synthetic_step(model, kv_caches: list, block_size: int, num_blocks: int, bat
                    width: int):
     """A callable running one verify-shaped step: `batch` requests of `width` new tokens after
     `ctx` cached ones (every request aliases the same first blocks of the pool), logits for
-    every row and their argmax, as verification reads them. Also `dynaspec bench decode --widths`."""
+    every row and their argmax, as verification reads them. Also `dynaspec bench decode
+    --widths`."""
     import torch
 
     from dynaspec.attention.backend import AttentionBatch
@@ -154,12 +155,16 @@ def startup_cost_model(prober: Prober, grid: CostGrid, key: str, reprofile: bool
     """The checked table for `grid` (module docstring); measures only what it must."""
     t0, path = time.perf_counter(), str(cost_cache.cache_path(key))
     in_grid = {(b, c, w) for b in grid.batches for c in grid.contexts for w in grid.widths}
-    cached = {} if reprofile else {k: v for k, v in cost_cache.load_cells(key).items() if k in in_grid}
+    cached = (
+        {} if reprofile else {k: v for k, v in cost_cache.load_cells(key).items() if k in in_grid}
+    )
     if cached and all(shape in cached for shape in essential_shapes(grid)):
         model, problems = _checked(grid, cached, f"cached {path}", prober, settings, slower_ok=True)
         if model is not None:
             return CostTable(model, "cached", path, seconds=time.perf_counter() - t0)
-        log.warning("step cost table in %s refused, re-measuring: %s", path, "; ".join(problems[:3]))
+        log.warning(
+            "step cost table in %s refused, re-measuring: %s", path, "; ".join(problems[:3])
+        )
         cached = {}
     problems: list[str] = []
     for attempt in range(2):

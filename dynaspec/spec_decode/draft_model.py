@@ -8,8 +8,8 @@ accepted is kept (they are the same tokens); slots of rejected drafts are simply
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
@@ -70,15 +70,23 @@ class DraftModelProposer(Proposer):
         return max(0, self.max_len - 1)
 
     @staticmethod
-    def load(path: str, config, target_vocab: int, device: torch.device,  # type: ignore[no-untyped-def]
-             dtype: torch.dtype, grammar=None) -> "DraftModelProposer":
+    def load(
+        path: str,
+        config,
+        target_vocab: int,
+        device: torch.device,  # type: ignore[no-untyped-def]
+        dtype: torch.dtype,
+        grammar=None,
+    ) -> DraftModelProposer:
         from dynaspec.models.loader import load_model_files
 
         loaded = load_model_files(path)
         arch = loaded.arch
         if arch.vocab_size != target_vocab:
-            raise ValueError(f"draft model {path!r} has vocabulary size {arch.vocab_size}, the target "
-                             f"has {target_vocab}: a draft model must share the target's vocabulary")
+            raise ValueError(
+                f"draft model {path!r} has vocabulary size {arch.vocab_size}, the target "
+                f"has {target_vocab}: a draft model must share the target's vocabulary"
+            )
         max_len = arch.max_position_embeddings
         model = LlamaModel(arch, loaded.state_dict, dtype, device, max_len + 1)
         cc = config.cache
@@ -120,7 +128,7 @@ class DraftModelProposer(Proposer):
         out_tokens = {r.request_id: [] for r, _ in active}
         out_probs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r, _ in active}
         seqs, feeds = [], []
-        for r, k in active:
+        for r, _k in active:
             seq = self.seqs.get(r.request_id)
             if seq is None:
                 seq = self.seqs[r.request_id] = _DraftSeq(r.request_id)
@@ -168,7 +176,9 @@ class DraftModelProposer(Proposer):
         clens = [s.num_computed_tokens + q for s, q in zip(seqs, qlens)]
         md = build_metadata(qlens, clens, [self.kv.block_table(s.request_id) for s in seqs],
                             self.block_size, self.model.device)
-        ids = torch.tensor([t for f in feeds for t in f], dtype=torch.long, device=self.model.device)
+        ids = torch.tensor(
+            [t for f in feeds for t in f], dtype=torch.long, device=self.model.device
+        )
         pos = torch.tensor([p for s, q in zip(seqs, qlens) for p in range(s.num_computed_tokens,
                             s.num_computed_tokens + q)], dtype=torch.long, device=self.model.device)
         last = torch.tensor(qlens, device=self.model.device).cumsum(0) - 1

@@ -16,8 +16,8 @@ head has; with no features for its newest token it gets no drafts that step ("no
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +32,8 @@ DEFAULT_HEAD = os.path.join(HEADS_DIR, "smollm2-135m-instruct")
 
 @dataclass(frozen=True)
 class HiddenStates:
-    """One target forward's hidden states, as an EAGLE-style drafter reads them (runner -> proposer)."""
+    """One target forward's hidden states, as an EAGLE-style drafter reads them (runner ->
+    proposer)."""
 
     request_ids: list[str]
     starts: list[int]  # row in `hidden` of each request's first token this step
@@ -55,7 +56,9 @@ class _HeadSeq:
 class EagleProposer(Proposer):
     reads_hidden_states = True
 
-    def __init__(self, head: EagleHead, max_len: int, embed_table: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, head: EagleHead, max_len: int, embed_table: torch.Tensor | None = None
+    ) -> None:
         self.head, self.max_len = head, max_len
         self.embed_table = embed_table  # the head's own [vocab, H], or None: the target's
         self.model = None  # the target, attached by the builder once it is loaded
@@ -136,7 +139,9 @@ class EagleProposer(Proposer):
         feats = torch.cat([st.pending[:use] for _, st, _, _, use in ready]).float()  # [N, F]
         toks = torch.tensor([t for _, _, tk, _, _ in ready for t in tk])
         emb = self._embed(toks)  # [N, H]
-        pos = torch.cat([torch.arange(st.pend_pos, st.pend_pos + use) for _, st, _, _, use in ready])
+        pos = torch.cat(
+            [torch.arange(st.pend_pos, st.pend_pos + use) for _, st, _, _, use in ready]
+        )
         sizes = [use for *_, use in ready]
         h = head.fuse(feats, emb)
         out = self._layers(h, emb, pos, [st for _, st, *_ in ready], sizes, chain=None)
@@ -189,7 +194,9 @@ class EagleProposer(Proposer):
                     st.vals[li] = torch.cat([st.vals[li], vi])
                     K, V = st.keys[li], st.vals[li]
                     L = K.shape[0] - n
-                    mask = torch.ones(n, L + n, dtype=torch.bool).tril(L)  # earlier entries + causal
+                    mask = torch.ones(n, L + n, dtype=torch.bool).tril(
+                        L
+                    )  # earlier entries + causal
                 else:
                     c = chain[r]
                     if len(c[0]) <= li:
@@ -197,9 +204,18 @@ class EagleProposer(Proposer):
                         c[1].append(vi[:0])
                     c[0][li] = torch.cat([c[0][li], ki])
                     c[1][li] = torch.cat([c[1][li], vi])
-                    K, V, mask = torch.cat([st.keys[li], c[0][li]]), torch.cat([st.vals[li], c[1][li]]), None
-                a = F.scaled_dot_product_attention(qi.transpose(0, 1)[None], K.transpose(0, 1)[None],
-                                                   V.transpose(0, 1)[None], attn_mask=mask, enable_gqa=True)
+                    K, V, mask = (
+                        torch.cat([st.keys[li], c[0][li]]),
+                        torch.cat([st.vals[li], c[1][li]]),
+                        None,
+                    )
+                a = F.scaled_dot_product_attention(
+                    qi.transpose(0, 1)[None],
+                    K.transpose(0, 1)[None],
+                    V.transpose(0, 1)[None],
+                    attn_mask=mask,
+                    enable_gqa=True,
+                )
                 outs.append(a[0].transpose(0, 1))  # [n, Hq, D]
             h = layer.finish(torch.cat(outs), h)
         return h

@@ -79,7 +79,13 @@ class HeadLayer(nn.Module):
     def qkv(self, h: torch.Tensor, emb: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor):
         """h, emb: [..., H]; cos/sin: [..., 1, D/2]. Returns q [..., Hq, D], k, v [..., Hkv, D]."""
         if self.wide:
-            x = torch.cat((rms_norm(emb, self.input_layernorm, self.eps), rms_norm(h, self.hidden_norm, self.eps)), -1)
+            x = torch.cat(
+                (
+                    rms_norm(emb, self.input_layernorm, self.eps),
+                    rms_norm(h, self.hidden_norm, self.eps),
+                ),
+                -1,
+            )
         else:
             x = h if self.input_layernorm is None else rms_norm(h, self.input_layernorm, self.eps)
         lead = x.shape[:-1]
@@ -88,7 +94,8 @@ class HeadLayer(nn.Module):
         return q, k, self.v_proj(x).view(*lead, self.Hkv, self.D)
 
     def finish(self, attn: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        """attn: [..., Hq, D] attention output; h: the residual [..., H]. Returns the layer output."""
+        """attn: [..., Hq, D] attention output; h: the residual [..., H]. Returns the layer
+        output."""
         x = h + self.o_proj(attn.flatten(-2))
         m = rms_norm(x, self.post_attention_layernorm, self.eps)
         return x + self.down_proj(F.silu(self.gate_proj(m)) * self.up_proj(m))
@@ -103,13 +110,20 @@ class EagleHead(nn.Module):
             raise ValueError(f"unknown head kind {c.kind!r}: eagle3 or eagle1")
         fc_in = c.feature_size if wide else c.hidden_size + c.target_hidden_size
         self.fc = nn.Linear(fc_in, c.hidden_size, bias=not wide)
-        self.layers = nn.ModuleList(HeadLayer(c, wide, input_norm=i > 0) for i in range(c.num_layers))
+        self.layers = nn.ModuleList(
+            HeadLayer(c, wide, input_norm=i > 0) for i in range(c.num_layers)
+        )
         self.norm = nn.Parameter(torch.ones(c.hidden_size)) if wide else None
         self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False) if wide else None
         # draft id -> target id ([draft_vocab] long); the identity for eagle1.
         self.register_buffer("draft_to_target", torch.arange(c.draft_vocab_size))
-        self.rope = RotaryCache(c.head_dim, c.rope_theta, dict(c.rope_scaling) if c.rope_scaling else None,
-                                c.max_positions, torch.device("cpu"))
+        self.rope = RotaryCache(
+            c.head_dim,
+            c.rope_theta,
+            dict(c.rope_scaling) if c.rope_scaling else None,
+            c.max_positions,
+            torch.device("cpu"),
+        )
 
     def fuse(self, features: torch.Tensor, emb: torch.Tensor | None = None) -> torch.Tensor:
         """The head's input hidden from target features [..., feature_size] (eagle1: with the
@@ -126,7 +140,9 @@ class EagleHead(nn.Module):
 
     # -- training: whole sequences, with EAGLE-3's training-time unrolling ----------------------
 
-    def unrolled(self, features: torch.Tensor, emb: torch.Tensor, passes: int) -> list[torch.Tensor]:
+    def unrolled(
+        self, features: torch.Tensor, emb: torch.Tensor, passes: int
+    ) -> list[torch.Tensor]:
         """Layer outputs of `passes` chained drafting passes over sequences (single-layer heads).
 
         features: [B, T, feature_size] target features at positions 0..T-1; emb: [B, T, H] the
@@ -161,7 +177,8 @@ class EagleHead(nn.Module):
 
 
 def target_head_dtype(head) -> torch.dtype:
-    """The activation dtype a target lm_head kernel takes (its parameters' or buffers' float dtype)."""
+    """The activation dtype a target lm_head kernel takes (its parameters' or buffers' float
+    dtype)."""
     for t in list(head.parameters()) + list(head.buffers()):
         if t.is_floating_point():
             return t.dtype

@@ -60,17 +60,29 @@ def head_config(path: str, sd: dict, target: ModelArchConfig) -> HeadConfig:
     if kind == "eagle1":
         aux = (target.num_hidden_layers,)
     aux = tuple(int(i) for i in (aux or default_aux_layers(target.num_hidden_layers)))
-    n_layers = 1 if kind == "eagle3" else 1 + max(int(k.split(".")[1]) for k in sd if k.startswith("layers."))
+    n_layers = (
+        1
+        if kind == "eagle3"
+        else 1 + max(int(k.split(".")[1]) for k in sd if k.startswith("layers."))
+    )
     scaling = c.get("rope_scaling")
     hc = HeadConfig(
-        kind=kind, hidden_size=H, target_hidden_size=int(c.get("target_hidden_size") or target.hidden_size),
-        num_attention_heads=heads, num_key_value_heads=c.get("num_key_value_heads", heads),
-        head_dim=c.get("head_dim") or H // heads, intermediate_size=sd[p + "mlp.gate_proj.weight"].shape[0],
+        kind=kind,
+        hidden_size=H,
+        target_hidden_size=int(c.get("target_hidden_size") or target.hidden_size),
+        num_attention_heads=heads,
+        num_key_value_heads=c.get("num_key_value_heads", heads),
+        head_dim=c.get("head_dim") or H // heads,
+        intermediate_size=sd[p + "mlp.gate_proj.weight"].shape[0],
         vocab_size=c.get("vocab_size", target.vocab_size),
         draft_vocab_size=sd["lm_head.weight"].shape[0] if kind == "eagle3" else target.vocab_size,
-        aux_layers=aux, rms_norm_eps=c.get("rms_norm_eps", 1e-5), rope_theta=c.get("rope_theta", 10000.0),
-        rope_scaling=tuple(sorted(scaling.items())) if scaling else None, num_layers=n_layers,
-        max_positions=target.max_position_embeddings)
+        aux_layers=aux,
+        rms_norm_eps=c.get("rms_norm_eps", 1e-5),
+        rope_theta=c.get("rope_theta", 10000.0),
+        rope_scaling=tuple(sorted(scaling.items())) if scaling else None,
+        num_layers=n_layers,
+        max_positions=target.max_position_embeddings,
+    )
     check_fits(hc, sd, target, path)
     return hc
 
@@ -79,19 +91,29 @@ def check_fits(c: HeadConfig, sd: dict, target: ModelArchConfig, path: str) -> N
     """Refuse a head whose shapes do not fit the target, naming what differs."""
     def need(what: str, got, want) -> None:
         if got != want:
-            raise HeadMismatchError(f"draft head {path!r} does not fit the target model: {what} is {got}, "
-                                    f"the target needs {want}")
+            raise HeadMismatchError(
+                f"draft head {path!r} does not fit the target model: {what} is {got}, "
+                f"the target needs {want}"
+            )
 
     need("config vocab_size", c.vocab_size, target.vocab_size)
     need("target_hidden_size", c.target_hidden_size, target.hidden_size)
     if "embed_tokens.weight" not in sd:  # the target's embedding feeds the head
-        need("hidden_size (the head uses the target's embedding)", c.hidden_size, target.hidden_size)
+        need(
+            "hidden_size (the head uses the target's embedding)", c.hidden_size, target.hidden_size
+        )
     else:
-        need("embed_tokens.weight shape", tuple(sd["embed_tokens.weight"].shape), (target.vocab_size, c.hidden_size))
+        need(
+            "embed_tokens.weight shape",
+            tuple(sd["embed_tokens.weight"].shape),
+            (target.vocab_size, c.hidden_size),
+        )
     bad = [i for i in c.aux_layers if not 0 <= i <= target.num_hidden_layers]
     if bad:
-        raise HeadMismatchError(f"draft head {path!r} does not fit the target model: aux hidden-state layer ids "
-                                f"{bad} are outside the target's 0..{target.num_hidden_layers}")
+        raise HeadMismatchError(
+            f"draft head {path!r} does not fit the target model: aux hidden-state layer ids "
+            f"{bad} are outside the target's 0..{target.num_hidden_layers}"
+        )
     fc_in = c.feature_size if c.kind == "eagle3" else c.hidden_size + c.target_hidden_size
     need("fc.weight shape", tuple(sd["fc.weight"].shape), (c.hidden_size, fc_in))
     if c.kind == "eagle3":
@@ -100,11 +122,15 @@ def check_fits(c: HeadConfig, sd: dict, target: ModelArchConfig, path: str) -> N
             need("d2t length (draft vocabulary)", sd["d2t"].shape[0], c.draft_vocab_size)
             ids = torch.arange(c.draft_vocab_size) + sd["d2t"].long()
             if int(ids.min()) < 0 or int(ids.max()) >= target.vocab_size:
-                raise HeadMismatchError(f"draft head {path!r} does not fit the target model: d2t maps draft ids "
-                                        f"to target ids outside 0..{target.vocab_size - 1}")
+                raise HeadMismatchError(
+                    f"draft head {path!r} does not fit the target model: d2t maps draft ids "
+                    f"to target ids outside 0..{target.vocab_size - 1}"
+                )
         elif c.draft_vocab_size != target.vocab_size:
-            raise HeadMismatchError(f"draft head {path!r} has a {c.draft_vocab_size}-token draft vocabulary "
-                                    f"but no d2t map to the target's {target.vocab_size} ids")
+            raise HeadMismatchError(
+                f"draft head {path!r} has a {c.draft_vocab_size}-token draft vocabulary "
+                f"but no d2t map to the target's {target.vocab_size} ids"
+            )
         if "t2d" in sd:
             need("t2d length (target vocabulary)", sd["t2d"].shape[0], target.vocab_size)
 
@@ -136,12 +162,16 @@ def load_head(path: str, target: ModelArchConfig) -> tuple[EagleHead, torch.Tens
         if src in sd:
             need = own[dst].shape
             if tuple(sd[src].shape) != tuple(need):
-                raise HeadMismatchError(f"draft head {path!r}: {src} has shape {tuple(sd[src].shape)}, "
-                                        f"expected {tuple(need)} from its config")
+                raise HeadMismatchError(
+                    f"draft head {path!r}: {src} has shape {tuple(sd[src].shape)}, "
+                    f"expected {tuple(need)} from its config"
+                )
             loaded[dst] = sd[src].float()
     missing = [k for k in own if k not in loaded and k != "draft_to_target"]
     if missing:
-        raise HeadMismatchError(f"draft head {path!r} lacks {', '.join(missing)} (as our module names them)")
+        raise HeadMismatchError(
+            f"draft head {path!r} lacks {', '.join(missing)} (as our module names them)"
+        )
     if c.kind == "eagle3" and "d2t" in sd:
         loaded["draft_to_target"] = torch.arange(c.draft_vocab_size) + sd["d2t"].long()
     else:
@@ -152,14 +182,18 @@ def load_head(path: str, target: ModelArchConfig) -> tuple[EagleHead, torch.Tens
     return head, emb
 
 
-def save_eagle3(head: EagleHead, path: str, dtype: torch.dtype = torch.float16, extra: dict | None = None) -> None:
+def save_eagle3(
+    head: EagleHead, path: str, dtype: torch.dtype = torch.float16, extra: dict | None = None
+) -> None:
     """Write an eagle3 head in the published layout (config.json + model.safetensors)."""
     from safetensors.torch import save_file
 
     c = head.cfg
     os.makedirs(path, exist_ok=True)
     inv = {dst: src for src, dst in _renames(c, "midlayer.").items()}
-    sd = {inv[k]: v.detach().to(dtype).contiguous() for k, v in head.state_dict().items() if k in inv}
+    sd = {
+        inv[k]: v.detach().to(dtype).contiguous() for k, v in head.state_dict().items() if k in inv
+    }
     d2t = head.draft_to_target.long()
     sd["d2t"] = (d2t - torch.arange(c.draft_vocab_size)).contiguous()
     t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
@@ -167,14 +201,22 @@ def save_eagle3(head: EagleHead, path: str, dtype: torch.dtype = torch.float16, 
     sd["t2d"] = t2d
     save_file(sd, os.path.join(path, "model.safetensors"))
     cfg = {
-        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
-        "hidden_size": c.hidden_size, "target_hidden_size": c.target_hidden_size,
-        "intermediate_size": c.intermediate_size, "num_attention_heads": c.num_attention_heads,
-        "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim, "num_hidden_layers": 1,
-        "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": c.hidden_size,
+        "target_hidden_size": c.target_hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
         "rope_scaling": dict(c.rope_scaling) if c.rope_scaling else None,
-        "vocab_size": c.vocab_size, "draft_vocab_size": c.draft_vocab_size,
-        "max_position_embeddings": c.max_positions, "torch_dtype": str(dtype).removeprefix("torch."),
+        "vocab_size": c.vocab_size,
+        "draft_vocab_size": c.draft_vocab_size,
+        "max_position_embeddings": c.max_positions,
+        "torch_dtype": str(dtype).removeprefix("torch."),
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(c.aux_layers)},
     }
     cfg.update(extra or {})

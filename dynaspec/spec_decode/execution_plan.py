@@ -22,8 +22,8 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from dynaspec.step_plan import BatchDescriptor
 from dynaspec.spec_decode.plan import SpecPlan
+from dynaspec.step_plan import BatchDescriptor
 
 MODES = ("eager", "compiled", "auto")
 MAX_BUCKET = 64
@@ -78,7 +78,7 @@ class AdmissionTable:
              "winner": "compiled" if e.compiled_wins else "eager"} for e in self.entries]}
 
     @staticmethod
-    def load(path: str) -> "AdmissionTable":
+    def load(path: str) -> AdmissionTable:
         try:
             with open(path, encoding="utf-8") as f:
                 data = json.load(f)
@@ -125,7 +125,7 @@ class ExecutionPlan:
 
     @staticmethod
     def build(plan: SpecPlan, max_num_seqs: int, mode: str = "eager", device_type: str = "cpu",
-              admission: AdmissionTable | None = None) -> "ExecutionPlan":
+              admission: AdmissionTable | None = None) -> ExecutionPlan:
         path = "cuda_graph" if device_type == "cuda" else "compiled"
         buckets = batch_buckets(max_num_seqs)
         shapes = tuple((b, 1 + k) for b, _, k in bucket_ks(plan, buckets))

@@ -40,10 +40,16 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from dynaspec.spec_decode.cost_model import StepCostModel
 from dynaspec.spec_decode.acceptance import AcceptanceHistory
-from dynaspec.spec_decode.k_policy import (RequestView, StepK, StepView,
-                                           TablePolicy, drafter_gate, hard_cap)
+from dynaspec.spec_decode.cost_model import StepCostModel
+from dynaspec.spec_decode.k_policy import (
+    RequestView,
+    StepK,
+    StepView,
+    TablePolicy,
+    drafter_gate,
+    hard_cap,
+)
 from dynaspec.spec_decode.plan import SpecPlan
 from dynaspec.spec_decode.step_width import runnable_k
 
@@ -70,8 +76,14 @@ class GoodputSettings:
             raise ValueError(f"synthetic_rates must be in [0, 1], got {self.synthetic_rates}")
         if self.probe_interval < 1:
             raise ValueError(f"probe_interval must be >= 1, got {self.probe_interval}")
-        if not self.divergence_bound > 1.0 or self.divergence_steps < 1 or self.reprobe_interval < 1:
-            raise ValueError("need divergence_bound > 1, divergence_steps >= 1, reprobe_interval >= 1")
+        if (
+            not self.divergence_bound > 1.0
+            or self.divergence_steps < 1
+            or self.reprobe_interval < 1
+        ):
+            raise ValueError(
+                "need divergence_bound > 1, divergence_steps >= 1, reprobe_interval >= 1"
+            )
 
 
 def _ema(old: float | None, new: float, alpha: float = 0.1) -> float:
@@ -115,7 +127,9 @@ class GoodputPolicy(TablePolicy):
         self.last_reprobe_step: int | None = None
         self.reprobe_pending = False
         self.num_reprobes = 0
-        self.synthetic = _FixedRates(*settings.synthetic_rates) if settings.synthetic_rates else None
+        self.synthetic = (
+            _FixedRates(*settings.synthetic_rates) if settings.synthetic_rates else None
+        )
 
     # ---- writers: called with a step's results --------------------------------------------
     def new_history(self) -> AcceptanceHistory:
@@ -167,7 +181,11 @@ class GoodputPolicy(TablePolicy):
         self.diverged_steps = self.diverged_steps + 1 if apart else 0
         last = self.last_reprobe_step
         due = last is None or self.num_decode_steps - last >= self.settings.reprobe_interval
-        if self.diverged_steps >= self.settings.divergence_steps and due and not self.reprobe_pending:
+        if (
+            self.diverged_steps >= self.settings.divergence_steps
+            and due
+            and not self.reprobe_pending
+        ):
             self.reprobe_pending, self.last_reprobe_step = True, self.num_decode_steps
             self.num_reprobes += 1
             log.info("goodput policy: modelled %.1f vs observed %.1f tokens/s for %d decode steps "
@@ -227,7 +245,9 @@ class GoodputPolicy(TablePolicy):
     def _pays(rates, cap: int, cost) -> bool:
         """Would any k <= cap beat plain decode if every request drafted like this one?"""
         plain = 1.0 / cost(1)
-        return any((1.0 + rates.expected_accepted(k)) / cost(1 + k) > plain for k in range(1, cap + 1))
+        return any(
+            (1.0 + rates.expected_accepted(k)) / cost(1 + k) > plain for k in range(1, cap + 1)
+        )
 
     def _probe_due(self, r: RequestView, ceiling: int, cost) -> bool:
         last = self.last_draft_ctx.get(r.request_id)
@@ -239,7 +259,9 @@ class GoodputPolicy(TablePolicy):
 
     def _goodput(self, view: StepView, caps: dict, fixed: dict[str, int], k: int, cost) -> float:
         per = self._per_request(caps, fixed, k)
-        tokens = sum(1.0 + self._rates(r).expected_accepted(per[r.request_id]) for r in view.requests)
+        tokens = sum(
+            1.0 + self._rates(r).expected_accepted(per[r.request_id]) for r in view.requests
+        )
         drafted = sum(per.values())
         width = 1 + runnable_k(max(per.values(), default=0), self.allowed_widths)
         return tokens / (cost(width) + self.draft_seconds_per_token * drafted)

@@ -31,9 +31,18 @@ from typing import Protocol
 
 from dynaspec.spec_decode.acceptance import AcceptanceHistory
 from dynaspec.spec_decode.plan import SpecPlan
+
 # The step view and the per-request caps live with the rest of the width logic.
-from dynaspec.spec_decode.step_width import (GlobalStepView, RequestView, StepK, StepView,  # noqa: F401
-                                             context_statistic, drafter_gate, hard_cap)
+from dynaspec.spec_decode.step_width import (  # noqa: F401
+    GlobalStepView,
+    RequestView,
+    StepK,
+    StepView,
+    context_statistic,
+    drafter_gate,
+    hard_cap,
+)
+
 
 class KPolicy(Protocol):
     """``decide`` is pure; the ``observe*``/``forget`` writers run after a step's result."""
@@ -145,7 +154,9 @@ class AdaptivePolicy(TablePolicy):
         if cost_per_width is not None:
             bad = {w: c for w, c in cost_per_width.items() if w < 1 or not c > 0}
             if not cost_per_width or bad:
-                raise ValueError(f"cost_per_width needs widths >= 1 with costs > 0, got {cost_per_width}")
+                raise ValueError(
+                    f"cost_per_width needs widths >= 1 with costs > 0, got {cost_per_width}"
+                )
         super().__init__(plan)
         self.costs = dict(cost_per_width) if cost_per_width else None
         self.min_k = min_k

@@ -58,7 +58,7 @@ class ParsedSchedule:
     notes: tuple[str, ...] = ()
 
     @staticmethod
-    def constant(k: int) -> "ParsedSchedule":
+    def constant(k: int) -> ParsedSchedule:
         _check_k(k, "constant K", k)
         return ParsedSchedule("constant", ((1, None),), ((1, None),), ((k,),), ((-1,),), (k,))
 
@@ -129,7 +129,7 @@ def parse_schedule_value(value: object) -> ParsedSchedule:
 def _parse_tuned(value: dict) -> ParsedSchedule:
     if "grid" not in value:
         raise ScheduleError(
-            f"k_schedule object has keys {sorted(value)}: a tuned table needs a \"grid\" list of rows"
+            f'k_schedule object has keys {sorted(value)}: a tuned table needs a "grid" list of rows'
         )
     rows = value["grid"]
     if not isinstance(rows, list):
@@ -160,7 +160,9 @@ def _check_entry(label: str, i: int, entry: object, width: int | None) -> None:
     """Shape and field rules for one row; ``width`` is the row form fixed by entry 0."""
     where = f"{label} {i}"
     if not isinstance(entry, list):
-        raise ScheduleError(f"{where} {_fmt(entry)}: a row must be a list {_BATCH_FIELDS} or {_GRID_FIELDS}")
+        raise ScheduleError(
+            f"{where} {_fmt(entry)}: a row must be a list {_BATCH_FIELDS} or {_GRID_FIELDS}"
+        )
     if len(entry) not in (3, 5):
         raise ScheduleError(
             f"{where} {_fmt(entry)}: has {len(entry)} fields; a batch row has 3 {_BATCH_FIELDS}, "
@@ -176,10 +178,13 @@ def _check_entry(label: str, i: int, entry: object, width: int | None) -> None:
         lo, hi = entry[2 * axis], entry[2 * axis + 1]
         name = names[axis]
         if not _is_int(lo):
-            raise ScheduleError(f"{where} {_fmt(entry)}: {name}_lo must be an integer, got {_fmt(lo)}")
+            raise ScheduleError(
+                f"{where} {_fmt(entry)}: {name}_lo must be an integer, got {_fmt(lo)}"
+            )
         if hi is not None and not _is_int(hi):
             raise ScheduleError(
-                f"{where} {_fmt(entry)}: {name}_hi must be an integer (or null when open-ended), got {_fmt(hi)}"
+                f"{where} {_fmt(entry)}: {name}_hi must be an integer (or null when open-ended), "
+                f"got {_fmt(hi)}"
             )
         if lo < 1:
             raise ScheduleError(f"{where} {_fmt(entry)}: {name}_lo must be >= 1, got {lo}")
@@ -205,14 +210,17 @@ def _parse_rows(rows: list, label: str) -> ParsedSchedule:
     return _build_grid(rows5, rows, label, form)
 
 
-def _axis(ranges: list[tuple[Range, int]], name: str, label: str, rows: list) -> tuple[tuple[Range, ...], list[str]]:
+def _axis(
+    ranges: list[tuple[Range, int]], name: str, label: str, rows: list
+) -> tuple[tuple[Range, ...], list[str]]:
     """Check one axis: starts at 1, contiguous, no overlap. Returns ranges with the last made
     open-ended, plus a note when the stated last ``hi`` was extended."""
     ranges = sorted(ranges, key=lambda r: (r[0][0], -1 if r[0][1] is None else r[0][1]))
     (first, idx) = ranges[0]
     if first[0] != 1:
         raise ScheduleError(
-            f"{label} {idx} {_fmt(rows[idx])}: {name} ranges must start at 1; the lowest starts at {first[0]}"
+            f"{label} {idx} {_fmt(rows[idx])}: {name} ranges must start at 1; the lowest starts at "
+            f"{first[0]}"
         )
     for (prev, pidx), (cur, cidx) in zip(ranges, ranges[1:]):
         where = f"{label} {cidx} {_fmt(rows[cidx])}"
@@ -229,7 +237,9 @@ def _axis(ranges: list[tuple[Range, int]], name: str, label: str, rows: list) ->
     last, lidx = ranges[-1]
     notes = []
     if last[1] is not None:
-        notes.append(f"{name} range {_fmt_range(last)} is the last: {name} above {last[1]} uses it too")
+        notes.append(
+            f"{name} range {_fmt_range(last)} is the last: {name} above {last[1]} uses it too"
+        )
     out = tuple(r for r, _ in ranges[:-1]) + ((last[0], None),)
     return out, notes
 
@@ -246,7 +256,9 @@ def _build_grid(rows5: list, rows: list, label: str, form: str) -> ParsedSchedul
                 f"{label} {j} {_fmt(rows[j])}"
             )
         cells[c] = i
-    batch, notes = _axis([(b, min(cells.values())) for b, cells in groups.items()], "batch", label, rows)
+    batch, notes = _axis(
+        [(b, min(cells.values())) for b, cells in groups.items()], "batch", label, rows
+    )
     ref_ctx: tuple[Range, ...] | None = None
     ks, sources = [], []
     batch_keys = sorted(groups, key=lambda b: b[0])
@@ -263,7 +275,9 @@ def _build_grid(rows5: list, rows: list, label: str, form: str) -> ParsedSchedul
     assert ref_ctx is not None
     if form != "batch":
         notes += ref_notes
-    return ParsedSchedule(form, batch, ref_ctx, tuple(ks), tuple(sources), tuple(rows), tuple(notes))
+    return ParsedSchedule(
+        form, batch, ref_ctx, tuple(ks), tuple(sources), tuple(rows), tuple(notes)
+    )
 
 
 def _not_rectangular(label: str, rows: list, b: Range, ref_b: Range, ctx: tuple, ref_ctx: tuple,
@@ -274,9 +288,12 @@ def _not_rectangular(label: str, rows: list, b: Range, ref_b: Range, ctx: tuple,
     for raw, i in ordered:
         if raw[0] not in ref_los:
             raise ScheduleError(
-                f"{label} {i} {_fmt(rows[i])}: grid is not rectangular: batch range {_fmt_range(b)} "
-                f"has ctx range {_fmt_range(raw)}, but batch range {_fmt_range(ref_b)} has ctx ranges "
-                f"{', '.join(map(_fmt_range, ref_ctx))} (every batch range needs the same ctx ranges)"
+                f"{label} {i} {_fmt(rows[i])}: grid is not rectangular: batch range "
+                f"{_fmt_range(b)} "
+                f"has ctx range {_fmt_range(raw)}, but batch range {_fmt_range(ref_b)} has ctx "
+                f"ranges "
+                f"{', '.join(map(_fmt_range, ref_ctx))} (every batch range needs the same ctx "
+                f"ranges)"
             )
     los = {c[0] for c in ctx}
     missing = next(c for c in ref_ctx if c[0] not in los)

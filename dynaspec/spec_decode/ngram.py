@@ -19,8 +19,8 @@ Match rule (shared by `ngram_match` and the proposer):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 

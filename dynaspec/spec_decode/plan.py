@@ -2,7 +2,8 @@
 
 Scheduler (KV lookahead = ``max_k``, the step's planned width), runner (padding to that width),
 metrics (per-position vectors of length ``max_k``), the execution plan (``widths``: the compile
-grid) and the server card all read one ``SpecPlan``; none of them reads the raw configured K, so they cannot disagree about the width
+grid) and the server card all read one ``SpecPlan``; none of them reads the raw configured K, so
+they cannot disagree about the width
 (the vLLM bug class in reference/vllm-spec-decode.md §2.5).
 
 Clamping: every entry becomes ``min(K, ceiling)`` where the ceiling is ``--num-spec-tokens``
@@ -59,17 +60,20 @@ class SpecPlan:
             raise ValueError("SpecPlan table must be a rectangular grid ordered by batch, then ctx")
         ks = {r[4] for r in self.table}
         if self.max_k != max(ks) or (self.kind != "variable" and len(ks) != 1):
-            raise ValueError(f"SpecPlan {self.kind} max_k {self.max_k} disagrees with its table K values {sorted(ks)}")
+            raise ValueError(
+                f"SpecPlan {self.kind} max_k {self.max_k} disagrees with its table K values "
+                f"{sorted(ks)}"
+            )
         object.__setattr__(self, "_batch_los", batch_los)
         object.__setattr__(self, "_ctx_los", ctx_los)
 
     # Factories for code (and tests) that need a plan without a schedule.
     @staticmethod
-    def off() -> "SpecPlan":
+    def off() -> SpecPlan:
         return SpecPlan("off", 0, (1,), ((1, None, 1, None, 0),))
 
     @staticmethod
-    def constant(k: int) -> "SpecPlan":
+    def constant(k: int) -> SpecPlan:
         return build_spec_plan("ngram", k, None)
 
     @property
@@ -79,7 +83,8 @@ class SpecPlan:
 
     @property
     def uniform_width(self) -> int | None:
-        """Verify width every decode step has: 1+k for constant, 1 without drafts, None if variable."""
+        """Verify width every decode step has: 1+k for constant, 1 without drafts, None if
+        variable."""
         if self.kind == "variable":
             return None
         return 1 + self.max_k
@@ -157,7 +162,11 @@ def build_spec_plan(
     _check_int("drafter_max_k", drafter_max_k, allow_none=True)
     if speculator == "none":
         return _off_plan(speculator, num_spec_tokens, k_schedule)
-    parsed = parse_schedule(k_schedule) if k_schedule is not None else ParsedSchedule.constant(num_spec_tokens)
+    parsed = (
+        parse_schedule(k_schedule)
+        if k_schedule is not None
+        else ParsedSchedule.constant(num_spec_tokens)
+    )
     ceiling, why = _ceiling(num_spec_tokens, drafter_max_k)
     table, clamped = _clamp(parsed, ceiling, why)
     ks = {row[4] for row in table}
@@ -169,13 +178,18 @@ def build_spec_plan(
         (k,) = ks
         kind, max_k, widths = "constant", k, (1 + k,)
         if len({k for row in parsed.ks for k in row}) > 1:
-            clamped.append(f"every entry resolves to K={k}: plan is constant({k}), verify width {1 + k} everywhere")
+            clamped.append(
+                f"every entry resolves to K={k}: plan is constant({k}), verify width {1 + k} "
+                f"everywhere"
+            )
     else:
         kind, max_k, widths = "variable", max(ks), tuple(sorted(1 + k for k in ks))
     return SpecPlan(kind, max_k, widths, table, tuple(clamped), tuple(notes))
 
 
-def _clamp(parsed: ParsedSchedule, ceiling: int | None, why: str) -> tuple[tuple[Row, ...], list[str]]:
+def _clamp(
+    parsed: ParsedSchedule, ceiling: int | None, why: str
+) -> tuple[tuple[Row, ...], list[str]]:
     rows: list[Row] = []
     lowered: dict[int, tuple[int, int]] = {}  # entry index -> (raw K, clamped K)
     for bi, (b_lo, b_hi) in enumerate(parsed.batch_ranges):
@@ -186,7 +200,8 @@ def _clamp(parsed: ParsedSchedule, ceiling: int | None, why: str) -> tuple[tuple
                 lowered[parsed.sources[bi][ci]] = (raw, k)
             rows.append((b_lo, b_hi, c_lo, c_hi, k))
     notes = [
-        f"{parsed.describe_entry(i)}: K {raw} -> {k} ({why})" for i, (raw, k) in sorted(lowered.items())
+        f"{parsed.describe_entry(i)}: K {raw} -> {k} ({why})"
+        for i, (raw, k) in sorted(lowered.items())
     ]
     return tuple(rows), notes
 
@@ -203,8 +218,10 @@ def plan_for_policy(plan: SpecPlan, policy: str | None) -> SpecPlan:
     widths = tuple(range(1, plan.max_width + 1))
     if widths == tuple(plan.widths):
         return plan
-    note = (f"K policy goodput: any K from 0 to the table's K may run on a step (the table is "
-            f"each bucket's ceiling), so the plan is variable (widths {'/'.join(map(str, widths))})")
+    note = (
+        f"K policy goodput: any K from 0 to the table's K may run on a step (the table is "
+        f"each bucket's ceiling), so the plan is variable (widths {'/'.join(map(str, widths))})"
+    )
     return SpecPlan("variable", plan.max_k, widths, plan.table, plan.clamped, (*plan.notes, note))
 
 

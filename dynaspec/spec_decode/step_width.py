@@ -24,16 +24,17 @@ The runner reads the plan and never changes a width; nothing re-measures it afte
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Mapping, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from dynaspec.step_plan import BatchDescriptor
 
 if TYPE_CHECKING:
-    from dynaspec.spec_decode.execution_plan import ExecutionPlan
     from dynaspec.spec_decode.acceptance import AcceptanceHistory
+    from dynaspec.spec_decode.execution_plan import ExecutionPlan
 
 PAD = -1  # never a real token id: rejected by the verifier, counted as invalid "padding"
 
@@ -46,12 +47,13 @@ class RequestView:
     remaining_tokens: int  # max_tokens - num_output_tokens
     max_model_len_room: int  # max_model_len - context_len
     drafter_room: int | None = None  # positions the drafter can still take; None = unlimited
-    history: "AcceptanceHistory | None" = None
+    history: AcceptanceHistory | None = None
 
 
 @dataclass(frozen=True)
 class GlobalStepView:
-    """The step summed over every data-parallel rank (docs/design.md §7), exchanged before `schedule()`.
+    """The step summed over every data-parallel rank (docs/design.md §7), exchanged before
+    `schedule()`.
 
     Under data parallelism the step's K is a function of this view (and of state every rank
     holds identically), so all ranks choose one K; per-request caps still come from each rank's
@@ -170,7 +172,7 @@ def reserve(policy: Decider, view: StepView) -> Reserve:
     return Reserve(dict(d.per_request), dict(d.reasons), d.k)
 
 
-def may_pad(exec_plan: "ExecutionPlan") -> bool:
+def may_pad(exec_plan: ExecutionPlan) -> bool:
     """Some grid shape runs fixed-shape: every decoding row may be padded to 1+K."""
     return any(exec_plan.path_for(*shape)[0] != "eager" for shape in exec_plan.grid)
 
@@ -223,7 +225,7 @@ class RowShape:
     num_lookahead: int
 
 
-def describe(exec_plan: "ExecutionPlan", rows: list[RowShape], k: int) -> BatchDescriptor:
+def describe(exec_plan: ExecutionPlan, rows: list[RowShape], k: int) -> BatchDescriptor:
     """The step's BatchDescriptor: a decode-only step verifies width 1+K (K from the plan, so
     the width is one of plan.widths); it may take a fixed-shape path only if every request has
     KV slots reserved for K drafts, because there every request is padded to the full width."""

@@ -29,13 +29,13 @@ from __future__ import annotations
 import bisect
 import math
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
 from dynaspec.request import Request
-from dynaspec.spec_decode.base import Drafts, DrafterCacheStats, Proposer, deterministic_drafts
+from dynaspec.spec_decode.base import DrafterCacheStats, Drafts, Proposer, deterministic_drafts
 from dynaspec.spec_decode.suffix_index import SuffixIndex
 
 _MIN_COMPACT = 4096  # dead tokens tolerated before a compaction, at least
@@ -59,7 +59,9 @@ class SuffixParams:
 
     def __post_init__(self) -> None:
         if self.max_depth < 3:
-            raise ValueError(f"suffix max_depth must be >= 3 (a 2-token match and 1 draft), got {self.max_depth}")
+            raise ValueError(
+                f"suffix max_depth must be >= 3 (a 2-token match and 1 draft), got {self.max_depth}"
+            )
         if not self.spec_factor > 0:
             raise ValueError(f"suffix spec_factor must be > 0, got {self.spec_factor}")
         if not 0.0 <= self.min_token_prob <= 1.0:

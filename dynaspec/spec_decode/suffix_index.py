@@ -21,7 +21,7 @@ numpy). Match lengths start at 2: one shared token is too weak a signal to draft
 from __future__ import annotations
 
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -132,7 +132,9 @@ class SuffixIndex:
         best = int(run.max())
         return cand[run == best], m + best
 
-    def follow(self, ends: np.ndarray, max_tokens: int, min_prob: float) -> tuple[list[int], list[float]]:
+    def follow(
+        self, ends: np.ndarray, max_tokens: int, min_prob: float
+    ) -> tuple[list[int], list[float]]:
         """The most frequent continuation path after the occurrences ending at `ends`.
 
         Step j keeps the occurrences that agree with the path so far; its token is the most

@@ -9,7 +9,8 @@ runs without the `structured` extra until a request asks for a grammar.
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 

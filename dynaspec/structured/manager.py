@@ -12,12 +12,12 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
-from dynaspec.step_plan import ScheduledRequest
 from dynaspec.request import Request
+from dynaspec.step_plan import ScheduledRequest
 from dynaspec.structured.backend import GrammarBackend, Matcher, allocate_bitmask, load_backend
 from dynaspec.structured.params import StructuredOutputParams
 from dynaspec.structured.step import GrammarStep

@@ -1,4 +1,5 @@
-"""Training text for a draft head, from what this machine has offline, kept apart from the bench prompts.
+"""Training text for a draft head, from what this machine has offline, kept apart from the bench
+prompts.
 
 Two sources, token sequences of the target's tokenizer:
 - Python standard library sources, excluding every module the bench workloads draw prompts from
@@ -26,14 +27,18 @@ _TOPICS = (
     "Write a short tutorial on `{m}` for a beginner.",
 )
 _GENERAL = (
-    "Write a Python function that {t}, with a docstring.", "Explain step by step how to {t} in Python.",
+    "Write a Python function that {t}, with a docstring.",
+    "Explain step by step how to {t} in Python.",
 )
 _TASKS = (
     "reverses the words of a sentence", "counts vowels in a string", "merges two sorted lists",
     "checks whether a number is prime", "flattens a nested list", "parses a date string",
-    "reads a CSV file into dictionaries", "computes a moving average", "removes duplicates keeping order",
-    "finds the longest common prefix", "converts Celsius to Fahrenheit", "validates an email address",
-    "groups words by their first letter", "computes the factorial iteratively", "sorts a list of tuples",
+    "reads a CSV file into dictionaries", "computes a moving average", "removes duplicates keeping "
+    "order",
+    "finds the longest common prefix", "converts Celsius to Fahrenheit", "validates an email "
+    "address",
+    "groups words by their first letter", "computes the factorial iteratively", "sorts a list of "
+    "tuples",
     "retries a function call with backoff", "chunks a list into pieces of size n",
 )  # fmt: skip
 
@@ -53,7 +58,9 @@ def stdlib_files(seed: int) -> list[str]:
     root, skip = workloads.stdlib_dir(), held_out_modules()
     out = []
     for d, dirs, files in os.walk(root):
-        dirs[:] = sorted(x for x in dirs if x not in ("test", "tests", "idlelib", "site-packages", "__pycache__"))
+        dirs[:] = sorted(
+            x for x in dirs if x not in ("test", "tests", "idlelib", "site-packages", "__pycache__")
+        )
         for f in sorted(files):
             rel = os.path.relpath(os.path.join(d, f), root)
             if f.endswith(".py") and rel not in skip and "test" not in rel:
@@ -92,7 +99,9 @@ def chat_prompts(files: list[str], n: int, seed: int) -> list[str]:
         elif kind == 1:
             prompts.append(rng.choice(_GENERAL).format(t=rng.choice(_TASKS)))
         else:
-            prompts.append(_edit_prompt(rng, files) or rng.choice(_TOPICS).format(m=rng.choice(mods)))
+            prompts.append(
+                _edit_prompt(rng, files) or rng.choice(_TOPICS).format(m=rng.choice(mods))
+            )
     return prompts
 
 
@@ -105,17 +114,29 @@ def _edit_prompt(rng: random.Random, files: list[str]) -> str | None:
     except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
         return None
     lines = text.splitlines(keepends=True)
-    fns = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and 8 <= (n.end_lineno or 0) - n.lineno <= 40]
+    fns = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.FunctionDef) and 8 <= (n.end_lineno or 0) - n.lineno <= 40
+    ]
     if not fns:
         return None
     fn = rng.choice(fns)
     src = "".join(lines[fn.lineno - 1: fn.end_lineno])
     import textwrap
 
-    ask = rng.choice(("adding a short docstring", "adding type hints to its parameters and return value",
-                      "adding a one-line comment above each return statement"))
-    return f"Repeat the Python function `{fn.name}` exactly, {ask}. Output only the code.\n\n```python\n" \
-           f"{textwrap.dedent(src)}```"
+    ask = rng.choice(
+        (
+            "adding a short docstring",
+            "adding type hints to its parameters and return value",
+            "adding a one-line comment above each return statement",
+        )
+    )
+    return (
+        f"Repeat the Python function `{fn.name}` exactly, {ask}. Output only the "
+        f"code.\n\n```python\n"
+        f"{textwrap.dedent(src)}```"
+    )
 
 
 def generate_answers(llm, prompts: list[str], max_tokens: int, seq_len: int) -> list[list[int]]:
@@ -123,7 +144,9 @@ def generate_answers(llm, prompts: list[str], max_tokens: int, seq_len: int) -> 
     from dynaspec.sampling_params import SamplingParams
 
     tok = llm.tokenizer
-    ids = [list(tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])))[-seq_len // 2:]
-           for p in prompts]
+    ids = [
+        list(tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])))[-seq_len // 2 :]
+        for p in prompts
+    ]
     outs = llm.generate(ids, [SamplingParams(temperature=0.0, max_tokens=max_tokens)] * len(ids))
     return [(i + list(o.token_ids))[:seq_len] for i, o in zip(ids, outs)]

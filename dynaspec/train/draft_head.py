@@ -108,7 +108,9 @@ def select(seqs: list[list[int]], num_generated: int, max_tokens: int) -> list[l
     return out
 
 
-def draft_vocab(seqs: list[list[int]], size: int, vocab: int, always: tuple[int, ...]) -> torch.Tensor:
+def draft_vocab(
+    seqs: list[list[int]], size: int, vocab: int, always: tuple[int, ...]
+) -> torch.Tensor:
     """The `size` most frequent ids of the corpus (plus `always`, e.g. EOS), sorted: [size]."""
     counts = torch.zeros(vocab, dtype=torch.long)
     for s in seqs:
@@ -120,12 +122,22 @@ def draft_vocab(seqs: list[list[int]], size: int, vocab: int, always: tuple[int,
 def new_head(model, cfg: TrainConfig, d2t: torch.Tensor) -> EagleHead:
     a = model.cfg
     scaling = tuple(sorted(a.rope_scaling.items())) if a.rope_scaling else None
-    hc = HeadConfig(kind="eagle3", hidden_size=a.hidden_size, target_hidden_size=a.hidden_size,
-                    num_attention_heads=a.num_attention_heads, num_key_value_heads=a.num_key_value_heads,
-                    head_dim=a.head_dim, intermediate_size=cfg.intermediate_size or a.intermediate_size,
-                    vocab_size=a.vocab_size, draft_vocab_size=len(d2t),
-                    aux_layers=default_aux_layers(a.num_hidden_layers), rms_norm_eps=a.rms_norm_eps,
-                    rope_theta=a.rope_theta, rope_scaling=scaling, max_positions=a.max_position_embeddings)
+    hc = HeadConfig(
+        kind="eagle3",
+        hidden_size=a.hidden_size,
+        target_hidden_size=a.hidden_size,
+        num_attention_heads=a.num_attention_heads,
+        num_key_value_heads=a.num_key_value_heads,
+        head_dim=a.head_dim,
+        intermediate_size=cfg.intermediate_size or a.intermediate_size,
+        vocab_size=a.vocab_size,
+        draft_vocab_size=len(d2t),
+        aux_layers=default_aux_layers(a.num_hidden_layers),
+        rms_norm_eps=a.rms_norm_eps,
+        rope_theta=a.rope_theta,
+        rope_scaling=scaling,
+        max_positions=a.max_position_embeddings,
+    )
     torch.manual_seed(cfg.seed)
     head = EagleHead(hc)
     head.draft_to_target.copy_(d2t)
@@ -161,7 +173,9 @@ def collate(model, seqs, cached) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return feats, emb, nxt, lens
 
 
-def step_loss(head: EagleHead, model, seqs, cached, t2d, passes: int) -> tuple[torch.Tensor, list[float]]:
+def step_loss(
+    head: EagleHead, model, seqs, cached, t2d, passes: int
+) -> tuple[torch.Tensor, list[float]]:
     """Weighted loss over the passes and each pass's top-1 accuracy (bf16 autocast: measured
     here ~4x faster than fp32 for the head's step; the weights and the optimizer stay fp32)."""
     feats, emb, nxt, lens = collate(model, seqs, cached)
@@ -175,7 +189,9 @@ def step_loss(head: EagleHead, model, seqs, cached, t2d, passes: int) -> tuple[t
             lk = lab.clone()
             lk[:, :k] = IGNORE  # pass k+1 rows s < k have no previous output to read
             logits = head.logits(out).float()  # [B, T, Vd]
-            loss = loss + 0.8 ** k * F.cross_entropy(logits.flatten(0, 1), lk.flatten(), ignore_index=IGNORE)
+            loss = loss + 0.8**k * F.cross_entropy(
+                logits.flatten(0, 1), lk.flatten(), ignore_index=IGNORE
+            )
             m = lk != IGNORE
             accs.append(float((logits.argmax(-1)[m] == lk[m]).float().mean()) if m.any() else 0.0)
     return loss, accs
@@ -204,7 +220,9 @@ def train(model, seqs: list[list[int]], cached: list, d2t: torch.Tensor, cfg: Tr
     os.makedirs(cfg.out, exist_ok=True)
     state_path = os.path.join(cfg.out, "train_state.pt")
     head = new_head(model, cfg, d2t)
-    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
+    opt = torch.optim.AdamW(
+        [p for p in head.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0
+    )
     hist = {"step": [], "loss": [], "acc": [], "seconds": 0.0}
     start = 0
     if os.path.exists(state_path):
@@ -220,7 +238,9 @@ def train(model, seqs: list[list[int]], cached: list, d2t: torch.Tensor, cfg: Tr
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
         idx = batch_at(step, len(seqs), cfg)
-        loss, accs = step_loss(head, model, [seqs[i] for i in idx], [cached[i] for i in idx], t2d, cfg.passes)
+        loss, accs = step_loss(
+            head, model, [seqs[i] for i in idx], [cached[i] for i in idx], t2d, cfg.passes
+        )
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -233,8 +253,15 @@ def train(model, seqs: list[list[int]], cached: list, d2t: torch.Tensor, cfg: Tr
         if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
             hist["seconds"] += time.perf_counter() - t0
             t0 = time.perf_counter()
-            torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "hist": hist, "step": step + 1},
-                       state_path + ".tmp")
+            torch.save(
+                {
+                    "head": head.state_dict(),
+                    "opt": opt.state_dict(),
+                    "hist": hist,
+                    "step": step + 1,
+                },
+                state_path + ".tmp",
+            )
             os.replace(state_path + ".tmp", state_path)
     save_eagle3(head, os.path.join(cfg.out, "head"), extra={"dynaspec_training": asdict(cfg)})
     with open(os.path.join(cfg.out, "history.json"), "w", encoding="utf-8") as f:

@@ -41,7 +41,9 @@ class FixedShapeExecutor(Protocol):
         """False when the shape is broken or its build would exceed the budget."""
         ...
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, md: DecodeMetadata) -> torch.Tensor:
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, md: DecodeMetadata
+    ) -> torch.Tensor:
         """input_ids, positions: [B_pad*W]. Returns float32 logits [B_pad*W, vocab]."""
         ...
 
@@ -68,28 +70,54 @@ class _Base:
             return True
         if self.total_build_seconds >= self.budget_s:
             if not self._budget_logged:
-                log.warning("%s build budget %.0f s spent (%.1f s over %d shapes): shapes not built "
-                            "yet run eager", self.path, self.budget_s, self.total_build_seconds,
-                            len(self.build_seconds))
+                log.warning(
+                    "%s build budget %.0f s spent (%.1f s over %d shapes): shapes not built "
+                    "yet run eager",
+                    self.path,
+                    self.budget_s,
+                    self.total_build_seconds,
+                    len(self.build_seconds),
+                )
                 self._budget_logged = True
             return False
         return True
 
-    def _step(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-              block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> torch.Tensor:
+    def _step(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        block_size: int,
+    ) -> torch.Tensor:
         width = input_ids.shape[0] // context_lens.shape[0]
         md = DecodeMetadata(slot_mapping, block_tables, context_lens, block_size, width)
-        return self.model.forward_traceable(input_ids, positions, self.kv_caches, md, None, self.backend)
+        return self.model.forward_traceable(
+            input_ids, positions, self.kv_caches, md, None, self.backend
+        )
 
     def _built(self, key: tuple[int, int], seconds: float) -> None:
         self.build_seconds[key] = seconds
-        log.info("%s decode shape (requests %d, width %d) built in %.1f s (%.1f s total, %d shapes)",
-                 self.path, key[0], key[1], seconds, self.total_build_seconds, len(self.build_seconds))
+        log.info(
+            "%s decode shape (requests %d, width %d) built in %.1f s (%.1f s total, %d shapes)",
+            self.path,
+            key[0],
+            key[1],
+            seconds,
+            self.total_build_seconds,
+            len(self.build_seconds),
+        )
 
     def fail(self, key: tuple[int, int], exc: BaseException) -> None:
         self.broken.add(key)
-        log.error("%s decode shape (requests %d, width %d) failed, running it eager from now on: %s",
-                  self.path, key[0], key[1], exc)
+        log.error(
+            "%s decode shape (requests %d, width %d) failed, running it eager from now on: %s",
+            self.path,
+            key[0],
+            key[1],
+            exc,
+        )
 
 
 class CompiledDecode(_Base):
@@ -117,7 +145,9 @@ class CompiledDecode(_Base):
         self._fn = torch.compile(types.MethodType(fresh, self), backend=backend, dynamic=False,
                                  fullgraph=True)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, md: DecodeMetadata) -> torch.Tensor:
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, md: DecodeMetadata
+    ) -> torch.Tensor:
         from torch._dynamo.utils import counters
 
         key = (md.context_lens.shape[0], md.width)
@@ -128,7 +158,9 @@ class CompiledDecode(_Base):
                            md.block_size)
         if key not in self.build_seconds:
             if counters["stats"]["unique_graphs"] == graphs:
-                raise RuntimeError("torch.compile produced no graph for a new shape (it ran uncompiled)")
+                raise RuntimeError(
+                    "torch.compile produced no graph for a new shape (it ran uncompiled)"
+                )
             self._built(key, time.perf_counter() - t0)
         return out
 
@@ -143,7 +175,9 @@ class CudaGraphDecode(_Base):
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, tuple]] = {}
         self.pool = None
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, md: DecodeMetadata) -> torch.Tensor:
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, md: DecodeMetadata
+    ) -> torch.Tensor:
         key = (md.context_lens.shape[0], md.width)
         args = (input_ids, positions, md.slot_mapping, md.block_tables, md.context_lens)
         entry = self.graphs.get(key)
@@ -155,7 +189,9 @@ class CudaGraphDecode(_Base):
             return entry[1]  # the warm-up ran this step for real; its output is valid
         graph, out, captured = entry
         if any(a.data_ptr() != c.data_ptr() for a, c in zip(args, captured)):
-            raise RuntimeError("CUDA graph inputs moved: the runner must pass its persistent buffers")
+            raise RuntimeError(
+                "CUDA graph inputs moved: the runner must pass its persistent buffers"
+            )
         graph.replay()
         return out
 

@@ -23,12 +23,15 @@ class InputBuffers:
 
     @staticmethod
     def allocate(max_tokens: int, max_reqs: int, max_blocks: int, scratch_block: int,
-                 device: torch.device) -> "InputBuffers":
+                 device: torch.device) -> InputBuffers:
         def zeros(n: int) -> torch.Tensor:
             return torch.zeros(n, dtype=torch.long, device=device)
-        return InputBuffers(zeros(max_tokens), zeros(max_tokens), zeros(max_tokens),
-                            MetadataBuffers.allocate(max_reqs, max_blocks, max_tokens, scratch_block,
-                                                     device))
+        return InputBuffers(
+            zeros(max_tokens),
+            zeros(max_tokens),
+            zeros(max_tokens),
+            MetadataBuffers.allocate(max_reqs, max_blocks, max_tokens, scratch_block, device),
+        )
 
     @property
     def max_tokens(self) -> int:

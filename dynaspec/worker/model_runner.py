@@ -29,12 +29,12 @@ from dynaspec.request import Request
 from dynaspec.sample.logits_processor import LogitsProcessing
 from dynaspec.sample.metadata import SamplingMetadata
 from dynaspec.sample.rejection_sampler import rejection_sample
-from dynaspec.sample.synthetic import SyntheticVerifier
 from dynaspec.sample.sampler import Sampler
+from dynaspec.sample.synthetic import SyntheticVerifier
 from dynaspec.spec_decode import step_width as width
 from dynaspec.spec_decode.base import Drafts, Proposer
-from dynaspec.step_plan import BatchDescriptor, StepPlan
 from dynaspec.spec_decode.eagle import HiddenStates
+from dynaspec.step_plan import BatchDescriptor, StepPlan
 from dynaspec.structured.manager import StructuredOutputManager
 from dynaspec.worker.compiled import FixedShapeExecutor
 from dynaspec.worker.input_buffers import InputBuffers
@@ -120,7 +120,9 @@ class ModelRunner:
         idx = [i for i, s in enumerate(out.scheduled) if s.draft_budget > 0]
         if idx and self.proposer is not None:
             reqs = [out.scheduled[i].request for i in idx]
-            drafts: Drafts = self.proposer.propose(reqs, [out.scheduled[i].draft_budget for i in idx])
+            drafts: Drafts = self.proposer.propose(
+                reqs, [out.scheduled[i].draft_budget for i in idx]
+            )
             for j, req in enumerate(reqs):
                 d = list(drafts.token_ids[j][: out.scheduled[idx[j]].draft_budget])
                 if self.synthetic is not None:
@@ -158,7 +160,8 @@ class ModelRunner:
         drafts, draft_probs, draft_skips = self._draft(out)
         t1 = time.perf_counter()
         num_real = {rid: len(d) for rid, d in drafts.items()}
-        # Structured output: cut grammar-invalid drafts before they are verified (docs/design.md §7c);
+        # Structured output: cut grammar-invalid drafts before they are verified (docs/design.md
+        # §7c);
         # the row is padded back to the planned width after the cut.
         grammar = self.structured.begin_step(out.scheduled, drafts, draft_probs) \
             if self.structured is not None else None
@@ -242,7 +245,11 @@ class ModelRunner:
         (budget spent, build failed) runs eager and reports the eager descriptor."""
         if batch.fixed_shape:
             ex = self.executor
-            if ex is not None and ex.path == batch.path and ex.ready(batch.num_reqs_padded, batch.width):
+            if (
+                ex is not None
+                and ex.path == batch.path
+                and ex.ready(batch.num_reqs_padded, batch.width)
+            ):
                 try:
                     return self._forward_fixed(x, batch, ex)
                 except Exception as exc:  # noqa: BLE001 - eager is always correct
@@ -298,7 +305,9 @@ class ModelRunner:
 
     def _sample(self, p: PreparedStep, logits: torch.Tensor) -> list[RequestResult]:
         out, sampling, drafts, md = p.out, p.inputs.sampling, p.drafts, p.sampling_md
-        results = [RequestResult(s.request.request_id, [], 0, 0, s.skip_reason) for s in out.scheduled]
+        results = [
+            RequestResult(s.request.request_id, [], 0, 0, s.skip_reason) for s in out.scheduled
+        ]
         if not sampling:
             return results
         reqs = [out.scheduled[i].request for i, _ in sampling]
@@ -328,7 +337,9 @@ class ModelRunner:
             if valid == 0 and r.skip_reason is None and n == 0:
                 r.skip_reason = p.draft_skips.get(req.request_id)
             if req.sampling_params.logprobs is not None:
-                r.logprobs = _logprobs(logits[row: row + len(toks)], toks, req.sampling_params.logprobs)
+                r.logprobs = _logprobs(
+                    logits[row : row + len(toks)], toks, req.sampling_params.logprobs
+                )
             row += n + 1
         return results
 

@@ -1,4 +1,5 @@
-"""Schemathesis hooks used by scripts/clients/fuzz.sh (loaded through SCHEMATHESIS_HOOKS=fuzz_hooks).
+"""Schemathesis hooks used by scripts/clients/fuzz.sh (loaded through
+SCHEMATHESIS_HOOKS=fuzz_hooks).
 
 A fixed copy of ../shared/clients/fuzz_hooks.py. What it changes in a generated body, and why:
 
@@ -65,8 +66,17 @@ def _cap_tokens(body):
 
 def _tool_rules(body):
     tools = body.get("tools")
-    fns = [t["function"] for t in tools if isinstance(t, dict) and isinstance(t.get("function"), dict)
-           and isinstance(t["function"].get("name"), str)] if isinstance(tools, list) else []
+    fns = (
+        [
+            t["function"]
+            for t in tools
+            if isinstance(t, dict)
+            and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str)
+        ]
+        if isinstance(tools, list)
+        else []
+    )
     seen = set()
     for i, fn in enumerate(fns):
         if fn["name"] in seen:
@@ -123,7 +133,9 @@ def after_call(context, case, response):
     rec = {"method": case.method, "path": case.formatted_path, "status": response.status_code,
            "elapsed_s": round(elapsed, 3)}
     if response.status_code >= 500:
-        rec["request_body"] = json.dumps(case.body, default=str)[:600] if case.body is not None else None
+        rec["request_body"] = (
+            json.dumps(case.body, default=str)[:600] if case.body is not None else None
+        )
         rec["response"] = response.text[:600]
     with open(LOG, "a") as f:
         f.write(json.dumps(rec) + "\n")

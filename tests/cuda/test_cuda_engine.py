@@ -1,4 +1,5 @@
-"""CUDA checks: run where a GPU is present (scripts/gpu_check.sh), skipped with the reason elsewhere."""
+"""CUDA checks: run where a GPU is present (scripts/gpu_check.sh), skipped with the reason
+elsewhere."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ from dynaspec import LLM
 
 from ..e2e.conftest import greedy, random_prompts
 
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")]
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine"),
+]
 
 
 def _run(model: str, prompts, **kw) -> tuple[list[list[int]], LLM]:
@@ -21,8 +24,14 @@ def _run(model: str, prompts, **kw) -> tuple[list[list[int]], LLM]:
 def test_cuda_greedy_with_ngram_equals_without(tiny_llama_dir):
     prompts = random_prompts(6, 280, seed=21, lo=4, hi=50, repetitive=True)
     plain, _ = _run(tiny_llama_dir, prompts)
-    spec, llm = _run(tiny_llama_dir, prompts, speculator="ngram", num_spec_tokens=3, k_policy="table",
-                     prompt_lookup_min=1)
+    spec, llm = _run(
+        tiny_llama_dir,
+        prompts,
+        speculator="ngram",
+        num_spec_tokens=3,
+        k_policy="table",
+        prompt_lookup_min=1,
+    )
     assert llm.engine.counters.num_draft_tokens > 0
     assert spec == plain
 

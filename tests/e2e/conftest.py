@@ -26,19 +26,24 @@ def last_logits(model: str, token_ids: list[int]) -> torch.Tensor:
     n = len(token_ids)
     blocks = list(range((n + 15) // 16))
     m = eng.parts.model
-    md = m.attn.build_metadata(AttentionBatch([n], [n], [blocks], eng.parts.kv.block_size, torch.device("cpu")))
+    md = m.attn.build_metadata(
+        AttentionBatch([n], [n], [blocks], eng.parts.kv.block_size, torch.device("cpu"))
+    )
     return m.forward(torch.tensor(token_ids), torch.arange(n), eng.runner.kv_caches, md,
                      torch.tensor([n - 1]))[0]
 
 
 def assert_greedy_equal(model: str, prompt_ids: list[int], ref: list[int], got: list[int],
                         label: str = "") -> None:
-    """Token-exact, except a divergence at a near tie of the reference's top-2 logits (docs/design.md §9)."""
+    """Token-exact, except a divergence at a near tie of the reference's top-2 logits
+    (docs/design.md §9)."""
     if ref == got:
         return
     i = next((j for j, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
     if i >= min(len(ref), len(got)):
-        raise AssertionError(f"{label}: lengths differ ({len(ref)} vs {len(got)}) with equal prefix")
+        raise AssertionError(
+            f"{label}: lengths differ ({len(ref)} vs {len(got)}) with equal prefix"
+        )
     logits = last_logits(model, prompt_ids + ref[:i])
     top2 = torch.topk(logits, 2).values
     gap = float(top2[0] - top2[1])
@@ -77,7 +82,8 @@ def check_integrity():
 
 @pytest.fixture(scope="session")
 def tiny_draft_dir(tiny_llama_dir, tmp_path_factory) -> str:
-    """A tiny random draft sharing tiny_llama's vocabulary but not its weights (near-0% acceptance)."""
+    """A tiny random draft sharing tiny_llama's vocabulary but not its weights (near-0%
+    acceptance)."""
     import os
     import shutil
 

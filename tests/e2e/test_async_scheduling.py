@@ -1,4 +1,5 @@
-"""--async-scheduling: the same greedy output as the sync step, token for token (docs/design.md §7b).
+"""--async-scheduling: the same greedy output as the sync step, token for token (docs/design.md
+§7b).
 
 Each comparison runs the same prompts through a sync and an async engine (fp32, tiny model),
 batched, with and without n-gram speculation, with stop strings and max_tokens that cut in the
@@ -12,9 +13,9 @@ from __future__ import annotations
 import pytest
 
 from dynaspec import LLM, SamplingParams
+from tests.cost_tables import FREE_VERIFY
 
 from .conftest import assert_greedy_equal, greedy, random_prompts, watch_steps
-from tests.cost_tables import FREE_VERIFY
 
 
 def _engine(model: str, async_scheduling: bool, **kw) -> LLM:
@@ -68,7 +69,9 @@ def test_async_equals_sync_batched(tiny_llama_dir, prompts12, spec):
     _check_books(sync_llm, ref)
     _check_books(async_llm, got)
     # Both paths count each prompt token once (no preemption, no prefix cache here).
-    assert sync_llm.engine.scheduler.num_preemptions == async_llm.engine.scheduler.num_preemptions == 0
+    assert (
+        sync_llm.engine.scheduler.num_preemptions == async_llm.engine.scheduler.num_preemptions == 0
+    )
     prompt_total = sum(len(p) for p in prompts12)
     assert sync_llm.engine.num_prompt_tokens_total == prompt_total
     assert async_llm.engine.num_prompt_tokens_total == prompt_total
@@ -256,9 +259,15 @@ def test_structured_output_async_equals_sync(tiny_llama_dir):
     pytest.importorskip("xgrammar")
     from dynaspec.structured import StructuredOutputParams
 
-    schema = {"type": "object", "properties": {"kind": {"enum": ["fox", "dog"]},
-                                               "n": {"type": "integer", "minimum": 0, "maximum": 99}},
-              "required": ["kind", "n"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {
+            "kind": {"enum": ["fox", "dog"]},
+            "n": {"type": "integer", "minimum": 0, "maximum": 99},
+        },
+        "required": ["kind", "n"],
+        "additionalProperties": False,
+    }
     ref_llm = _engine(tiny_llama_dir, False)
     tok = ref_llm.tokenizer
     texts = ['{"kind": "fox", "n": 12} {"kind": "dog", "n": 3} ', "The quick brown fox. " * 3]

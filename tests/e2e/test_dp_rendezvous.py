@@ -69,9 +69,11 @@ def test_front_end_killed_outright_leaves_no_rank(tiny_llama_dir, tmp_path):
     script.write_text(  # no __main__ guard needed: ranks are fresh interpreters
         "import sys, time\n"
         "from dynaspec import LLM\n"
-        f"llm = LLM(model={tiny_llama_dir!r}, dtype='float32', num_kv_blocks=32, data_parallel_size=2)\n"
+        f"llm = LLM(model={tiny_llama_dir!r}, dtype='float32', num_kv_blocks=32, "
+        f"data_parallel_size=2)\n"
         "print(' '.join(map(str, llm.engine.rank_pids().values())), flush=True)\n"
-        "time.sleep(600)\n")
+        "time.sleep(600)\n"
+    )
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     front = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
                              env={**os.environ, "PYTHONPATH": root})

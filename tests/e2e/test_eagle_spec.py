@@ -17,20 +17,28 @@ from ..model.tiny_eagle import write_eagle1, write_eagle3
 from .conftest import greedy, random_prompts
 
 MAX_TOKENS = 24
-needs_kernels = pytest.mark.skipif(int8_dot.kernel_isa() == "unavailable", reason="the C++ kernels are not built")
+needs_kernels = pytest.mark.skipif(
+    int8_dot.kernel_isa() == "unavailable", reason="the C++ kernels are not built"
+)
 
 
 @pytest.fixture(scope="module")
 def prompts():
-    return random_prompts(3, 280, seed=5, lo=6, hi=40, repetitive=True) + random_prompts(2, 280, seed=6)
+    return random_prompts(3, 280, seed=5, lo=6, hi=40, repetitive=True) + random_prompts(
+        2, 280, seed=6
+    )
 
 
 @pytest.fixture(scope="module")
 def heads(tmp_path_factory) -> dict[str, str]:
     d = tmp_path_factory.mktemp("heads")
-    return {"copy": write_eagle1(str(d / "copy"), copy=True),
-            "eagle1": write_eagle1(str(d / "e1"), layers=2),
-            "eagle3": write_eagle3(str(d / "e3"), fmt="bin", prefix="layers.0.", aux=[0, 1, 1], scale=0.3)}
+    return {
+        "copy": write_eagle1(str(d / "copy"), copy=True),
+        "eagle1": write_eagle1(str(d / "e1"), layers=2),
+        "eagle3": write_eagle3(
+            str(d / "e3"), fmt="bin", prefix="layers.0.", aux=[0, 1, 1], scale=0.3
+        ),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +64,9 @@ def test_greedy_with_eagle_heads_equals_no_speculation(tiny_llama_dir, q41, head
         assert got == ref, name
         assert c.num_draft_tokens > 0, name
         if name == "copy":  # drafts the target's own choice: most are accepted, at every position
-            assert c.num_accepted_tokens > 0.4 * c.num_emitted_tokens and min(c.accepted_per_pos) > 0
+            assert (
+                c.num_accepted_tokens > 0.4 * c.num_emitted_tokens and min(c.accepted_per_pos) > 0
+            )
 
 
 def test_goodput_policy_drafts_with_the_head_and_stays_lossless(tiny_llama_dir, heads, prompts):

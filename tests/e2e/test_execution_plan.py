@@ -9,7 +9,6 @@ machine); the exactness test compiles with inductor, the real path, on two shape
 from __future__ import annotations
 
 import json
-import os
 import shutil
 
 import pytest
@@ -110,8 +109,15 @@ def test_draft_position_limit_clamps_the_plan(tiny_llama_dir, tmp_path, check_in
     cfg["max_position_embeddings"] = 3  # a drafter that can never draft more than 2 tokens
     (short / "config.json").write_text(json.dumps(cfg))
     # table: the constant plan's clamp is under test (goodput would add width 1: variable)
-    llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=256, k_policy="table", speculator="draft",
-              draft_model=str(short), num_spec_tokens=4)
+    llm = LLM(
+        model=tiny_llama_dir,
+        dtype="float32",
+        num_kv_blocks=256,
+        k_policy="table",
+        speculator="draft",
+        draft_model=str(short),
+        num_spec_tokens=4,
+    )
     check_integrity(llm.engine)
     plan = llm.engine.plan
     assert (plan.kind, plan.max_k, plan.widths) == ("constant", 2, (3,))
@@ -139,11 +145,30 @@ def test_explain_shows_draft_clamp_and_execution_rows(tiny_llama_dir, tmp_path, 
         {"num_reqs_padded": 2, "width": 3, "ratio": 0.99, "ci": [0.9, 1.08], "eager_ms": 10,
          "compiled_ms": 9.9}]}
     (tmp_path / "k.admission.json").write_text(json.dumps(adm))
-    assert main(["schedule", "explain", "--speculator", "draft", "--num-spec-tokens", "4",
-                 "--k-schedule", str(table), "--draft-model", str(short), "--max-num-seqs", "4"]) == 0
+    assert (
+        main(
+            [
+                "schedule",
+                "explain",
+                "--speculator",
+                "draft",
+                "--num-spec-tokens",
+                "4",
+                "--k-schedule",
+                str(table),
+                "--draft-model",
+                str(short),
+                "--max-num-seqs",
+                "4",
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "drafter limit 2" in text and "plan: constant(2)" in text
-    rows = [line.split() for line in text.splitlines() if line.strip().startswith(("1 ", "2 ", "3-4 "))]
+    rows = [
+        line.split() for line in text.splitlines() if line.strip().startswith(("1 ", "2 ", "3-4 "))
+    ]
     assert rows[0][:5] == ["1", "1", "2", "3", "compiled"] and "0.700" in " ".join(rows[0])
     assert rows[1][:5] == ["2", "2", "2", "3", "eager"], "a CI reaching 1 is not a win"
     assert rows[2][4] == "eager" and "unmeasured -> eager" in " ".join(rows[2])
@@ -155,12 +180,24 @@ def test_auto_runs_compiled_only_for_measured_winners(tiny_llama_dir, tmp_path, 
         {"num_reqs_padded": 2, "width": 3, "ratio": 0.8, "ci": [0.7, 0.9], "eager_ms": 1,
          "compiled_ms": 0.8}]}))
     # table: every decode step at width 3, the one width the admission file measured
-    llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=256, k_policy="table", speculator="ngram",
-              num_spec_tokens=2, prompt_lookup_min=1, max_num_seqs=2, execution="auto",
-              admission=str(adm), compile_backend="aot_eager")
+    llm = LLM(
+        model=tiny_llama_dir,
+        dtype="float32",
+        num_kv_blocks=256,
+        k_policy="table",
+        speculator="ngram",
+        num_spec_tokens=2,
+        prompt_lookup_min=1,
+        max_num_seqs=2,
+        execution="auto",
+        admission=str(adm),
+        compile_backend="aot_eager",
+    )
     check_integrity(llm.engine)
     seen = watch_steps(llm)
-    llm.generate(random_prompts(2, 280, seed=4, lo=6, hi=14, repetitive=True), greedy(8, ignore_eos=True))
+    llm.generate(
+        random_prompts(2, 280, seed=4, lo=6, hi=14, repetitive=True), greedy(8, ignore_eos=True)
+    )
     paths = {(o.num_reqs, r.batch.path) for o, r in seen if _decode_only(o)}
     assert (2, "compiled") in paths and (1, "compiled") not in paths
     assert all(r.batch.path == "eager" for o, r in seen if _decode_only(o) and o.num_reqs == 1)
@@ -190,8 +227,15 @@ def test_compiled_inductor_output_equals_eager(tiny_llama_dir, spec, check_integ
         spec = {**spec, "draft_model": tiny_llama_dir}
     prompts = random_prompts(2, 280, seed=9, lo=6, hi=24, repetitive=True)
     # table: the full-width compiled path of a constant plan is under test
-    base = dict(model=tiny_llama_dir, dtype="float32", num_kv_blocks=256, max_num_seqs=2, k_policy="table",
-                enable_prefix_caching=False, **spec)
+    base = dict(
+        model=tiny_llama_dir,
+        dtype="float32",
+        num_kv_blocks=256,
+        max_num_seqs=2,
+        k_policy="table",
+        enable_prefix_caching=False,
+        **spec,
+    )
     eager = LLM(**base, execution="eager")
     compiled = LLM(**base, execution="compiled")
     check_integrity(compiled.engine)

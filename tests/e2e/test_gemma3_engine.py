@@ -22,7 +22,9 @@ def gemma(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def prompts():
-    return random_prompts(4, 400, seed=21, lo=5, hi=50, repetitive=True) + random_prompts(3, 400, seed=22, lo=5, hi=40)
+    return random_prompts(4, 400, seed=21, lo=5, hi=50, repetitive=True) + random_prompts(
+        3, 400, seed=22, lo=5, hi=40
+    )
 
 
 @pytest.fixture(scope="module")
@@ -40,12 +42,16 @@ def test_gemma3_speculation_is_greedy_exact(gemma, prompts, baseline, speculator
     for i, (p, a, b) in enumerate(zip(prompts, baseline, got)):
         assert_greedy_equal(gemma, p, a, b, f"{speculator} prompt {i}")
     c = llm.engine.counters
-    assert c.num_draft_tokens > 0 and c.num_accepted_tokens > 0, "the workload must exercise acceptance"
+    assert c.num_draft_tokens > 0 and c.num_accepted_tokens > 0, (
+        "the workload must exercise acceptance"
+    )
 
 
 def test_gemma3_prefix_cache_hit_is_exact(gemma, prompts, baseline):
     # A windowed layer's cached KV is the same KV: a second run served from the cache must agree.
-    llm = LLM(model=gemma, dtype="float32", num_kv_blocks=256, enable_prefix_caching=True, block_size=4)
+    llm = LLM(
+        model=gemma, dtype="float32", num_kv_blocks=256, enable_prefix_caching=True, block_size=4
+    )
     long = [p for p in prompts if len(p) > 20][:2]
     first = [o.token_ids for o in llm.generate(long, greedy(MAX_TOKENS, ignore_eos=True))]
     again = llm.generate(long, greedy(MAX_TOKENS, ignore_eos=True))
@@ -61,10 +67,15 @@ def test_gemma3_structured_output_with_ngram_equals_without(gemma):
               "required": ["n", "ok"], "additionalProperties": False}
     from dynaspec.structured import StructuredOutputParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=60, structured_output=StructuredOutputParams(json=schema))
+    params = SamplingParams(
+        temperature=0.0, max_tokens=60, structured_output=StructuredOutputParams(json=schema)
+    )
     prompt = 'Answer {"n": 3, "ok": true} and {"n": 4, "ok": false}; now:'
     outs = []
-    for kw in ({}, {"speculator": "ngram", "num_spec_tokens": 3, "k_policy": "table", "prompt_lookup_min": 1}):
+    for kw in (
+        {},
+        {"speculator": "ngram", "num_spec_tokens": 3, "k_policy": "table", "prompt_lookup_min": 1},
+    ):
         llm = LLM(model=gemma, dtype="float32", num_kv_blocks=256, **kw)
         outs.append(llm.generate([prompt], params)[0])
     assert outs[0].token_ids == outs[1].token_ids

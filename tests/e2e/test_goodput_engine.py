@@ -7,9 +7,9 @@ drafts at its simulated acceptance."""
 from __future__ import annotations
 
 from dynaspec import LLM, SamplingParams
+from dynaspec.spec_decode.base import Proposer
 from dynaspec.spec_decode.goodput_policy import GoodputPolicy
 from dynaspec.spec_decode.k_policy import TablePolicy
-from dynaspec.spec_decode.base import Proposer
 from tests.e2e.conftest import random_prompts
 
 WIDTHS = tuple(range(1, 6))
@@ -107,9 +107,17 @@ def test_synthetic_mode_drafts_on_most_steps_under_the_default_policy(tiny_llama
     # A draft costs 65% of a step: at the prior's 0.6 acceptance drafting loses (1.6 / 1.65),
     # at the simulated 0.7 it wins (1.7 / 1.65), so only a policy that prices the simulated
     # acceptance drafts from the first step on.
-    llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=256, speculator="ngram",
-              num_spec_tokens=1, prompt_lookup_min=1, rejection_mode="synthetic",
-              synthetic_acceptance=0.7, cost_table=cost_table(lambda w: 0.01 * (1 + 0.65 * (w - 1))))
+    llm = LLM(
+        model=tiny_llama_dir,
+        dtype="float32",
+        num_kv_blocks=256,
+        speculator="ngram",
+        num_spec_tokens=1,
+        prompt_lookup_min=1,
+        rejection_mode="synthetic",
+        synthetic_acceptance=0.7,
+        cost_table=cost_table(lambda w: 0.01 * (1 + 0.65 * (w - 1))),
+    )
     assert isinstance(llm.engine.scheduler.policy, GoodputPolicy)
     prompts = random_prompts(2, 280, seed=3, lo=5, hi=20, repetitive=True)
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40))

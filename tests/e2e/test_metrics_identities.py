@@ -8,7 +8,8 @@ from dynaspec import LLM, SamplingParams
 from tests.cost_tables import FREE_VERIFY
 
 PROMPTS = [
-    "<|im_start|>user\nRepeat exactly: for i in range(10):\n    print(i * i)\n<|im_end|>\n<|im_start|>assistant\n",
+    "<|im_start|>user\nRepeat exactly: for i in range(10):\n    print(i * "
+    "i)\n<|im_end|>\n<|im_start|>assistant\n",
     "<|im_start|>user\nWhat is a prime number?<|im_end|>\n<|im_start|>assistant\n",
     "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
     "The list is: apple, banana, cherry, apple, banana, cherry, apple,",

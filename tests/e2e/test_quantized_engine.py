@@ -22,10 +22,18 @@ def q41_gguf(tiny_llama_dir, make_tiny_gguf, tmp_path_factory) -> str:
 
 @pytest.mark.parametrize("kernel, cls", [("auto", Int8DotLinear), ("torch", QuantLinear)])
 def test_engine_keeps_gguf_weights_quantized_and_decodes(q41_gguf, kernel, cls):
-    llm = LLM(model=q41_gguf, num_kv_blocks=64, speculator="ngram", num_spec_tokens=3, linear_kernel=kernel)
+    llm = LLM(
+        model=q41_gguf,
+        num_kv_blocks=64,
+        speculator="ngram",
+        num_spec_tokens=3,
+        linear_kernel=kernel,
+    )
     model = llm.engine.parts.model
     assert model.weights.mode == "auto" and isinstance(model.layers[0].gate_up, cls)
-    out = llm.generate([[5, 6, 7, 5, 6, 7, 5, 6]], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    out = llm.generate(
+        [[5, 6, 7, 5, 6, 7, 5, 6]], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    )
     assert len(out[0].token_ids) == 12
 
 
@@ -39,12 +47,29 @@ def test_quantization_none_and_fp32_run_the_reference_path(q41_gguf):
 
 
 def test_bench_decode_reports_quantized_bytes_and_cpu(q41_gguf, capsys):
-    args = ["bench", "decode", "--model", q41_gguf, "--batch-sizes", "1,2", "--context-lens", "8,16",
-            "--gen-tokens", "4", "--num-kv-blocks", "64"]
+    args = [
+        "bench",
+        "decode",
+        "--model",
+        q41_gguf,
+        "--batch-sizes",
+        "1,2",
+        "--context-lens",
+        "8,16",
+        "--gen-tokens",
+        "4",
+        "--num-kv-blocks",
+        "64",
+    ]
     assert main(args + ["--json"]) == 0
     data = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert data["quantization"] == "auto" and data["cpu"]
-    assert [(r["batch"], r["context"]) for r in data["results"]] == [(1, 8), (2, 8), (1, 16), (2, 16)]
+    assert [(r["batch"], r["context"]) for r in data["results"]] == [
+        (1, 8),
+        (2, 8),
+        (1, 16),
+        (2, 16),
+    ]
     assert main(args + ["--quantization", "none", "--json"]) == 0
     dense = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert data["weight_bytes_per_step"] < 0.6 * dense["weight_bytes_per_step"]

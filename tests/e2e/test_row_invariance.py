@@ -17,7 +17,9 @@ from dynaspec.models.int8_dot import Int8DotLinear
 
 from .conftest import greedy, random_prompts
 
-pytestmark = pytest.mark.skipif(int8_dot.kernel_isa() == "unavailable", reason="the C++ kernels are not built")
+pytestmark = pytest.mark.skipif(
+    int8_dot.kernel_isa() == "unavailable", reason="the C++ kernels are not built"
+)
 MAX_TOKENS = 20
 
 
@@ -29,7 +31,9 @@ def q41_gguf(tiny_llama_dir, make_tiny_gguf, tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def prompts():
-    return random_prompts(5, 280, seed=11, lo=4, hi=70, repetitive=True) + random_prompts(3, 280, seed=12)
+    return random_prompts(5, 280, seed=11, lo=4, hi=70, repetitive=True) + random_prompts(
+        3, 280, seed=12
+    )
 
 
 def _generate(model: str, prompts, **kw) -> list[list[int]]:
@@ -45,10 +49,20 @@ def test_greedy_is_token_exact_alone_batched_chunked_and_speculated(q41_gguf, pr
     alone = [_generate(q41_gguf, [p])[0] for p in prompts]
     runs = {
         "batched": _generate(q41_gguf, prompts),
-        "chunked prefill (16-token budget)": _generate(q41_gguf, prompts, max_num_batched_tokens=16),
-        "ngram k=4": _generate(q41_gguf, prompts, speculator="ngram", num_spec_tokens=4, k_policy="table",
-                               prompt_lookup_min=1),
-        "suffix k=6": _generate(q41_gguf, prompts, speculator="suffix", num_spec_tokens=6, k_policy="table"),
+        "chunked prefill (16-token budget)": _generate(
+            q41_gguf, prompts, max_num_batched_tokens=16
+        ),
+        "ngram k=4": _generate(
+            q41_gguf,
+            prompts,
+            speculator="ngram",
+            num_spec_tokens=4,
+            k_policy="table",
+            prompt_lookup_min=1,
+        ),
+        "suffix k=6": _generate(
+            q41_gguf, prompts, speculator="suffix", num_spec_tokens=6, k_policy="table"
+        ),
         "repeated": _generate(q41_gguf, prompts),
     }
     for label, got in runs.items():
@@ -56,8 +70,11 @@ def test_greedy_is_token_exact_alone_batched_chunked_and_speculated(q41_gguf, pr
 
 
 def test_default_model_greedy_is_token_exact_with_ngram_and_batching(default_gguf_path):
-    prompts = ["Name two planets with rings.", "def fib(n):\n    if n < 2:\n        return n\n    return",
-               "List the days of the week: Monday, Tuesday,"]
+    prompts = [
+        "Name two planets with rings.",
+        "def fib(n):\n    if n < 2:\n        return n\n    return",
+        "List the days of the week: Monday, Tuesday,",
+    ]
     llm = LLM(model=default_gguf_path, num_kv_blocks=128)
     ids = [llm.engine.parts.tokenizer.encode(p) for p in prompts]
     alone = [o.token_ids for p in ids for o in llm.generate([p], greedy(24, ignore_eos=True))]

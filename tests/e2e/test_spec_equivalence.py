@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from dynaspec import LLM
+from tests.cost_tables import FREE_VERIFY
 
 from .conftest import assert_greedy_equal, greedy, random_prompts
-from tests.cost_tables import FREE_VERIFY
 
 MAX_TOKENS = 24
 
@@ -47,11 +47,15 @@ def test_ngram_batch16_each_k(tiny_llama_dir, prompts16, baseline, k, check_inte
                     num_spec_tokens=k, prompt_lookup_min=1, num_kv_blocks=512)
     _check(tiny_llama_dir, prompts16, baseline, got, f"ngram k={k}")
     c = llm.engine.counters
-    assert c.num_draft_tokens > 0 and c.num_accepted_tokens > 0, "the workload must exercise acceptance"
+    assert c.num_draft_tokens > 0 and c.num_accepted_tokens > 0, (
+        "the workload must exercise acceptance"
+    )
 
 
 @pytest.mark.parametrize("prefix", [True, False])
-def test_ngram_batch1_prefix_cache_on_off(tiny_llama_dir, prompts16, baseline, prefix, check_integrity):
+def test_ngram_batch1_prefix_cache_on_off(
+    tiny_llama_dir, prompts16, baseline, prefix, check_integrity
+):
     for i in (0, 9):
         got, llm = _run(tiny_llama_dir, [prompts16[i]] * 2, check_integrity, speculator="ngram",
                         num_spec_tokens=4, prompt_lookup_min=1, enable_prefix_caching=prefix,
@@ -81,7 +85,9 @@ def test_identical_draft_model_accepts_everything(tiny_llama_dir, prompts16, bas
     _check(tiny_llama_dir, prompts16, baseline, got, f"draft=target k={k}")
     c = llm.engine.counters
     assert c.num_draft_tokens > 0
-    assert c.num_accepted_tokens / c.num_draft_tokens > 0.95, "catch-up path must keep acceptance ~100%"
+    assert c.num_accepted_tokens / c.num_draft_tokens > 0.95, (
+        "catch-up path must keep acceptance ~100%"
+    )
 
 
 def test_random_draft_model_rejects_and_stays_exact(tiny_llama_dir, tiny_draft_dir, prompts16,
@@ -100,7 +106,9 @@ def test_draft_model_under_preemption(tiny_llama_dir, prompts16, baseline, check
     _check(tiny_llama_dir, prompts16, baseline, got, "draft preempted")
 
 
-def test_always_zero_is_the_no_speculation_path(tiny_llama_dir, prompts16, baseline, check_integrity):
+def test_always_zero_is_the_no_speculation_path(
+    tiny_llama_dir, prompts16, baseline, check_integrity
+):
     got, llm = _run(tiny_llama_dir, prompts16, check_integrity, speculator="draft",
                     draft_model=tiny_llama_dir, k_schedule="[[1, 4, 0], [5, 100, 0]]",
                     kv_cache_memory_gb=0.01)

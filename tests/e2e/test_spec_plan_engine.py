@@ -34,9 +34,19 @@ def test_constant_normalisation_seen_identically(tiny_llama_dir, check_integrity
 
 def test_prefix_hit_first_decode_is_padded_in_constant_plan(tiny_llama_dir, check_integrity):
     # table: the constant plan's uniform width is under test (goodput would add width 1)
-    llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=256, k_policy="table", speculator="ngram",
-              num_spec_tokens=4, prompt_lookup_min=3, prompt_lookup_max=3, max_num_seqs=1,
-              execution="compiled", compile_backend="aot_eager")
+    llm = LLM(
+        model=tiny_llama_dir,
+        dtype="float32",
+        num_kv_blocks=256,
+        k_policy="table",
+        speculator="ngram",
+        num_spec_tokens=4,
+        prompt_lookup_min=3,
+        prompt_lookup_max=3,
+        max_num_seqs=1,
+        execution="compiled",
+        compile_backend="aot_eager",
+    )
     check_integrity(llm.engine)
     prompt = list(range(10, 43))  # 33 tokens: no repeated 3-gram, 32 cacheable
     ref = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=256).generate(

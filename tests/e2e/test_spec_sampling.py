@@ -70,4 +70,6 @@ def test_sampled_distribution_matches_without_speculation(tiny_vocab_models, spe
     rate = spec.engine.counters.acceptance_rate
     assert 0.0 < rate < 1.0, f"need both accepted and rejected drafts, got rate {rate}"
     for pos in range(4):
-        _assert_same_distribution([r[pos] for r in ref], [g[pos] for g in got], f"{speculator} pos {pos}")
+        _assert_same_distribution(
+            [r[pos] for r in ref], [g[pos] for g in got], f"{speculator} pos {pos}"
+        )

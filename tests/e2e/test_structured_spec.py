@@ -14,13 +14,12 @@ pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
 
 from dynaspec import LLM, SamplingParams  # noqa: E402
-from dynaspec.spec_decode.base import Drafts  # noqa: E402
+from dynaspec.spec_decode.base import Drafts, Proposer  # noqa: E402
 from dynaspec.structured import StructuredOutputParams  # noqa: E402
 from dynaspec.structured.backend import allocate_bitmask  # noqa: E402
-from dynaspec.spec_decode.base import Proposer
+from tests.cost_tables import FREE_VERIFY  # noqa: E402
 
 from .conftest import NEAR_TIE, _reference_llm, last_logits  # noqa: E402
-from tests.cost_tables import FREE_VERIFY
 
 SCHEMA = {
     "type": "object",
@@ -200,7 +199,9 @@ def test_drafts_are_cut_at_the_first_grammar_rejection(tiny_llama_dir, prompts, 
 def test_terminated_grammar_finishes_stop_even_with_ignore_eos(tiny_llama_dir, prompts):
     choice = StructuredOutputParams(choice=("fox", "lazy dog", "add(a, b)"))
     for kw in ({}, dict(speculator="ngram", num_spec_tokens=4, prompt_lookup_min=1)):
-        llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=128, cost_table=FREE_VERIFY, **kw)
+        llm = LLM(
+            model=tiny_llama_dir, dtype="float32", num_kv_blocks=128, cost_table=FREE_VERIFY, **kw
+        )
         outs = llm.generate(prompts[:4], SamplingParams(temperature=0.0, max_tokens=32,
                                                         ignore_eos=True, structured_output=choice))
         for o in outs:
@@ -209,8 +210,15 @@ def test_terminated_grammar_finishes_stop_even_with_ignore_eos(tiny_llama_dir, p
 
 
 def test_random_sampling_with_speculation_follows_the_grammar(tiny_llama_dir, prompts):
-    llm = LLM(cost_table=FREE_VERIFY, model=tiny_llama_dir, dtype="float32", num_kv_blocks=512, speculator="draft",
-              draft_model=tiny_llama_dir, num_spec_tokens=3)
+    llm = LLM(
+        cost_table=FREE_VERIFY,
+        model=tiny_llama_dir,
+        dtype="float32",
+        num_kv_blocks=512,
+        speculator="draft",
+        draft_model=tiny_llama_dir,
+        num_spec_tokens=3,
+    )
     params = [SamplingParams(temperature=1.0, seed=i, max_tokens=100, structured_output=SPEC)
               for i in range(len(prompts))]
     for o in llm.engine.generate_sync(prompts, params):
@@ -223,8 +231,16 @@ def test_random_sampling_with_speculation_follows_the_grammar(tiny_llama_dir, pr
 
 def test_ngram_constrained_under_preemption(tiny_llama_dir, prompts, baseline):
     """A preempted request keeps its output and so its grammar state; output is unchanged."""
-    llm = LLM(cost_table=FREE_VERIFY, model=tiny_llama_dir, dtype="float32", num_kv_blocks=40, block_size=8,
-              speculator="ngram", num_spec_tokens=3, prompt_lookup_min=1)
+    llm = LLM(
+        cost_table=FREE_VERIFY,
+        model=tiny_llama_dir,
+        dtype="float32",
+        num_kv_blocks=40,
+        block_size=8,
+        speculator="ngram",
+        num_spec_tokens=3,
+        prompt_lookup_min=1,
+    )
     outs = llm.generate(prompts, _params())
     assert llm.engine.scheduler.num_preemptions > 0
     _check_run(tiny_llama_dir, prompts, baseline, outs, "ngram preempted")

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from dynaspec import LLM
+from tests.cost_tables import FREE_VERIFY
 
 from .conftest import assert_greedy_equal, greedy, random_prompts
-from tests.cost_tables import FREE_VERIFY
 
 MAX_TOKENS = 24
 
@@ -40,10 +40,14 @@ def _check(model, prompts, ref, got, label):
 
 @pytest.mark.parametrize("k", [1, 4, 8])
 def test_suffix_batched_is_greedy_exact(tiny_llama_dir, prompts12, baseline, k, check_integrity):
-    got, llm = _run(tiny_llama_dir, prompts12, check_integrity, num_spec_tokens=k, num_kv_blocks=512)
+    got, llm = _run(
+        tiny_llama_dir, prompts12, check_integrity, num_spec_tokens=k, num_kv_blocks=512
+    )
     _check(tiny_llama_dir, prompts12, baseline, got, f"suffix k={k}")
     c = llm.engine.counters
-    assert c.num_draft_tokens > 0 and c.num_accepted_tokens > 0, "the workload must exercise acceptance"
+    assert c.num_draft_tokens > 0 and c.num_accepted_tokens > 0, (
+        "the workload must exercise acceptance"
+    )
     assert c.draft_skips.get("no_match", 0) > 0, "misses are reported as no_match skips"
     assert 0 < len(c.drafted_per_pos) <= k, "the K policy's per-request cap holds"
 
@@ -62,10 +66,19 @@ def test_suffix_under_preemption(tiny_llama_dir, prompts12, baseline, check_inte
     _check(tiny_llama_dir, prompts12, baseline, got, "suffix preempted")
 
 
-def test_global_cache_drafts_a_repeated_request(tiny_llama_dir, prompts12, baseline, check_integrity):
+def test_global_cache_drafts_a_repeated_request(
+    tiny_llama_dir, prompts12, baseline, check_integrity
+):
     """A prompt seen before: its earlier output, now in the global cache, drafts the answer."""
-    llm = LLM(cost_table=FREE_VERIFY, model=tiny_llama_dir, dtype="float32", speculator="suffix", num_spec_tokens=8,
-              num_kv_blocks=256, enable_prefix_caching=False)
+    llm = LLM(
+        cost_table=FREE_VERIFY,
+        model=tiny_llama_dir,
+        dtype="float32",
+        speculator="suffix",
+        num_spec_tokens=8,
+        num_kv_blocks=256,
+        enable_prefix_caching=False,
+    )
     check_integrity(llm.engine)
     prompt = prompts12[8]  # not repetitive: its own context offers few matches
     first = llm.generate([prompt], greedy(MAX_TOKENS, ignore_eos=True))[0]
@@ -80,9 +93,17 @@ def test_global_cache_drafts_a_repeated_request(tiny_llama_dir, prompts12, basel
 
 
 def test_synthetic_mode_marks_output_not_lossless(tiny_llama_dir, prompts12, check_integrity):
-    llm = LLM(cost_table=FREE_VERIFY, model=tiny_llama_dir, dtype="float32", speculator="ngram", num_spec_tokens=4,
-              prompt_lookup_min=1, rejection_mode="synthetic", synthetic_acceptance="0.9",
-              num_kv_blocks=256)
+    llm = LLM(
+        cost_table=FREE_VERIFY,
+        model=tiny_llama_dir,
+        dtype="float32",
+        speculator="ngram",
+        num_spec_tokens=4,
+        prompt_lookup_min=1,
+        rejection_mode="synthetic",
+        synthetic_acceptance="0.9",
+        num_kv_blocks=256,
+    )
     check_integrity(llm.engine)
     outs = llm.generate(prompts12[:4], greedy(MAX_TOKENS, ignore_eos=True))
     assert all(o.spec.lossless is False for o in outs), "temperature 0 must not claim exactness"
@@ -94,8 +115,16 @@ def test_synthetic_refuses_structured_output(tiny_llama_dir):
     from dynaspec import SamplingParams
     from dynaspec.structured.params import StructuredOutputParams
 
-    llm = LLM(cost_table=FREE_VERIFY, model=tiny_llama_dir, dtype="float32", speculator="ngram", num_spec_tokens=2,
-              rejection_mode="synthetic", synthetic_acceptance=0.5, num_kv_blocks=64)
+    llm = LLM(
+        cost_table=FREE_VERIFY,
+        model=tiny_llama_dir,
+        dtype="float32",
+        speculator="ngram",
+        num_spec_tokens=2,
+        rejection_mode="synthetic",
+        synthetic_acceptance=0.5,
+        num_kv_blocks=64,
+    )
     grammar = StructuredOutputParams(choice=("yes", "no"))
     with pytest.raises(ValueError, match="structured output cannot be combined"):
         llm.engine.add_request([5, 6, 7], SamplingParams(max_tokens=4, structured_output=grammar))

@@ -1,4 +1,5 @@
-"""The default model (SmolLM2-135M-Instruct GGUF) end to end against transformers, and with speculation."""
+"""The default model (SmolLM2-135M-Instruct GGUF) end to end against transformers, and with
+speculation."""
 
 from __future__ import annotations
 
@@ -41,10 +42,12 @@ def test_greedy_tokens_match_transformers_on_the_same_gguf(default_gguf_path, ou
         assert_greedy_equal("default", ids, ref, got, f"transformers vs ours: {prompt[:20]!r}")
 
 
-CODE = ("Repeat this function exactly:\n\ndef merge(a, b):\n    out = []\n    i = j = 0\n"
-        "    while i < len(a) and j < len(b):\n        if a[i] <= b[j]:\n            out.append(a[i])\n"
-        "            i += 1\n        else:\n            out.append(b[j])\n            j += 1\n"
-        "    out.extend(a[i:])\n    out.extend(b[j:])\n    return out\n")
+CODE = (
+    "Repeat this function exactly:\n\ndef merge(a, b):\n    out = []\n    i = j = 0\n"
+    "    while i < len(a) and j < len(b):\n        if a[i] <= b[j]:\n            out.append(a[i])\n"
+    "            i += 1\n        else:\n            out.append(b[j])\n            j += 1\n"
+    "    out.extend(a[i:])\n    out.extend(b[j:])\n    return out\n"
+)
 
 
 def test_ngram_speculation_is_lossless_on_the_default_model_fp32(ours_fp32):
@@ -57,7 +60,9 @@ def test_ngram_speculation_is_lossless_on_the_default_model_fp32(ours_fp32):
     for p, r, o in zip(prompts, ref, got):
         assert_greedy_equal("default", spec.tokenizer.encode(p), r, o.token_ids, "ngram fp32")
     c = spec.engine.counters
-    assert c.num_draft_tokens > 0 and c.num_accepted_tokens > 0, "drafts must be verified and accepted"
+    assert c.num_draft_tokens > 0 and c.num_accepted_tokens > 0, (
+        "drafts must be verified and accepted"
+    )
     assert c.check_identities() == []
 
 
@@ -68,6 +73,9 @@ def test_bf16_default_reports_divergence():
     got = LLM(model="default", num_kv_blocks=256, speculator="ngram",
               num_spec_tokens=5).generate([CODE], params)[0].token_ids
     first = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), None)
-    print(f"bf16 ngram vs none: {'identical' if first is None else f'first divergence at token {first}'}"
-          f" over {len(ref)} tokens")
+    print(
+        f"bf16 ngram vs none: "
+        f"{'identical' if first is None else f'first divergence at token {first}'}"
+        f" over {len(ref)} tokens"
+    )
     assert len(got) > 0 and len(ref) > 0

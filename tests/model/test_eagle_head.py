@@ -14,9 +14,17 @@ from dynaspec.spec_decode.eagle_io import HeadMismatchError, load_head, save_eag
 
 from .tiny_eagle import write_eagle1, write_eagle3
 
-TARGET = ModelArchConfig(architecture="llama", vocab_size=288, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                         max_position_embeddings=256)
+TARGET = ModelArchConfig(
+    architecture="llama",
+    vocab_size=288,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+)
 
 
 def test_eagle3_layout_loads_with_d2t_and_default_aux_layers(tmp_path):

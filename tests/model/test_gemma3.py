@@ -38,7 +38,11 @@ def _forward(model, ids: list[int], start: int, kv, table: list[int]) -> torch.T
 def test_gemma3_metadata_becomes_the_config(tiny):
     arch = load_model_files(tiny[0]).arch
     assert arch.architecture == "gemma3" and arch.qk_norm and arch.tie_word_embeddings
-    assert (arch.sliding_window, arch.sliding_window_pattern, arch.rope_local_theta) == (WINDOW, 6, 10000.0)
+    assert (arch.sliding_window, arch.sliding_window_pattern, arch.rope_local_theta) == (
+        WINDOW,
+        6,
+        10000.0,
+    )
     assert [arch.layer_window(i) for i in range(7)] == [WINDOW] * 5 + [None, WINDOW]
     assert arch.rope_theta == 1e6 and arch.final_logit_softcapping is None
 
@@ -75,7 +79,9 @@ def test_gemma3_window_matters_in_this_model(tiny):
 
 
 def test_gemma3_quantized_file_keeps_its_blocks(tmp_path):
-    path, _, _ = build_tiny_gemma3(str(tmp_path), tensor_type=gguf.GGMLQuantizationType.Q5_0, name="q5.gguf")
+    path, _, _ = build_tiny_gemma3(
+        str(tmp_path), tensor_type=gguf.GGMLQuantizationType.Q5_0, name="q5.gguf"
+    )
     kept = load_model_files(path, keep_quantized=True).state_dict
     dense = load_model_files(path).state_dict
     q = kept["model.layers.0.self_attn.q_proj.weight"]
@@ -149,7 +155,12 @@ def gemma_270m() -> str:
 def test_real_gemma3_270m_keeps_its_q4_k_tensors_4_bit(gemma_270m):
     loaded = load_model_files(gemma_270m, keep_quantized=True)
     arch, sd = loaded.arch, loaded.state_dict
-    assert (arch.architecture, arch.vocab_size, arch.sliding_window, arch.num_hidden_layers) == ("gemma3", 262144, 512, 18)
+    assert (arch.architecture, arch.vocab_size, arch.sliding_window, arch.num_hidden_layers) == (
+        "gemma3",
+        262144,
+        512,
+        18,
+    )
     assert [i for i in range(18) if arch.layer_window(i) is None] == [5, 11, 17]
     o = sd["model.layers.0.self_attn.o_proj.weight"]  # Q4_K in this file
     down = sd["model.layers.0.mlp.down_proj.weight"]  # Q6_K
@@ -166,8 +177,12 @@ def test_gemma3_linear_rope_scaling_on_global_layers_matches_transformers(tmp_pa
         ref = hf(torch.tensor([ids])).logits[0]
     model = _model(path)
     table = list(range(8))
-    torch.testing.assert_close(_forward(model, ids, 0, model.allocate_kv(len(table) * BS), table), ref,
-                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        _forward(model, ids, 0, model.allocate_kv(len(table) * BS), table),
+        ref,
+        rtol=1e-4,
+        atol=1e-4,
+    )
 
 
 def test_gemma3_final_logit_softcapping(tiny):
@@ -176,7 +191,9 @@ def test_gemma3_final_logit_softcapping(tiny):
     loaded = load_model_files(tiny[0])
     ids, table = [2, 30, 31, 32], list(range(8))
     plain = create_model(loaded.arch, loaded.state_dict, torch.float32, CPU, 64)
-    capped = create_model(replace(loaded.arch, final_logit_softcapping=0.2), loaded.state_dict, torch.float32, CPU, 64)
+    capped = create_model(
+        replace(loaded.arch, final_logit_softcapping=0.2), loaded.state_dict, torch.float32, CPU, 64
+    )
     a = _forward(plain, ids, 0, plain.allocate_kv(32), table)
     b = _forward(capped, ids, 0, capped.allocate_kv(32), table)
     torch.testing.assert_close(b, 0.2 * torch.tanh(a / 0.2))
@@ -193,15 +210,26 @@ def test_spm_with_space_prefix_matches_sentencepiece_and_llama_cpp(tmp_path):
     tokens, scores, types = vocab_of(sp)
     path = str(tmp_path / "spm-prefix.gguf")
     w = gguf.GGUFWriter(path, "llama")
-    w.add_block_count(1), w.add_context_length(64), w.add_embedding_length(64)  # for llama.cpp's loader
-    w.add_feed_forward_length(64), w.add_head_count(4), w.add_head_count_kv(4), w.add_layer_norm_rms_eps(1e-6)
+    (
+        w.add_block_count(1),
+        w.add_context_length(64),
+        w.add_embedding_length(64),
+    )  # for llama.cpp's loader
+    (
+        w.add_feed_forward_length(64),
+        w.add_head_count(4),
+        w.add_head_count_kv(4),
+        w.add_layer_norm_rms_eps(1e-6),
+    )
     w.add_tokenizer_model("llama")
     w.add_token_list(tokens)
     w.add_token_scores(scores)
     w.add_token_types(types)
     w.add_bos_token_id(2)
     w.add_eos_token_id(1)
-    w.add_unk_token_id(3)  # add_bos_token and add_space_prefix left to llama.cpp's SPM defaults (on)
+    w.add_unk_token_id(
+        3
+    )  # add_bos_token and add_space_prefix left to llama.cpp's SPM defaults (on)
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
     tok = load_tokenizer(path)
     plain = ["Hello world", "The quick brown fox.", " leading space", "a  b"]
@@ -230,12 +258,18 @@ def test_gemma3_hf_folder_matches_transformers_and_the_gguf(tiny, tmp_path):
     loaded = load_model_files(folder)
     from dataclasses import replace
 
-    same = dict(rms_norm_eps=1e-6, attn_scale=0.25)  # float32 eps in GGUF; 16 ** -0.5 == head_dim ** -0.5
+    same = dict(
+        rms_norm_eps=1e-6, attn_scale=0.25
+    )  # float32 eps in GGUF; 16 ** -0.5 == head_dim ** -0.5
     assert replace(loaded.arch, **same) == replace(load_model_files(path).arch, **same)
     ids = [2, 17, 45, 99, 120, 7, 64, 230, 31, 18, 77]
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
     model = create_model(loaded.arch, loaded.state_dict, torch.float32, CPU, 64)
     table = list(range(8))
-    torch.testing.assert_close(_forward(model, ids, 0, model.allocate_kv(len(table) * BS), table), ref,
-                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        _forward(model, ids, 0, model.allocate_kv(len(table) * BS), table),
+        ref,
+        rtol=1e-4,
+        atol=1e-4,
+    )

@@ -10,7 +10,9 @@ from dynaspec.models import int8_dot
 from dynaspec.models.int8_dot import Int8DotLinear, quantize_grouped_int8
 from dynaspec.models.quant import QuantizedTensor, quantize_int4
 
-pytestmark = pytest.mark.skipif(int8_dot.kernel_isa() == "unavailable", reason="the C++ kernels are not built")
+pytestmark = pytest.mark.skipif(
+    int8_dot.kernel_isa() == "unavailable", reason="the C++ kernels are not built"
+)
 ISAS = [0, 1, 2, 3]  # scalar, AVX2, AVX-VNNI, AVX-512 VNNI (capped at what this CPU has)
 
 

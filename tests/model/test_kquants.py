@@ -50,7 +50,9 @@ def _write_and_read(tmp_path, tensors: dict[str, tuple[str, np.ndarray]]) -> dic
 @pytest.mark.parametrize("type_name", sorted(EXPECTED_FORM))
 def test_every_type_decodes_like_gguf_py(type_name, tmp_path):
     rows, cols = 6, 512
-    read = _write_and_read(tmp_path, {"w": (type_name, random_blocks(type_name, rows, cols, seed=len(type_name)))})
+    read = _write_and_read(
+        tmp_path, {"w": (type_name, random_blocks(type_name, rows, cols, seed=len(type_name)))}
+    )
     tensor = read["w"]
     ref = quants.dequantize(np.asarray(tensor.data), tensor.tensor_type).reshape(rows, cols)
     got = from_gguf_blocks(np.asarray(tensor.data), type_name, (rows, cols))
@@ -61,7 +63,9 @@ def test_every_type_decodes_like_gguf_py(type_name, tmp_path):
     if kind == "q4":
         assert int(got.q.max()) <= 15
     # float32 all the way: only the order of the final multiply-add may differ from gguf-py.
-    np.testing.assert_allclose(got.dequantize().numpy(), ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
+    np.testing.assert_allclose(
+        got.dequantize().numpy(), ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max()
+    )
     assert np.abs(ref).max() > 0  # the blocks were not all zero
 
 

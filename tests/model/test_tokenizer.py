@@ -6,7 +6,8 @@ special tokens parsed as ours are): it
 runs the GGUF's own pre-tokenizer. transformers' GGUF conversion does not split numeric
 characters singly as SmolLM2's pre-tokenizer does (`' ²'` -> [3351, 127], llama.cpp and ours
 [216, 19133]), so it is compared only on text without a space before a non-ASCII numeric
-character, where the two agree. LLAMA_CPP_CASES holds ids checked against llama.cpp 0.3.36, so the numeric cases are
+character, where the two agree. LLAMA_CPP_CASES holds ids checked against llama.cpp 0.3.36, so the
+numeric cases are
 covered even where llama-cpp-python is not installed.
 """
 
@@ -47,31 +48,35 @@ SAMPLES = [
     '{"key": [1, 2, {"nested": null}], "s": "x\\ny"}',
 ]
 
-# (text, ids) from llama-cpp-python 0.3.36 on SmolLM2-135M-Instruct.Q4_1.gguf (add_bos=False). A comment gives transformers' ids where they differ.
+# (text, ids) from llama-cpp-python 0.3.36 on SmolLM2-135M-Instruct.Q4_1.gguf (add_bos=False). A
+# comment gives transformers' ids where they differ.
 LLAMA_CPP_CASES = [
-    (' ²', [216, 19133]),  # transformers: [3351, 127]
-    (' ³', [216, 39050]),  # transformers: [3351, 128]
-    (' ½', [216, 16738]),  # transformers: [3351, 138]
-    ('x²+y³', [104, 19133, 27, 105, 39050]),
-    (' ¹', [216, 43183]),  # transformers: [3351, 134]
-    ('2² = 4', [34, 19133, 446, 216, 36]),
-    ('10⁻³ m', [33, 32, 32571, 136, 39050, 283]),
-    (' ٣٤', [216, 164, 113, 164, 114]),  # transformers: [16936, 113, 164, 114]
-    (' १२३', [216, 9310, 117, 9310, 118, 9310, 119]),
-    (' Ⅻ', [216, 173, 223, 121]),  # transformers: [4636, 223, 121]
-    ('①②', [173, 235, 250, 173, 235, 111]),
-    (' 12345', [216, 33, 34, 35, 36, 37]),
-    ('3.14159 -12e5', [35, 30, 33, 36, 33, 37, 41, 731, 33, 34, 85, 37]),
-    (' ½ cup', [216, 16738, 7118]),  # transformers: [3351, 138, 7118]
-    ('H₂O and CO₂', [56, 44059, 63, 284, 3214, 44059]),
-    ('a ²1', [81, 216, 19133, 33]),  # transformers: [81, 3351, 127, 33]
-    ('naïve café', [3546, 46494, 37366]),
-    ('日本語のテキスト', [23274, 115, 40993, 179, 120, 248, 26453, 11100, 224, 10391, 251, 10391, 134, 11100, 226]),
-    ('😀 ok 👍🏽', [10813, 242, 218, 10907, 15107, 235, 231, 10813, 233, 138]),
-    ('Straße Ωμέγα', [48513, 34878, 85, 5664, 119, 16674, 34075, 23098, 8998]),
+    (" ²", [216, 19133]),  # transformers: [3351, 127]
+    (" ³", [216, 39050]),  # transformers: [3351, 128]
+    (" ½", [216, 16738]),  # transformers: [3351, 138]
+    ("x²+y³", [104, 19133, 27, 105, 39050]),
+    (" ¹", [216, 43183]),  # transformers: [3351, 134]
+    ("2² = 4", [34, 19133, 446, 216, 36]),
+    ("10⁻³ m", [33, 32, 32571, 136, 39050, 283]),
+    (" ٣٤", [216, 164, 113, 164, 114]),  # transformers: [16936, 113, 164, 114]
+    (" १२३", [216, 9310, 117, 9310, 118, 9310, 119]),
+    (" Ⅻ", [216, 173, 223, 121]),  # transformers: [4636, 223, 121]
+    ("①②", [173, 235, 250, 173, 235, 111]),
+    (" 12345", [216, 33, 34, 35, 36, 37]),
+    ("3.14159 -12e5", [35, 30, 33, 36, 33, 37, 41, 731, 33, 34, 85, 37]),
+    (" ½ cup", [216, 16738, 7118]),  # transformers: [3351, 138, 7118]
+    ("H₂O and CO₂", [56, 44059, 63, 284, 3214, 44059]),
+    ("a ²1", [81, 216, 19133, 33]),  # transformers: [81, 3351, 127, 33]
+    ("naïve café", [3546, 46494, 37366]),
+    (
+        "日本語のテキスト",
+        [23274, 115, 40993, 179, 120, 248, 26453, 11100, 224, 10391, 251, 10391, 134, 11100, 226],
+    ),
+    ("😀 ok 👍🏽", [10813, 242, 218, 10907, 15107, 235, 231, 10813, 233, 138]),
+    ("Straße Ωμέγα", [48513, 34878, 85, 5664, 119, 16674, 34075, 23098, 8998]),
     ("I'm sure they'll", [57, 5248, 2090, 502, 3060]),
-    ('   x', [256, 1792]),
-    ('\n\n\tdef f():', [1116, 197, 1604, 275, 3734]),
+    ("   x", [256, 1792]),
+    ("\n\n\tdef f():", [1116, 197, 1604, 275, 3734]),
 ]
 
 CONVERSATIONS = [
@@ -141,7 +146,9 @@ def test_default_ids_match_llama_cpp(default_gguf_path, ours):
 @settings(max_examples=150)
 @given(text=st.text(alphabet=st.characters(codec="utf-8"), max_size=60))
 def test_default_ids_match_llama_cpp_property(default_gguf_path, text):
-    assert _cached("ours", default_gguf_path).encode(text) == _llama_cpp_ids(default_gguf_path, text)
+    assert _cached("ours", default_gguf_path).encode(text) == _llama_cpp_ids(
+        default_gguf_path, text
+    )
 
 
 def _transformers_agrees_on(text: str) -> bool:
@@ -173,11 +180,18 @@ def test_default_special_tokens(ours, theirs):
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_default_chat_template_matches_transformers(ours, theirs, add_generation_prompt):
     for messages in CONVERSATIONS:
-        expected = theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-        assert ours.apply_chat_template(messages, add_generation_prompt=add_generation_prompt) == expected
+        expected = theirs.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+        assert (
+            ours.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+            == expected
+        )
 
 
-def _stream(tok: Tokenizer, ids: list[int], chunks: list[int], prompt: list[int] = (), skip: bool = True) -> list[str]:
+def _stream(
+    tok: Tokenizer, ids: list[int], chunks: list[int], prompt: list[int] = (), skip: bool = True
+) -> list[str]:
     detok = IncrementalDetokenizer(tok, prompt_ids=list(prompt), skip_special_tokens=skip)
     deltas, pos = [], 0
     for size in chunks:
@@ -192,7 +206,9 @@ def _stream(tok: Tokenizer, ids: list[int], chunks: list[int], prompt: list[int]
 def test_incremental_detokenizer_multibyte(ours):
     text = "Emoji 😀🎉👍🏽 and 日本語 and naïve café 👨‍👩‍👧‍👦!"
     ids = ours.encode(text)
-    assert any("\ufffd" in ours.decode([i]) for i in ids)  # the test needs characters split over tokens
+    assert any(
+        "\ufffd" in ours.decode([i]) for i in ids
+    )  # the test needs characters split over tokens
     deltas = _stream(ours, ids, [1] * len(ids))
     assert "".join(deltas) == ours.decode(ids) == text
     assert not any("\ufffd" in d for d in deltas)
@@ -236,13 +252,16 @@ def test_incremental_detokenizer_property(default_gguf_path, text, seed):
 
 
 @settings(max_examples=80)
-@given(text=st.text(alphabet=st.characters(codec="utf-8"), max_size=60).filter(_transformers_agrees_on))
+@given(
+    text=st.text(alphabet=st.characters(codec="utf-8"), max_size=60).filter(_transformers_agrees_on)
+)
 def test_default_ids_match_transformers_property(default_gguf_path, text):
     ours, theirs = _cached("ours", default_gguf_path), _cached("theirs", default_gguf_path)
     assert ours.encode(text) == theirs.encode(text)
 
 
-# -- HF folders and tiny GGUFs ----------------------------------------------------------------------
+# -- HF folders and tiny GGUFs
+# ----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
@@ -253,8 +272,12 @@ def test_hf_tokenizer_matches_transformers(fixture, request):
     tok, ref = load_tokenizer(path), AutoTokenizer.from_pretrained(path)
     for text in SAMPLES:
         assert tok.encode(text) == ref.encode(text), text
-        assert tok.encode(text, add_special_tokens=False) == ref.encode(text, add_special_tokens=False)
-        assert tok.decode(tok.encode(text), skip_special_tokens=False) == ref.decode(ref.encode(text))
+        assert tok.encode(text, add_special_tokens=False) == ref.encode(
+            text, add_special_tokens=False
+        )
+        assert tok.decode(tok.encode(text), skip_special_tokens=False) == ref.decode(
+            ref.encode(text)
+        )
     for messages in CONVERSATIONS:
         assert tok.apply_chat_template(messages) == ref.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True
@@ -297,13 +320,31 @@ def test_chat_template_helpers(tiny_qwen2_dir):
 # (text, ids) from llama-cpp-python 0.3.36 on gemma-3-270m-q4_k_m.gguf (add_bos=True, special=True):
 # SentencePiece merges by score, byte fallback, user-defined "  "/"\n\n" and control tokens.
 GEMMA_LLAMA_CPP_CASES = [
-    ('Hello world', [2, 9259, 1902]),
-    ('  two spaces\n\nnewlines', [2, 138, 13498, 9952, 108, 208697]),
-    ('Straße 日本語 😀', [2, 223305, 33375, 238582, 163543]),
-    ('<start_of_turn>user\nHi<end_of_turn>\n', [2, 105, 2364, 107, 10979, 106, 107]),
-    ('def f(x):\n\treturn x**2  # ²', [2, 2063, 517, 236769, 236781, 1473, 107, 255968, 2060, 1123, 1018,
-                                      236778, 138, 236865, 145191]),
-    ('\x01\x7f bytes', [2, 249732, 251541, 17234]),
+    ("Hello world", [2, 9259, 1902]),
+    ("  two spaces\n\nnewlines", [2, 138, 13498, 9952, 108, 208697]),
+    ("Straße 日本語 😀", [2, 223305, 33375, 238582, 163543]),
+    ("<start_of_turn>user\nHi<end_of_turn>\n", [2, 105, 2364, 107, 10979, 106, 107]),
+    (
+        "def f(x):\n\treturn x**2  # ²",
+        [
+            2,
+            2063,
+            517,
+            236769,
+            236781,
+            1473,
+            107,
+            255968,
+            2060,
+            1123,
+            1018,
+            236778,
+            138,
+            236865,
+            145191,
+        ],
+    ),
+    ("\x01\x7f bytes", [2, 249732, 251541, 17234]),
 ]
 
 
@@ -329,10 +370,18 @@ def test_gemma_ids_match_llama_cpp(gemma_path):
     tok, ref = _cached("ours", gemma_path), _cached("llama_cpp", gemma_path)
     rng = random.Random(0)
     alphabet = "abcdefghij ABC  \n\t.,!?é日本😀<>_-0123456789\u2581"
-    texts = SAMPLES + ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 40))) for _ in range(200)]
-    texts.append(open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md"), encoding="utf-8").read())
+    texts = SAMPLES + [
+        "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 40))) for _ in range(200)
+    ]
+    texts.append(
+        open(
+            os.path.join(os.path.dirname(__file__), "..", "..", "README.md"), encoding="utf-8"
+        ).read()
+    )
     for text in texts:
-        assert tok.encode(text) == ref.tokenize(text.encode(), add_bos=True, special=True), text[:80]
+        assert tok.encode(text) == ref.tokenize(text.encode(), add_bos=True, special=True), text[
+            :80
+        ]
 
 
 def test_gemma_bos_not_doubled_by_a_leading_bos(gemma_path):

@@ -12,7 +12,10 @@ def _save(out: str, sd: dict, config: dict, fmt: str) -> str:
     os.makedirs(out, exist_ok=True)
     if fmt == "safetensors":
         from safetensors.torch import save_file
-        save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(out, "model.safetensors"))
+
+        save_file(
+            {k: v.contiguous() for k, v in sd.items()}, os.path.join(out, "model.safetensors")
+        )
     else:
         torch.save(sd, os.path.join(out, "pytorch_model.bin"))
     with open(os.path.join(out, "config.json"), "w", encoding="utf-8") as f:
@@ -36,29 +39,52 @@ def write_eagle3(out: str, *, hidden: int = 64, heads: int = 4, kv_heads: int = 
     t2d[ids] = True
     sd = {
         "fc.weight": r(hidden, n_aux * target_hidden),
-        prefix + "input_layernorm.weight": 1 + r(hidden), prefix + "hidden_norm.weight": 1 + r(hidden),
+        prefix + "input_layernorm.weight": 1 + r(hidden),
+        prefix + "hidden_norm.weight": 1 + r(hidden),
         prefix + "post_attention_layernorm.weight": 1 + r(hidden),
         prefix + "self_attn.q_proj.weight": r(heads * D, 2 * hidden),
         prefix + "self_attn.k_proj.weight": r(kv_heads * D, 2 * hidden),
         prefix + "self_attn.v_proj.weight": r(kv_heads * D, 2 * hidden),
         prefix + "self_attn.o_proj.weight": r(hidden, heads * D),
-        prefix + "mlp.gate_proj.weight": r(inter, hidden), prefix + "mlp.up_proj.weight": r(inter, hidden),
+        prefix + "mlp.gate_proj.weight": r(inter, hidden),
+        prefix + "mlp.up_proj.weight": r(inter, hidden),
         prefix + "mlp.down_proj.weight": r(hidden, inter),
-        "norm.weight": 1 + r(hidden), "lm_head.weight": r(draft_vocab, hidden) * 10,
-        "d2t": ids - torch.arange(draft_vocab), "t2d": t2d,
+        "norm.weight": 1 + r(hidden),
+        "lm_head.weight": r(draft_vocab, hidden) * 10,
+        "d2t": ids - torch.arange(draft_vocab),
+        "t2d": t2d,
     }
-    config = {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": hidden, "num_attention_heads": heads,
-              "num_key_value_heads": kv_heads, "intermediate_size": inter, "vocab_size": vocab,
-              "draft_vocab_size": draft_vocab, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-              "num_hidden_layers": 1}
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "intermediate_size": inter,
+        "vocab_size": vocab,
+        "draft_vocab_size": draft_vocab,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "num_hidden_layers": 1,
+    }
     if aux is not None:
         config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux}
     return _save(out, sd, config, fmt)
 
 
-def write_eagle1(out: str, *, hidden: int = 64, heads: int = 4, kv_heads: int = 2, inter: int = 96,
-                 vocab: int = 288, layers: int = 1, fmt: str = "bin", seed: int = 0, scale: float = 0.1,
-                 copy: bool = False) -> str:
+def write_eagle1(
+    out: str,
+    *,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    inter: int = 96,
+    vocab: int = 288,
+    layers: int = 1,
+    fmt: str = "bin",
+    seed: int = 0,
+    scale: float = 0.1,
+    copy: bool = False,
+) -> str:
     """An EAGLE-1 head: fc [H, 2H] with bias, Llama layers (layer 0 without input_layernorm).
 
     copy: fc passes the embedding through and every layer adds nothing (o_proj, down_proj 0), so
@@ -74,12 +100,18 @@ def write_eagle1(out: str, *, hidden: int = 64, heads: int = 4, kv_heads: int = 
     sd = {"fc.weight": r(hidden, 2 * hidden), "fc.bias": r(hidden)}
     for i in range(layers):
         p = f"layers.{i}."
-        sd.update({
-            p + "self_attn.q_proj.weight": r(heads * D, hidden), p + "self_attn.k_proj.weight": r(kv_heads * D, hidden),
-            p + "self_attn.v_proj.weight": r(kv_heads * D, hidden), p + "self_attn.o_proj.weight": r(hidden, heads * D),
-            p + "mlp.gate_proj.weight": r(inter, hidden), p + "mlp.up_proj.weight": r(inter, hidden),
-            p + "mlp.down_proj.weight": r(hidden, inter), p + "post_attention_layernorm.weight": 1 + r(hidden),
-        })
+        sd.update(
+            {
+                p + "self_attn.q_proj.weight": r(heads * D, hidden),
+                p + "self_attn.k_proj.weight": r(kv_heads * D, hidden),
+                p + "self_attn.v_proj.weight": r(kv_heads * D, hidden),
+                p + "self_attn.o_proj.weight": r(hidden, heads * D),
+                p + "mlp.gate_proj.weight": r(inter, hidden),
+                p + "mlp.up_proj.weight": r(inter, hidden),
+                p + "mlp.down_proj.weight": r(hidden, inter),
+                p + "post_attention_layernorm.weight": 1 + r(hidden),
+            }
+        )
         if i > 0:
             sd[p + "input_layernorm.weight"] = 1 + r(hidden)
         if copy:
@@ -88,7 +120,15 @@ def write_eagle1(out: str, *, hidden: int = 64, heads: int = 4, kv_heads: int = 
     if copy:
         sd["fc.weight"] = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], 1)
         sd["fc.bias"].zero_()
-    config = {"architectures": ["LlamaForCausalLM"], "hidden_size": hidden, "num_attention_heads": heads,
-              "num_key_value_heads": kv_heads, "intermediate_size": inter, "vocab_size": vocab,
-              "num_hidden_layers": layers, "rms_norm_eps": 1e-6, "rope_theta": 10000.0}
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "intermediate_size": inter,
+        "vocab_size": vocab,
+        "num_hidden_layers": layers,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+    }
     return _save(out, sd, config, fmt)

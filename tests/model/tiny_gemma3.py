@@ -15,7 +15,10 @@ import numpy as np
 import torch
 
 CONTROL = ["<start_of_turn>", "<end_of_turn>"]
-USER_DEFINED = ["\n", "\n\n"]  # (sentencepiece, unlike llama.cpp, matches these after normalizing spaces)
+USER_DEFINED = [
+    "\n",
+    "\n\n",
+]  # (sentencepiece, unlike llama.cpp, matches these after normalizing spaces)
 WINDOW = 4
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog. " * 3,
@@ -25,11 +28,19 @@ _CORPUS = [
     "Gemma three has local layers and global layers with sliding windows.",
 ]
 _GGUF_LAYER = {
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
-    "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
 }
 
 
@@ -95,7 +106,10 @@ def _gguf_name(hf_name: str) -> str:
     if hf_name.startswith("model.layers."):
         _, _, layer, *rest = hf_name.split(".")
         return f"blk.{layer}.{_GGUF_LAYER['.'.join(rest[:-1])]}.{rest[-1]}"
-    return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}[hf_name]
+    return {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+    }[hf_name]
 
 
 def build_tiny_gemma3(out_dir: str, tensor_type=None, name: str = "tiny-gemma3.gguf",
@@ -138,8 +152,14 @@ def build_tiny_gemma3(out_dir: str, tensor_type=None, name: str = "tiny-gemma3.g
         array = p.detach().float().numpy()
         if hf_name.endswith("norm.weight"):
             array = array + 1.0  # llama.cpp's converter stores Gemma's 1 + w
-        if tensor_type is not None and array.ndim == 2 and array.shape[1] % gguf.GGML_QUANT_SIZES[tensor_type][0] == 0:
-            w.add_tensor(_gguf_name(hf_name), gguf.quants.quantize(array, tensor_type), raw_dtype=tensor_type)
+        if (
+            tensor_type is not None
+            and array.ndim == 2
+            and array.shape[1] % gguf.GGML_QUANT_SIZES[tensor_type][0] == 0
+        ):
+            w.add_tensor(
+                _gguf_name(hf_name), gguf.quants.quantize(array, tensor_type), raw_dtype=tensor_type
+            )
         else:
             w.add_tensor(_gguf_name(hf_name), np.ascontiguousarray(array))
     w.write_header_to_file()

@@ -167,7 +167,11 @@ def test_openapi_publishes_the_request_bodies(server):
         body = schemas[name]
         assert body["additionalProperties"] is False and "model" in body["required"]
     assert "prompt" in schemas["CompletionRequest"]["required"]
-    assert {"type": "string", "minLength": 1} in schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"]
+    assert {"type": "string", "minLength": 1} in schemas["CompletionRequest"]["properties"][
+        "prompt"
+    ]["anyOf"]
     # Every reference resolves (a fuzzer or client generator would fail on a dangling one).
-    refs = re.findall(r'"#/components/schemas/([^"]+)"', httpx.get(server.url + "/openapi.json").text)
+    refs = re.findall(
+        r'"#/components/schemas/([^"]+)"', httpx.get(server.url + "/openapi.json").text
+    )
     assert refs and set(refs) <= set(schemas)

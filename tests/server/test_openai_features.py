@@ -153,7 +153,9 @@ def test_batched_prompts_and_echo(servers):
 def _check_call(call, name="get_weather"):
     assert call.type == "function" and call.function.name == name and call.id
     args = json.loads(call.function.arguments)
-    jsonschema.validate(args, WEATHER if name == "get_weather" else TOOLS[1]["function"]["parameters"])
+    jsonschema.validate(
+        args, WEATHER if name == "get_weather" else TOOLS[1]["function"]["parameters"]
+    )
 
 
 @pytest.mark.parametrize("server_i", [0, 1])

@@ -21,8 +21,9 @@ PROMPT = "one two three four five six. one two three four five six. one two thre
 @pytest.fixture(scope="module")
 def server(live_server_factory):
     # A short drain so the shutdown test's long request is surely still running when aborted.
-    return live_server_factory(api_key=KEY, speculator="ngram", num_spec_tokens=4, cost_table=FREE_VERIFY,
-                                drain_s=0.2)
+    return live_server_factory(
+        api_key=KEY, speculator="ngram", num_spec_tokens=4, cost_table=FREE_VERIFY, drain_s=0.2
+    )
 
 
 @pytest.fixture(scope="module")
@@ -76,9 +77,12 @@ def test_models_card_and_prometheus_show_speculation(server, client):
     extra = client.models.retrieve(MODEL).model_extra["dynaspec"]
     card = extra["spec_plan"]
     assert card["speculating"] and card["max_k"] == 4
-    # The card says what runs: goodput, which may run any K from 0 to 4, so widths 1..5 (not "constant").
+    # The card says what runs: goodput, which may run any K from 0 to 4, so widths 1..5 (not
+    # "constant").
     assert card["kind"] == "variable" and card["widths"] == [1, 2, 3, 4, 5]
-    assert extra["k_policy"]["name"] == "goodput" and extra["k_policy"]["cost_table"].startswith("injected")
+    assert extra["k_policy"]["name"] == "goodput" and extra["k_policy"]["cost_table"].startswith(
+        "injected"
+    )
     text = httpx.get(server.url + "/metrics").text
     assert re.search(r'^dynaspec:k_policy_info\{[^}]*policy="goodput"[^}]*\} 1', text, re.M)
     m = re.search(r"^dynaspec:spec_decode_num_draft_tokens_total\{[^}]*\} (\S+)", text, re.M)

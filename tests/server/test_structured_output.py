@@ -14,8 +14,9 @@ pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
 openai = pytest.importorskip("openai")
 
-from .conftest import MODEL  # noqa: E402
 from tests.cost_tables import FREE_VERIFY  # noqa: E402
+
+from .conftest import MODEL  # noqa: E402
 
 SCHEMA = {
     "type": "object",
@@ -180,7 +181,8 @@ def test_a_character_no_token_spells_is_a_400_as_the_schema_says(servers, body, 
 
 
 def test_a_grammar_dead_end_fails_only_its_request(servers):
-    """A regex that escapes U+0014 passes the up-front check (the check reads characters, not escapes), then no token can continue it
+    """A regex that escapes U+0014 passes the up-front check (the check reads characters, not
+    escapes), then no token can continue it
     after "a": that request alone is a 400 (it was a 500 for its whole step), the others in
     the batch finish normally, and every KV block comes back."""
     server = servers["ngram"]

@@ -1,4 +1,5 @@
-"""Async scheduling driven by hand-built runner outputs: the invalid-draft channel (docs/design.md §7b).
+"""Async scheduling driven by hand-built runner outputs: the invalid-draft channel (docs/design.md
+§7b).
 
 The real Scheduler, the real launch/land phases and the real AsyncStepLoop driver run; a fake
 engine emits (folds records) and a fake runner plays prepare/run: it drafts
@@ -18,15 +19,15 @@ import pytest
 from dynaspec.config import SchedulerConfig
 from dynaspec.engine.async_loop import AsyncStepLoop
 from dynaspec.engine.phases import StepPhases, drop_ended
-from dynaspec.metrics.step_records import request_spec
 from dynaspec.kv.kv_cache_manager import KVCacheManager
 from dynaspec.metrics.stats import SpecCounters, StepStats, fold_step
+from dynaspec.metrics.step_records import request_spec
 from dynaspec.outputs import RequestResult, RunnerOutput
 from dynaspec.request import Request, RequestStatus
 from dynaspec.sampling_params import SamplingParams
 from dynaspec.scheduler.scheduler import Scheduler
-from dynaspec.spec_decode.policies import make_policy
 from dynaspec.spec_decode.plan import build_spec_plan
+from dynaspec.spec_decode.policies import make_policy
 
 EOS = 2
 
@@ -68,8 +69,14 @@ class Harness:
     """Scheduler + phases + AsyncStepLoop + fake runner; the harness is the engine the driver
     calls (schedule, launch, land, emit) and folds every emitted step like the engine."""
 
-    def __init__(self, k: int = 4, num_blocks: int = 64, block_size: int = 4,
-                 drafter_max_len: int | None = None, stop=None) -> None:  # type: ignore[no-untyped-def]
+    def __init__(
+        self,
+        k: int = 4,
+        num_blocks: int = 64,
+        block_size: int = 4,
+        drafter_max_len: int | None = None,
+        stop=None,
+    ) -> None:  # type: ignore[no-untyped-def]
         plan = build_spec_plan("ngram", k, None)
         kv = KVCacheManager(num_blocks, block_size, False)
         self.sch = Scheduler(SchedulerConfig(64, 16), kv, plan, make_policy(plan, "table"), 256,
@@ -190,7 +197,10 @@ def test_stop_string_ends_the_request_in_the_step_that_found_it():
     h = Harness(stop=stop)
     a, b = h.add("a", max_tokens=20, stop=["<end>"]), h.add("b", max_tokens=11)
     h.run()
-    assert a.output_token_ids == [_tok(p) for p in range(4)] and a.status is RequestStatus.FINISHED_STOPPED
+    assert (
+        a.output_token_ids == [_tok(p) for p in range(4)]
+        and a.status is RequestStatus.FINISHED_STOPPED
+    )
     assert h.emitted["a"] == a.output_token_ids
     assert b.output_token_ids == [_tok(p) for p in range(11)]
     assert h.spec_of(1, "a").counts == (4, 4, 3)  # emitted after the stop-string cut
@@ -220,7 +230,10 @@ def test_mixed_batch_only_some_invalid_and_rejections_roll_back():
     assert sc.counts == (4, 4, 5) and not sc.invalid_draft_tokens
     total = h.counters
     assert total.invalid_draft_tokens.get("async_placeholder") == 3 + sum(
-        r.invalid_draft_tokens.get("async_placeholder", 0) for st in h.steps[3:] for r in st.requests)
+        r.invalid_draft_tokens.get("async_placeholder", 0)
+        for st in h.steps[3:]
+        for r in st.requests
+    )
     assert total.num_draft_tokens == sum(r.num_draft_tokens for st in h.steps for r in st.requests)
     h.assert_clean()
 
@@ -281,15 +294,19 @@ def test_prometheus_carries_the_async_invalid_counters():
     c, p = h.counters, "dynaspec:spec_decode_"
     assert c.invalid_draft_tokens["async_placeholder"] == 7
     assert got[(f"{p}invalid_draft_tokens_total", (("reason", "async_placeholder"),))] == 7
-    assert got[(f"{p}draft_skips_total", (("reason", "all_invalid"),))] == c.draft_skips["all_invalid"] == 1
+    assert (
+        got[(f"{p}draft_skips_total", (("reason", "all_invalid"),))]
+        == c.draft_skips["all_invalid"]
+        == 1
+    )
     assert got[(f"{p}num_draft_tokens_total", ())] == c.num_draft_tokens == 9
     assert got[(f"{p}num_drafts_total", ())] == c.num_drafts == 3
     h.assert_clean()
 
 
 def test_async_scheduling_flag_reaches_the_engine_config():
-    from dynaspec.engine_flags import parse_engine_args
     from dynaspec.config import EngineConfig
+    from dynaspec.engine_flags import parse_engine_args
 
     on = EngineConfig.from_kwargs(**parse_engine_args(["--async-scheduling"]))
     off = EngineConfig.from_kwargs(**parse_engine_args([]))

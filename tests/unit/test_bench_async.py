@@ -15,7 +15,9 @@ def _rec(arm: str, pair: int, elapsed: float, forward: float, sample: float = 0.
 
 
 def test_outside_forward_is_wall_minus_forward_and_verify():
-    assert outside_forward({"forward": 7.0, "sample": 1.0, "update": 0.5}, 10.0) == pytest.approx(2.0)
+    assert outside_forward({"forward": 7.0, "sample": 1.0, "update": 0.5}, 10.0) == pytest.approx(
+        2.0
+    )
     assert outside_forward({"forward": 11.0}, 10.0) == 0.0  # clock skew never goes negative
 
 

@@ -107,7 +107,12 @@ class MockArm:
 
     def run(self, items, params, concurrency, tag):
         self.log.append((self.name, tag, id(items), id(params), concurrency))
-        rec = RunRecord(self.name, -1, self.tokens, self.seconds.pop(0) if isinstance(self.seconds, list) else self.seconds)
+        rec = RunRecord(
+            self.name,
+            -1,
+            self.tokens,
+            self.seconds.pop(0) if isinstance(self.seconds, list) else self.seconds,
+        )
         rec.outputs = [[1, 2, 3] for _ in items]
         rec.identity_violations = list(self.violations)
         return rec
@@ -122,7 +127,10 @@ def _items(n=3):
 
 def test_pairs_alternate_a_b_with_the_same_prompts_and_params():
     log = []
-    arms = {"a": MockArm("a", log, [1.0, 1.0, 1.0, 1.0, 1.0]), "b": MockArm("b", log, [0.5, 0.5, 0.5, 0.5, 0.5])}
+    arms = {
+        "a": MockArm("a", log, [1.0, 1.0, 1.0, 1.0, 1.0]),
+        "b": MockArm("b", log, [0.5, 0.5, 0.5, 0.5, 0.5]),
+    }
     items, params = _items(), [SamplingParams(max_tokens=8)] * 3
     recs = run_pairs(arms, items, params, concurrency=4, pairs=5)
     assert [e[0] for e in log] == ["a", "b"] * 5
@@ -137,7 +145,10 @@ def test_pairs_alternate_a_b_with_the_same_prompts_and_params():
 
 def test_identity_violation_stops_the_benchmark_loudly():
     log = []
-    arms = {"a": MockArm("a", log, 1.0), "b": MockArm("b", log, 1.0, violations=["sum(accepted_per_pos) != x"])}
+    arms = {
+        "a": MockArm("a", log, 1.0),
+        "b": MockArm("b", log, 1.0, violations=["sum(accepted_per_pos) != x"]),
+    }
     with pytest.raises(IdentityViolation, match="arm b .*pair 0"):
         run_pairs(arms, _items(), [SamplingParams()] * 3, 1, 5)
     assert [e[0] for e in log] == ["a", "b"]
@@ -184,8 +195,16 @@ class FakeEngine:
         for rid, toks in list(self.live.items()):
             toks.append(7)
             done = len(toks) == self.steps_per_req
-            outs.append(RequestOutput(rid, [1], list(toks), [7], finished=done,
-                                      timings=RequestTimings(0.01, 0.03, (0.01,)) if done else None))
+            outs.append(
+                RequestOutput(
+                    rid,
+                    [1],
+                    list(toks),
+                    [7],
+                    finished=done,
+                    timings=RequestTimings(0.01, 0.03, (0.01,)) if done else None,
+                )
+            )
             specs.append(RequestStepSpec(rid, 0, 0, 1, None))
             if done:
                 del self.live[rid]
@@ -239,7 +258,7 @@ def _importable(mod):
     return importlib.util.find_spec(mod) is not None
 
 
-_FAKE_VLLM = '''
+_FAKE_VLLM = """
 __version__ = "0.0-fake"
 class SamplingParams:
     def __init__(self, max_tokens, temperature, seed, ignore_eos):
@@ -251,8 +270,9 @@ class _Req:
 class LLM:
     def __init__(self, **kw): print("vllm log line on stdout")
     def generate(self, prompts, sps, use_tqdm=False):
-        return [_Req(list(p["prompt_token_ids"][:1]) * sp.max_tokens) for p, sp in zip(prompts, sps)]
-'''
+        return [_Req(list(p["prompt_token_ids"][:1]) * sp.max_tokens) for p, sp in zip(prompts,
+        sps)]
+"""
 
 
 def test_vllm_peer_protocol_with_a_fake_vllm(tmp_path, monkeypatch):
@@ -260,7 +280,9 @@ def test_vllm_peer_protocol_with_a_fake_vllm(tmp_path, monkeypatch):
     pkg = tmp_path / "vllm"
     pkg.mkdir()
     (pkg / "__init__.py").write_text(textwrap.dedent(_FAKE_VLLM))
-    (pkg / "inputs.py").write_text("def TokensPrompt(prompt_token_ids):\n    return {'prompt_token_ids': prompt_token_ids}\n")
+    (pkg / "inputs.py").write_text(
+        "def TokensPrompt(prompt_token_ids):\n    return {'prompt_token_ids': prompt_token_ids}\n"
+    )
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     monkeypatch.setattr(peers, "_model_path", lambda opts: (str(tmp_path), "hf"))
     arm = peers.make_peer_arm("peer:vllm:ngram,k=3", 2, defaults={"python": sys.executable})

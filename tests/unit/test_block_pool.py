@@ -155,7 +155,9 @@ def test_hash_chain_depends_on_parent_and_tokens():
     assert a == hash_block_tokens(ROOT_HASH, [1, 2])
     assert a != hash_block_tokens(ROOT_HASH, [2, 1])
     assert hash_block_tokens(a, [3, 4]) != hash_block_tokens(ROOT_HASH, [3, 4])
-    assert hash_block_tokens(a, [3, 4]) != hash_block_tokens(hash_block_tokens(ROOT_HASH, [1, 3]), [3, 4])
+    assert hash_block_tokens(a, [3, 4]) != hash_block_tokens(
+        hash_block_tokens(ROOT_HASH, [1, 3]), [3, 4]
+    )
 
 
 @pytest.mark.parametrize(

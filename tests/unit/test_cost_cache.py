@@ -9,10 +9,10 @@ import multiprocessing
 
 import pytest
 
-from dynaspec.spec_decode.cost_profile import ProfileSettings, essential_shapes, startup_cost_model
 from dynaspec.spec_decode import cost_cache
 from dynaspec.spec_decode.cost_cache import Cell
 from dynaspec.spec_decode.cost_model import CACHE_ENV, CostGrid
+from dynaspec.spec_decode.cost_profile import ProfileSettings, essential_shapes, startup_cost_model
 
 GRID = CostGrid((1, 4, 16, 64), (128, 1024), (1, 2, 3, 5))
 
@@ -156,9 +156,13 @@ def test_schedule_explain_shows_the_cached_width_curve():
     from dynaspec.cli.schedule_cmd import explain
 
     key = cost_cache.cache_key(model="curve-test")
-    cells = {(1, 128, w): cost_cache.Cell(seconds=ms / 1e3) for w, ms in ((1, 4.0), (5, 6.0), (9, 8.0))}
+    cells = {
+        (1, 128, w): cost_cache.Cell(seconds=ms / 1e3) for w, ms in ((1, 4.0), (5, 6.0), (9, 8.0))
+    }
     assert cost_cache.merge_save(key, cells) is not None
-    args = build_parser().parse_args(["schedule", "explain", "--speculator", "ngram", "--num-spec-tokens", "8"])
+    args = build_parser().parse_args(
+        ["schedule", "explain", "--speculator", "ngram", "--num-spec-tokens", "8"]
+    )
     out = io.StringIO()
     assert explain(args, out, io.StringIO()) == 0
     line = next(x for x in out.getvalue().splitlines() if key[:12] in x)

@@ -6,7 +6,6 @@ import json
 
 import pytest
 
-from dynaspec.spec_decode import cost_model as cm
 from dynaspec.spec_decode.cost_model import CostGrid, StepCostModel
 
 
@@ -90,9 +89,9 @@ def test_monotone_check_names_the_poisoned_cells():
 def test_profile_measures_every_shape(tiny_llama_dir):
     import torch
 
-    from dynaspec.spec_decode.cost_profile import profile_step_costs
     from dynaspec.models.llama import LlamaModel
     from dynaspec.models.loader import load_model_files
+    from dynaspec.spec_decode.cost_profile import profile_step_costs
 
     loaded = load_model_files(tiny_llama_dir)
     model = LlamaModel(loaded.arch, loaded.state_dict, torch.float32, torch.device("cpu"), 256)

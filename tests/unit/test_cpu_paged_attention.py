@@ -86,4 +86,6 @@ def test_sliding_window_matches_a_masked_reference():
     p = s.masked_fill(~mask, float("-inf")).softmax(-1)
     ref = torch.einsum("hqk,khd->qhd", p, vv)
     torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-5)
-    assert not torch.allclose(out, _run(fast, q, k, v, cache.clone(), [C], [C], tables))  # the window matters
+    assert not torch.allclose(
+        out, _run(fast, q, k, v, cache.clone(), [C], [C], tables)
+    )  # the window matters

@@ -55,11 +55,13 @@ def _run_ranks(make_policy, world: int, steps: int, seed: int):
         a = StepAgreement(group.gather_for(rank), rank, world, 3, grace_s=5, idle_poll_s=0)
         pol = LockstepPolicy(make_policy(), a)
         try:
-            for step in range(steps):
+            for _ in range(steps):
                 a.exchanged = False
                 n = rng.randrange(0, 6 if rank else 12)  # rank 0 carries more load
-                views = tuple(RequestView(f"r{rank}-{i}", rng.randrange(5, 900), rng.randrange(1, 9),
-                                          1000) for i in range(n))
+                views = tuple(
+                    RequestView(f"r{rank}-{i}", rng.randrange(5, 900), rng.randrange(1, 9), 1000)
+                    for i in range(n)
+                )
                 # The rank loop: the exchange of the expected batch's view, before schedule().
                 expected = n + rng.randrange(0, 2)
                 tick = a.exchange(expected, [v.context_len for v in views])
@@ -171,13 +173,17 @@ def test_a_rank_whose_table_check_disagreed_follows_rank_0(monkeypatch, rank0_ha
 
     plan = build_spec_plan("ngram", 3, None)
     rank0 = _cost().to_json() if rank0_has_table else None
-    monkeypatch.setattr(dist, "broadcast_object_list", lambda payload, src: payload.__setitem__(0, rank0))
+    monkeypatch.setattr(
+        dist, "broadcast_object_list", lambda payload, src: payload.__setitem__(0, rank0)
+    )
     a = StepAgreement(ThreadGroup(2).gather_for(1), 1, 2, 3, grace_s=5, idle_poll_s=0)
     mine = TablePolicy(plan) if rank0_has_table else GoodputPolicy(plan, _cost())
     pol = LockstepPolicy(mine, a)
     share_cost_model(pol, rank=1)
     if rank0_has_table:
-        assert isinstance(pol.inner, GoodputPolicy) and pol.inner.cost_model.seconds == _cost().seconds
+        assert (
+            isinstance(pol.inner, GoodputPolicy) and pol.inner.cost_model.seconds == _cost().seconds
+        )
         assert pol.inner.engine_history is a.shared  # the engine-wide prior is shared again
     else:
         assert type(pol.inner) is TablePolicy

@@ -20,7 +20,12 @@ def _clean_env(monkeypatch):
 
 def test_single_machine_defaults():
     r = resolve(ParallelConfig(data_parallel_size=3))
-    assert (r.master_addr, r.store_port, r.world_size, r.local_ranks) == ("127.0.0.1", 0, 3, (0, 1, 2))
+    assert (r.master_addr, r.store_port, r.world_size, r.local_ranks) == (
+        "127.0.0.1",
+        0,
+        3,
+        (0, 1, 2),
+    )
     assert not r.multi_machine and len(r.authkey) == 32
 
 
@@ -30,7 +35,12 @@ def test_flags_win_over_environment(monkeypatch):
     monkeypatch.setenv(SECRET_ENV, "s")
     r = resolve(ParallelConfig(data_parallel_size=4, dp_local_size=2, dp_master_addr="10.0.0.1",
                                dp_master_port=29500))
-    assert (r.master_addr, r.store_port, r.control_port, r.local_ranks) == ("10.0.0.1", 29500, 29501, (0, 1))
+    assert (r.master_addr, r.store_port, r.control_port, r.local_ranks) == (
+        "10.0.0.1",
+        29500,
+        29501,
+        (0, 1),
+    )
     assert r.authkey == b"s"
     r = resolve(ParallelConfig(data_parallel_size=4, dp_local_size=2))
     assert (r.master_addr, r.store_port) == ("10.0.0.9", 1234)
@@ -78,12 +88,18 @@ def _value(text: str, name: str, rank: str) -> float:
 def test_metrics_per_rank_and_summed_in_one_family():
     m = DPMetrics(2, {"model_name": "x"})
     for rank, emitted in ((0, 3), (1, 5)):
-        step = StepStats(2, (RequestStepSpec(f"r{rank}", 2, 1, emitted if emitted < 3 else 2, None),))
+        step = StepStats(
+            2, (RequestStepSpec(f"r{rank}", 2, 1, emitted if emitted < 3 else 2, None),)
+        )
         m.rank_step(rank, step)
         m.rank_snapshot(rank, EngineSnapshot(rank + 1, 0, 0.5 * rank, 100, 0, 10, 5, 0))
     text = m.render().decode()
     name = "dynaspec:spec_decode_num_draft_tokens_total"
-    assert (_value(text, name, "0"), _value(text, name, "1"), _value(text, name, "all")) == (2, 2, 4)
+    assert (_value(text, name, "0"), _value(text, name, "1"), _value(text, name, "all")) == (
+        2,
+        2,
+        4,
+    )
     assert _value(text, "dynaspec:num_requests_running", "all") == 3
     assert _value(text, "dynaspec:kv_cache_usage_perc", "all") == pytest.approx(0.25)
     assert text.count("# TYPE dynaspec:spec_decode_num_draft_tokens_total counter") == 1

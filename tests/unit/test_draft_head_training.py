@@ -18,7 +18,9 @@ def _setup(tiny_llama_dir, tmp_path):
     llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=64)
     model = llm.engine.parts.model
     g = torch.Generator().manual_seed(0)
-    seqs = [torch.randint(3, 288, (int(n),), generator=g).tolist() for n in (40, 33, 48, 25, 37, 44)]
+    seqs = [
+        torch.randint(3, 288, (int(n),), generator=g).tolist() for n in (40, 33, 48, 25, 37, 44)
+    ]
     cached = feature_cache(model, seqs, default_aux_layers(2), str(tmp_path / "features.pt"))
     return model, seqs, cached, draft_vocab(seqs, 128, 288, (2,))
 
@@ -26,7 +28,9 @@ def _setup(tiny_llama_dir, tmp_path):
 def test_training_lowers_the_loss_and_resumes_exactly(tiny_llama_dir, tmp_path):
     model, seqs, cached, d2t = _setup(tiny_llama_dir, tmp_path)
     assert len(d2t) == 128 and 2 in d2t.tolist()
-    base = dict(steps=12, batch_seqs=2, lr=3e-3, warmup=2, passes=2, intermediate_size=64, save_every=6)
+    base = dict(
+        steps=12, batch_seqs=2, lr=3e-3, warmup=2, passes=2, intermediate_size=64, save_every=6
+    )
     whole = train(model, seqs, cached, d2t, TrainConfig(out=str(tmp_path / "a"), **base))
     assert whole["loss"][-1] < whole["loss"][0]
     # The same run killed during step 7 (the state was saved after step 6), then rerun.

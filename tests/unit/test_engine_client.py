@@ -9,7 +9,9 @@ from dynaspec.engine.client import EngineClient, EngineState, ModelCard, PoolRep
 
 
 def _protocol_methods() -> set[str]:
-    return {n for n, v in vars(EngineClient).items() if inspect.isfunction(v) and not n.startswith("_")}
+    return {
+        n for n, v in vars(EngineClient).items() if inspect.isfunction(v) and not n.startswith("_")
+    }
 
 
 def test_both_engines_implement_every_method():
@@ -39,8 +41,12 @@ def test_llm_engine_answers_the_protocol(tiny_llama_dir):
     while eng.has_unfinished_requests():
         eng.step()
     times = eng.take_finished_times()
-    assert len(times) == 1 and times[0].num_generation_tokens == 3 and times[0].num_prompt_tokens == 4
+    assert (
+        len(times) == 1 and times[0].num_generation_tokens == 3 and times[0].num_prompt_tokens == 4
+    )
     assert eng.take_finished_times() == []
     pool = eng.pool_report()
-    assert isinstance(pool, PoolReport) and pool.num_tokens == 64 * 16 and pool.drafter_cache is None
+    assert (
+        isinstance(pool, PoolReport) and pool.num_tokens == 64 * 16 and pool.drafter_cache is None
+    )
     assert eng.failure() is None and eng.snapshot().kv_pool_tokens_target == 64 * 16

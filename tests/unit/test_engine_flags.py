@@ -28,8 +28,19 @@ def test_every_config_field_is_a_flag_unless_marked_otherwise():
 
 
 def test_flags_parse_to_config_values_and_choices_come_from_the_registry():
-    kw = parse_engine_args(["--speculator", "ngram", "--num-spec-tokens", "3", "--no-prefix-caching",
-                            "--log-stats-interval", "2.5", "--dp-rank-timeout", "4"])
+    kw = parse_engine_args(
+        [
+            "--speculator",
+            "ngram",
+            "--num-spec-tokens",
+            "3",
+            "--no-prefix-caching",
+            "--log-stats-interval",
+            "2.5",
+            "--dp-rank-timeout",
+            "4",
+        ]
+    )
     config = EngineConfig.from_kwargs(**kw)
     assert config.spec.speculator == "ngram" and config.spec.num_spec_tokens == 3
     assert config.cache.enable_prefix_caching is False

@@ -1,4 +1,5 @@
-"""ExecutionPlan: the grid comes from the SpecPlan, the path from the mode and the admission table."""
+"""ExecutionPlan: the grid comes from the SpecPlan, the path from the mode and the admission
+table."""
 
 from __future__ import annotations
 
@@ -6,9 +7,14 @@ import json
 
 import pytest
 
+from dynaspec.spec_decode.execution_plan import (
+    AdmissionEntry,
+    AdmissionTable,
+    ExecutionPlan,
+    batch_buckets,
+    default_admission_path,
+)
 from dynaspec.spec_decode.plan import SpecPlan, build_spec_plan
-from dynaspec.spec_decode.execution_plan import (AdmissionEntry, AdmissionTable, ExecutionPlan,
-                                            batch_buckets, default_admission_path)
 
 
 def test_buckets_are_powers_of_two_capped_by_max_num_seqs():
@@ -34,7 +40,9 @@ def test_a_bucket_spanning_two_rows_has_both_widths():
 
 
 def _table(*entries) -> AdmissionTable:
-    return AdmissionTable(tuple(AdmissionEntry(b, w, r, lo, hi, 1.0, r) for b, w, r, lo, hi in entries))
+    return AdmissionTable(
+        tuple(AdmissionEntry(b, w, r, lo, hi, 1.0, r) for b, w, r, lo, hi in entries)
+    )
 
 
 def test_descriptor_paths_by_mode_and_admission():

@@ -38,7 +38,12 @@ def test_silu_mul_matches_eager(dtype):
     gu = _x(5, 2 * 96, dtype=dtype, seed=3)
     got, ref = FusedOps(enabled=True).silu_and_mul(gu), silu_and_mul(gu)
     # exp differs from torch's vectorised one in the last bit at most; bf16 rounding hides it
-    torch.testing.assert_close(got, ref, rtol=1e-6 if dtype == torch.float32 else 0, atol=1e-6 if dtype == torch.float32 else 1e-2)
+    torch.testing.assert_close(
+        got,
+        ref,
+        rtol=1e-6 if dtype == torch.float32 else 0,
+        atol=1e-6 if dtype == torch.float32 else 1e-2,
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

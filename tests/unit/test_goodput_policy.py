@@ -10,8 +10,8 @@ import pytest
 from dynaspec.spec_decode.cost_model import CostGrid, StepCostModel
 from dynaspec.spec_decode.goodput_policy import GoodputPolicy, GoodputSettings
 from dynaspec.spec_decode.k_policy import RequestView, StepView
-from dynaspec.spec_decode.policies import make_policy
 from dynaspec.spec_decode.plan import build_spec_plan
+from dynaspec.spec_decode.policies import make_policy
 
 WIDTHS = tuple(range(1, 10))
 
@@ -34,7 +34,9 @@ def rv(rid: str, ctx: int = 100, remaining: int = 1000) -> RequestView:
     return RequestView(rid, ctx, remaining, 10**6)
 
 
-def feed(policy: GoodputPolicy, rid: str, drafted: int, accepted: int, ctx: int, times: int = 5) -> None:
+def feed(
+    policy: GoodputPolicy, rid: str, drafted: int, accepted: int, ctx: int, times: int = 5
+) -> None:
     for _ in range(times):
         policy.observe(rid, drafted, accepted, ctx)
 
@@ -94,7 +96,9 @@ def test_collapsed_request_stops_drafting_and_is_reprobed():
             break
         p.observe("a", d.per_request["a"], 0, ctx)
         ctx += 1
-    assert cut_at is not None and cut_at <= 3, "a request with 0 acceptance must stop within a few steps"
+    assert cut_at is not None and cut_at <= 3, (
+        "a request with 0 acceptance must stop within a few steps"
+    )
     last = p.last_draft_ctx["a"]  # the context at which it last verified a draft
     interval = p.settings.probe_interval
     for c in range(ctx, last + interval):  # no draft until the probe interval has passed
@@ -106,7 +110,9 @@ def test_collapsed_request_stops_drafting_and_is_reprobed():
 
 
 def test_one_poor_request_is_cut_while_the_good_one_drafts():
-    p = GoodputPolicy(build_spec_plan("ngram", 4, None), cost_model(lambda w: 0.01 * (1 + 0.2 * (w - 1))))
+    p = GoodputPolicy(
+        build_spec_plan("ngram", 4, None), cost_model(lambda w: 0.01 * (1 + 0.2 * (w - 1)))
+    )
     feed(p, "good", 4, 4, ctx=100)
     feed(p, "poor", 4, 0, ctx=100)
     d = p.decide(view(rv("good", 101), rv("poor", 101)))
@@ -160,7 +166,10 @@ def test_make_policy_auto_is_goodput_and_needs_a_cost_model():
     plan = build_spec_plan("ngram", 4, None)
     assert isinstance(make_policy(plan, "auto", cost_model=FREE), GoodputPolicy)
     # An explicit schedule is an instruction: auto runs it as the table.
-    assert type(make_policy(plan, "auto", cost_model=FREE, has_schedule=True)).__name__ == "TablePolicy"
+    assert (
+        type(make_policy(plan, "auto", cost_model=FREE, has_schedule=True)).__name__
+        == "TablePolicy"
+    )
     with pytest.raises(ValueError, match="cost model"):
         make_policy(plan, "goodput")
     with pytest.raises(ValueError, match="unknown k_policy"):
@@ -186,12 +195,13 @@ SEED_SCHEDULE = ["--num-spec-tokens", "3", "--k-schedule", "[[1,8,5],[9,16,4]]"]
     (SEED_SCHEDULE, "table", "constant", [4]),  # auto + a schedule: width 4 on every step
     (SEED_SCHEDULE + ["--k-policy", "goodput"], "goodput", "variable", [1, 2, 3, 4]),
 ])
-def test_schedule_explain_json_names_the_policy_and_the_widths_that_run(flags, policy, kind, widths):
+def test_schedule_explain_json_names_the_policy_and_the_widths_that_run(
+    flags, policy, kind, widths
+):
     import io
     import json
 
     from dynaspec.cli.main import build_parser
-
     from dynaspec.cli.schedule_cmd import explain
 
     args = build_parser().parse_args(["schedule", "explain", "--json", *flags])
@@ -231,7 +241,7 @@ def test_divergence_guard_reprobes_a_wide_step_at_a_bounded_rate():
     feed(p, "a", 4, 4, ctx=100)
     p.last_draft_ctx["a"] = 100  # no per-request probe due: only the guard can draft
     ks = []
-    for step in range(40):
+    for _ in range(40):
         d = p.decide(view(rv("a", 101)))
         ks.append(d.k)
         # The machine: every step takes 10 ms whatever its width. The EMAs are then pinned 4x
@@ -270,7 +280,9 @@ def test_prometheus_exports_goodput_gauges():
 
 def test_step_k_is_always_a_width_the_plan_runs():
     per_width = lambda w: 0.01 * (1 + 0.3 * (w - 1))  # noqa: E731
-    p = GoodputPolicy(build_spec_plan("ngram", 4, None), cost_model(per_width), allowed_widths=(1, 5))
+    p = GoodputPolicy(
+        build_spec_plan("ngram", 4, None), cost_model(per_width), allowed_widths=(1, 5)
+    )
     feed(p, "poor", 4, 0, ctx=10)  # cut, and due a one-draft probe at ctx 26
     d = p.decide(view(rv("poor", 26)))
     assert d.per_request == {"poor": 1} and d.k == 4  # the probe rides a width-5 step

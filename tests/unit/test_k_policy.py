@@ -15,19 +15,28 @@ from dynaspec.spec_decode.k_policy import (
     TablePolicy,
     context_statistic,
 )
-from dynaspec.spec_decode.policies import make_policy
 from dynaspec.spec_decode.plan import build_spec_plan
+from dynaspec.spec_decode.policies import make_policy
 
-GRID = "[[1,4,1,512,4],[1,4,513,null,6],[5,16,1,512,2],[5,16,513,null,3],[17,null,1,512,0],[17,null,513,null,1]]"
+GRID = ("[[1,4,1,512,4],[1,4,513,null,6],[5,16,1,512,2],[5,16,513,null,3],[17,null,1,512,0],"
+        "[17,null,513,null,1]]")
 
 
-def req(rid: str, ctx: int = 100, remaining: int = 1000, room: int = 10**6, drafter_room: int | None = None,
-        history: AcceptanceHistory | None = None) -> RequestView:
+def req(
+    rid: str,
+    ctx: int = 100,
+    remaining: int = 1000,
+    room: int = 10**6,
+    drafter_room: int | None = None,
+    history: AcceptanceHistory | None = None,
+) -> RequestView:
     return RequestView(rid, ctx, remaining, room, drafter_room, history)
 
 
 def test_table_policy_constant():
-    decision = TablePolicy(build_spec_plan("ngram", 3, None)).decide(StepView((req("a"), req("b")), num_reqs=2))
+    decision = TablePolicy(build_spec_plan("ngram", 3, None)).decide(
+        StepView((req("a"), req("b")), num_reqs=2)
+    )
     assert decision.k == 3
     assert decision.per_request == {"a": 3, "b": 3}
     assert decision.reasons == {}
@@ -80,9 +89,12 @@ def test_drafter_length_skips_only_the_long_request():
 
 def test_max_tokens_cap():
     plan = build_spec_plan("ngram", 4, None)
-    view = StepView((req("a", remaining=3), req("b", remaining=1), req("c", remaining=5), req("d")), num_reqs=4)
+    view = StepView(
+        (req("a", remaining=3), req("b", remaining=1), req("c", remaining=5), req("d")), num_reqs=4
+    )
     d = TablePolicy(plan).decide(view)
-    # A verify emits up to k+1 tokens: remaining 3 -> 2 drafts, remaining 1 -> none, remaining 5 -> all 4.
+    # A verify emits up to k+1 tokens: remaining 3 -> 2 drafts, remaining 1 -> none, remaining 5 ->
+    # all 4.
     assert d.per_request == {"a": 2, "b": 0, "c": 4, "d": 4}
     assert d.reasons == {"a": "max_tokens", "b": "max_tokens"}
 
@@ -159,13 +171,17 @@ def _history(drafted: int, accepted: int, times: int = 5) -> AcceptanceHistory:
 
 def test_adaptive_without_history_uses_the_table_cap():
     plan = build_spec_plan("ngram", 4, None)
-    d = AdaptivePolicy(plan).decide(StepView((req("a"), req("b", history=AcceptanceHistory())), num_reqs=2))
+    d = AdaptivePolicy(plan).decide(
+        StepView((req("a"), req("b", history=AcceptanceHistory())), num_reqs=2)
+    )
     assert d.per_request == {"a": 4, "b": 4} and d.reasons == {}
 
 
 def test_adaptive_lowers_k_for_poor_acceptance_and_keeps_it_for_good():
     plan = build_spec_plan("ngram", 4, None)
-    view = StepView((req("good", history=_history(4, 4)), req("poor", history=_history(4, 0))), num_reqs=2)
+    view = StepView(
+        (req("good", history=_history(4, 4)), req("poor", history=_history(4, 0))), num_reqs=2
+    )
     d = AdaptivePolicy(plan).decide(view)
     assert d.k == 4
     assert d.per_request == {"good": 4, "poor": 1}  # min_k keeps the history learning
@@ -175,9 +191,13 @@ def test_adaptive_lowers_k_for_poor_acceptance_and_keeps_it_for_good():
 def test_adaptive_uses_measured_costs():
     plan = build_spec_plan("ngram", 4, None)
     h = _history(4, 2)  # rates [1, 1, 0]: two drafts are worth it, more are not
-    cheap = AdaptivePolicy(plan, cost_per_width={1: 1.0, 5: 1.0}).decide(StepView((req("a", history=h),), 1))
+    cheap = AdaptivePolicy(plan, cost_per_width={1: 1.0, 5: 1.0}).decide(
+        StepView((req("a", history=h),), 1)
+    )
     assert cheap.per_request == {"a": 2}  # ties (3, 4 equal value) go to the smaller k
-    costly = AdaptivePolicy(plan, cost_per_width={1: 1.0, 2: 3.0}).decide(StepView((req("a", history=h),), 1))
+    costly = AdaptivePolicy(plan, cost_per_width={1: 1.0, 2: 3.0}).decide(
+        StepView((req("a", history=h),), 1)
+    )
     assert costly.per_request == {"a": 1}
 
 
@@ -211,12 +231,21 @@ def test_make_policy():
 
 def test_every_reason_a_policy_gives_is_a_known_skip_reason():
     # One list (metrics.stats.SKIP_REASONS): a reason the policy sets must fold without error.
-    from dynaspec.metrics.stats import SKIP_REASONS, RequestStepSpec, SpecCounters, StepStats, fold_step
+    from dynaspec.metrics.stats import (
+        SKIP_REASONS,
+        RequestStepSpec,
+        SpecCounters,
+        StepStats,
+        fold_step,
+    )
 
     views = (req("zero_left", remaining=1), req("room", room=1), req("drafter", drafter_room=0),
              req("poor", history=_history(4, 0)), req("fine"))
     reasons = set()
-    for plan in (build_spec_plan("ngram", 4, None), build_spec_plan("ngram", 0, "[[1, 8, 0], [9, 64, 2]]")):
+    for plan in (
+        build_spec_plan("ngram", 4, None),
+        build_spec_plan("ngram", 0, "[[1, 8, 0], [9, 64, 2]]"),
+    ):
         for policy in (TablePolicy(plan), AdaptivePolicy(plan, min_k=0)):
             reasons |= set(policy.decide(StepView(views, num_reqs=len(views))).reasons.values())
     assert reasons == {"max_tokens", "max_model_len", "drafter_length", "adaptive", "schedule_zero"}

@@ -48,8 +48,16 @@ def test_grid_with_one_batch_range_and_open_ended_ctx():
 
 
 def test_tuned_table_object():
-    table = {"grid": [[1, 4, 1, 1024, 4], [1, 4, 1025, None, 6], [5, None, 1, 1024, 2], [5, None, 1025, None, 3]],
-             "measurements": {"step_time_s": [[0.01, 0.02]]}, "machine": "test"}
+    table = {
+        "grid": [
+            [1, 4, 1, 1024, 4],
+            [1, 4, 1025, None, 6],
+            [5, None, 1, 1024, 2],
+            [5, None, 1025, None, 3],
+        ],
+        "measurements": {"step_time_s": [[0.01, 0.02]]},
+        "machine": "test",
+    }
     s = parse_schedule(json.dumps(table))
     assert s.form == "tuned"
     assert s.ks == ((4, 6), (2, 3))
@@ -88,7 +96,7 @@ MALFORMED = [
     ("[[true, 8, 2]]", "entry 0 [true, 8, 2]", "batch_lo must be an integer"),
     ("[[null, 8, 2]]", "entry 0 [null, 8, 2]", "batch_lo must be an integer"),
     ("[[1, 8, null]]", "entry 0 [1, 8, null]", "K must be an integer"),
-    ("[[1, 8, \"4\"]]", "entry 0 [1, 8, \"4\"]", "K must be an integer"),
+    ('[[1, 8, "4"]]', 'entry 0 [1, 8, "4"]', "K must be an integer"),
     ("[[5, 3, 1]]", "entry 0 [5, 3, 1]", "below batch_lo"),
     ("[[1, 8, 1, 512, 9999]]", "entry 0 [1, 8, 1, 512, 9999]", f"K must be <= {MAX_SCHEDULE_K}"),
     ("[[1, 8, 4], [9, 16]]", "entry 1 [9, 16]", "has 2 fields"),
@@ -100,13 +108,23 @@ MALFORMED = [
     ("[[1, 8, 2, 10, 2]]", "entry 0 [1, 8, 2, 10, 2]", "ctx ranges must start at 1"),
     ("[[1, 8, 1, 10, 2], [1, 8, 5, null, 3]]", "entry 1 [1, 8, 5, null, 3]", "overlaps"),
     ("[[1, 8, 0, 10, 2]]", "entry 0 [1, 8, 0, 10, 2]", "ctx_lo must be >= 1"),
-    ("[[1, 8, 1, 512, 4], [1, 8, 513, null, 2], [9, 16, 1, 256, 3], [9, 16, 257, null, 1]]",
-     "entry 3 [9, 16, 257, null, 1]", "not rectangular"),
-    ("[[1, 8, 1, 512, 4], [1, 8, 513, null, 2], [9, 16, 1, 512, 3]]",
-     "entry 2 [9, 16, 1, 512, 3]", "lacks ctx range 513-inf"),
-    ("[[1, 8, 1, 512, 4], [1, 8, 513, null, 2], [9, 16, 1, 512, 3], [9, 16, 513, null, 3], [12, 20, 1, 512, 1]]",
-     "entry 4 [12, 20, 1, 512, 1]", "overlaps"),
-    ("{\"grid\": [[1, 8, 4], [10, 16, 2]]}", "grid entry 1 [10, 16, 2]", "gap"),
+    (
+        "[[1, 8, 1, 512, 4], [1, 8, 513, null, 2], [9, 16, 1, 256, 3], [9, 16, 257, null, 1]]",
+        "entry 3 [9, 16, 257, null, 1]",
+        "not rectangular",
+    ),
+    (
+        "[[1, 8, 1, 512, 4], [1, 8, 513, null, 2], [9, 16, 1, 512, 3]]",
+        "entry 2 [9, 16, 1, 512, 3]",
+        "lacks ctx range 513-inf",
+    ),
+    (
+        "[[1, 8, 1, 512, 4], [1, 8, 513, null, 2], [9, 16, 1, 512, 3], [9, 16, 513, null, 3], [12, "
+        "20, 1, 512, 1]]",
+        "entry 4 [12, 20, 1, 512, 1]",
+        "overlaps",
+    ),
+    ('{"grid": [[1, 8, 4], [10, 16, 2]]}', "grid entry 1 [10, 16, 2]", "gap"),
 ]
 
 

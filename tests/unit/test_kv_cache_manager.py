@@ -288,7 +288,11 @@ class KVMachine(RuleBasedStateMachine):
         self.slots: dict[tuple[int, int], tuple[int, ...]] = {}
         self.n = 0
 
-    @initialize(num_blocks=st.integers(1, 16), bs=st.integers(1, 4), caching=st.sampled_from([True, True, False]))
+    @initialize(
+        num_blocks=st.integers(1, 16),
+        bs=st.integers(1, 4),
+        caching=st.sampled_from([True, True, False]),
+    )
     def setup(self, num_blocks, bs, caching):
         self.kv = KVCacheManager(num_blocks, bs, caching)
 
@@ -296,8 +300,12 @@ class KVMachine(RuleBasedStateMachine):
         table, bs = self.kv.block_table(r.request_id), self.kv.block_size
         for p in range(start, start + len(tokens)):
             # A hashed block may be served to others at any moment: nobody may write into it.
-            assert self.kv.pool.block_hash[table[p // bs]] is None, f"write into hashed block {table[p // bs]}"
-            self.slots[(table[p // bs], p % bs)] = tuple(r.all_token_ids[:start] + tokens[: p - start + 1])
+            assert self.kv.pool.block_hash[table[p // bs]] is None, (
+                f"write into hashed block {table[p // bs]}"
+            )
+            self.slots[(table[p // bs], p % bs)] = tuple(
+                r.all_token_ids[:start] + tokens[: p - start + 1]
+            )
 
     @rule(base=st.sampled_from([(), (1, 2, 3, 4, 5, 6, 7, 8), (1, 2, 3, 9)]),
           tail=st.lists(st.integers(0, 2), max_size=6), chunk=st.integers(1, 8))
@@ -308,7 +316,9 @@ class KVMachine(RuleBasedStateMachine):
         blocks, hit = self.kv.get_computed_blocks(r)
         event(f"hit={hit > 0}")
         for p in range(hit):  # a hit must serve exactly this prompt's KV
-            assert self.slots[(blocks[p // self.kv.block_size], p % self.kv.block_size)] == tuple(prompt[: p + 1])
+            assert self.slots[(blocks[p // self.kv.block_size], p % self.kv.block_size)] == tuple(
+                prompt[: p + 1]
+            )
         n = min(chunk, r.num_tokens - hit)
         if self.kv.allocate_slots(r, n, blocks, hit):
             r.num_computed_tokens = hit
@@ -338,7 +348,9 @@ class KVMachine(RuleBasedStateMachine):
             r.output_token_ids += accepted + [data.draw(st.integers(0, 2))]
             r.num_computed_tokens += len(accepted)
         # Passing num_tokens over-reports by the bonus token; the manager must cap it.
-        self.kv.cache_full_blocks(r, data.draw(st.sampled_from([r.num_computed_tokens, r.num_tokens])))
+        self.kv.cache_full_blocks(
+            r, data.draw(st.sampled_from([r.num_computed_tokens, r.num_tokens]))
+        )
 
     @rule(data=st.data(), twice=st.booleans())
     def finish(self, data, twice):
@@ -363,12 +375,17 @@ class KVMachine(RuleBasedStateMachine):
                 self._check_hashed_block(block, h)
 
     def _check_hashed_block(self, block: int, h: bytes) -> None:
-        """A hashed block holds, in every slot, the KV of exactly the token prefix its hash names."""
+        """A hashed block holds, in every slot, the KV of exactly the token prefix its hash
+        names."""
         bs = self.kv.block_size
         last = self.slots.get((block, bs - 1))
-        assert last is not None and len(last) % bs == 0, f"hashed block {block} has an unwritten slot"
+        assert last is not None and len(last) % bs == 0, (
+            f"hashed block {block} has an unwritten slot"
+        )
         for j in range(bs):
-            assert self.slots.get((block, j)) == last[: len(last) - bs + j + 1], f"hashed block {block} slot {j}"
+            assert self.slots.get((block, j)) == last[: len(last) - bs + j + 1], (
+                f"hashed block {block} slot {j}"
+            )
         parent = ROOT_HASH
         for i in range(0, len(last), bs):
             parent = hash_block_tokens(parent, last[i : i + bs])

@@ -169,7 +169,9 @@ def test_propose_reports_drafts_and_reasons() -> None:
         make_request("a", [1, 2, 3, 1, 2]),  # match -> [3, 1]
         make_request("b", [1, 2, 3, 4]),  # no match
         make_request("c", [5, 6, 5]),  # k = 0: caller's decision, no reason here
-        make_request("d", [0, 9], [0]),  # prompt + output: [0, 9, 0] -> [9, 0, 9, 0, 9] (periodic copy)
+        make_request(
+            "d", [0, 9], [0]
+        ),  # prompt + output: [0, 9, 0] -> [9, 0, 9, 0, 9] (periodic copy)
     ]
     drafts = proposer.propose(reqs, [2, 2, 0, 5])
     assert drafts.token_ids == [[3, 1], [], [], [9, 0, 9, 0, 9]]

@@ -19,7 +19,9 @@ def test_suffix_global_cache_drafts_the_repeated_output_ngram_cannot():
     s, n = replay(suffix, RECORDS, 8), replay(ngram, RECORDS, 8)
     assert s["tokens"] == n["tokens"] == 60
     assert n["steps"] == 60 and n["drafted_per_step"] == 0.0, "nothing repeats within a request"
-    assert s["steps"] < 45 and s["acceptance_rate"] == 1.0, "the second request drafts from the first"
+    assert s["steps"] < 45 and s["acceptance_rate"] == 1.0, (
+        "the second request drafts from the first"
+    )
     off = make_model_free_proposer(SpecConfig(speculator="suffix", num_spec_tokens=8,
                                               suffix_cache_max_requests=0))
     assert replay(off, RECORDS, 8)["steps"] == 60
@@ -28,7 +30,9 @@ def test_suffix_global_cache_drafts_the_repeated_output_ngram_cannot():
 def test_cli_replays_a_recording(tmp_path, capsys):
     path = tmp_path / "rec.json"
     path.write_text(json.dumps(RECORDS))
-    assert main(["--record", str(path), "--drafter", "--speculator suffix --num-spec-tokens 4"]) == 0
+    assert (
+        main(["--record", str(path), "--drafter", "--speculator suffix --num-spec-tokens 4"]) == 0
+    )
     line = json.loads(capsys.readouterr().out.strip())
     assert line["tokens"] == 60 and line["acceptance_rate"] == 1.0
     with pytest.raises(ValueError, match="model-free drafter"):

@@ -196,7 +196,9 @@ def test_tiny_temperature_is_greedy_and_never_nan():
 
     assert SamplingParams(temperature=1e-40).greedy
     logits = torch.tensor([[0.5, 3.0, float("-inf")]])
-    md = SamplingMetadata.from_params([SamplingParams(temperature=1e-4)], [torch.Generator()], "cpu")
+    md = SamplingMetadata.from_params(
+        [SamplingParams(temperature=1e-4)], [torch.Generator()], "cpu"
+    )
     md.temperature[0] = 1e-40  # the transform itself must stay finite too
     probs = processed_probs(logits, md, torch.tensor([0]))
     assert torch.isfinite(probs).all() and probs[0, 2] == 0.0  # the masked token stays out

@@ -13,12 +13,12 @@ import pytest
 from dynaspec.config import SchedulerConfig
 from dynaspec.kv.kv_cache_manager import KVCacheManager
 from dynaspec.outputs import RequestResult, RunnerOutput
-from dynaspec.step_plan import StepPlan
 from dynaspec.request import Request, RequestStatus
 from dynaspec.sampling_params import SamplingParams
 from dynaspec.scheduler.scheduler import Scheduler
-from dynaspec.spec_decode.policies import make_policy
 from dynaspec.spec_decode.plan import build_spec_plan
+from dynaspec.spec_decode.policies import make_policy
+from dynaspec.step_plan import StepPlan
 
 EOS = 2
 
@@ -38,7 +38,9 @@ def make(num_blocks: int = 64, block_size: int = 4, budget: int = 64, max_seqs: 
 
 def add(sch: Scheduler, rid: str, prompt_len: int, **params) -> Request:
     params.setdefault("max_tokens", 16)
-    req = Request(rid, [10 + i % 50 for i in range(prompt_len)], SamplingParams(temperature=0, **params))
+    req = Request(
+        rid, [10 + i % 50 for i in range(prompt_len)], SamplingParams(temperature=0, **params)
+    )
     sch.add_request(req)
     return req
 
@@ -187,7 +189,9 @@ def _decoding(spec_k: int = 4, **params):  # type: ignore[no-untyped-def]
     return sch, req
 
 
-@pytest.mark.parametrize("case", ["eos", "stop_token", "max_tokens", "max_model_len", "stop_string"])
+@pytest.mark.parametrize(
+    "case", ["eos", "stop_token", "max_tokens", "max_model_len", "stop_string"]
+)
 def test_finish_in_the_middle_of_an_accepted_run(case):
     params = {"max_tokens": 20}
     if case == "stop_token":
@@ -206,12 +210,17 @@ def test_finish_in_the_middle_of_an_accepted_run(case):
     assert out.scheduled[0].draft_budget >= 2 or case in ("max_tokens", "max_model_len")
     drafted = min(4, out.scheduled[0].draft_budget)
     (u,) = sch.update(out, respond(out, {"a": (run[: drafted + 1], drafted)}))
-    expect = {"eos": (2, RequestStatus.FINISHED_STOPPED), "stop_token": (2, RequestStatus.FINISHED_STOPPED),
-              "max_tokens": (2, RequestStatus.FINISHED_LENGTH),
-              "max_model_len": (2, RequestStatus.FINISHED_LENGTH),
-              "stop_string": (2, RequestStatus.FINISHED_STOPPED)}[case]
+    expect = {
+        "eos": (2, RequestStatus.FINISHED_STOPPED),
+        "stop_token": (2, RequestStatus.FINISHED_STOPPED),
+        "max_tokens": (2, RequestStatus.FINISHED_LENGTH),
+        "max_model_len": (2, RequestStatus.FINISHED_LENGTH),
+        "stop_string": (2, RequestStatus.FINISHED_STOPPED),
+    }[case]
     assert u.finished and req.status is expect[1]
-    assert u.new_token_ids == run[: expect[0]] and req.output_token_ids == [_tok(0)] + run[: expect[0]]
+    assert (
+        u.new_token_ids == run[: expect[0]] and req.output_token_ids == [_tok(0)] + run[: expect[0]]
+    )
     assert req.stop_reason == (102 if case == "stop_token" else None)
     assert sch.requests == {} and not sch.running
     assert_pool_clean(sch)  # finished and freed in the same update
@@ -290,7 +299,9 @@ def test_draft_budget_never_exceeds_what_was_reserved():
     step(sch)
     add(sch, "b", 4)
     out = sch.schedule()
-    assert [s.request.request_id for s in out.scheduled] == ["a"] and out.scheduled[0].draft_budget == 4
+    assert [s.request.request_id for s in out.scheduled] == ["a"] and out.scheduled[
+        0
+    ].draft_budget == 4
 
 
 def test_token_budget_too_small_for_the_drafts_skips_them_with_a_reason():

@@ -12,8 +12,13 @@ import pytest
 
 from dynaspec.server.openapi import openapi_components
 from dynaspec.server.params import prompts_ids
-from dynaspec.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
-                                      TokenizeRequest, parse_body)
+from dynaspec.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    TokenizeRequest,
+    parse_body,
+)
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -93,8 +98,8 @@ def test_format_generators_compile(default_gguf_path):
                             ("json", json_schema_values().map(json.dumps))):
         @hyp.settings(max_examples=150, derandomize=True, database=None, deadline=None)
         @hyp.given(strategy)
-        def compiles(value: str) -> None:
-            backend.compile(StructuredOutputParams(**{field: value}))
+        def compiles(value: str) -> None:  # run at once, inside this iteration
+            backend.compile(StructuredOutputParams(**{field: value}))  # noqa: B023
 
         compiles()
 
@@ -153,8 +158,7 @@ def test_unspellable_characters_of_the_default_vocabulary(default_gguf_path):
     import re
 
     from dynaspec.models.loader import load_tokenizer
-    from dynaspec.structured.spellable import (first_unspellable, pattern_class,
-                                               unspellable_ranges)
+    from dynaspec.structured.spellable import first_unspellable, pattern_class, unspellable_ranges
 
     tok = load_tokenizer(default_gguf_path)
     ranges = unspellable_ranges(tok)

@@ -36,8 +36,13 @@ def _case(qlens, ctx, seed):
     free = torch.randperm(NUM_BLOCKS, generator=g).tolist()
     tables = [[free.pop() for _ in range(-(-c // BS))] for c in ctx]
     T = sum(qlens)
-    return (tables, torch.randn(T, HKV * G, D, generator=g), torch.randn(T, HKV, D, generator=g),
-            torch.randn(T, HKV, D, generator=g), torch.randn(2, (NUM_BLOCKS + 1) * BS, HKV, D, generator=g))
+    return (
+        tables,
+        torch.randn(T, HKV * G, D, generator=g),
+        torch.randn(T, HKV, D, generator=g),
+        torch.randn(T, HKV, D, generator=g),
+        torch.randn(2, (NUM_BLOCKS + 1) * BS, HKV, D, generator=g),
+    )
 
 
 def _written(cache, k, v, tables, qlens, ctx):
@@ -73,9 +78,13 @@ def test_uniform_window_matches_reference(window):
     ref = _reference(q, _written(cache, k, v, tables, qlens, ctx), tables, qlens, ctx, window, 0.4)
     uni = get_backend("uniform")
     bufs = MetadataBuffers.allocate(4, 8, 4 * width, NUM_BLOCKS, CPU)
-    batch = AttentionBatch(qlens, ctx, tables, BS, CPU, num_reqs_padded=4, width=width, buffers=bufs)
+    batch = AttentionBatch(
+        qlens, ctx, tables, BS, CPU, num_reqs_padded=4, width=width, buffers=bufs
+    )
     pad = lambda x: torch.cat([x, torch.zeros(width, *x.shape[1:])])  # noqa: E731
-    out = uni.forward(pad(q), pad(k), pad(v), cache.clone(), uni.build_metadata(batch), 0.4, window=window)
+    out = uni.forward(
+        pad(q), pad(k), pad(v), cache.clone(), uni.build_metadata(batch), 0.4, window=window
+    )
     torch.testing.assert_close(out[: q.shape[0]], ref, rtol=1e-5, atol=1e-5)
     assert torch.isfinite(out).all()
 

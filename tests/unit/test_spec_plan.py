@@ -37,7 +37,9 @@ def test_speculator_none_is_off():
     assert plan == SpecPlan.off()
 
 
-@pytest.mark.parametrize("tokens,schedule,flag", [(0, "[[1, 8, 4]]", "--k-schedule"), (3, None, "--num-spec-tokens 3")])
+@pytest.mark.parametrize(
+    "tokens,schedule,flag", [(0, "[[1, 8, 4]]", "--k-schedule"), (3, None, "--num-spec-tokens 3")]
+)
 def test_speculator_none_with_speculation_settings_is_an_error(tokens, schedule, flag):
     with pytest.raises(ScheduleError, match=flag):
         build_spec_plan("none", tokens, schedule)
@@ -68,7 +70,12 @@ def test_entries_clamped_to_one_k_normalise_to_constant():
 
 def test_variable():
     plan = build_spec_plan("ngram", 8, "[[1, 4, 6], [5, 16, 3], [17, 64, 1]]")
-    assert (plan.kind, plan.max_k, plan.widths, plan.uniform_width) == ("variable", 6, (2, 4, 7), None)
+    assert (plan.kind, plan.max_k, plan.widths, plan.uniform_width) == (
+        "variable",
+        6,
+        (2, 4, 7),
+        None,
+    )
     assert plan.speculating
 
 
@@ -121,14 +128,34 @@ def test_lookups_at_every_grid_boundary():
             [5, 8, 1, 512, 2], [5, 8, 513, 4096, 3], [5, 8, 4097, 8192, 0]]
     plan = build_spec_plan("ngram", 0, json.dumps(rows))
     assert plan.kind == "variable" and plan.max_k == 6
-    cases = {(1, 1): 4, (4, 512): 4, (1, 513): 6, (4, 4096): 6, (4, 4097): 2, (1, 10**6): 2,
-             (5, 1): 2, (8, 512): 2, (5, 513): 3, (8, 4096): 3, (5, 4097): 0, (100, 8192): 0, (9, 100): 2}
+    cases = {
+        (1, 1): 4,
+        (4, 512): 4,
+        (1, 513): 6,
+        (4, 4096): 6,
+        (4, 4097): 2,
+        (1, 10**6): 2,
+        (5, 1): 2,
+        (8, 512): 2,
+        (5, 513): 3,
+        (8, 4096): 3,
+        (5, 4097): 0,
+        (100, 8192): 0,
+        (9, 100): 2,
+    }
     assert {bc: plan.k_for(*bc) for bc in cases} == cases
 
 
 def test_tuned_table_plan():
-    tuned = {"grid": [[1, 4, 1, 1024, 4], [1, 4, 1025, None, 6], [5, None, 1, 1024, 2], [5, None, 1025, None, 3]],
-             "measurements": {"goodput": [1.0, 2.0]}}
+    tuned = {
+        "grid": [
+            [1, 4, 1, 1024, 4],
+            [1, 4, 1025, None, 6],
+            [5, None, 1, 1024, 2],
+            [5, None, 1025, None, 3],
+        ],
+        "measurements": {"goodput": [1.0, 2.0]},
+    }
     plan = build_spec_plan("ngram", 5, json.dumps(tuned))
     assert (plan.kind, plan.max_k, plan.widths) == ("variable", 5, (3, 4, 5, 6))
     assert any("grid entry 1" in c and "K 6 -> 5" in c for c in plan.clamped)
@@ -153,7 +180,9 @@ def test_hand_built_plan_is_checked():
 
 
 def test_plan_from_config():
-    plan = plan_from_config(SpecConfig(speculator="ngram", num_spec_tokens=3, k_schedule="[[1, 8, 5], [9, 16, 4]]"))
+    plan = plan_from_config(
+        SpecConfig(speculator="ngram", num_spec_tokens=3, k_schedule="[[1, 8, 5], [9, 16, 4]]")
+    )
     assert plan.kind == "constant" and plan.max_k == 3
     assert plan_from_config(SpecConfig()).kind == "off"
 
@@ -175,7 +204,17 @@ def _run_cli(argv):
 
 
 def test_explain_json(capsys):
-    rc = _run_cli(["schedule", "explain", "--num-spec-tokens", "3", "--k-schedule", "[[1,8,5],[9,16,4]]", "--json"])
+    rc = _run_cli(
+        [
+            "schedule",
+            "explain",
+            "--num-spec-tokens",
+            "3",
+            "--k-schedule",
+            "[[1,8,5],[9,16,4]]",
+            "--json",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0
     data = json.loads(out)
@@ -185,8 +224,16 @@ def test_explain_json(capsys):
 
 
 def test_explain_text(capsys):
-    rc = _run_cli(["schedule", "explain", "--num-spec-tokens", "4",
-                   "--k-schedule", "[[1,8,1,512,6],[1,8,513,null,2],[9,16,1,512,3],[9,16,513,null,0]]"])
+    rc = _run_cli(
+        [
+            "schedule",
+            "explain",
+            "--num-spec-tokens",
+            "4",
+            "--k-schedule",
+            "[[1,8,1,512,6],[1,8,513,null,2],[9,16,1,512,3],[9,16,513,null,0]]",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0
     assert "plan: variable" in out and "verify widths (1+k): 1, 3, 4, 5" in out
@@ -195,7 +242,17 @@ def test_explain_text(capsys):
 
 
 def test_explain_invalid_schedule_exits_2(capsys):
-    rc = _run_cli(["schedule", "explain", "--num-spec-tokens", "4", "--k-schedule", "[[1,8,4],[10,16,2]]", "--json"])
+    rc = _run_cli(
+        [
+            "schedule",
+            "explain",
+            "--num-spec-tokens",
+            "4",
+            "--k-schedule",
+            "[[1,8,4],[10,16,2]]",
+            "--json",
+        ]
+    )
     captured = capsys.readouterr()
     assert rc == 2
     assert captured.out == ""
@@ -241,7 +298,11 @@ def schedules(draw):
     if form == "batch":
         rows = [[b[0], b[1], ks[i][0]] for i, b in enumerate(batch)]
     else:
-        rows = [[b[0], b[1], c[0], c[1], ks[i][j]] for i, b in enumerate(batch) for j, c in enumerate(ctx)]
+        rows = [
+            [b[0], b[1], c[0], c[1], ks[i][j]]
+            for i, b in enumerate(batch)
+            for j, c in enumerate(ctx)
+        ]
     rows = draw(st.permutations(rows))
     value = {"grid": rows, "measurements": {}} if form == "tuned" else rows
 
@@ -255,8 +316,11 @@ def schedules(draw):
 
 
 def _json_lookup(table, b, c):
-    hits = [r[4] for r in table
-            if r[0] <= b and (r[1] is None or b <= r[1]) and r[2] <= c and (r[3] is None or c <= r[3])]
+    hits = [
+        r[4]
+        for r in table
+        if r[0] <= b and (r[1] is None or b <= r[1]) and r[2] <= c and (r[3] is None or c <= r[3])
+    ]
     assert len(hits) == 1, f"table covers ({b}, {c}) {len(hits)} times"
     return hits[0]
 
@@ -270,8 +334,12 @@ def test_explain_table_agrees_with_policy_lookup(sched, num_spec_tokens, drafter
     out, err = io.StringIO(), io.StringIO()
     assert schedule_cmd.explain(args, out, err) == 0, err.getvalue()
     data = json.loads(out.getvalue())
-    policy = TablePolicy(build_spec_plan("ngram", num_spec_tokens, json.dumps(value), drafter_max_k))
-    ceiling = min([x for x in (num_spec_tokens or None, drafter_max_k) if x is not None], default=None)
+    policy = TablePolicy(
+        build_spec_plan("ngram", num_spec_tokens, json.dumps(value), drafter_max_k)
+    )
+    ceiling = min(
+        [x for x in (num_spec_tokens or None, drafter_max_k) if x is not None], default=None
+    )
     seen = set()
     for b in range(1, top_b + 1):
         for c in range(1, top_c + 1):
@@ -285,5 +353,7 @@ def test_explain_table_agrees_with_policy_lookup(sched, num_spec_tokens, drafter
     assert seen == all_ks
     assert data["max_k"] == max(all_ks)
     assert data["widths"] == sorted({1 + k for k in all_ks})
-    expected_kind = "always_zero" if all_ks == {0} else "constant" if len(all_ks) == 1 else "variable"
+    expected_kind = (
+        "always_zero" if all_ks == {0} else "constant" if len(all_ks) == 1 else "variable"
+    )
     assert data["kind"] == expected_kind

@@ -10,8 +10,11 @@ import torch
 
 from dynaspec import LLM, SamplingParams
 from dynaspec.structured import StructuredOutputParams
-from dynaspec.structured.backend import (GrammarCompileError, StructuredOutputUnavailable,
-                                         load_backend)
+from dynaspec.structured.backend import (
+    GrammarCompileError,
+    StructuredOutputUnavailable,
+    load_backend,
+)
 from dynaspec.structured.manager import StructuredOutputManager
 
 
@@ -53,12 +56,18 @@ def manager(tiny_llama_dir):
     return StructuredOutputManager("xgrammar", tok, tok.vocab_size, (2,), False)
 
 
-@pytest.mark.parametrize("spec, words", [
-    (StructuredOutputParams(json='{"type": "nosuch"}'), "JSON schema does not compile: Unsupported type"),
-    (StructuredOutputParams(json="{not json"), "JSON schema does not compile"),
-    (StructuredOutputParams(regex="a["), "regex does not compile"),
-    (StructuredOutputParams(grammar="root ::= "), "grammar does not compile"),
-])
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        (
+            StructuredOutputParams(json='{"type": "nosuch"}'),
+            "JSON schema does not compile: Unsupported type",
+        ),
+        (StructuredOutputParams(json="{not json"), "JSON schema does not compile"),
+        (StructuredOutputParams(regex="a["), "regex does not compile"),
+        (StructuredOutputParams(grammar="root ::= "), "grammar does not compile"),
+    ],
+)
 def test_compile_errors_name_the_problem(manager, spec, words):
     with pytest.raises(GrammarCompileError, match=words) as info:
         manager.compile(spec)

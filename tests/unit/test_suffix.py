@@ -12,8 +12,12 @@ import pytest
 
 from dynaspec.request import Request
 from dynaspec.sampling_params import SamplingParams
-from dynaspec.spec_decode.suffix import (GlobalSuffixCache, SuffixParams, SuffixProposer,
-                                         memory_bound_bytes)
+from dynaspec.spec_decode.suffix import (
+    GlobalSuffixCache,
+    SuffixParams,
+    SuffixProposer,
+    memory_bound_bytes,
+)
 from dynaspec.spec_decode.suffix_index import SuffixIndex
 
 
@@ -37,7 +41,10 @@ def _brute_follow(seq: list[int], ends: list[int], n: int, min_prob: float) -> l
             break
         counts = Counter(seq[p] for p in pos)
         top = max(counts.values())
-        best = max((t for t in counts if counts[t] == top), key=lambda t: max(p for p in pos if seq[p] == t))
+        best = max(
+            (t for t in counts if counts[t] == top),
+            key=lambda t: max(p for p in pos if seq[p] == t),
+        )
         prob *= top / len(pos)
         if prob < min_prob:
             break

@@ -27,10 +27,12 @@ def _run(verifier: SyntheticVerifier, steps: int, k: int, num_reqs: int):
     drafted, accepted = [0] * k, [0] * k
     outs = []
     g = torch.Generator().manual_seed(123)
-    for step in range(steps):
+    for _ in range(steps):
         drafts = [torch.randint(0, VOCAB, (k,), generator=g).tolist() for _ in range(num_reqs)]
         logits = torch.randn(num_reqs * (k + 1), VOCAB, generator=g)
-        res = verifier(logits, [k] * num_reqs, drafts, _md(num_reqs), [f"r{i}" for i in range(num_reqs)])
+        res = verifier(
+            logits, [k] * num_reqs, drafts, _md(num_reqs), [f"r{i}" for i in range(num_reqs)]
+        )
         outs.append(res)
         for toks in res:
             a = len(toks) - 1
@@ -62,7 +64,9 @@ def test_seeded_and_independent_of_batch_neighbours():
     solo = SyntheticVerifier((0.7,), seed=3)
     pair = SyntheticVerifier((0.7,), seed=3)
     for _ in range(30):
-        assert solo.num_accepted("r0", [1, 2, 3], VOCAB) == pair.num_accepted("r0", [1, 2, 3], VOCAB)
+        assert solo.num_accepted("r0", [1, 2, 3], VOCAB) == pair.num_accepted(
+            "r0", [1, 2, 3], VOCAB
+        )
         pair.num_accepted("r1", [1, 2, 3], VOCAB)
 
 
@@ -73,7 +77,9 @@ def test_emits_accepted_drafts_then_the_targets_token():
     out = v(logits, [4, 4], drafts, _md(2), ["a", "b"])
     assert out[0] == [3, 4, int(logits[2].argmax())], "rate 0 at position 2 rejects there"
     assert out[1] == [7, int(logits[5 + 1].argmax())], "a -1 pad is never accepted"
-    all_in = SyntheticVerifier((1.0,), seed=0)(logits, [4, 4], [[1, 2, 3, 4], [5, 6, 7, 8]], _md(2), ["a", "b"])
+    all_in = SyntheticVerifier((1.0,), seed=0)(
+        logits, [4, 4], [[1, 2, 3, 4], [5, 6, 7, 8]], _md(2), ["a", "b"]
+    )
     assert all_in == [[1, 2, 3, 4, int(logits[4].argmax())], [5, 6, 7, 8, int(logits[9].argmax())]]
     random_out = SyntheticVerifier((0.0,), seed=0)(logits, [4, 4], drafts, _md(2, 1.0), ["a", "b"])
     assert [len(t) for t in random_out] == [1, 1] and all(0 <= t[0] < VOCAB for t in random_out)

@@ -25,7 +25,9 @@ def test_buckets_cover_from_one_with_the_last_range_open():
     bs = tune.make_buckets([1, 4, 16, 64], [128, 2048])
     assert [b.batch for b in bs[::2]] == [(1, 2), (3, 8), (9, 32), (33, None)]
     assert [b.ctx for b in bs[:2]] == [(1, 512), (513, None)]
-    assert all(b.batch[0] <= b.batch_at and (b.batch[1] is None or b.batch_at <= b.batch[1]) for b in bs)
+    assert all(
+        b.batch[0] <= b.batch_at and (b.batch[1] is None or b.batch_at <= b.batch[1]) for b in bs
+    )
     with pytest.raises(ValueError):
         tune.make_buckets([0, 4], [128])
 
@@ -51,7 +53,9 @@ def test_tuner_speculates_at_small_batch_and_picks_zero_where_width_is_expensive
 
 def test_no_acceptance_or_expensive_drafting_gives_zero_everywhere():
     buckets = tune.make_buckets([1, 8], [64, 1024])
-    assert {c["k"] for c in tune.choose_k(memory_bound_cost(), [0.0] * 8, buckets, [0, 2, 4])} == {0}
+    assert {c["k"] for c in tune.choose_k(memory_bound_cost(), [0.0] * 8, buckets, [0, 2, 4])} == {
+        0
+    }
     costly = memory_bound_cost(draft_s=0.050)
     assert {c["k"] for c in tune.choose_k(costly, ALPHA, buckets, [0, 2, 4])} == {0}
 
@@ -104,9 +108,17 @@ def test_acceptance_from_counters_counts_no_match_as_an_opportunity():
 def test_time_step_runs_the_real_runner_at_full_width(tiny_llama_dir):
     from dynaspec.config import EngineConfig
     from dynaspec.engine.llm_engine import LLMEngine
-    eng = LLMEngine(EngineConfig.from_kwargs(model=tiny_llama_dir, dtype="float32", speculator="ngram",
-                                             num_spec_tokens=4, num_kv_blocks=64,
-                                             enable_prefix_caching=False))
+
+    eng = LLMEngine(
+        EngineConfig.from_kwargs(
+            model=tiny_llama_dir,
+            dtype="float32",
+            speculator="ngram",
+            num_spec_tokens=4,
+            num_kv_blocks=64,
+            enable_prefix_caching=False,
+        )
+    )
     times = tune.measure_step_times(eng, [1, 3], [40], [0, 4], repeats=1)
     assert set(times) == {(b, 40, k) for b in (1, 3) for k in (0, 4)}
     assert times[(3, 40, 4)]["min_drafted"] == 4 and times[(1, 40, 0)]["min_drafted"] == 0

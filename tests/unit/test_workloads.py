@@ -31,7 +31,9 @@ TOK = ByteTokenizer()
 def test_deterministic_and_seeded(name):
     a = load_workload(name, TOK, 5, seed=1)
     assert a == load_workload(name, TOK, 5, seed=1)
-    assert len(a) == 5 and all(isinstance(x, WorkItem) and x.prompt_ids and x.max_tokens > 0 for x in a)
+    assert len(a) == 5 and all(
+        isinstance(x, WorkItem) and x.prompt_ids and x.max_tokens > 0 for x in a
+    )
     assert [x.label for x in a] != [x.label for x in load_workload(name, TOK, 5, seed=2)]
     text = TOK.decode(a[0].prompt_ids)
     assert text.startswith("<|user|>\n") and text.endswith("<|assistant|>\n")
@@ -54,7 +56,9 @@ def test_long_variants_are_longer():
     for name in ("code_edit", "chat", "summarize"):
         short = load_workload(name, TOK, 3, seed=0)
         long = load_workload(name, TOK, 3, seed=0, long=True)
-        assert sum(len(x.prompt_ids) for x in long) > 1.5 * sum(len(x.prompt_ids) for x in short), name
+        assert sum(len(x.prompt_ids) for x in long) > 1.5 * sum(len(x.prompt_ids) for x in short), (
+            name
+        )
         assert max(len(x.prompt_ids) for x in long) <= workloads.LONG_TOKENS + 1500
 
 
