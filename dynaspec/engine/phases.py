@@ -107,12 +107,18 @@ def drop_ended(landed: Landed) -> None:
     emitted) never get its tokens: their records become orphans (nothing emitted, the row
     invalid), like those that ended while the step was in flight."""
     gone = {RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR}
-    if not any(u.request.status in gone for u in landed.updates):
+
+    def ended_since(u) -> bool:  # type: ignore[no-untyped-def]
+        # An update that itself finished the request (a grammar dead end ends it with an
+        # error) is its final output, not an orphan.
+        return u.request.status in gone and not u.finished
+
+    if not any(ended_since(u) for u in landed.updates):
         return
     entries = {s.request.request_id: s for s in landed.plan.scheduled}
     kept = []
     for u in landed.updates:
-        if u.request.status not in gone:
+        if not ended_since(u):
             kept.append(u)
         elif spec := orphan_spec(entries[u.request.request_id], u.result, landed.plan.step_k):
             landed.orphans.append(spec)
