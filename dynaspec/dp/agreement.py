@@ -33,6 +33,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from dynaspec.spec_decode.acceptance import AcceptanceHistory
 from dynaspec.spec_decode.k_policy import GlobalStepView, StepK, StepView
 
 # Row layout (one float64 per field, then 2 * max_k acceptance counts).
@@ -79,19 +80,19 @@ class Tick:
     rows: tuple[tuple[float, ...], ...]
 
 
-class SharedAcceptance:
+class SharedAcceptance(AcceptanceHistory):
     """The engine-wide acceptance prior, identical on every rank.
 
-    Duck-types ``AcceptanceHistory`` for the policy: ``update`` (called per request by the policy's
-    ``observe``) only counts this rank's observations; the rates move in ``apply``, with every
-    rank's counts summed. Position i is observed when every earlier draft was accepted; n
-    observations in one step move the EMA as n single updates with rate ``alpha`` would.
+    An ``AcceptanceHistory`` (its ``rate`` and ``expected_accepted``) whose ``update`` (called
+    per request by the policy's ``observe``) only counts this rank's observations; the rates
+    move in ``apply``, with every rank's counts summed. Position i is observed when every
+    earlier draft was accepted; n observations in one step move the EMA as n single updates
+    with rate ``alpha`` would.
     """
 
     def __init__(self, max_k: int, alpha: float = 0.05) -> None:
-        self.max_k, self.alpha = max_k, alpha
-        self.rates: list[float] = []
-        self.num_updates = 0
+        super().__init__(alpha)
+        self.max_k = max_k
         self.reached = [0] * max_k
         self.hits = [0] * max_k
 
@@ -118,17 +119,6 @@ class SharedAcceptance:
                 self.rates[i] += (1.0 - (1.0 - self.alpha) ** n) * (rate - self.rates[i])
         self.num_updates += 1
 
-    def rate(self, position: int) -> float:
-        if not self.rates:
-            return 0.0
-        return self.rates[min(position, len(self.rates) - 1)]
-
-    def expected_accepted(self, k: int) -> float:
-        total, survive = 0.0, 1.0
-        for i in range(k):
-            survive *= self.rate(i)
-            total += survive
-        return total
 
 
 class StepAgreement:
