@@ -90,8 +90,9 @@ def send_cases(url: str, model: str, cases: list, seed: int, workers: int = 32,
     by_status: dict[str, int] = {}
     for code, _, _ in outcomes:
         by_status[str(code)] = by_status.get(str(code), 0) + 1
+    # The reason first: a long body would otherwise push it past the example's cut.
     bad = [
-        (c.operation.path, c.body, why) for (c, _), (_, ok, why) in zip(cases, outcomes) if not ok
+        (why, c.operation.path, c.body) for (c, _), (_, ok, why) in zip(cases, outcomes) if not ok
     ]
     return {"sent": len(cases), "by_status": dict(sorted(by_status.items())),
             "reached_engine": by_status.get("200", 0),

@@ -57,8 +57,45 @@ inline uint16_t to_bf16_bits(float f) {  // round to nearest even, as c10::BFloa
   return static_cast<uint16_t>(b >> 16);
 }
 
+#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma")))
+
 template <typename T>
-void quantize_rows(const T* x, int64_t M, int64_t K, int G, QuantX& out) {
+AVX512_TARGET inline __m512 load16f(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_loadu_ps(p);
+  } else {  // bf16: the high half of an fp32, exactly
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+}
+
+// One 32-block as the scalar loop below quantizes it (amax, d = amax / 127, q = clamp(rint(v / d))):
+// every step is exact or a single rounding the scalar code also makes, so the bytes are equal.
+template <typename T>
+AVX512_TARGET void quantize_block_avx512(const T* xb, int8_t* qb, int G, float* d, int32_t* sum) {
+  const __m512 v0 = load16f(xb), v1 = load16f(xb + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+  const float dv = amax / 127.f;
+  const __m512 id = _mm512_set1_ps(dv > 0.f ? 1.f / dv : 0.f);
+  const __m512 hi = _mm512_set1_ps(127.f), lo = _mm512_set1_ps(-127.f);
+  auto quant = [&](__m512 v) {
+    const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(v, id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, lo), hi));
+  };
+  const __m512i q0 = quant(v0), q1 = quant(v1);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtsepi32_epi8(q0));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtsepi32_epi8(q1));
+  *d = dv;
+  if (G == 32) {
+    sum[0] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+  } else {
+    sum[0] = _mm512_reduce_add_epi32(q0);
+    sum[1] = _mm512_reduce_add_epi32(q1);
+  }
+}
+
+template <typename T>
+void quantize_rows(const T* x, int64_t M, int64_t K, int G, QuantX& out, bool vec) {
   const int64_t ng = K / G;
   out.q.resize(M * K);
   out.d.resize(M * ng);
@@ -66,6 +103,19 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int G, QuantX& out) {
   out.sum.resize(M * ng);
   at::parallel_for(0, M, 16, [&](int64_t m_begin, int64_t m_end) {
   for (int64_t m = m_begin; m < m_end; ++m) {
+    if (vec) {
+      for (int64_t b = 0; b < K / QBLK; ++b) {
+        const int64_t g0 = b * (QBLK / G);
+        float dv;
+        quantize_block_avx512(x + m * K + b * QBLK, out.q.data() + m * K + b * QBLK, G, &dv,
+                              out.sum.data() + m * ng + g0);
+        for (int h = 0; h < QBLK / G; ++h) {
+          out.d[m * ng + g0 + h] = dv;
+          out.s[m * ng + g0 + h] = dv * static_cast<float>(out.sum[m * ng + g0 + h]);
+        }
+      }
+      continue;
+    }
     for (int64_t b = 0; b < K / QBLK; ++b) {
       const T* xb = x + m * K + b * QBLK;
       float v[QBLK], amax = 0.f;
@@ -129,7 +179,6 @@ void tile_scalar(const Packed& p, const QuantX& qx, int64_t m0, int64_t M, int64
 }
 
 // ---- AVX-512 VNNI ---------------------------------------------------------------------------
-#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma")))
 
 template <int RB, int BITS, int G>
 AVX512_TARGET void tile_avx512(const Packed& p, const QuantX& qx, int64_t m0, int64_t tile, float* acc) {
@@ -276,8 +325,24 @@ void dispatch_tile(Isa isa, const Packed& p, const QuantX& qx, int64_t m0, int64
   return run_tile<8, 16>(isa, p, qx, m0, M, tile, acc);
 }
 
+// 16 fp32 to bf16 exactly as to_bf16_bits rounds them (nearest even; NaN -> 0x7FC0).
+AVX512_TARGET inline void store16_bf16(const float* src, c10::BFloat16* dst) {
+  const __m512 v = _mm512_loadu_ps(src);
+  __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  b = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  b = _mm512_mask_mov_epi32(b, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(b));
+}
+
 template <typename T>
-void store_rows(const float* acc, int64_t M, int64_t tile, int64_t N, T* y) {
+void store_rows(const float* acc, int64_t M, int64_t tile, int64_t N, T* y, bool vec) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (vec) {
+      for (int64_t m = 0; m < M; ++m) store16_bf16(acc + m * TILE, y + m * N + tile * TILE);
+      return;
+    }
+  }
   for (int64_t m = 0; m < M; ++m)
     for (int c = 0; c < TILE; ++c) {
       const float v = acc[m * TILE + c];
@@ -297,7 +362,8 @@ constexpr int64_t ROW_CHUNK = 64;
 template <typename T>
 void gemm(const T* x, const Packed& p, int64_t M, T* y, Isa isa) {
   QuantX qx;
-  quantize_rows(x, M, p.K, p.G, qx);
+  const bool vec = isa == Isa::Avx512Vnni;  // the scalar reference keeps the scalar loops
+  quantize_rows(x, M, p.K, p.G, qx, vec);
   const int64_t tiles = p.N / TILE;
   // ~8 tiles per task keeps both threads busy on the 576-wide matrices (36 tiles).
   at::parallel_for(0, tiles, 8, [&](int64_t begin, int64_t end) {
@@ -306,7 +372,7 @@ void gemm(const T* x, const Packed& p, int64_t M, T* y, Isa isa) {
       for (int64_t m0 = 0; m0 < M; m0 += ROW_CHUNK) {
         const int64_t rows = std::min<int64_t>(ROW_CHUNK, M - m0);
         dispatch_tile(isa, p, qx, m0, rows, tile, acc.data());
-        store_rows(acc.data(), rows, tile, p.N, y + m0 * p.N);
+        store_rows(acc.data(), rows, tile, p.N, y + m0 * p.N, vec);
       }
     }
   });

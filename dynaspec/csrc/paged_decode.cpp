@@ -4,9 +4,11 @@
 // cannot change a request's tokens.
 //
 // One work item is (request, tile of <= 16 query tokens, KV head): its G query heads x tokens are
-// scored against the request's context block by block, straight from the cache; K and V of each block are read once
-// per work item and converted to fp32 in a small scratch buffer. Softmax and accumulation are in
-// fp32. Causal within the step: query j of a request with W queries and context C sits at absolute
+// scored against the request's context block by block, straight from the cache. With bf16 KV on
+// an AVX512-BF16 CPU the scores are bf16 dot products on the cached keys as they are (exact
+// products, fp32 sums); otherwise the keys are converted to fp32 and transposed. V of each block
+// is converted to fp32 once per work item. Softmax and accumulation are in fp32. The next blocks
+// are prefetched (they sit at random places in the pool). Causal within the step: query j of a request with W queries and context C sits at absolute
 // position C - W + j and sees keys 0..C-W+j. Written as plain loops the compiler vectorises for
 // the ISA chosen at build time (the build runs on the machine that runs it).
 #include <torch/extension.h>
@@ -14,9 +16,7 @@
 
 #include "vec_exp.h"
 
-#if defined(__AVX512F__)
 #include <immintrin.h>
-#endif
 
 #include <cmath>
 #include <cstdint>
@@ -112,6 +112,33 @@ inline void transpose_keys_from(const T* __restrict src, int64_t stride, int64_t
 }
 #endif
 
+// Ask for the next block's rows of this head while the current one is computed: blocks sit at
+// random places in the pool, so the hardware prefetcher cannot see the next one coming, and at
+// batch 32 the loads stalled more than the arithmetic ran.
+constexpr int64_t AHEAD = 4;  // blocks: one block's work is shorter than a memory round trip
+
+template <typename T>
+inline void prefetch_rows(const T* src, int64_t stride, int64_t n, int64_t D) {
+  const int64_t bytes = D * static_cast<int64_t>(sizeof(T));
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t off = 0; off < bytes; off += 64)
+      __builtin_prefetch(reinterpret_cast<const char*>(src + t * stride) + off, 0, 3);
+}
+
+// One cached row to fp32 (exact), 16 values per instruction where D allows.
+template <typename T>
+inline void row_to_float(const T* src, float* dst, int64_t D) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
+    if (D % 16 == 0) {
+      for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(dst + d, load16(src + d));
+      return;
+    }
+  }
+#endif
+  to_float(src, dst, D);
+}
+
 // 16 keys of one KV head, converted to fp32 and transposed to kt (rows n.. zero).
 template <typename T>
 inline void load_keys(const T* src, int64_t stride, int64_t n, float* kf, float* kt, int64_t D) {
@@ -126,6 +153,147 @@ inline void load_keys(const T* src, int64_t stride, int64_t n, float* kf, float*
   for (int64_t t = 0; t < n; ++t) to_float(src + t * stride, kf + t * D, D);
   std::fill(kf + n * D, kf + KEY_LANES * D, 0.f);
   transpose_keys(kf, kt, D);
+}
+
+// ---- bf16 dot products (AVX512-BF16) ----------------------------------------------------------
+// Scores as s_t = scale * q . k_t straight from bf16 q and bf16 keys: vdpbf16ps forms each pair
+// product exactly in fp32, so nothing is converted or transposed, and the 16 keys of a group are
+// reduced together. A key's sum is fixed by D alone: lane L (16 per key) accumulates pairs
+// L, L + 16, ... in order; the lanes then add in one tree (see reduce16). Every row of every step
+// runs this sequence, so the path keeps row invariance. (The fp32 path it replaces ran one
+// 64-long dependent FMA chain per row and 16 keys, plus a transpose: ~5x the time at batch 32.)
+#define BF16DOT_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
+
+bool detect_bf16dot() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+}
+const bool g_bf16dot = detect_bf16dot();
+
+// out lane t = the 16 lanes of a[t] summed as ((b0 + b1) + (b2 + b3)) over 128-bit blocks bk,
+// each block as ((l0 + l2) + (l1 + l3)).
+BF16DOT_TARGET inline __m512 reduce16(const __m512* a) {
+  __m512 x[8], y[4];
+  for (int i = 0; i < 8; ++i)
+    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int j = 0; j < 4; ++j) {
+    const __m512d u = _mm512_castps_pd(x[2 * j]), w = _mm512_castps_pd(x[2 * j + 1]);
+    y[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(u, w)), _mm512_castpd_ps(_mm512_unpackhi_pd(u, w)));
+  }
+  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xDD));
+  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], 0x88), _mm512_shuffle_f32x4(y[2], y[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
+}
+
+// s[t] = scale * q . k_t for the n <= 16 keys at k0 + t * stride (bf16, D % 32 == 0).
+BF16DOT_TARGET void scores16_bf16(const c10::BFloat16* q, const c10::BFloat16* k0, int64_t stride, int64_t n,
+                                  int64_t D, float scale, float* s) {
+  __m512 a[KEY_LANES];
+  for (int64_t t = 0; t < KEY_LANES; ++t) {
+    a[t] = _mm512_setzero_ps();
+    if (t >= n) continue;
+    const c10::BFloat16* k = k0 + t * stride;
+    for (int64_t c = 0; c < D; c += 32)
+      a[t] = _mm512_dpbf16_ps(a[t], (__m512bh)_mm512_loadu_si512(q + c), (__m512bh)_mm512_loadu_si512(k + c));
+  }
+  const __m512 f = _mm512_mul_ps(reduce16(a), _mm512_set1_ps(scale));
+  _mm512_mask_storeu_ps(s, static_cast<__mmask16>((1u << n) - 1u), f);
+}
+
+#if defined(__AVX512F__)
+// acc[0..16*NV) += p[t] * v[t] for t < n in order (v: [n][16*NV] fp32), the sums kept in
+// registers across keys (the plain loop stored them back for every key).
+template <int NV>
+inline void pv_rows(float* __restrict acc, const float* __restrict p, const float* __restrict v, int64_t n) {
+  __m512 a[NV];
+  for (int i = 0; i < NV; ++i) a[i] = _mm512_loadu_ps(acc + 16 * i);
+  for (int64_t t = 0; t < n; ++t) {
+    const __m512 pt = _mm512_set1_ps(p[t]);
+    for (int i = 0; i < NV; ++i) a[i] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v + (t * NV + i) * 16), a[i]);
+  }
+  for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + 16 * i, a[i]);
+}
+#endif
+
+#if defined(__AVX512F__)
+// pv_rows for two rows over the same values: twice the independent FMA chains (one row's four
+// waited on the FMA latency), each row's sums in the same order as alone.
+template <int NV>
+inline void pv_rows2(float* __restrict acc0, const float* __restrict p0, float* __restrict acc1,
+                     const float* __restrict p1, const float* __restrict v, int64_t n) {
+  __m512 a[NV], c[NV];
+  for (int i = 0; i < NV; ++i) {
+    a[i] = _mm512_loadu_ps(acc0 + 16 * i);
+    c[i] = _mm512_loadu_ps(acc1 + 16 * i);
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    const __m512 pa = _mm512_set1_ps(p0[t]), pc = _mm512_set1_ps(p1[t]);
+    for (int i = 0; i < NV; ++i) {
+      const __m512 vt = _mm512_loadu_ps(v + (t * NV + i) * 16);
+      a[i] = _mm512_fmadd_ps(pa, vt, a[i]);
+      c[i] = _mm512_fmadd_ps(pc, vt, c[i]);
+    }
+  }
+  for (int i = 0; i < NV; ++i) {
+    _mm512_storeu_ps(acc0 + 16 * i, a[i]);
+    _mm512_storeu_ps(acc1 + 16 * i, c[i]);
+  }
+}
+#endif
+
+// acc += sum_t p[t] * v[t] (t < n, in order), registers where D allows.
+inline void accumulate_v(float* acc, const float* p, const float* v, int64_t n, int64_t D) {
+#if defined(__AVX512F__)
+  switch (D) {
+    case 64: return pv_rows<4>(acc, p, v, n);
+    case 128: return pv_rows<8>(acc, p, v, n);
+    case 256: return pv_rows<16>(acc, p, v, n);
+    default: break;
+  }
+#endif
+  axpy_rows(acc, p, v, n, D);
+}
+
+// Two rows' acc += sum_t p[t] * v[t] over their first n0 and n1 values: the common part
+// together, the rest of the longer row alone (each row's order unchanged). False: D has no
+// two-row path, the caller goes row by row.
+inline bool accumulate_v2(float* acc0, const float* p0, int64_t n0, float* acc1, const float* p1,
+                          int64_t n1, const float* v, int64_t D) {
+#if defined(__AVX512F__)
+  if (D == 64 || D == 128) {
+    const int64_t m = std::min(n0, n1);
+    if (m > 0) (D == 64 ? pv_rows2<4> : pv_rows2<8>)(acc0, p0, acc1, p1, v, m);
+    if (n0 > m) accumulate_v(acc0, p0 + m, v + m * D, n0 - m, D);
+    if (n1 > m) accumulate_v(acc1, p1 + m, v + m * D, n1 - m, D);
+    return true;
+  }
+#endif
+  return false;
+}
+
+// The largest of x[0..n) (exact in any order; the scalar loop's compare chain was not
+// vectorised and cost as much as the scores at long contexts).
+inline float row_max(const float* x, int64_t n) {
+  float mx = -std::numeric_limits<float>::infinity();
+  int64_t t = 0;
+#if defined(__AVX512F__)
+  __m512 m = _mm512_set1_ps(mx);
+  for (; t + 16 <= n; t += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(x + t));
+  mx = _mm512_reduce_max_ps(m);
+#endif
+  for (; t < n; ++t) mx = x[t] > mx ? x[t] : mx;
+  return mx;
+}
+
+// e[t] = exp(e[t] - mx), 16 at a time where the ISA allows (the same bits as exp_vec).
+inline void exp_shifted(float* e, int64_t n, float mx) {
+  int64_t t = 0;
+#if defined(__AVX512F__)
+  const __m512 m = _mm512_set1_ps(mx);
+  for (; t + 16 <= n; t += 16) _mm512_storeu_ps(e + t, exp16(_mm512_sub_ps(_mm512_loadu_ps(e + t), m)));
+#endif
+  for (; t < n; ++t) e[t] = exp_vec(e[t] - mx);
 }
 
 template <typename T>
@@ -144,6 +312,7 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
   const int64_t* qs = qstart.data_ptr<int64_t>();
   const int64_t* ql = qlen.data_ptr<int64_t>();
   const float sc = static_cast<float>(scale);
+  const bool bf16dot = std::is_same_v<T, c10::BFloat16> && D % 32 == 0 && g_bf16dot;
   // Work items: (request, first query token of the tile, KV head). Which rows share an item never
   // changes a row's arithmetic, only who converts K/V to fp32. (Splitting a batch-1 decode's Hkv
   // items further by query head measured slower: K/V converted per item outweighed the idle thread.)
@@ -161,25 +330,46 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
       const int64_t j1 = std::min(W, j0 + QUERY_TILE);
       const int64_t R = (j1 - j0) * G;       // query rows: (token j, head g)
       const int64_t Ct = C - W + j1;         // keys the tile's last row sees
-      qf.assign(R * D, 0.f);
       sf.assign(R * Ct, 0.f);
       accf.assign(R * D, 0.f);
-      for (int64_t j = j0; j < j1; ++j)
-        for (int64_t g = 0; g < G; ++g) {
-          const T* src = qp + ((qs[b] + j) * H + h * G + g) * D;
-          float* dst = qf.data() + ((j - j0) * G + g) * D;
-          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * sc;
-        }
+      // Query row r is (token j0 + r / G, head h * G + r % G).
+      auto qrow = [&](int64_t r) { return qp + ((qs[b] + j0 + r / G) * H + h * G + r % G) * D; };
+      if (!bf16dot) {
+        qf.assign(R * D, 0.f);
+        for (int64_t r = 0; r < R; ++r)
+          for (int64_t d = 0; d < D; ++d) qf[r * D + d] = static_cast<float>(qrow(r)[d]) * sc;
+      }
       const int64_t nblk = (Ct + block_size - 1) / block_size;
       // Pass 1: scores, 16 keys at a time. Keys past a row's position are masked below.
-      for (int64_t blk = 0; blk < nblk && blk < NB; ++blk) {
+      const int64_t last = std::min(nblk, NB) - 1;
+      auto block_rows = [&](const T* cache, int64_t blk) {  // (first row of head h, rows)
+        return std::make_pair(cache + (tb[b * NB + blk] * block_size * Hkv + h) * D,
+                              std::min(block_size, Ct - blk * block_size));
+      };
+      for (int64_t blk = 0; blk <= last; ++blk) {
         const int64_t base = tb[b * NB + blk] * block_size;
         const int64_t n_blk = std::min(block_size, Ct - blk * block_size);
+        // Keys AHEAD blocks on; in the last blocks, pass 2's first values instead.
+        const int64_t want = blk + AHEAD;
+        if (want <= last) {
+          const auto [next, rows] = block_rows(kp, want);
+          prefetch_rows(next, Hkv * D, rows, D);
+        } else if (want - last - 1 <= last) {
+          const auto [next, rows] = block_rows(vp, want - last - 1);
+          prefetch_rows(next, Hkv * D, rows, D);
+        }
         for (int64_t t0 = 0; t0 < n_blk; t0 += KEY_LANES) {
           const int64_t n = std::min<int64_t>(KEY_LANES, n_blk - t0);
-          load_keys(kp + ((base + t0) * Hkv + h) * D, Hkv * D, n, kf.data(), kt.data(), D);
-          for (int64_t r = 0; r < R; ++r)
-            scores16(qf.data() + r * D, kt.data(), sf.data() + r * Ct + blk * block_size + t0, n, D);
+          const T* keys = kp + ((base + t0) * Hkv + h) * D;
+          float* s0 = sf.data() + blk * block_size + t0;
+          if constexpr (std::is_same_v<T, c10::BFloat16>) {
+            if (bf16dot) {
+              for (int64_t r = 0; r < R; ++r) scores16_bf16(qrow(r), keys, Hkv * D, n, D, sc, s0 + r * Ct);
+              continue;
+            }
+          }
+          load_keys(keys, Hkv * D, n, kf.data(), kt.data(), D);
+          for (int64_t r = 0; r < R; ++r) scores16(qf.data() + r * D, kt.data(), s0 + r * Ct, n, D);
         }
       }
       // Softmax per row over its visible keys [lo, pos]; everything else gets probability 0.
@@ -187,12 +377,10 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
         const int64_t pos = C - W + j0 + r / G;
         const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
         float* srow = sf.data() + r * Ct;
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t t = lo; t <= pos; ++t) mx = srow[t] > mx ? srow[t] : mx;  // max: order-free
+        const float mx = row_max(srow + lo, pos + 1 - lo);
         float* e = srow + lo;
         const int64_t n = pos + 1 - lo;
-#pragma omp simd
-        for (int64_t t = 0; t < n; ++t) e[t] = exp_vec(e[t] - mx);  // elementwise: order-free
+        exp_shifted(e, n, mx);  // elementwise: order-free
         // The sum in 16 lanes by (t - lo) % 16, then the lanes in order: fixed by (lo, pos) alone,
         // never by the buffer's alignment (which differs between tiles).
         float lanes[16] = {0.f};
@@ -209,14 +397,26 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
         for (int64_t t = pos + 1; t < Ct; ++t) srow[t] = 0.f;
       }
       // Pass 2: weighted sum of V, block by block (a zero weight adds exactly nothing).
-      for (int64_t blk = 0; blk < nblk && blk < NB; ++blk) {
+      for (int64_t blk = 0; blk <= last; ++blk) {
         const int64_t base = tb[b * NB + blk] * block_size;
         const int64_t n = std::min(block_size, Ct - blk * block_size);
-        for (int64_t t = 0; t < n; ++t) to_float(vp + ((base + t) * Hkv + h) * D, vf.data() + t * D, D);
-        for (int64_t r = 0; r < R; ++r) {
-          const float* prow = sf.data() + r * Ct + blk * block_size;
-          axpy_rows(accf.data() + r * D, prow, vf.data(), n, D);
+        if (blk + AHEAD <= last) {
+          const auto [next, rows] = block_rows(vp, blk + AHEAD);
+          prefetch_rows(next, Hkv * D, rows, D);
         }
+        for (int64_t t = 0; t < n; ++t) row_to_float(vp + ((base + t) * Hkv + h) * D, vf.data() + t * D, D);
+        // Keys past a row's position have probability 0: they would add exactly nothing.
+        auto keys_seen = [&](int64_t r) {
+          return std::max<int64_t>(0, std::min(n, C - W + j0 + r / G + 1 - blk * block_size));
+        };
+        auto acc = [&](int64_t r) { return accf.data() + r * D; };
+        auto prob = [&](int64_t r) { return sf.data() + r * Ct + blk * block_size; };
+        int64_t r = 0;
+        for (; r + 1 < R; r += 2)
+          if (!accumulate_v2(acc(r), prob(r), keys_seen(r), acc(r + 1), prob(r + 1), keys_seen(r + 1), vf.data(), D))
+            break;
+        for (; r < R; ++r)
+          if (keys_seen(r) > 0) accumulate_v(acc(r), prob(r), vf.data(), keys_seen(r), D);
       }
       for (int64_t j = j0; j < j1; ++j)
         for (int64_t g = 0; g < G; ++g) {
