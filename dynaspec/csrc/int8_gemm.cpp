@@ -180,6 +180,14 @@ void tile_scalar(const Packed& p, const QuantX& qx, int64_t m0, int64_t M, int64
 
 // ---- AVX-512 VNNI ---------------------------------------------------------------------------
 
+// acc += w (u8) . broadcast(*x) (4 s8): the activations as the instruction's embedded
+// broadcast, which GCC does not fold from _mm512_set1_epi32 (a separate broadcast per row and
+// step cost issue slots the dot products needed).
+AVX512_TARGET inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int32_t* x) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
+  return acc;
+}
+
 template <int RB, int BITS, int G>
 AVX512_TARGET void tile_avx512(const Packed& p, const QuantX& qx, int64_t m0, int64_t tile, float* acc) {
   constexpr int STEPS = G / 4;
@@ -204,14 +212,14 @@ AVX512_TARGET void tile_avx512(const Packed& p, const QuantX& qx, int64_t m0, in
     const __m512 mw = p.mn ? _mm512_loadu_ps(p.mn + gi * TILE) : _mm512_setzero_ps();
     // Steps outer, rows inner: RB independent dependency chains (integer sums: order-free).
     __m512i idot[RB];
-    const float* xq[RB];
+    const int32_t* xq[RB];
     for (int r = 0; r < RB; ++r) {
       idot[r] = _mm512_setzero_si512();
-      xq[r] = reinterpret_cast<const float*>(qx.q.data() + (m0 + r) * p.K + g * G);
+      xq[r] = reinterpret_cast<const int32_t*>(qx.q.data() + (m0 + r) * p.K + g * G);
     }
     for (int s = 0; s < STEPS; ++s)
       for (int r = 0; r < RB; ++r)  // 4 int8 activations to every lane from memory (a load, not a shuffle)
-        idot[r] = _mm512_dpbusd_epi32(idot[r], w[s], _mm512_castps_si512(_mm512_set1_ps(xq[r][s])));
+        idot[r] = dpbusd_bcast(idot[r], w[s], xq[r] + s);
     for (int r = 0; r < RB; ++r) {
       const int64_t m = m0 + r;
       if (BITS == 8) idot[r] = _mm512_sub_epi32(idot[r], _mm512_set1_epi32(128 * qx.sum[m * ng + g]));
