@@ -76,6 +76,18 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
       for (int64_t r = begin; r < end; ++r) {
         const scalar_t* gate = g + r * 2 * inter;
         const scalar_t* up = gate + inter;
+#if defined(__AVX512F__)
+        if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+          if (inter % 16 == 0) {  // the scalar loop below, 16 lanes at a time (the same bits)
+            for (int64_t i = 0; i < inter; i += 16) {
+              const __m512 a = bf16x16_load(gate + i);
+              const __m512 s = _mm512_div_ps(a, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32(INT32_MIN))))));
+              bf16x16_store(o + r * inter + i, _mm512_mul_ps(bf16x16_round(s), bf16x16_load(up + i)));
+            }
+            continue;
+          }
+        }
+#endif
         for (int64_t i = 0; i < inter; ++i) buf[i] = static_cast<float>(gate[i]);
         silu_inplace(buf.data(), inter);
         scalar_t* orow = o + r * inter;
@@ -105,6 +117,21 @@ void rope_inplace(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64
         const S* s = sp + t * half;
         for (int64_t h = 0; h < heads; ++h) {
           S* x = base + t * stride + h * head_dim;
+#if defined(__AVX512F__)
+          if constexpr (std::is_same_v<S, c10::BFloat16>) {
+            if (half % 16 == 0) {  // the loop below on 16 lanes: the same roundings
+              for (int64_t i = 0; i < half; i += 16) {
+                const __m512 x1 = bf16x16_load(x + i), x2 = bf16x16_load(x + i + half);
+                const __m512 ci = bf16x16_load(c + i), si = bf16x16_load(s + i);
+                const __m512 a = bf16x16_round(_mm512_mul_ps(x1, ci)), b = bf16x16_round(_mm512_mul_ps(x2, si));
+                const __m512 e = bf16x16_round(_mm512_mul_ps(x2, ci)), f = bf16x16_round(_mm512_mul_ps(x1, si));
+                bf16x16_store(x + i, _mm512_sub_ps(a, b));
+                bf16x16_store(x + i + half, _mm512_add_ps(e, f));
+              }
+              continue;
+            }
+          }
+#endif
           for (int64_t i = 0; i < half; ++i) {
             const float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[i + half]);
             const float ci = static_cast<float>(c[i]), si = static_cast<float>(s[i]);
