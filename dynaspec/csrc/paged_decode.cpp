@@ -14,6 +14,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "attn_rows.h"
 #include "vec_exp.h"
 
 #include <immintrin.h>
@@ -26,17 +27,6 @@
 
 namespace {
 
-// acc[d] += sum_t p[t] * v[t][d], v: [n, D] fp32.
-inline void axpy_rows(float* __restrict acc, const float* __restrict p, const float* __restrict v,
-                      int64_t n, int64_t D) {
-  for (int64_t t = 0; t < n; ++t) {
-    const float pt = p[t];
-    const float* __restrict vt = v + t * D;
-#pragma omp simd
-    for (int64_t d = 0; d < D; ++d) acc[d] += pt * vt[d];
-  }
-}
-
 template <typename T>
 inline void to_float(const T* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
@@ -45,7 +35,6 @@ inline void to_float(const T* src, float* dst, int64_t n) {
 // Query rows per work item: long prefill chunks split into tiles so both threads get work and
 // the score buffer stays small. A row's arithmetic does not depend on its tile (see below).
 constexpr int64_t QUERY_TILE = 16;
-constexpr int64_t KEY_LANES = 16;
 
 // s[t] = sum_d q[d] * k[t][d] for n <= 16 keys held transposed (kt[d * 16 + t]): the sum runs
 // over d in order in each key's lane, the same for every row and every key.
@@ -153,147 +142,6 @@ inline void load_keys(const T* src, int64_t stride, int64_t n, float* kf, float*
   for (int64_t t = 0; t < n; ++t) to_float(src + t * stride, kf + t * D, D);
   std::fill(kf + n * D, kf + KEY_LANES * D, 0.f);
   transpose_keys(kf, kt, D);
-}
-
-// ---- bf16 dot products (AVX512-BF16) ----------------------------------------------------------
-// Scores as s_t = scale * q . k_t straight from bf16 q and bf16 keys: vdpbf16ps forms each pair
-// product exactly in fp32, so nothing is converted or transposed, and the 16 keys of a group are
-// reduced together. A key's sum is fixed by D alone: lane L (16 per key) accumulates pairs
-// L, L + 16, ... in order; the lanes then add in one tree (see reduce16). Every row of every step
-// runs this sequence, so the path keeps row invariance. (The fp32 path it replaces ran one
-// 64-long dependent FMA chain per row and 16 keys, plus a transpose: ~5x the time at batch 32.)
-#define BF16DOT_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
-
-bool detect_bf16dot() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-}
-const bool g_bf16dot = detect_bf16dot();
-
-// out lane t = the 16 lanes of a[t] summed as ((b0 + b1) + (b2 + b3)) over 128-bit blocks bk,
-// each block as ((l0 + l2) + (l1 + l3)).
-BF16DOT_TARGET inline __m512 reduce16(const __m512* a) {
-  __m512 x[8], y[4];
-  for (int i = 0; i < 8; ++i)
-    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-  for (int j = 0; j < 4; ++j) {
-    const __m512d u = _mm512_castps_pd(x[2 * j]), w = _mm512_castps_pd(x[2 * j + 1]);
-    y[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(u, w)), _mm512_castpd_ps(_mm512_unpackhi_pd(u, w)));
-  }
-  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xDD));
-  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], 0x88), _mm512_shuffle_f32x4(y[2], y[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
-}
-
-// s[t] = scale * q . k_t for the n <= 16 keys at k0 + t * stride (bf16, D % 32 == 0).
-BF16DOT_TARGET void scores16_bf16(const c10::BFloat16* q, const c10::BFloat16* k0, int64_t stride, int64_t n,
-                                  int64_t D, float scale, float* s) {
-  __m512 a[KEY_LANES];
-  for (int64_t t = 0; t < KEY_LANES; ++t) {
-    a[t] = _mm512_setzero_ps();
-    if (t >= n) continue;
-    const c10::BFloat16* k = k0 + t * stride;
-    for (int64_t c = 0; c < D; c += 32)
-      a[t] = _mm512_dpbf16_ps(a[t], (__m512bh)_mm512_loadu_si512(q + c), (__m512bh)_mm512_loadu_si512(k + c));
-  }
-  const __m512 f = _mm512_mul_ps(reduce16(a), _mm512_set1_ps(scale));
-  _mm512_mask_storeu_ps(s, static_cast<__mmask16>((1u << n) - 1u), f);
-}
-
-#if defined(__AVX512F__)
-// acc[0..16*NV) += p[t] * v[t] for t < n in order (v: [n][16*NV] fp32), the sums kept in
-// registers across keys (the plain loop stored them back for every key).
-template <int NV>
-inline void pv_rows(float* __restrict acc, const float* __restrict p, const float* __restrict v, int64_t n) {
-  __m512 a[NV];
-  for (int i = 0; i < NV; ++i) a[i] = _mm512_loadu_ps(acc + 16 * i);
-  for (int64_t t = 0; t < n; ++t) {
-    const __m512 pt = _mm512_set1_ps(p[t]);
-    for (int i = 0; i < NV; ++i) a[i] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v + (t * NV + i) * 16), a[i]);
-  }
-  for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + 16 * i, a[i]);
-}
-#endif
-
-#if defined(__AVX512F__)
-// pv_rows for two rows over the same values: twice the independent FMA chains (one row's four
-// waited on the FMA latency), each row's sums in the same order as alone.
-template <int NV>
-inline void pv_rows2(float* __restrict acc0, const float* __restrict p0, float* __restrict acc1,
-                     const float* __restrict p1, const float* __restrict v, int64_t n) {
-  __m512 a[NV], c[NV];
-  for (int i = 0; i < NV; ++i) {
-    a[i] = _mm512_loadu_ps(acc0 + 16 * i);
-    c[i] = _mm512_loadu_ps(acc1 + 16 * i);
-  }
-  for (int64_t t = 0; t < n; ++t) {
-    const __m512 pa = _mm512_set1_ps(p0[t]), pc = _mm512_set1_ps(p1[t]);
-    for (int i = 0; i < NV; ++i) {
-      const __m512 vt = _mm512_loadu_ps(v + (t * NV + i) * 16);
-      a[i] = _mm512_fmadd_ps(pa, vt, a[i]);
-      c[i] = _mm512_fmadd_ps(pc, vt, c[i]);
-    }
-  }
-  for (int i = 0; i < NV; ++i) {
-    _mm512_storeu_ps(acc0 + 16 * i, a[i]);
-    _mm512_storeu_ps(acc1 + 16 * i, c[i]);
-  }
-}
-#endif
-
-// acc += sum_t p[t] * v[t] (t < n, in order), registers where D allows.
-inline void accumulate_v(float* acc, const float* p, const float* v, int64_t n, int64_t D) {
-#if defined(__AVX512F__)
-  switch (D) {
-    case 64: return pv_rows<4>(acc, p, v, n);
-    case 128: return pv_rows<8>(acc, p, v, n);
-    case 256: return pv_rows<16>(acc, p, v, n);
-    default: break;
-  }
-#endif
-  axpy_rows(acc, p, v, n, D);
-}
-
-// Two rows' acc += sum_t p[t] * v[t] over their first n0 and n1 values: the common part
-// together, the rest of the longer row alone (each row's order unchanged). False: D has no
-// two-row path, the caller goes row by row.
-inline bool accumulate_v2(float* acc0, const float* p0, int64_t n0, float* acc1, const float* p1,
-                          int64_t n1, const float* v, int64_t D) {
-#if defined(__AVX512F__)
-  if (D == 64 || D == 128) {
-    const int64_t m = std::min(n0, n1);
-    if (m > 0) (D == 64 ? pv_rows2<4> : pv_rows2<8>)(acc0, p0, acc1, p1, v, m);
-    if (n0 > m) accumulate_v(acc0, p0 + m, v + m * D, n0 - m, D);
-    if (n1 > m) accumulate_v(acc1, p1 + m, v + m * D, n1 - m, D);
-    return true;
-  }
-#endif
-  return false;
-}
-
-// The largest of x[0..n) (exact in any order; the scalar loop's compare chain was not
-// vectorised and cost as much as the scores at long contexts).
-inline float row_max(const float* x, int64_t n) {
-  float mx = -std::numeric_limits<float>::infinity();
-  int64_t t = 0;
-#if defined(__AVX512F__)
-  __m512 m = _mm512_set1_ps(mx);
-  for (; t + 16 <= n; t += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(x + t));
-  mx = _mm512_reduce_max_ps(m);
-#endif
-  for (; t < n; ++t) mx = x[t] > mx ? x[t] : mx;
-  return mx;
-}
-
-// e[t] = exp(e[t] - mx), 16 at a time where the ISA allows (the same bits as exp_vec).
-inline void exp_shifted(float* e, int64_t n, float mx) {
-  int64_t t = 0;
-#if defined(__AVX512F__)
-  const __m512 m = _mm512_set1_ps(mx);
-  for (; t + 16 <= n; t += 16) _mm512_storeu_ps(e + t, exp16(_mm512_sub_ps(_mm512_loadu_ps(e + t), m)));
-#endif
-  for (; t < n; ++t) e[t] = exp_vec(e[t] - mx);
 }
 
 template <typename T>
@@ -444,48 +292,4 @@ void paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor tables, torch
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
     run<scalar_t>(q, kv, t, c, s, l, block_size, scale, window, out);
   });
-}
-
-// fused_ops.cpp
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
-torch::Tensor add_rms_norm(torch::Tensor residual, torch::Tensor delta, torch::Tensor w, double eps);
-torch::Tensor silu_mul(torch::Tensor gate_up);
-void rope_inplace(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t head_dim);
-
-// int8_gemm.cpp
-torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor d, c10::optional<torch::Tensor> mn,
-                        int64_t N, int64_t G, int64_t bits, int64_t isa);
-int64_t int8_gemm_isa();
-
-// Build facts passed as bare tokens (-DDYNASPEC_ISA_TAG=avx512): quotes do not survive the
-// shell lines of every build tool.
-#ifndef DYNASPEC_ISA_TAG
-#define DYNASPEC_ISA_TAG unknown
-#endif
-#ifndef DYNASPEC_SRC_HASH
-#define DYNASPEC_SRC_HASH unknown
-#endif
-#define DYNASPEC_STR2(x) #x
-#define DYNASPEC_STR(x) DYNASPEC_STR2(x)
-
-// layer_stack.cpp
-void register_layer_stack(pybind11::module& m);
-
-// The kernels run without the GIL (arguments are converted before it is released): a long
-// forward holding it starved the server's event loop, so /health waited ~90 s behind a
-// 130k-token prefill. They touch no Python object.
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  const auto nogil = py::call_guard<py::gil_scoped_release>();
-  register_layer_stack(m);
-  m.def("build_info", [] { return std::make_tuple(std::string(DYNASPEC_STR(DYNASPEC_ISA_TAG)), std::string(DYNASPEC_STR(DYNASPEC_SRC_HASH))); },
-        "(ISA tag, source hash) this module was built with");
-  m.def("int8_gemm", &int8_gemm, "x W^T with W in GGUF groups, x quantized to int8 per 32 (row-invariant)", nogil);
-  m.def("int8_gemm_isa", &int8_gemm_isa, "0 scalar, 1 AVX2, 2 AVX-VNNI, 3 AVX-512 VNNI");
-  m.def("paged_decode", &paged_decode, "paged attention over the KV cache in place, any query length",
-        py::arg("q"), py::arg("kv"), py::arg("tables"), py::arg("ctx"), py::arg("qstart"), py::arg("qlen"),
-        py::arg("block_size"), py::arg("scale"), py::arg("out"), py::arg("window") = 0, nogil);
-  m.def("rms_norm", &rms_norm, "w * rms_normalise(x), row-wise", nogil);
-  m.def("add_rms_norm", &add_rms_norm, "residual += delta; rms_norm(residual)", nogil);
-  m.def("silu_mul", &silu_mul, "silu(gate) * up of a [T, 2*inter] gate|up product", nogil);
-  m.def("rope_inplace", &rope_inplace, "rotate-half RoPE in place on the first heads of each row", nogil);
 }
