@@ -21,6 +21,8 @@
 
 #include <immintrin.h>
 
+#include "vec_exp.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -63,9 +65,8 @@ template <typename T>
 AVX512_TARGET inline __m512 load16f(const T* p) {
   if constexpr (std::is_same_v<T, float>) {
     return _mm512_loadu_ps(p);
-  } else {  // bf16: the high half of an fp32, exactly
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  } else {
+    return bf16x16_load(p);
   }
 }
 
@@ -333,14 +334,10 @@ void dispatch_tile(Isa isa, const Packed& p, const QuantX& qx, int64_t m0, int64
   return run_tile<8, 16>(isa, p, qx, m0, M, tile, acc);
 }
 
-// 16 fp32 to bf16 exactly as to_bf16_bits rounds them (nearest even; NaN -> 0x7FC0).
+// 16 fp32 to bf16 as to_bf16_bits rounds them; the AVX-512 boundary for store_rows, which an
+// AVX2-only build also compiles.
 AVX512_TARGET inline void store16_bf16(const float* src, c10::BFloat16* dst) {
-  const __m512 v = _mm512_loadu_ps(src);
-  __m512i b = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-  b = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  b = _mm512_mask_mov_epi32(b, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(b));
+  bf16x16_store(dst, _mm512_loadu_ps(src));
 }
 
 template <typename T>

@@ -64,8 +64,7 @@ inline __m512 load16(const T* p) {
   if constexpr (std::is_same_v<T, float>) {
     return _mm512_loadu_ps(p);
   } else {  // bf16: the high half of an fp32, exactly
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return bf16x16_load(p);
   }
 }
 

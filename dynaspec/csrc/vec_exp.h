@@ -6,9 +6,7 @@
 
 #include <cstdint>
 
-#if defined(__AVX512F__)
 #include <immintrin.h>
-#endif
 
 inline float exp_vec(float x) {
   x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
@@ -49,26 +47,27 @@ inline __m512 exp16(__m512 x) {
 }
 #endif
 
-#if defined(__AVX512F__)
 // bf16 <-> fp32 on 16 lanes as c10::BFloat16 converts (exact up; down to nearest even, NaN to
-// 0x7FC0), so vector loops round exactly where the scalar ones did.
-inline __m512 bf16x16_load(const void* p) {
+// 0x7FC0), so vector loops round exactly where the scalar ones did. Target-attributed rather than
+// guarded: the int8 GEMM's AVX-512 path is chosen at run time and calls them from any build.
+#define BF16X16_TARGET __attribute__((target("avx512f,avx512bw")))
+
+BF16X16_TARGET inline __m512 bf16x16_load(const void* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-inline __m512i bf16x16_bits(__m512 v) {  // the bf16 bits in the low half of each lane
+BF16X16_TARGET inline __m512i bf16x16_bits(__m512 v) {  // the bf16 bits in the low half of each lane
   __m512i b = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
   b = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
   return _mm512_mask_mov_epi32(b, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
 }
 
-inline __m512 bf16x16_round(__m512 v) {  // float(bf16(v))
+BF16X16_TARGET inline __m512 bf16x16_round(__m512 v) {  // float(bf16(v))
   return _mm512_castsi512_ps(_mm512_slli_epi32(bf16x16_bits(v), 16));
 }
 
-inline void bf16x16_store(void* p, __m512 v) {
+BF16X16_TARGET inline void bf16x16_store(void* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16x16_bits(v)));
 }
-#endif
