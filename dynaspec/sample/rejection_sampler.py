@@ -12,9 +12,9 @@ if every draft is accepted they sample the bonus token from p.
 
 Random draws, per random request and in request order, from that request's generator only:
   1. u = rand(num_draft[i])        acceptance uniforms, one per draft;
-  2. e = Exp(1) noise over vocab   one vector, used for the single sampled token.
+  2. v = one float64 uniform      inverts the CDF of the single sampled token.
 A request emits exactly one sampled token (recovered at its first rejection, or the bonus), and
-which position that is depends only on u and the drafts, never on e; so one noise vector per
+which position that is depends only on u and the drafts, never on v; so one uniform per
 request is enough and keeps the output a function of the request's seed alone.
 Draft ids outside [0, vocab) (e.g. the -1 pad) are never accepted; every id in range, 0
 included, is a real token.
@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from dynaspec.sample.metadata import SamplingMetadata
-from dynaspec.sample.sampler import exponential_noise, processed_probs
+from dynaspec.sample.sampler import inverse_cdf_sample, processed_probs, sample_uniform
 
 
 def validate_inputs(
@@ -59,12 +59,12 @@ def validate_inputs(
 
 
 def _draw(
-    md: SamplingMetadata, i: int, n: int, vocab: int, device: torch.device
+    md: SamplingMetadata, i: int, n: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Request i's random draws, in the order both implementations consume them."""
     g = md.generators[i]
     u = torch.rand(n, generator=g, device=device)  # [n]
-    return u, exponential_noise(g, vocab, device)  # [n], [vocab]
+    return u, sample_uniform(g, device)  # [n], [1] float64
 
 
 def rejection_sample(
@@ -137,20 +137,20 @@ class _RandomPart:
         rand_rows = is_rand_row.nonzero().squeeze(1)  # [num_rand_rows]
         self.probs = processed_probs(target_logits[rand_rows], md, row_to_req[rand_rows])
         self.row_map = (torch.cumsum(is_rand_row.to(torch.int64), 0) - 1).clamp(min=0)
-        u_parts = self._draw_all(md, num_draft, rand_reqs, target_logits.shape[1], device)
+        u_parts = self._draw_all(md, num_draft, rand_reqs, device)
         # Greedy requests keep u = 0; their acceptance comes from the argmax rule.
         self.u = torch.zeros(valid.shape, device=device)  # [R, max_n]
         self.u[valid & ~greedy.unsqueeze(1)] = torch.cat(u_parts)  # row-major == request order
         self._gather_draft_probs(draft_probs, num_draft, rand_reqs, valid.shape, device)
 
     def _draw_all(
-        self, md: SamplingMetadata, num_draft: list[int], rand_reqs: list[int], vocab: int,
+        self, md: SamplingMetadata, num_draft: list[int], rand_reqs: list[int],
         device: torch.device,
     ) -> list[torch.Tensor]:
-        """Sets the noise [Nr, vocab]; returns the uniforms, one [num_draft[i]] per request."""
-        # Request order, and per request u before noise: the reference consumes the same way.
-        draws = [_draw(md, i, num_draft[i], vocab, device) for i in rand_reqs]
-        self.noise = torch.stack([e for _, e in draws])  # [Nr, vocab]
+        """Sets the token uniforms v [Nr]; returns the acceptance uniforms, [num_draft[i]] each."""
+        # Request order, and per request u before v: the reference consumes the same way.
+        draws = [_draw(md, i, num_draft[i], device) for i in rand_reqs]
+        self.v = torch.cat([v for _, v in draws])  # [Nr] float64
         return [u for u, _ in draws]
 
     def _gather_draft_probs(
@@ -212,8 +212,7 @@ class _RandomPart:
         residual = (p - q).clamp_min(0)  # [Nr, vocab] unnormalized max(p - q, 0)
         # Rounding can empty the residual of a rejected draft; p is then the right fallback.
         residual = torch.where(residual.gt(0).any(dim=1, keepdim=True), residual, p)
-        # argmax(w / Exp noise) samples normalize(w), so no normalization is needed.
-        return (residual / self.noise).argmax(dim=1)
+        return inverse_cdf_sample(residual, self.v)  # samples normalize(residual)
 
 
 def rejection_sample_reference(
@@ -225,7 +224,7 @@ def rejection_sample_reference(
 ) -> list[list[int]]:
     """Test oracle: one request and one position at a time, same draws as the batched path."""
     validate_inputs(target_logits, num_draft, draft_token_ids, draft_probs, md)
-    device, vocab = target_logits.device, target_logits.shape[1]
+    device = target_logits.device
     out: list[list[int]] = []
     start = 0
     for i, n in enumerate(num_draft):
@@ -237,8 +236,8 @@ def rejection_sample_reference(
         p = processed_probs(rows, md, torch.full((n + 1,), i, device=device))  # [n + 1, vocab]
         q = None if draft_probs is None else draft_probs[i]
         q = None if q is None else q.to(device=device, dtype=torch.float32)  # [n, vocab]
-        u, noise = _draw(md, i, n, vocab, device)
-        out.append(_random_one(p, q, draft_token_ids[i], u, noise))
+        u, v = _draw(md, i, n, device)
+        out.append(_random_one(p, q, draft_token_ids[i], u, v))
     return out
 
 
@@ -257,7 +256,7 @@ def _random_one(
     q: torch.Tensor | None,  # [n, vocab], None = one-hot at the draft
     drafts: list[int],
     u: torch.Tensor,  # [n]
-    noise: torch.Tensor,  # [vocab]
+    v: torch.Tensor,  # [1] float64, the sampled token's uniform
 ) -> list[int]:
     vocab = p.shape[1]
     tokens: list[int] = []
@@ -277,8 +276,8 @@ def _random_one(
         residual = (p[j] - q_row).clamp_min(0)
         if not bool((residual > 0).any()):
             residual = p[j]
-        return tokens + [int((residual / noise).argmax())]
-    return tokens + [int((p[len(drafts)] / noise).argmax())]
+        return tokens + [int(inverse_cdf_sample(residual.unsqueeze(0), v))]
+    return tokens + [int(inverse_cdf_sample(p[len(drafts)].unsqueeze(0), v))]
 
 
 # ---- synthetic acceptance (NOT lossless) ------------------------------------------------------

@@ -10,7 +10,7 @@ import torch
 from scipy.stats import chisquare
 
 from dynaspec.sample.metadata import SamplingMetadata
-from dynaspec.sample.sampler import Sampler, processed_probs
+from dynaspec.sample.sampler import Sampler, inverse_cdf_sample, processed_probs
 from dynaspec.sampling_params import SamplingParams as SP
 
 
@@ -154,6 +154,26 @@ def test_seeded_request_reproduces_whatever_the_batch() -> None:
         in_batch.append(int(Sampler()(s, md).token_ids[2]))
     assert alone == in_batch
     assert len(set(alone)) > 1  # the generator advances between steps
+
+
+def test_inverse_cdf_never_draws_a_zero_weight_token() -> None:
+    weights = torch.tensor([[0.0, 0.2, 0.0, 0.3, 0.5, 0.0, 0.0]] * 3)  # [3, 7]
+    # 0, the largest double below 1, and 1 itself (as if u * total rounded up to total).
+    u = torch.tensor([0.0, 1.0 - 2.0**-53, 1.0], dtype=torch.float64)
+    assert inverse_cdf_sample(weights, u).tolist() == [1, 4, 4]
+    # The boundary between two tokens goes to the later one: cdf[1] = 0.2 is not "> 0.2".
+    edge = torch.tensor([[0.25, 0.0, 0.25, 0.5]])
+    assert inverse_cdf_sample(edge, torch.tensor([0.25], dtype=torch.float64)).tolist() == [2]
+
+
+def test_inverse_cdf_row_is_independent_of_its_batch() -> None:
+    gen = torch.Generator().manual_seed(11)
+    weights = torch.rand(9, 5000, generator=gen) ** 8  # [9, 5000], uneven mass
+    u = torch.rand(9, generator=gen, dtype=torch.float64)  # [9]
+    batched = inverse_cdf_sample(weights, u)
+    alone = [int(inverse_cdf_sample(weights[i : i + 1], u[i : i + 1])) for i in range(9)]
+    assert batched.tolist() == alone
+    assert len(set(alone)) > 1
 
 
 def test_logprobs_are_raw_log_softmax() -> None:
