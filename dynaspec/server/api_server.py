@@ -49,15 +49,19 @@ def build_async_engine(served_model_name: str | None = None, metrics_prefix: str
     from dynaspec.metrics.prometheus import PrometheusMetrics
 
     config = EngineConfig.from_kwargs(**engine_kwargs)
-    if config.parallel.data_parallel_size > 1 or config.parallel.engine_process:  # dynaspec/dp
-        from dynaspec.dp.front_end import DPEngine
-        name = served_model_name or config.model.model
-        dp = DPEngine(config, metrics_labels={"model_name": name}, metrics_prefix=metrics_prefix)
-        return AsyncEngine(dp, dp.metrics)
-    engine = LLMEngine(config)
-    name = served_model_name or engine.parts.model_name
-    return AsyncEngine(engine, PrometheusMetrics(labels={"model_name": name},
-                                                 prefix=metrics_prefix))
+
+    def build() -> tuple[Any, Any]:
+        if config.parallel.data_parallel_size > 1 or config.parallel.engine_process:  # dp/
+            from dynaspec.dp.front_end import DPEngine
+            name = served_model_name or config.model.model
+            dp = DPEngine(config, metrics_labels={"model_name": name},
+                          metrics_prefix=metrics_prefix)
+            return dp, dp.metrics
+        engine = LLMEngine(config)
+        name = served_model_name or engine.parts.model_name
+        return engine, PrometheusMetrics(labels={"model_name": name}, prefix=metrics_prefix)
+
+    return AsyncEngine(build)
 
 
 def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | None = None,

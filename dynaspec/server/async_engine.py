@@ -69,23 +69,46 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: EngineClient, metrics: Any = None) -> None:
-        self.engine = engine
-        self.metrics = metrics
+    """`build()` returns (engine, metrics or None) and runs on the engine thread itself.
+
+    Why build there: libgomp gives every thread that runs a torch parallel region its own
+    worker team, and once the teams' threads outnumber the cores each team only spins briefly
+    and then sleeps on a futex at every region. An engine loaded on the main thread and stepped
+    on another ran its steps 2-3.5x slower on 2 cores (250k context switches for one request
+    that needed 400 on one thread). So one thread does all of the engine's torch work.
+    """
+
+    def __init__(self, build: Callable[[], tuple[EngineClient, Any]]) -> None:
         self.metrics_lock = threading.Lock()
-        self.tokenizer = engine.tokenizer
-        self.max_model_len: int = engine.max_model_len
         self._cmds: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._accepting = True
         self._stop = False
         self.num_aborted = 0  # requests aborted while still in the engine (engine thread writes)
+        self.state: dict = {}  # published by the engine thread after each round, read by /health
+        ready: Future = Future()
+        self._thread = threading.Thread(target=self._main, args=(build, ready),
+                                        name="dynaspec-engine", daemon=True)
+        self._thread.start()
+        ready.result()  # a failed build raises here, in the caller's thread
+
+    def _attach(self, engine: EngineClient, metrics: Any) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.tokenizer = engine.tokenizer
+        self.max_model_len: int = engine.max_model_len
         # --log-stats-interval: the periodic metrics line, written from the engine thread.
         self._log_line = PeriodicLogger(engine.log_stats_interval_s)
-        self.state: dict = {}  # published by the engine thread after each round, read by /health
         self._publish_state()
-        self._thread = threading.Thread(target=self._run, name="dynaspec-engine", daemon=True)
-        self._thread.start()
+
+    def _main(self, build: Callable[[], tuple[EngineClient, Any]], ready: Future) -> None:
+        try:
+            self._attach(*build())
+        except BaseException as exc:  # noqa: BLE001 - handed to the constructor's caller
+            ready.set_exception(exc)
+            return
+        ready.set_result(None)
+        self._run()
 
     # ---- API for any thread --------------------------------------------------------------------
     @property
@@ -167,6 +190,9 @@ class AsyncEngine:
             raise
         finally:
             self._accepting = False
+            # Commands queued before the thread ended still resolve their futures (a stop sent
+            # while the thread crashed would otherwise wait forever).
+            self._run_commands(block=False)
             for rid in list(self._streams):
                 self._deliver_final(rid, "error", "the engine stopped")
             self._publish_state()
