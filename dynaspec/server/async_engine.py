@@ -81,6 +81,8 @@ class AsyncEngine:
     def __init__(self, build: Callable[[], tuple[EngineClient, Any]]) -> None:
         self.metrics_lock = threading.Lock()
         self._cmds: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._cmds_lock = threading.Lock()
+        self._cmds_closed = False
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._accepting = True
         self._stop = False
@@ -105,6 +107,7 @@ class AsyncEngine:
         try:
             self._attach(*build())
         except BaseException as exc:  # noqa: BLE001 - handed to the constructor's caller
+            self._cmds_closed = True  # no command can be queued yet: the constructor raises
             ready.set_exception(exc)
             return
         ready.set_result(None)
@@ -117,8 +120,6 @@ class AsyncEngine:
 
     def call(self, fn: Callable[[Any], Any]) -> Future:
         """Run fn(engine) on the engine thread between steps; the Future holds its result."""
-        if not self.alive:
-            raise EngineUnavailable("the engine thread has stopped")
         fut: Future = Future()
 
         def run() -> None:
@@ -128,13 +129,22 @@ class AsyncEngine:
                 except BaseException as exc:  # noqa: BLE001 - handed to the caller
                     fut.set_exception(exc)
 
-        self._cmds.put(run)
+        if not self._put(run):
+            raise EngineUnavailable("the engine thread has stopped")
         return fut
 
     def abort(self, request_id: str) -> None:
         """Abort a request (frees its KV blocks); harmless if it already finished."""
-        if self.alive:
-            self._cmds.put(lambda: self._abort(request_id, "abort"))
+        self._put(lambda: self._abort(request_id, "abort"))
+
+    def _put(self, cmd: Callable[[], None]) -> bool:
+        # Under the lock the thread closes the queue and then drains it, so every command that
+        # got in runs (its future resolves) and none is left behind by an ending thread.
+        with self._cmds_lock:
+            if self._cmds_closed:
+                return False
+            self._cmds.put(cmd)
+            return True
 
     # ---- API for the event loop ----------------------------------------------------------------
     async def add_request(
@@ -169,7 +179,10 @@ class AsyncEngine:
                     self._abort(rid, "abort", "the server is shutting down")
                 self._stop = True
 
-            await asyncio.wrap_future(self.call(stop))
+            try:
+                await asyncio.wrap_future(self.call(stop))
+            except EngineUnavailable:
+                pass  # the thread ended meanwhile
         await asyncio.to_thread(self._thread.join, 30.0)
 
     # ---- the engine thread ---------------------------------------------------------------------
@@ -190,9 +203,9 @@ class AsyncEngine:
             raise
         finally:
             self._accepting = False
-            # Commands queued before the thread ended still resolve their futures (a stop sent
-            # while the thread crashed would otherwise wait forever).
-            self._run_commands(block=False)
+            with self._cmds_lock:
+                self._cmds_closed = True
+            self._run_commands(block=False)  # what got in still runs: no caller waits forever
             for rid in list(self._streams):
                 self._deliver_final(rid, "error", "the engine stopped")
             self._publish_state()

@@ -99,7 +99,7 @@ def test_metrics_prefix_reaches_data_parallel_metrics(monkeypatch):
                                      metrics_prefix)
 
     monkeypatch.setattr(front_end, "DPEngine", FakeDP)
-    monkeypatch.setattr("dynaspec.server.api_server.AsyncEngine", lambda eng, met: met)
+    monkeypatch.setattr("dynaspec.server.api_server.AsyncEngine", lambda build: build()[1])
     metrics = build_async_engine("m", metrics_prefix="vllm", model="default",
                                  data_parallel_size=2)
     assert seen == {"prefix": "vllm"}
