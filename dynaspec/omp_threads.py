@@ -13,6 +13,7 @@ import ctypes
 import functools
 import logging
 import os
+import sys
 
 log = logging.getLogger("dynaspec")
 
@@ -44,3 +45,23 @@ def release_omp_pool() -> bool:
     if rc != 0:
         log.debug("omp_pause_resource_all returned %d", rc)
     return rc == 0
+
+
+# How long an idle OpenMP thread of a server spins before it sleeps (libgomp's default is
+# 300,000). With a load generator on the same 2 cores (aiperf, c16), the default spin let the
+# server collapse to 16-100 output tok/s against 125 at 2,000 and 150 with no spin; with the
+# cores to itself it ran 647 tok/s at the default, 448 at 2,000 and 350 with no spin
+# (docs/benchmarks.md, "Wave 3, fourth session"). A server shares its machine with its
+# clients, the HTTP loop and tokenizers, so it takes the short spin.
+SERVER_SPIN_COUNT = 2000
+
+
+def set_server_spin() -> bool:
+    """Give libgomp the server's spin count, unless the user chose a wait policy or spin count.
+
+    Works only before torch (and with it libgomp) is loaded: libgomp reads it once. True if set.
+    """
+    if "torch" in sys.modules or "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+        return False
+    os.environ["GOMP_SPINCOUNT"] = str(SERVER_SPIN_COUNT)
+    return True

@@ -53,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:
+        from dynaspec.omp_threads import set_server_spin
+
+        set_server_spin()  # before building the parser imports torch: libgomp reads it once
     parser = build_parser()
     args, extras = parser.parse_known_args(argv)
     if extras:  # argparse would report them against the top-level usage

@@ -34,6 +34,7 @@ def register(sub) -> None:  # type: ignore[no-untyped-def]
 
 
 def run(args: argparse.Namespace) -> int:
+    # The server's OpenMP spin count is set by cli/main.py, before anything imports torch.
     from dynaspec.server.api_server import build_app, build_async_engine
     from dynaspec.server.launch import make_server
 
