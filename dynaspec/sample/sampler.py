@@ -103,14 +103,13 @@ def inverse_cdf_sample(
     a sequential float64 sum of that row alone, so a row draws the same token in any batch.
     """
     cdf = weights.double().cumsum(dim=-1)  # [rows, vocab]
-    target = (u.to(cdf.device) * cdf[:, -1]).unsqueeze(1)  # [rows, 1]
+    total = cdf[:, -1:]  # [rows, 1]
+    # u * total can round up to total; the largest double below it keeps the target inside.
+    below = torch.nextafter(total, torch.zeros_like(total))  # [rows, 1]
+    target = torch.minimum(u.to(cdf.device).unsqueeze(1) * total, below)  # [rows, 1]
     # First index whose cdf exceeds the target: a zero-weight token repeats its predecessor's
     # cdf and so is never the first to exceed it.
-    idx = torch.searchsorted(cdf, target, right=True).squeeze(1)  # [rows]
-    # u * total can round up to total; the last token with weight is then the draw.
-    vocab = weights.shape[-1]
-    last = vocab - 1 - (weights > 0).flip(-1).to(torch.int8).argmax(dim=-1)  # [rows]
-    return torch.minimum(idx, last)
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)  # [rows]
 
 
 class Sampler:

@@ -16,9 +16,12 @@ _PROBE = ("import os, sys; from dynaspec.omp_threads import set_server_spin; "
           "print(set_server_spin(), os.environ.get('GOMP_SPINCOUNT'))")
 
 
+def _env_without_omp() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+
+
 def _probe(mode: str, **env: str) -> str:
-    base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    out = subprocess.run([sys.executable, "-c", _PROBE, mode], env={**base, **env},
+    out = subprocess.run([sys.executable, "-c", _PROBE, mode], env={**_env_without_omp(), **env},
                          capture_output=True, text=True, timeout=120, check=True)
     return out.stdout.strip()
 
@@ -44,7 +47,6 @@ def test_the_serve_command_sets_it_before_its_parser_loads_torch() -> None:
     code = ("import os; from dynaspec.cli import main as m; import dynaspec.cli.serve_cmd as s; "
             "s.run = lambda a: print(os.environ.get('GOMP_SPINCOUNT')) or 0; "
             "m.main(['serve', '--model', 'default'])")
-    base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    out = subprocess.run([sys.executable, "-c", code], env=base, capture_output=True, text=True,
-                         timeout=120, check=True)
+    out = subprocess.run([sys.executable, "-c", code], env=_env_without_omp(), capture_output=True,
+                         text=True, timeout=120, check=True)
     assert out.stdout.strip() == str(SERVER_SPIN_COUNT)
