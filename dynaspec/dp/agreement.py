@@ -90,8 +90,9 @@ class SharedAcceptance(AcceptanceHistory):
     with rate ``alpha`` would.
     """
 
-    def __init__(self, max_k: int, alpha: float = 0.05) -> None:
-        super().__init__(alpha)
+    def __init__(self, max_k: int, alpha: float = 0.05, prior: float | None = None,
+                 prior_weight: float | None = None) -> None:
+        super().__init__(alpha, prior, prior_weight)
         self.max_k = max_k
         self.reached = [0] * max_k
         self.hits = [0] * max_k
@@ -113,10 +114,18 @@ class SharedAcceptance(AcceptanceHistory):
             if n <= 0:
                 break  # position i unobserved implies every later position is too
             rate = h / n
-            if i == len(self.rates):
-                self.rates.append(rate)  # first observation seeds the EMA
-            else:
-                self.rates[i] += (1.0 - (1.0 - self.alpha) ** n) * (rate - self.rates[i])
+            if i == len(self.rates):  # the first observation seeds the EMA, or moves the prior
+                self.rates.append(rate if self.prior is None else self.prior)
+                self.counts.append(0)
+                if self.prior is None:
+                    self.counts[i] = int(n)
+                    continue
+            # n single updates at once: the EMA's weight, or the running mean's where larger
+            w = 1.0 - (1.0 - self.alpha) ** n
+            if self.prior_weight is not None:
+                w = max(w, n / (self.counts[i] + n + self.prior_weight))
+            self.counts[i] += int(n)
+            self.rates[i] += w * (rate - self.rates[i])
         self.num_updates += 1
 
 
@@ -235,7 +244,8 @@ class LockstepPolicy:
         self.inner = inner
         self.keeps_history = getattr(inner, "keeps_history", False)
         if hasattr(inner, "engine_history"):  # goodput: the engine-wide prior must be shared
-            inner.engine_history = self.agreement.shared = SharedAcceptance(self.agreement.max_k)
+            inner.engine_history = self.agreement.shared = SharedAcceptance(
+                self.agreement.max_k, prior=inner.settings.prior_rate, prior_weight=2.0)
 
     @property
     def plan(self):  # type: ignore[no-untyped-def]
@@ -264,8 +274,9 @@ class LockstepPolicy:
                                "(StepAgreement.exchange), or ranks would choose different K")
         return self.inner.decide(view)
 
-    def observe(self, request_id: str, num_drafted: int, num_accepted: int, ctx: int) -> None:
-        self.inner.observe(request_id, num_drafted, num_accepted, ctx)
+    def observe(self, request_id: str, num_drafted: int, num_accepted: int, ctx: int,
+                cap: int = 0) -> None:
+        self.inner.observe(request_id, num_drafted, num_accepted, ctx, cap)
 
     def observe_step(self, num_reqs: int, ctx: int, width: int, target_seconds: float,
                      draft_seconds: float, num_drafted: int, num_emitted: int) -> None:

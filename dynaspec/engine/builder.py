@@ -26,6 +26,7 @@ from dynaspec.models.quant_linear import (
 from dynaspec.sample.synthetic import make_synthetic_verifier
 from dynaspec.scheduler.scheduler import Scheduler
 from dynaspec.spec_decode import cost_cache
+from dynaspec.spec_decode.base import Proposer
 from dynaspec.spec_decode.cost_model import CostGrid, StepCostModel
 from dynaspec.spec_decode.drafters import DrafterTarget, build_drafter
 from dynaspec.spec_decode.execution_plan import (
@@ -194,7 +195,8 @@ def build_engine_parts(config: EngineConfig,
              f"; drafter pool {drafter_tokens} tokens" if drafter_tokens else "")
     policy, info = None, None
     if plan.speculating:
-        policy, plan, info = _k_policy(config, plan, model, kv_caches, blocks, max_model_len)
+        policy, plan, info = _k_policy(config, plan, model, kv_caches, blocks, max_model_len,
+                                       proposer)
     if policy is not None and wrap_policy is not None:
         policy = wrap_policy(policy)
     exec_plan = _execution_plan(config, plan, device)
@@ -238,13 +240,26 @@ def _plan_and_proposer(config: EngineConfig, vocab_size: int, device: torch.devi
     return plan, proposer, drafter_tokens, drafter_max_len
 
 
-def _execution_plan(config: EngineConfig, plan: SpecPlan, device: torch.device) -> ExecutionPlan:
+def _admission_path(config: EngineConfig) -> str | None:
+    """The admission table `--execution auto` reads, None where it has none."""
     ec = config.execution
     path = ec.admission or default_admission_path(config.spec.k_schedule)
-    admission = None
-    if ec.execution == "auto" and path is not None:
-        if ec.admission is not None or os.path.isfile(path):
-            admission = AdmissionTable.load(path)
+    if ec.execution != "auto" or path is None:
+        return None
+    return path if ec.admission is not None or os.path.isfile(path) else None
+
+
+def _widths_follow_drafts(config: EngineConfig) -> bool:
+    """Every decode step runs eager, verifying only the drafts produced (no fixed-shape path
+    pads rows to the planned width): eager, or auto without an admission table."""
+    return config.execution.execution == "eager" or (
+        config.execution.execution == "auto" and _admission_path(config) is None)
+
+
+def _execution_plan(config: EngineConfig, plan: SpecPlan, device: torch.device) -> ExecutionPlan:
+    ec = config.execution
+    path = _admission_path(config)
+    admission = AdmissionTable.load(path) if path is not None else None
     ep = ExecutionPlan.build(
         plan, config.scheduler.max_num_seqs, ec.execution, device.type, admission
     )
@@ -290,7 +305,8 @@ def _kernel_build() -> str:
 
 
 def _k_policy(config: EngineConfig, plan: SpecPlan, model: LlamaModel, kv_caches: list,
-              blocks: int, max_model_len: int) -> tuple[KPolicy, SpecPlan, PolicyInfo]:
+              blocks: int, max_model_len: int,
+              proposer: Proposer) -> tuple[KPolicy, SpecPlan, PolicyInfo]:
     """The policy, the plan as it runs under it (goodput adds width 1: plan_for_policy) and
     what the logs and the card say about it. A refused cost table runs the plan's table."""
     from dynaspec.spec_decode.goodput_policy import GoodputSettings
@@ -303,7 +319,9 @@ def _k_policy(config: EngineConfig, plan: SpecPlan, model: LlamaModel, kv_caches
         if cost is None:
             name = "table"
     plan = plan_for_policy(plan, name)
-    settings = GoodputSettings(synthetic_rates=sc.acceptance_rates if not sc.lossless else ())
+    settings = GoodputSettings(synthetic_rates=sc.acceptance_rates if not sc.lossless else (),
+                               widths_follow_drafts=_widths_follow_drafts(config),
+                               whole_cap=proposer.sizes_own_drafts)
     # Only widths the plan produces (plus plain decode, K=0): the execution plan's grid,
     # metrics and buffers are sized for them, so the policy never steps off it.
     widths = tuple(sorted({1, *plan.widths}))

@@ -259,7 +259,7 @@ class Scheduler:
                 self.kv.cache_full_blocks(req, req.num_computed_tokens)
                 if self.policy is not None:
                     self.policy.observe(req.request_id, r.num_draft_tokens, r.num_accepted_tokens,
-                                        req.num_tokens)
+                                        req.num_tokens, s.draft_budget - s.num_async_invalid)
             else:
                 self.finish_request(req.request_id, status)
             updates.append(StepUpdate(req, emitted, r, status is not None))

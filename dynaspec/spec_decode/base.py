@@ -37,6 +37,10 @@ class Proposer:
     # True when it drafts from the target's hidden states (EAGLE): the builder attaches the
     # target and the runner hands it every step's verified rows (`observe_hidden`).
     reads_hidden_states: bool = False
+    # True when it sizes its own drafts by its confidence (suffix: a draft ends where its
+    # evidence does), so a cap below the plan's only cuts drafts it was sure of: the goodput
+    # policy then gives a request its whole cap or none.
+    sizes_own_drafts: bool = False
 
     def propose(self, requests: Sequence[Request], k_per_request: Sequence[int]) -> Drafts:
         raise NotImplementedError

@@ -40,7 +40,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from dynaspec.spec_decode.acceptance import AcceptanceHistory
+from dynaspec.spec_decode.acceptance import FULL_LENGTHS, AcceptanceHistory, DraftLengths
 from dynaspec.spec_decode.cost_model import StepCostModel
 from dynaspec.spec_decode.k_policy import (
     RequestView,
@@ -51,6 +51,7 @@ from dynaspec.spec_decode.k_policy import (
     hard_cap,
 )
 from dynaspec.spec_decode.plan import SpecPlan
+from dynaspec.spec_decode.step_pricing import PricedRow, StepPricing, price_row
 from dynaspec.spec_decode.step_width import runnable_k
 
 log = logging.getLogger("dynaspec")
@@ -67,6 +68,14 @@ class GoodputSettings:
     divergence_bound: float = 2.0  # modelled vs observed goodput factor the guard tolerates
     divergence_steps: int = 32  # ... for this many decode steps in a row before it re-probes
     reprobe_interval: int = 64  # decode steps between two guard re-probes, at least
+    # A step verifies only the drafts its requests produced (the eager path), so a cap the
+    # drafter does not fill costs less than its full width. False where a fixed-shape path pads
+    # every row to the planned width.
+    widths_follow_drafts: bool = True
+    # The drafter sizes its own drafts (Proposer.sizes_own_drafts): K is 0 or the ceiling.
+    # Measured on agentic suffix drafts at c1: cutting caps to the K the rates favoured ran
+    # 0.81x [0.68, 0.97] of always drafting up to 8, because the long drafts are the sure ones.
+    whole_cap: bool = False
 
     def __post_init__(self) -> None:
         for name in ("prior_rate", "probe_rate"):
@@ -97,12 +106,25 @@ class _FixedRates:
     def __init__(self, *rates: float) -> None:
         self._rates = rates
 
+    def rate(self, position: int) -> float:
+        return self._rates[min(position, len(self._rates) - 1)]
+
     def expected_accepted(self, k: int) -> float:
         total, survive = 0.0, 1.0
         for i in range(k):
-            survive *= self._rates[min(i, len(self._rates) - 1)]
+            survive *= self.rate(i)
             total += survive
         return total
+
+
+class _Deeper:
+    """Rates observed at the first positions, another estimate's below them."""
+
+    def __init__(self, rates: list[float], below) -> None:
+        self._rates, self._below = rates, below
+
+    def rate(self, position: int) -> float:
+        return self._rates[position] if position < len(self._rates) else self._below.rate(position)
 
 
 class GoodputPolicy(TablePolicy):
@@ -114,7 +136,15 @@ class GoodputPolicy(TablePolicy):
         super().__init__(plan)
         self.cost_model, self.settings = cost_model, settings
         self.allowed_widths = None if allowed_widths is None else frozenset(allowed_widths)
-        self.engine_history = AcceptanceHistory(alpha=0.05)  # slow: a prior, not a tracker
+        # Slow: a prior, not a tracker. It starts at the prior, worth two observations: seeded
+        # by its first observation, one early rejection at a deep position priced that position
+        # at ~0 for every request for hundreds of steps (agentic suffix drafts); with the prior
+        # at full weight, deep positions stayed near it for a whole run (n-gram code edits).
+        self.engine_history = AcceptanceHistory(alpha=0.05, prior=settings.prior_rate,
+                                                prior_weight=2.0)
+        # How far drafts go under their caps, per request and engine-wide (acceptance.py).
+        self.lengths: dict[str, DraftLengths] = {}
+        self.engine_lengths = DraftLengths(alpha=0.05)
         self.last_draft_ctx: dict[str, int] = {}
         self.draft_seconds_per_token = cost_model.draft_seconds_per_token or 0.0
         # Records for metrics, written by decide() and observe_step(), never read by decide().
@@ -138,18 +168,23 @@ class GoodputPolicy(TablePolicy):
         # steps (1.05x over plain) where always drafting gave 1.37x.
         return AcceptanceHistory(prior=self.settings.prior_rate)
 
-    def observe(self, request_id: str, num_drafted: int, num_accepted: int, ctx: int) -> None:
-        super().observe(request_id, num_drafted, num_accepted, ctx)
+    def observe(self, request_id: str, num_drafted: int, num_accepted: int, ctx: int,
+                cap: int = 0) -> None:
+        super().observe(request_id, num_drafted, num_accepted, ctx, cap)
         if num_drafted:
             self.engine_history.update(num_drafted, num_accepted)
             self.last_draft_ctx[request_id] = ctx
+        if cap > 0 and num_drafted <= cap:
+            self.lengths.setdefault(request_id, DraftLengths()).update(cap, num_drafted)
+            self.engine_lengths.update(cap, num_drafted)
 
     def forget(self, request_id: str) -> None:
         super().forget(request_id)
         self.last_draft_ctx.pop(request_id, None)
+        self.lengths.pop(request_id, None)
 
     def num_cached(self) -> int:
-        return len(self.histories.keys() | self.last_draft_ctx.keys())
+        return len(self.histories.keys() | self.last_draft_ctx.keys() | self.lengths.keys())
 
     def observe_step(self, num_reqs: int, ctx: int, width: int, target_seconds: float,
                      draft_seconds: float, num_drafted: int, num_emitted: int) -> None:
@@ -206,14 +241,13 @@ class GoodputPolicy(TablePolicy):
         fixed: dict[str, int] = {}  # requests whose K does not follow the step's (0 or a probe)
         for r in view.requests:
             cap = caps[r.request_id][0]
-            if cap > 0 and not self._pays(self._rates(r), cap, cost):
+            if cap > 0 and not self._pays(r, cap, cost):
                 fixed[r.request_id] = 1 if self._probe_due(r, ceiling, cost) else 0
+        pricing = None if g is not None else self._pricing(view, caps, fixed, cost)
         best_k, best = 0, -1.0
-        for k in range(ceiling + 1):
-            if k and self.allowed_widths is not None and 1 + k not in self.allowed_widths:
-                continue
-            value = (self._goodput(view, caps, fixed, k, cost) if g is None
-                     else self._shared_goodput(num_reqs, k, cost))
+        for k in self._candidates(ceiling):
+            value = (self._shared_goodput(num_reqs, k, cost) if pricing is None
+                     else self._goodput(pricing, k))
             if value > best * (1 + 1e-9):
                 best_k, best = k, value
         if best_k == 0 and self.reprobe_pending:
@@ -232,39 +266,69 @@ class GoodputPolicy(TablePolicy):
         return tokens / (cost(1 + k) + self.draft_seconds_per_token * k * num_reqs)
 
     def _rates(self, r: RequestView):
+        """The request's own conditional rates where it has observed them, the engine's deeper
+        down: a request whose caps stayed low has seen only its first positions, and repeating
+        its deepest rate would price positions that other requests reach (suffix drafts that
+        get that far are usually right) from one that says nothing about them."""
         if self.synthetic is not None:
             return self.synthetic
+        prior = (self.engine_history if self.engine_history.num_updates
+                 else _FixedRates(self.settings.prior_rate))
         h = self.history(r)
         if h is not None and h.num_updates:
-            return h
-        if self.engine_history.num_updates:
-            return self.engine_history
-        return _FixedRates(self.settings.prior_rate)
+            return _Deeper(h.rates, prior)
+        return prior
 
-    @staticmethod
-    def _pays(rates, cap: int, cost) -> bool:
+    def _lengths(self, r: RequestView) -> DraftLengths:
+        own = self.lengths.get(r.request_id)
+        if own is not None and own.num_updates:
+            return own.deeper(self.engine_lengths)
+        return self.engine_lengths if self.engine_lengths.num_updates else FULL_LENGTHS
+
+    def _row(self, r: RequestView, limit: int, follows: bool, rates=None,
+             lengths: DraftLengths | None = None) -> PricedRow:
+        rates, lengths = rates or self._rates(r), lengths or self._lengths(r)
+        return price_row(rates.rate, lengths.survival(limit), limit, follows)
+
+    def _pricing(self, view: StepView, caps: dict, fixed: dict[str, int], cost) -> StepPricing:
+        rows = []
+        for r in view.requests:
+            cap = caps[r.request_id][0]
+            rid = r.request_id
+            limit = min(fixed[rid], cap) if rid in fixed else cap
+            rows.append(self._row(r, limit, rid not in fixed))
+        return StepPricing(rows, cost, self._runnable, self.settings.widths_follow_drafts)
+
+    def _candidates(self, ceiling: int) -> list[int]:
+        if self.settings.whole_cap:
+            return [0, ceiling]
+        return [k for k in range(ceiling + 1)
+                if k == 0 or self.allowed_widths is None or 1 + k in self.allowed_widths]
+
+    def _runnable(self, k: int) -> int:
+        return runnable_k(k, self.allowed_widths)
+
+    def _pays(self, r: RequestView, cap: int, cost, rates=None,
+              lengths: DraftLengths | None = None) -> bool:
         """Would any k <= cap beat plain decode if every request drafted like this one?"""
+        pricing = StepPricing([self._row(r, cap, True, rates, lengths)], cost, self._runnable,
+                              self.settings.widths_follow_drafts)
         plain = 1.0 / cost(1)
-        return any(
-            (1.0 + rates.expected_accepted(k)) / cost(1 + k) > plain for k in range(1, cap + 1)
-        )
+        ks = [cap] if self.settings.whole_cap else range(1, cap + 1)
+        return any(pricing.tokens(k) / pricing.seconds(k) > plain for k in ks)
 
     def _probe_due(self, r: RequestView, ceiling: int, cost) -> bool:
         last = self.last_draft_ctx.get(r.request_id)
         stale = last is None or r.context_len - last >= self.settings.probe_interval
-        return stale and self._pays(_FixedRates(self.settings.probe_rate), ceiling, cost)
+        return stale and self._pays(r, ceiling, cost, _FixedRates(self.settings.probe_rate),
+                                    FULL_LENGTHS)
 
     def _per_request(self, caps: dict, fixed: dict[str, int], k: int) -> dict[str, int]:
         return {rid: min(fixed.get(rid, k), cap) for rid, (cap, _) in caps.items()}
 
-    def _goodput(self, view: StepView, caps: dict, fixed: dict[str, int], k: int, cost) -> float:
-        per = self._per_request(caps, fixed, k)
-        tokens = sum(
-            1.0 + self._rates(r).expected_accepted(per[r.request_id]) for r in view.requests
-        )
-        drafted = sum(per.values())
-        width = 1 + runnable_k(max(per.values(), default=0), self.allowed_widths)
-        return tokens / (cost(width) + self.draft_seconds_per_token * drafted)
+    def _goodput(self, pricing: StepPricing, k: int) -> float:
+        seconds = pricing.seconds(k) + self.draft_seconds_per_token * pricing.drafted(k)
+        return pricing.tokens(k) / seconds
 
     def _step_k(self, k: int, ctx: int, caps: dict, fixed: dict[str, int],
                 agreed: bool = False) -> StepK:

@@ -49,7 +49,8 @@ class KPolicy(Protocol):
 
     def decide(self, view: StepView) -> StepK: ...
 
-    def observe(self, request_id: str, num_drafted: int, num_accepted: int, ctx: int) -> None: ...
+    def observe(self, request_id: str, num_drafted: int, num_accepted: int, ctx: int,
+                cap: int = 0) -> None: ...
 
     def observe_step(self, num_reqs: int, ctx: int, width: int, target_seconds: float,
                      draft_seconds: float, num_drafted: int, num_emitted: int) -> None: ...
@@ -84,7 +85,10 @@ class TablePolicy:
     def new_history(self) -> AcceptanceHistory:
         return AcceptanceHistory()
 
-    def observe(self, request_id: str, num_drafted: int, num_accepted: int, ctx: int) -> None:
+    def observe(self, request_id: str, num_drafted: int, num_accepted: int, ctx: int,
+                cap: int = 0) -> None:
+        """A verified step's outcome for one request; `cap` is the drafts it was allowed
+        (0: unknown), so a drafter's own stops can be told from the cap's."""
         if self.keeps_history and num_drafted:
             if request_id not in self.histories:
                 self.histories[request_id] = self.new_history()

@@ -198,6 +198,8 @@ class _RequestState:
 class SuffixProposer(Proposer):
     """Per-request + global suffix drafter. Deterministic, so `Drafts.probs` is None."""
 
+    sizes_own_drafts = True
+
     def __init__(self, params: SuffixParams, max_cached_requests: int = 10000,
                  max_cached_tokens: int = 1_000_000) -> None:
         self.params = params

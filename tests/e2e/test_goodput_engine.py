@@ -65,8 +65,13 @@ def test_free_verify_drafts_and_stays_lossless(tiny_llama_dir, check_integrity):
     c = llm.engine.counters
     assert counting.calls > 0 and c.num_draft_tokens > 0
     assert max(c.steps_by_k) == 4
-    modelled, observed = llm.engine.scheduler.policy.goodput_report()
+    policy = llm.engine.scheduler.policy
+    modelled, observed = policy.goodput_report()
     assert modelled is not None and observed is not None and observed > 0
+    # The scheduler reports each request's cap, so the drafter's own stops are learned
+    # (suffix and n-gram drafts stop where their evidence ends), and forgotten with the request.
+    assert policy.engine_lengths.num_updates > 0, policy.engine_lengths.rates
+    assert policy.num_cached() == 0
     plain = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=256)
     ref = plain.generate(prompts, SamplingParams(temperature=0, max_tokens=24))
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]

@@ -187,3 +187,16 @@ def test_a_rank_whose_table_check_disagreed_follows_rank_0(monkeypatch, rank0_ha
         assert pol.inner.engine_history is a.shared  # the engine-wide prior is shared again
     else:
         assert type(pol.inner) is TablePolicy
+
+
+def test_shared_prior_moves_as_a_single_rank_history_would():
+    from dynaspec.spec_decode.acceptance import AcceptanceHistory
+
+    shared = SharedAcceptance(2, prior=0.6, prior_weight=2.0)
+    local = AcceptanceHistory(alpha=0.05, prior=0.6, prior_weight=2.0)
+    # (drafted, accepted) of one step, and the per-position counts a gather would sum it to
+    steps = (((1, 0), [1, 0], [0, 0]), ((2, 2), [1, 1], [1, 1]), ((2, 1), [1, 1], [1, 0]))
+    for (drafted, accepted), reached, hits in steps:
+        shared.apply([float(n) for n in reached], [float(h) for h in hits])
+        local.update(drafted, accepted)
+    assert shared.rates == pytest.approx(local.rates)

@@ -286,3 +286,51 @@ def test_step_k_is_always_a_width_the_plan_runs():
     feed(p, "poor", 4, 0, ctx=10)  # cut, and due a one-draft probe at ctx 26
     d = p.decide(view(rv("poor", 26)))
     assert d.per_request == {"poor": 1} and d.k == 4  # the probe rides a width-5 step
+
+
+def _short_drafter(p: GoodputPolicy, rid: str = "a") -> None:
+    """A suffix-like drafter under a cap of 8: usually one draft (accepted 2 times in 3), every
+    fourth step a long one mostly accepted."""
+    for i in range(40):
+        if i % 4 == 0:
+            p.observe(rid, 8, 6, 100, 8)
+        else:
+            p.observe(rid, 1, 0 if i % 3 == 0 else 1, 100, 8)
+
+
+@pytest.mark.parametrize("follow, expect", [(True, 6), (False, 1)])
+def test_a_drafter_that_stops_short_is_priced_at_the_widths_it_runs(follow, expect):
+    """On the eager path a cap the drafter does not fill costs nothing, so a drafter that is
+    usually short but right when long gets a wide cap; a padded path pays the cap's width."""
+    per_width = lambda w: 0.01 * (1 + 0.3 * (w - 1))  # noqa: E731
+    p = GoodputPolicy(build_spec_plan("suffix", 8, None), cost_model(per_width),
+                      GoodputSettings(widths_follow_drafts=follow))
+    _short_drafter(p)
+    assert p.lengths["a"].rates[0] < 0.2  # it learned the drafter usually stops after one
+    d = p.decide(view(rv("a")))
+    assert d.k == expect and d.per_request == {"a": expect}
+    p.forget("a")
+    assert p.num_cached() == 0
+
+
+def test_draft_lengths_without_a_cap_are_not_learned():
+    p = GoodputPolicy(build_spec_plan("suffix", 8, None), FREE)
+    p.observe("a", 2, 2, 100)  # cap unknown (0): acceptance only
+    assert "a" not in p.lengths and p.histories["a"].num_updates == 1
+
+
+def test_a_self_sizing_drafter_gets_its_whole_cap_or_none():
+    """Suffix drafts end where their evidence does: the policy chooses between no drafts and
+    the ceiling, never a cut in between (which would only cut the drafts it was sure of)."""
+    per_width = lambda w: 0.01 * (1 + 0.3 * (w - 1))  # noqa: E731
+    settings = GoodputSettings(whole_cap=True)
+    p = GoodputPolicy(build_spec_plan("suffix", 8, None), cost_model(per_width), settings)
+    feed(p, "a", 8, 2, ctx=100, times=30)  # the rates alone would pick a small K
+    free = GoodputPolicy(build_spec_plan("suffix", 8, None), cost_model(per_width))
+    feed(free, "a", 8, 2, ctx=100, times=30)
+    assert 0 < free.decide(view(rv("a"))).k < 8
+    assert p.decide(view(rv("a"))).k in (0, 8)
+    feed(p, "b", 8, 8, ctx=100, times=30)
+    assert p.decide(view(rv("b"))).per_request == {"b": 8}
+    assert GoodputPolicy(
+        build_spec_plan("suffix", 8, None), LOSING, settings).decide(view(rv("b"))).k == 0

@@ -1,0 +1,94 @@
+"""What a step is expected to emit and cost at each K: the goodput policy's arithmetic.
+
+A request allowed n drafts proposes d = min(n, L) of them, L being how far its drafter goes
+(`DraftLengths`: suffix drafts stop where their evidence ends, n-gram drafts where no match is
+found), and draft i is accepted with the conditional rate of `AcceptanceHistory`:
+
+    E[accepted | n] = sum_{i<n} P(L > i) * prod_{j<=i} rate(j)
+
+On the eager path the step verifies width 1 + max_r d_r, so its expected cost is taken over
+the distribution of that maximum, P(max <= l) = prod_r P(d_r <= l), with draft lengths treated
+as independent across requests. Where a fixed-shape path pads every row, the width is
+1 + max_r n_r whatever the drafts. With every P(L > i) = 1 (nothing observed) both reduce to
+the plain model: width 1 + K and the rates' own expected_accepted.
+
+Everything is precomputed per request once per decision (O(requests x ceiling)); each candidate
+K then costs O(requests + K).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PricedRow:
+    """One request's expectations at every cap up to its limit."""
+
+    follows: bool  # its cap is the step's K (False: fixed at 0 drafts or a one-draft probe)
+    limit: int  # the most drafts it may verify: its cap, or its fixed K
+    accepted: tuple[float, ...]  # [limit + 1]: expected accepted drafts at caps 0..limit
+    drafted: tuple[float, ...]  # [limit + 1]: expected drafts proposed at caps 0..limit
+    survival: tuple[float, ...]  # [limit]: P(L > i)
+
+    def cap_at(self, k: int) -> int:
+        return min(k, self.limit) if self.follows else self.limit
+
+
+def price_row(rate: Callable[[int], float], survival: Sequence[float], limit: int,
+              follows: bool) -> PricedRow:
+    """`rate(i)`: P(draft i accepted | drafted and 0..i-1 accepted); `survival`: [limit]."""
+    accepted, drafted, run = [0.0], [0.0], 1.0
+    for i in range(limit):
+        run *= rate(i)
+        accepted.append(accepted[-1] + survival[i] * run)
+        drafted.append(drafted[-1] + survival[i])
+    return PricedRow(follows, limit, tuple(accepted), tuple(drafted), tuple(survival[:limit]))
+
+
+class StepPricing:
+    """Expected tokens, drafts and step seconds at each candidate K for one batch."""
+
+    def __init__(self, rows: Sequence[PricedRow], cost: Callable[[int], float],
+                 runnable: Callable[[int], int], widths_follow_drafts: bool) -> None:
+        self.rows, self.cost, self.runnable = rows, cost, runnable
+        self.follow = widths_follow_drafts
+        depth = max((r.limit for r in rows), default=0)
+        # P(max_r d_r <= depth) below the step's K (every row still drafting there counts),
+        # and at or above it (only rows whose K does not follow the step's).
+        self._below = [self._product(d, all_rows=True) for d in range(depth)]
+        self._fixed = [self._product(d, all_rows=False) for d in range(depth)]
+
+    def _product(self, depth: int, all_rows: bool) -> float:
+        p = 1.0
+        for r in self.rows:
+            if r.limit > depth and (all_rows or not r.follows):
+                p *= 1.0 - r.survival[depth]
+        return p
+
+    def tokens(self, k: int) -> float:
+        """Expected tokens emitted: one per request plus its expected accepted drafts."""
+        return sum(1.0 + r.accepted[r.cap_at(k)] for r in self.rows)
+
+    def drafted(self, k: int) -> float:
+        return sum(r.drafted[r.cap_at(k)] for r in self.rows)
+
+    def max_cap(self, k: int) -> int:
+        return max((r.cap_at(k) for r in self.rows), default=0)
+
+    def seconds(self, k: int) -> float:
+        """Expected target seconds of the step whose requests follow K = k."""
+        top = self.max_cap(k)
+        if not self.follow:
+            return self.cost(1 + self.runnable(top))
+        total, below = 0.0, 0.0
+        for depth in range(top + 1):
+            table = self._below if depth < k else self._fixed
+            at_most = table[depth] if depth < len(table) else 1.0
+            if depth == top:
+                at_most = 1.0  # no row may draft past its cap
+            if at_most > below:
+                total += (at_most - below) * self.cost(1 + self.runnable(depth))
+                below = at_most
+        return total
