@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Wave 3, fifth session: the goodput policy's draft-length pricing and whole caps for suffix
+# drafts (docs/benchmarks.md "Wave 3, fifth session"). One at a time on an idle machine:
+#   OUT=out/wave3e docs/wave3e_bench.sh agentic_vs_table
+set -u
+cd "$(dirname "$0")/.."
+D=${OUT:-out/wave3e}; mkdir -p "$D"
+B="python -m dynaspec.cli.main bench compare"
+S8="--speculator suffix --num-spec-tokens 8"
+AG="--workload agentic --concurrency 1 --num-prompts 6"
+case "$1" in
+  # the policy's choice against always drafting up to 8 (the table), the workload's own budgets
+  agentic_vs_table) $B --a "$S8 --k-policy table" --b "$S8" $AG --pairs 5 --out $D/agentic_table_vs_goodput ;;
+  # issue 21's agentic target: suffix (default flags) against no speculation
+  agentic) $B --a "--speculator none" --b "$S8" $AG --pairs 5 --out $D/agentic_goodput_vs_none ;;
+  agentic64) $B --a "--speculator none" --b "$S8" $AG --pairs 5 --max-tokens 64 --out $D/agentic64 ;;
+  # n-gram at c1 (issue 21's >= 1.3x), as docs/wave3c_bench.sh c1
+  c1) $B --a "--speculator none" --b "--speculator ngram --num-spec-tokens 4" --workload code_edit --concurrency 1 --pairs 5 --num-prompts 4 --max-tokens 128 --out $D/c1_ngram ;;
+  *) echo "usage: $0 agentic_vs_table|agentic|agentic64|c1 (under load: docs/wave3_bench.sh w6 w7)"; exit 2 ;;
+esac
