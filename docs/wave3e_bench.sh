@@ -16,5 +16,10 @@ case "$1" in
   agentic64) $B --a "--speculator none" --b "$S8" $AG --pairs 5 --max-tokens 64 --out $D/agentic64 ;;
   # n-gram at c1 (issue 21's >= 1.3x), as docs/wave3c_bench.sh c1
   c1) $B --a "--speculator none" --b "--speculator ngram --num-spec-tokens 4" --workload code_edit --concurrency 1 --pairs 5 --num-prompts 4 --max-tokens 128 --out $D/c1_ngram ;;
-  *) echo "usage: $0 agentic_vs_table|agentic|agentic64|c1 (under load: docs/wave3_bench.sh w6 w7)"; exit 2 ;;
+  # suffix under load (issue 21: never below no speculation beyond noise)
+  agentic_c16) $B --a "--speculator none" --b "$S8" --workload agentic --concurrency 16 --pairs 3 --num-prompts 18 --max-tokens 64 --out $D/agentic_c16 ;;
+  # the retrained EAGLE head against no speculation at c1 (issue 27), default flags
+  eagle_code) $B --a "--speculator none" --b "--speculator eagle --num-spec-tokens 3" --workload code_edit --concurrency 1 --pairs 3 --num-prompts 4 --max-tokens 128 --out $D/eagle_code ;;
+  eagle_chat) $B --a "--speculator none" --b "--speculator eagle --num-spec-tokens 3" --workload chat --concurrency 1 --pairs 3 --num-prompts 4 --max-tokens 128 --out $D/eagle_chat ;;
+  *) echo "usage: $0 agentic_vs_table|agentic|agentic64|agentic_c16|c1|eagle_code|eagle_chat (under load: docs/wave3_bench.sh w6 w7)"; exit 2 ;;
 esac

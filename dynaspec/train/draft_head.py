@@ -35,20 +35,23 @@ class TrainConfig:
     model: str = "default"
     out: str = "draft-head"
     seed: int = 0
-    steps: int = 160
+    steps: int = 500
     seq_len: int = 512
     batch_seqs: int = 4  # sequences per step
     passes: int = 3  # training-time unrolling depth
     lr: float = 1e-3
     warmup: int = 30
     draft_vocab: int = 8192
-    text_tokens: int = 100_000  # stdlib text for teacher forcing
-    chat_prompts: int = 128  # prompts the target answers (its own generations)
+    text_tokens: int = 40_000  # stdlib text for teacher forcing
+    # Prompts the target answers (its own generations): what the head drafts is answers, and
+    # 768 of them (254k tokens) held out better than 128 (position-1 acceptance on held-out chat
+    # 0.20 against 0.13).
+    chat_prompts: int = 768
     answer_tokens: int = 256
     save_every: int = 20
     # Sequences trained on: the target's own answers first, then stdlib text, up to this many
     # tokens (the target pass over them is the costly part on a small CPU). 0: all.
-    max_train_tokens: int = 80_000
+    max_train_tokens: int = 0
     intermediate_size: int = 0  # 0: the target's
 
 
