@@ -12,7 +12,7 @@ import torch
 from dynaspec.attention.backend import AttentionBackend
 from dynaspec.attention.paged import EagerPagedBackend
 from dynaspec.config import ModelArchConfig
-from dynaspec.models.int8_dot import Int8DotLinear
+from dynaspec.models.int8_dot import Int8DotLinear, output_head
 from dynaspec.models.layers import FusedOps, RotaryCache, apply_rope, keep, rms_norm
 from dynaspec.models.quant import cat_rows
 from dynaspec.models.quant_linear import WeightPlan, make_embedding, make_linear, make_lm_head
@@ -106,7 +106,7 @@ class LlamaModel(torch.nn.Module):
 
         tied = cfg.tie_word_embeddings or "lm_head.weight" not in sd
         self.embed, head = make_embedding(raw("model.embed_tokens.weight"), plan, tied)
-        self.lm_head = (
+        self.lm_head = output_head(
             head if tied else make_lm_head(raw("lm_head.weight"), plan)
         )  # [vocab, hidden]
         keep(self, "norm", t("model.norm.weight"))  # [hidden]

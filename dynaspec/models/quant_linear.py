@@ -348,7 +348,8 @@ def linear_kernel_summary(model) -> str:
         m for layer in model.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)
     ]
     for m in mats:
-        name = {Int8DotLinear: f"int8dot {int8_dot.kernel_isa()}", QuantLinear: "torch int4/int8",
+        isa = f"int8dot {int8_dot.kernel_isa()}"
+        name = {Int8DotLinear: isa, int8_dot.Int8DotHead: isa, QuantLinear: "torch int4/int8",
                 Linear: "dense"}.get(type(m), type(m).__name__)
         counts[name] = counts.get(name, 0) + 1
     return ", ".join(f"{k} ({v} matrices)" for k, v in counts.items())

@@ -7,7 +7,12 @@ import pytest
 import torch
 
 from dynaspec.models import int8_dot
-from dynaspec.models.int8_dot import Int8DotLinear, quantize_grouped_int8
+from dynaspec.models.int8_dot import (
+    Int8DotHead,
+    Int8DotLinear,
+    activation_residual,
+    quantize_grouped_int8,
+)
 from dynaspec.models.quant import QuantizedTensor, quantize_int4
 
 pytestmark = pytest.mark.skipif(
@@ -71,3 +76,19 @@ def test_q4_1_minimum_is_recovered_exactly_and_bias_added():
 def test_shapes_the_kernel_cannot_take_are_reported():
     assert not int8_dot.supports(quantize_int4(torch.randn(24, 64)))  # N not a multiple of 16
     assert int8_dot.supports(quantize_int4(torch.randn(32, 64)))
+
+
+def test_two_part_head_recovers_what_int8_activations_lose_and_keeps_rows_invariant():
+    w = _weights("q4", 96, 256, seed=8)
+    lin = Int8DotLinear(w, None)
+    head = Int8DotHead(lin)
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    exact = x.float() @ w.dequantize().t()  # the weights as stored, activations unrounded
+    one, two = lin(x).float(), head(x)
+    assert two.dtype == torch.float32
+    err1, err2 = (one - exact).abs().max().item(), (two - exact).abs().max().item()
+    assert err2 < 0.1 * err1, (err1, err2)  # a mis-replayed quantization would not shrink it
+    for i in range(9):
+        assert torch.equal(head(x[i:i + 1]), two[i:i + 1])  # a row alone: the same bits
+    xf, rest = activation_residual(x)
+    assert torch.equal(xf, x.float()) and rest.abs().max() <= xf.abs().max() / 254 + 1e-6
