@@ -245,7 +245,8 @@ class LockstepPolicy:
         self.keeps_history = getattr(inner, "keeps_history", False)
         if hasattr(inner, "engine_history"):  # goodput: the engine-wide prior must be shared
             inner.engine_history = self.agreement.shared = SharedAcceptance(
-                self.agreement.max_k, prior=inner.settings.prior_rate, prior_weight=2.0)
+                self.agreement.max_k, prior=inner.settings.prior_rate,
+                prior_weight=inner.settings.engine_prior_weight)
 
     @property
     def plan(self):  # type: ignore[no-untyped-def]

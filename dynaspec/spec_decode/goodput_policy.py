@@ -38,7 +38,7 @@ can run (None: any width up to the ceiling).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dynaspec.spec_decode.acceptance import FULL_LENGTHS, AcceptanceHistory, DraftLengths
 from dynaspec.spec_decode.cost_model import StepCostModel
@@ -76,6 +76,8 @@ class GoodputSettings:
     # Measured on agentic suffix drafts at c1: cutting caps to the K the rates favoured ran
     # 0.81x [0.68, 0.97] of always drafting up to 8, because the long drafts are the sure ones.
     whole_cap: bool = False
+    # The engine-wide prior counts as this many observations (AcceptanceHistory.prior_weight).
+    engine_prior_weight: float = 2.0
 
     def __post_init__(self) -> None:
         for name in ("prior_rate", "probe_rate"):
@@ -141,7 +143,7 @@ class GoodputPolicy(TablePolicy):
         # at ~0 for every request for hundreds of steps (agentic suffix drafts); with the prior
         # at full weight, deep positions stayed near it for a whole run (n-gram code edits).
         self.engine_history = AcceptanceHistory(alpha=0.05, prior=settings.prior_rate,
-                                                prior_weight=2.0)
+                                                prior_weight=settings.engine_prior_weight)
         # How far drafts go under their caps, per request and engine-wide (acceptance.py).
         self.lengths: dict[str, DraftLengths] = {}
         self.engine_lengths = DraftLengths(alpha=0.05)
@@ -239,11 +241,15 @@ class GoodputPolicy(TablePolicy):
         num_reqs = view.num_reqs if g is None else g.max_rank_reqs
         cost = lambda w: self.cost_model.cost(num_reqs, ctx, w)  # noqa: E731
         fixed: dict[str, int] = {}  # requests whose K does not follow the step's (0 or a probe)
+        rows = []  # each request priced once, for its own check and the step's
         for r in view.requests:
-            cap = caps[r.request_id][0]
-            if cap > 0 and not self._pays(r, cap, cost):
-                fixed[r.request_id] = 1 if self._probe_due(r, ceiling, cost) else 0
-        pricing = None if g is not None else self._pricing(view, caps, fixed, cost)
+            rid, cap = r.request_id, caps[r.request_id][0]
+            row = self._row(r, cap)
+            if cap > 0 and not self._pays(row, cost):
+                fixed[rid] = 1 if self._probe_due(r, ceiling, cost) else 0
+                row = replace(row, follows=False, limit=min(fixed[rid], cap))
+            rows.append(row)
+        pricing = None if g is not None else self._pricing(rows, cost)
         best_k, best = 0, -1.0
         for k in self._candidates(ceiling):
             value = (self._shared_goodput(num_reqs, k, cost) if pricing is None
@@ -285,18 +291,12 @@ class GoodputPolicy(TablePolicy):
             return own.deeper(self.engine_lengths)
         return self.engine_lengths if self.engine_lengths.num_updates else FULL_LENGTHS
 
-    def _row(self, r: RequestView, limit: int, follows: bool, rates=None,
+    def _row(self, r: RequestView, limit: int, rates=None,
              lengths: DraftLengths | None = None) -> PricedRow:
         rates, lengths = rates or self._rates(r), lengths or self._lengths(r)
-        return price_row(rates.rate, lengths.survival(limit), limit, follows)
+        return price_row(rates.rate, lengths.survival(limit), limit, True)
 
-    def _pricing(self, view: StepView, caps: dict, fixed: dict[str, int], cost) -> StepPricing:
-        rows = []
-        for r in view.requests:
-            cap = caps[r.request_id][0]
-            rid = r.request_id
-            limit = min(fixed[rid], cap) if rid in fixed else cap
-            rows.append(self._row(r, limit, rid not in fixed))
+    def _pricing(self, rows: list[PricedRow], cost) -> StepPricing:
         return StepPricing(rows, cost, self._runnable, self.settings.widths_follow_drafts)
 
     def _candidates(self, ceiling: int) -> list[int]:
@@ -308,20 +308,18 @@ class GoodputPolicy(TablePolicy):
     def _runnable(self, k: int) -> int:
         return runnable_k(k, self.allowed_widths)
 
-    def _pays(self, r: RequestView, cap: int, cost, rates=None,
-              lengths: DraftLengths | None = None) -> bool:
-        """Would any k <= cap beat plain decode if every request drafted like this one?"""
-        pricing = StepPricing([self._row(r, cap, True, rates, lengths)], cost, self._runnable,
-                              self.settings.widths_follow_drafts)
+    def _pays(self, row: PricedRow, cost) -> bool:
+        """Would any k <= the row's cap beat plain decode if every request drafted like it?"""
+        pricing = self._pricing([row], cost)
         plain = 1.0 / cost(1)
-        ks = [cap] if self.settings.whole_cap else range(1, cap + 1)
+        ks = [row.limit] if self.settings.whole_cap else range(1, row.limit + 1)
         return any(pricing.tokens(k) / pricing.seconds(k) > plain for k in ks)
 
     def _probe_due(self, r: RequestView, ceiling: int, cost) -> bool:
         last = self.last_draft_ctx.get(r.request_id)
         stale = last is None or r.context_len - last >= self.settings.probe_interval
-        return stale and self._pays(r, ceiling, cost, _FixedRates(self.settings.probe_rate),
-                                    FULL_LENGTHS)
+        probe = self._row(r, ceiling, _FixedRates(self.settings.probe_rate), FULL_LENGTHS)
+        return stale and self._pays(probe, cost)
 
     def _per_request(self, caps: dict, fixed: dict[str, int], k: int) -> dict[str, int]:
         return {rid: min(fixed.get(rid, k), cap) for rid, (cap, _) in caps.items()}

@@ -28,9 +28,10 @@ class PricedRow:
 
     follows: bool  # its cap is the step's K (False: fixed at 0 drafts or a one-draft probe)
     limit: int  # the most drafts it may verify: its cap, or its fixed K
-    accepted: tuple[float, ...]  # [limit + 1]: expected accepted drafts at caps 0..limit
-    drafted: tuple[float, ...]  # [limit + 1]: expected drafts proposed at caps 0..limit
-    survival: tuple[float, ...]  # [limit]: P(L > i)
+    # Priced up to the request's cap; a row fixed below it (a probe) keeps the longer tuples.
+    accepted: tuple[float, ...]  # [>= limit + 1]: expected accepted drafts at caps 0..
+    drafted: tuple[float, ...]  # [>= limit + 1]: expected drafts proposed at caps 0..
+    survival: tuple[float, ...]  # [>= limit]: P(L > i)
 
     def cap_at(self, k: int) -> int:
         return min(k, self.limit) if self.follows else self.limit
