@@ -38,6 +38,8 @@ can run (None: any width up to the ceiling).
 from __future__ import annotations
 
 import logging
+import statistics
+from collections import deque
 from dataclasses import dataclass, replace
 
 from dynaspec.spec_decode.acceptance import FULL_LENGTHS, AcceptanceHistory, DraftLengths
@@ -62,7 +64,13 @@ class GoodputSettings:
     prior_rate: float = 0.6  # per-position acceptance assumed before anything is observed
     probe_rate: float = 0.8  # acceptance at which a probe is judged worth its cost
     probe_interval: int = 16  # tokens without a verified draft before a request is re-probed
-    draft_cost_alpha: float = 0.1  # EMA rate of the drafter's seconds per drafted token
+    # The drafter's seconds per drafted token: the median of its last `draft_cost_window`
+    # drafting steps, taken as 0 until `draft_cost_min_samples` exist. An EMA seeded by the first
+    # draft kept its cold outlier for good: an EAGLE head's first draft also feeds it the whole
+    # prompt (4.8 ms a token against ~0.9 steady), after which K stayed 0 and no later draft
+    # could correct it.
+    draft_cost_window: int = 15
+    draft_cost_min_samples: int = 3
     # Synthetic rejection mode's per-position acceptance (the last repeats); () = strict mode.
     synthetic_rates: tuple[float, ...] = ()
     divergence_bound: float = 2.0  # modelled vs observed goodput factor the guard tolerates
@@ -85,6 +93,9 @@ class GoodputSettings:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if any(not 0.0 <= r <= 1.0 for r in self.synthetic_rates):
             raise ValueError(f"synthetic_rates must be in [0, 1], got {self.synthetic_rates}")
+        if not 1 <= self.draft_cost_min_samples <= self.draft_cost_window:
+            raise ValueError("need 1 <= draft_cost_min_samples <= draft_cost_window, got "
+                             f"{self.draft_cost_min_samples} and {self.draft_cost_window}")
         if self.probe_interval < 1:
             raise ValueError(f"probe_interval must be >= 1, got {self.probe_interval}")
         if (
@@ -149,6 +160,7 @@ class GoodputPolicy(TablePolicy):
         self.engine_lengths = DraftLengths(alpha=0.05)
         self.last_draft_ctx: dict[str, int] = {}
         self.draft_seconds_per_token = cost_model.draft_seconds_per_token or 0.0
+        self.draft_costs: deque[float] = deque(maxlen=settings.draft_cost_window)
         # Records for metrics, written by decide() and observe_step(), never read by decide().
         self.last_modelled_goodput: float | None = None  # tokens/s the last decision expected
         self.modelled_goodput: float | None = None  # EMAs over decode steps, paired step by step
@@ -197,9 +209,9 @@ class GoodputPolicy(TablePolicy):
             self.observed_goodput = _ema(self.observed_goodput, num_emitted / seconds)
             self._guard(width)
         if num_drafted and self.cost_model.draft_seconds_per_token is None:
-            per_token = draft_seconds / num_drafted
-            a = self.settings.draft_cost_alpha if self.draft_seconds_per_token else 1.0
-            self.draft_seconds_per_token += a * (per_token - self.draft_seconds_per_token)
+            self.draft_costs.append(draft_seconds / num_drafted)
+            if len(self.draft_costs) >= self.settings.draft_cost_min_samples:
+                self.draft_seconds_per_token = statistics.median(self.draft_costs)
 
     def goodput_report(self) -> tuple[float | None, float | None]:
         return self.modelled_goodput, self.observed_goodput

@@ -334,3 +334,26 @@ def test_a_self_sizing_drafter_gets_its_whole_cap_or_none():
     assert p.decide(view(rv("b"))).per_request == {"b": 8}
     assert GoodputPolicy(
         build_spec_plan("suffix", 8, None), LOSING, settings).decide(view(rv("b"))).k == 0
+
+
+def test_a_cold_first_draft_does_not_price_the_drafter_out_for_good():
+    """The draft cost is the median of recent drafting steps, 0 until three exist: an EAGLE
+    head's first draft (which also feeds it the whole prompt) cost ~5x its steady cost, and an
+    EMA seeded by it held K at 0, so no later draft could correct it."""
+    cheap = cost_model(lambda w: 0.01 * (1 + 0.05 * (w - 1)))
+    p = GoodputPolicy(build_spec_plan("ngram", 4, None), cheap)
+    feed(p, "a", 4, 3, ctx=100)
+    p.observe_step(1, 100, 5, 0.01, 0.5, 4, 4)  # 0.125 s a drafted token: 12x a step
+    assert p.draft_seconds_per_token == 0.0 and p.decide(view(rv("a"))).k > 0
+    for _ in range(2):
+        p.observe_step(1, 100, 5, 0.01, 0.0004, 4, 4)
+    assert p.draft_seconds_per_token == pytest.approx(0.0001)
+    assert p.decide(view(rv("a"))).k > 0
+    for _ in range(3):  # a drafter that really is that slow is priced out once it is measured
+        p.observe_step(1, 100, 5, 0.01, 0.5, 4, 4)
+    assert p.draft_seconds_per_token == pytest.approx(0.125) and p.decide(view(rv("a"))).k == 0
+
+
+def test_draft_cost_settings_are_checked():
+    with pytest.raises(ValueError, match="draft_cost"):
+        GoodputSettings(draft_cost_window=2, draft_cost_min_samples=3)
