@@ -74,6 +74,7 @@ def build_eagle(config: EngineConfig, target: DrafterTarget) -> DrafterBuild:
     """The EAGLE head (--draft-head, or the one shipped for the default model), checked against
     the target's architecture as it loads."""
     from dynaspec.spec_decode.eagle import DEFAULT_HEAD, EagleProposer
+    from dynaspec.spec_decode.eagle_head import drafting_form
     from dynaspec.spec_decode.eagle_io import load_head
 
     path, arch = config.spec.draft_head, target.arch
@@ -87,4 +88,6 @@ def build_eagle(config: EngineConfig, target: DrafterTarget) -> DrafterBuild:
     c = head.cfg
     log.info("EAGLE drafter: %s head from %s (draft vocabulary %d, target layers %s)", c.kind,
              path, c.draft_vocab_size, ",".join(map(str, c.aux_layers)))
+    if target.device.type == "cpu":
+        head = drafting_form(head)
     return DrafterBuild(EagleProposer(head, arch.max_position_embeddings, emb))

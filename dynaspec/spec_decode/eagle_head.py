@@ -15,6 +15,7 @@ features at t+1. Weights are fp32 (the head is ~1/15 of the target; fp32 keeps t
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -174,6 +175,40 @@ class EagleHead(nn.Module):
                                                enable_gqa=True)  # [B, Hq, T, D]
             outs.append(layer.finish(a.transpose(1, 2), h))
         return outs
+
+
+class _RowsLinear(nn.Module):
+    """A kernel linear taking [..., K] as nn.Linear does (the kernel takes [M, K])."""
+
+    def __init__(self, lin: nn.Module) -> None:
+        super().__init__()
+        self.lin = lin
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x.reshape(-1, x.shape[-1]).float())  # [M, N] fp32
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def drafting_form(head: EagleHead) -> EagleHead:
+    """The head as the drafter runs it on CPU: each linear on the engine's int8 kernel (weights
+    in groups of 32 with their own scales, as Q8_0), a copy; the trained head stays fp32.
+
+    In fp32 one chained draft read ~35 MB of weights (the 8,192-row draft lm_head alone 19 MB)
+    and took ~3 ms on 2 cores, 0.7x of a target step, so the goodput policy rightly never
+    drafted with it; int8 reads a quarter of that through the kernel the target uses. Drafts
+    only propose: verification decides every token, so their precision cannot change output.
+    Without the kernels (not built, or a shape they do not take) a linear stays fp32."""
+    from dynaspec.models.int8_dot import Int8DotLinear, quantize_grouped_int8, supports
+
+    fast = copy.deepcopy(head)
+    for mod in list(fast.modules()):
+        for name, child in list(mod.named_children()):
+            if isinstance(child, nn.Linear):
+                w = quantize_grouped_int8(child.weight.detach())
+                if supports(w):
+                    bias = None if child.bias is None else child.bias.detach().float()
+                    setattr(mod, name, _RowsLinear(Int8DotLinear(w, bias)))
+    return fast
 
 
 def target_head_dtype(head) -> torch.dtype:
