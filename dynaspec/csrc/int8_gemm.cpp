@@ -36,12 +36,19 @@ constexpr int MAX_RB = 8;  // rows per register block
 
 struct Packed {
   const uint8_t* w;      // [N/16][K/G][bytes_per_group]
-  const float* d;        // [N/16][K/G][16] scale per group and column
-  const float* mn;       // [N/16][K/G][16] minimum term per group and column, or nullptr
+  const void* d;         // [N/16][K/G][16] scale per group and column, fp32 or fp16
+  const void* mn;        // [N/16][K/G][16] minimum term per group and column (d's type), or nullptr
   int64_t N, K;
   int G;                 // 16 or 32
   int bits;              // 4 or 8
+  // fp16 where every scale and minimum is one exactly (GGUF's Q4_0/Q4_1/Q8_0 store them so):
+  // at 4 bits fp32 scales and minima were a third of the bytes a decode step streams.
+  bool half = false;
   int64_t group_bytes() const { return bits == 4 ? G * TILE / 2 : G * TILE; }
+  float scalar_at(const void* a, int64_t i) const {
+    if (!half) return static_cast<const float*>(a)[i];
+    return static_cast<float>(c10::Half(static_cast<const uint16_t*>(a)[i], c10::Half::from_bits()));
+  }
 };
 
 struct QuantX {  // activations, [M][K] int8 plus per-group facts
@@ -171,8 +178,8 @@ void tile_scalar(const Packed& p, const QuantX& qx, int64_t m0, int64_t M, int64
         int32_t dot = 0;
         for (int j = 0; j < p.G; ++j) dot += weight_u(p, grp, c, j) * xq[j];
         if (p.bits == 8) dot -= 128 * qx.sum[m * ng + g];
-        float a = std::fma(static_cast<float>(dot), p.d[gi * TILE + c] * dx, accr[c]);
-        if (p.mn) a = std::fma(p.mn[gi * TILE + c], sx, a);
+        float a = std::fma(static_cast<float>(dot), p.scalar_at(p.d, gi * TILE + c) * dx, accr[c]);
+        if (p.mn) a = std::fma(p.scalar_at(p.mn, gi * TILE + c), sx, a);
         accr[c] = a;
       }
     }
@@ -187,6 +194,12 @@ void tile_scalar(const Packed& p, const QuantX& qx, int64_t m0, int64_t M, int64
 AVX512_TARGET inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int32_t* x) {
   asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
   return acc;
+}
+
+// 16 scales (or minima) from i on as fp32: the conversion from fp16 is exact.
+AVX512_TARGET inline __m512 scales16(const Packed& p, const void* a, int64_t i) {
+  if (!p.half) return _mm512_loadu_ps(static_cast<const float*>(a) + i);
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(a) + i)));
 }
 
 template <int RB, int BITS, int G>
@@ -209,8 +222,8 @@ AVX512_TARGET void tile_avx512(const Packed& p, const QuantX& qx, int64_t m0, in
     } else {
       for (int s = 0; s < STEPS; ++s) w[s] = _mm512_loadu_si512(grp + s * 64);
     }
-    const __m512 dw = _mm512_loadu_ps(p.d + gi * TILE);
-    const __m512 mw = p.mn ? _mm512_loadu_ps(p.mn + gi * TILE) : _mm512_setzero_ps();
+    const __m512 dw = scales16(p, p.d, gi * TILE);
+    const __m512 mw = p.mn ? scales16(p, p.mn, gi * TILE) : _mm512_setzero_ps();
     // Steps outer, rows inner: RB independent dependency chains (integer sums: order-free).
     __m512i idot[RB];
     const int32_t* xq[RB];
@@ -251,7 +264,12 @@ AVX512_TARGET void rows_avx512(const Packed& p, const QuantX& qx, int64_t m0, in
 }
 
 // ---- AVX2 (with AVX-VNNI where present, else maddubs + madd) -----------------------------------
-#define AVX2_TARGET __attribute__((target("avx2,fma")))
+#define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
+
+AVX2_TARGET inline __m256 scales8(const Packed& p, const void* a, int64_t i) {
+  if (!p.half) return _mm256_loadu_ps(static_cast<const float*>(a) + i);
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(a) + i)));
+}
 #define AVXVNNI_TARGET __attribute__((target("avx2,fma,avxvnni")))
 
 // One tile as two halves of 8 columns. Without VNNI, maddubs adds two u8*s8 products into
@@ -285,11 +303,11 @@ AVX512_TARGET void rows_avx512(const Packed& p, const QuantX& qx, int64_t m0, in
             idot = DOT4;                                                                                  \
           }                                                                                               \
           if (BITS == 8) idot = _mm256_sub_epi32(idot, _mm256_set1_epi32(128 * qx.sum[m * ng + g]));      \
-          const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(p.d + gi * TILE + half * 8),                 \
+          const __m256 scale = _mm256_mul_ps(scales8(p, p.d, gi * TILE + half * 8),                       \
                                              _mm256_set1_ps(qx.d[m * ng + g]));                           \
           facc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(idot), scale, facc);                                  \
           if (p.mn)                                                                                       \
-            facc = _mm256_fmadd_ps(_mm256_loadu_ps(p.mn + gi * TILE + half * 8),                          \
+            facc = _mm256_fmadd_ps(scales8(p, p.mn, gi * TILE + half * 8),                                \
                                    _mm256_set1_ps(qx.s[m * ng + g]), facc);                               \
         }                                                                                                 \
         _mm256_storeu_ps(acc + r * TILE + half * 8, facc);                                                \
@@ -297,8 +315,8 @@ AVX512_TARGET void rows_avx512(const Packed& p, const QuantX& qx, int64_t m0, in
     }                                                                                                     \
   }
 
-DEFINE_TILE_AVX2(tile_avxvnni, "avx2,fma,avxvnni", _mm256_dpbusd_avx_epi32(idot, w, xb))
-DEFINE_TILE_AVX2(tile_avx2, "avx2,fma",
+DEFINE_TILE_AVX2(tile_avxvnni, "avx2,fma,f16c,avxvnni", _mm256_dpbusd_avx_epi32(idot, w, xb))
+DEFINE_TILE_AVX2(tile_avx2, "avx2,fma,f16c",
                  _mm256_add_epi32(idot, _mm256_madd_epi16(_mm256_maddubs_epi16(w, xb), _mm256_set1_epi16(1))))
 
 enum class Isa { Scalar = 0, Avx2 = 1, AvxVnni = 2, Avx512Vnni = 3 };
@@ -389,14 +407,17 @@ Packed make_packed(const torch::Tensor& w, const torch::Tensor& d, const c10::op
   TORCH_CHECK(G == 16 || G == 32, "group size must be 16 or 32");
   TORCH_CHECK(N % TILE == 0 && K % QBLK == 0, "int8 gemm needs N % 16 == 0 and K % 32 == 0");
   TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kUInt8, "packed weights: contiguous uint8");
-  TORCH_CHECK(d.is_contiguous() && d.scalar_type() == torch::kFloat, "scales: contiguous float32");
-  Packed p{w.data_ptr<uint8_t>(), d.data_ptr<float>(), nullptr, N, K, static_cast<int>(G), static_cast<int>(bits)};
+  const auto st = d.scalar_type();
+  TORCH_CHECK(d.is_contiguous() && (st == torch::kFloat || st == torch::kHalf),
+              "scales: contiguous float32 or float16");
+  Packed p{w.data_ptr<uint8_t>(), d.data_ptr(), nullptr, N, K, static_cast<int>(G), static_cast<int>(bits),
+           st == torch::kHalf};
   TORCH_CHECK(w.numel() == (N / TILE) * (K / G) * p.group_bytes(), "packed weight size mismatch");
   TORCH_CHECK(d.numel() == N * (K / G), "scale size mismatch");
   if (mn.has_value()) {
-    TORCH_CHECK(mn->is_contiguous() && mn->scalar_type() == torch::kFloat && mn->numel() == d.numel(),
-                "minimum terms: contiguous float32 shaped like the scales");
-    p.mn = mn->data_ptr<float>();
+    TORCH_CHECK(mn->is_contiguous() && mn->scalar_type() == st && mn->numel() == d.numel(),
+                "minimum terms: contiguous, the scales' dtype and shape");
+    p.mn = mn->data_ptr();
   }
   return p;
 }

@@ -58,9 +58,15 @@ def quantize_grouped_int8(w: torch.Tensor, group_size: int = 32) -> QuantizedTen
     return QuantizedTensor("q8", q, scale, None, group_size)
 
 
+def _fp16_exact(t: torch.Tensor | None) -> bool:
+    return t is None or bool(torch.equal(t.float().half().float(), t.float()))
+
+
 def pack(w: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
     """(packed uint8 weights, scales [N/16, K/G, 16], minimum terms or None, bits); see the
-    layout in int8_gemm.cpp."""
+    layout in int8_gemm.cpp. Scales and minima are fp16 where every one is exactly an fp16
+    (GGUF's Q4_0/Q4_1/Q8_0 store them so; the K-quants' products are not): at 4 bits fp32 ones
+    were a third of the bytes each decode step streams. The kernel widens them exactly."""
     n, k = w.shape
     g = w.group_size
     steps = g // 4
@@ -79,8 +85,10 @@ def pack(w: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor |
         u = u[:, :, : steps // 2] | (u[:, :, steps // 2:] << 4)
     packed = u.contiguous().reshape(-1)
 
+    dtype = torch.float16 if _fp16_exact(w.scale) and _fp16_exact(mn) else torch.float32
+
     def tiles(t: torch.Tensor) -> torch.Tensor:  # [N, K/G] -> [N/16, K/G, 16]
-        return t.float().reshape(n // TILE, TILE, k // g).permute(0, 2, 1).contiguous()
+        return t.float().reshape(n // TILE, TILE, k // g).permute(0, 2, 1).to(dtype).contiguous()
 
     return packed, tiles(w.scale), (None if mn is None else tiles(mn)), bits
 
@@ -96,15 +104,15 @@ class Int8DotLinear(KernelModule):
         self.group_size = w.group_size
         packed, scales, mins, self.bits = pack(w)
         # Buffers, not parameters: the scales are the kernel's own tiled layout, not a weight
-        # anyone trains, and a dtype cast of them would break the kernel's fp32 contract.
+        # anyone trains, and a dtype cast of them would change what the kernel reads.
         self.register_buffer("packed", packed)  # uint8, see pack()
-        self.register_buffer("scales", scales)  # [N/16, K/G, 16] fp32
+        self.register_buffer("scales", scales)  # [N/16, K/G, 16] fp16 or fp32, see pack()
         self.register_buffer("mins", mins, persistent=mins is not None)
         keep(self, "bias", bias)
         # The groups as loaded, kept only where a tied embedding looks its rows up in them.
         self.source = w if keep_source else None
         self._op = _ext().int8_gemm
-        self.nbytes = self.packed.numel() + 4 * self.scales.numel() * (
+        self.nbytes = self.packed.numel() + self.scales.numel() * self.scales.element_size() * (
             1 if self.mins is None else 2
         )
 

@@ -92,3 +92,37 @@ def test_two_part_head_recovers_what_int8_activations_lose_and_keeps_rows_invari
         assert torch.equal(head(x[i:i + 1]), two[i:i + 1])  # a row alone: the same bits
     xf, rest = activation_residual(x)
     assert torch.equal(xf, x.float()) and rest.abs().max() <= xf.abs().max() / 254 + 1e-6
+
+
+def _fp16_exact(kind: str) -> QuantizedTensor:
+    """GGUF-like groups: every scale (and minimum) an fp16 value, as Q4_0/Q4_1/Q8_0 store them."""
+    w = _weights("q8zero" if kind == "q8zero" else kind, 64, 128, seed=8)
+    d = w.scale.half().float()
+    if kind == "q4":  # Q4_0: w = d * (q - 8), so the kernel's minimum term is -8d
+        return QuantizedTensor("q4", w.q, d, torch.zeros_like(d), w.group_size)
+    zero = None if w.zero is None else w.zero.half().float()
+    return QuantizedTensor("q8", w.q, d, zero, w.group_size)
+
+
+@pytest.mark.parametrize("kind", ["q4", "q8", "q8zero"])
+def test_fp16_scales_where_exact_give_the_same_bits_on_every_isa(kind):
+    w = _fp16_exact(kind)
+    lin = Int8DotLinear(w, None)
+    assert lin.scales.dtype == torch.float16
+    assert lin.mins is None or lin.mins.dtype == torch.float16
+    x = torch.randn(13, 128, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    ref = lin(x, isa=0)
+    for isa in ISAS[1:]:
+        assert torch.equal(lin(x, isa=isa), ref), isa
+    # the same values stored as fp32: the kernel widens fp16 exactly, so not one bit moves
+    mins = None if lin.mins is None else lin.mins.float()
+    as32 = lin._op(x, lin.packed, lin.scales.float(), mins, lin.out_features, lin.group_size,
+                   lin.bits, -1)
+    assert torch.equal(as32, lin(x))
+
+
+def test_scales_that_are_not_fp16_values_stay_fp32():
+    w = _weights("q4", 32, 64, seed=10)  # float scales, as the K-quants' products are
+    assert not torch.equal(w.scale.half().float(), w.scale)
+    _, scales, mins, _ = int8_dot.pack(w)
+    assert scales.dtype == torch.float32 and mins.dtype == torch.float32
