@@ -16,6 +16,7 @@ from dynaspec.models.int8_dot import Int8DotLinear, output_head
 from dynaspec.models.layers import FusedOps, RotaryCache, apply_rope, keep, rms_norm
 from dynaspec.models.quant import cat_rows
 from dynaspec.models.quant_linear import WeightPlan, make_embedding, make_linear, make_lm_head
+from dynaspec.models.weight_arena import place_weights
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
@@ -117,6 +118,7 @@ class LlamaModel(torch.nn.Module):
             cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_positions, device
         )
         self.attn: AttentionBackend = EagerPagedBackend()  # used when forward() is given none
+        place_weights(self, Int8DotLinear)  # before the C++ layer stack takes the tensors
         self._stack = layer_stack(self)  # all layers in one C++ call, where every part is C++
         # Hidden states an EAGLE-style drafter reads: the residual stream after each listed
         # number of layers (num_hidden_layers: the final normed state). Empty: nothing captured,
