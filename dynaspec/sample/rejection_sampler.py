@@ -80,6 +80,8 @@ def rejection_sample(
     num_reqs, vocab = len(num_draft), target_logits.shape[1]
     if num_reqs == 0:
         return []
+    if md.all_greedy:
+        return _greedy(target_logits, draft_token_ids)
     max_n = max(num_draft)
     n = torch.tensor(num_draft, dtype=torch.int64, device=device)  # [R]
     row_start = torch.cumsum(n + 1, 0) - (n + 1)  # [R] first row of each request
@@ -111,6 +113,21 @@ def rejection_sample(
         ids[:a] + [t]
         for ids, a, t in zip(draft_token_ids, num_acc.tolist(), emitted.tolist())
     ]
+
+
+def _greedy(target_logits: torch.Tensor, draft_token_ids: list[list[int]]) -> list[list[int]]:
+    """Every request greedy: one argmax over all rows, then the rule in Python. The batched
+    path's ~20 tensor ops cost ~0.4 ms a step at batch 1, a tenth of a plain decode step, and
+    priced every verify width above plain. An id outside [0, vocab) never equals an argmax."""
+    argmax = target_logits.argmax(dim=-1).tolist()  # [num_rows], raw logits
+    out, row = [], 0
+    for ids in draft_token_ids:
+        a = 0
+        while a < len(ids) and ids[a] == argmax[row + a]:
+            a += 1
+        out.append(ids[:a] + [argmax[row + a]])
+        row += len(ids) + 1
+    return out
 
 
 class _RandomPart:

@@ -66,6 +66,22 @@ def test_batched_equals_reference(probs_mode: str) -> None:
     assert any(a == 0 < n for n, a in lengths_seen)
 
 
+@pytest.mark.parametrize("probs_mode", ["none", "all"])
+def test_all_greedy_batches_equal_the_reference(probs_mode: str) -> None:
+    """The all-greedy shortcut (one argmax, the rule in Python) against the per-request oracle,
+    with out-of-vocabulary ids among the drafts and draft probabilities it must ignore."""
+    full = 0
+    for seed in range(40):
+        logits, nd, drafts, dprobs, _ = random_case(seed, 8, 12, probs_mode)
+        drafts = [[-1 if (seed + j) % 7 == 0 else 12 + j if (seed + j) % 11 == 0 else t
+                   for j, t in enumerate(ids)] for ids in drafts]
+        params = [SP(temperature=0.0)] * 8
+        fast = rejection_sample(logits, nd, drafts, dprobs, make_md(params))
+        assert fast == rejection_sample_reference(logits, nd, drafts, dprobs, make_md(params))
+        full += sum(len(o) == n + 1 for o, n in zip(fast, nd) if n)
+    assert full > 0  # some requests accepted every draft: the bonus row is read too
+
+
 def test_greedy_accepts_while_argmax_then_corrects() -> None:
     logits = torch.full((7, 5), -1.0)
     for row, best in enumerate([3, 0, 4, 1, 2, 0, 2]):
