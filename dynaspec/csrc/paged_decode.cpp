@@ -19,9 +19,12 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -167,10 +170,11 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
   for (int64_t b = 0; b < B; ++b)
     for (int64_t j0 = 0; j0 < ql[b]; j0 += QUERY_TILE) tiles.emplace_back(b, j0);
   const int64_t items = static_cast<int64_t>(tiles.size()) * Hkv;
-
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+  // `next()` hands a thread its next item (-1: none left). Which thread runs an item never
+  // changes the item's arithmetic.
+  auto run_items = [&](auto&& next) {
     std::vector<float> qf, sf, accf, kf(KEY_LANES * D), kt(KEY_LANES * D), vf(block_size * D);
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t item = next(); item >= 0; item = next()) {
       const auto [b, j0] = tiles[item / Hkv];
       const int64_t h = item % Hkv;
       const int64_t W = ql[b], C = cl[b];
@@ -272,6 +276,35 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
           for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(src[d]);
         }
     }
+  };
+  if (tiles.size() == static_cast<size_t>(B)) {
+    // Decode and verify steps (every request one tile): contiguous ranges, so a thread keeps the
+    // same (request, KV head) items from step to step and finds their keys in its own L2 (handing
+    // them out dynamically measured 5-10% slower at batch 1).
+    at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+      int64_t i = begin;
+      run_items([&] { return i < end ? i++ : int64_t{-1}; });
+    });
+    return;
+  }
+  // A prefill chunk spans several tiles and its late tiles see the most keys: contiguous halves
+  // gave one thread ~3x the other's work while the other waited. Longest first (rows x keys),
+  // one at a time to whichever thread is free.
+  auto cost = [&](int64_t item) {
+    const auto [b, j0] = tiles[item / Hkv];
+    const int64_t j1 = std::min(ql[b], j0 + QUERY_TILE);
+    return (j1 - j0) * (cl[b] - ql[b] + j1);
+  };
+  std::vector<int64_t> order(items);
+  std::iota(order.begin(), order.end(), int64_t{0});
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t c) { return cost(a) > cost(c); });
+  std::atomic<int64_t> next_item{0};
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(items, at::get_num_threads()));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    run_items([&] {
+      const int64_t k = next_item++;
+      return k < items ? order[k] : int64_t{-1};
+    });
   });
 }
 
