@@ -357,3 +357,18 @@ def test_a_cold_first_draft_does_not_price_the_drafter_out_for_good():
 def test_draft_cost_settings_are_checked():
     with pytest.raises(ValueError, match="draft_cost"):
         GoodputSettings(draft_cost_window=2, draft_cost_min_samples=3)
+
+
+def test_a_view_seen_again_with_nothing_observed_reuses_the_decision(monkeypatch):
+    p = GoodputPolicy(build_spec_plan("ngram", 4, None), FREE)
+    feed(p, "a", 4, 4, ctx=100)
+    calls = []
+    inner = p._decide
+    monkeypatch.setattr(p, "_decide", lambda v: calls.append(v) or inner(v))
+    v = view(rv("a"))
+    first = p.decide(v)
+    assert p.decide(StepView(v.requests, v.num_reqs, planned=True)) == first and len(calls) == 1
+    p.decide(view(rv("a", ctx=101)))  # another view: priced
+    assert len(calls) == 2
+    feed(p, "a", 4, 0, ctx=101, times=8)  # an observation: priced again, and it changed its mind
+    assert p.decide(view(rv("a", ctx=101))).k < first.k and len(calls) == 3
