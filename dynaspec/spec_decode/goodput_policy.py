@@ -86,6 +86,12 @@ class GoodputSettings:
     whole_cap: bool = False
     # The engine-wide prior counts as this many observations (AcceptanceHistory.prior_weight).
     engine_prior_weight: float = 2.0
+    # A request's own rates: a running mean from the prior (worth request_prior_weight
+    # observations) that turns into an EMA at request_alpha. A fixed EMA at 0.3 swung with each
+    # draft, and the policy's choices followed the swings: on c1 code edits it ran 0.918x and
+    # 0.924x of always drafting 4 (docs/benchmarks.md, sixth session).
+    request_alpha: float = 0.1
+    request_prior_weight: float = 2.0
 
     def __post_init__(self) -> None:
         for name in ("prior_rate", "probe_rate"):
@@ -182,7 +188,8 @@ class GoodputPolicy(TablePolicy):
         # Start each request at the prior, not at its first draft's outcome: measured on code
         # edits, one early rejection set a request's rate to 0 and the policy ran K=0 on 95% of
         # steps (1.05x over plain) where always drafting gave 1.37x.
-        return AcceptanceHistory(prior=self.settings.prior_rate)
+        return AcceptanceHistory(alpha=self.settings.request_alpha, prior=self.settings.prior_rate,
+                                 prior_weight=self.settings.request_prior_weight)
 
     def observe(self, request_id: str, num_drafted: int, num_accepted: int, ctx: int,
                 cap: int = 0) -> None:
@@ -341,7 +348,9 @@ class GoodputPolicy(TablePolicy):
         pricing = self._pricing([row], cost)
         plain = 1.0 / cost(1)
         ks = [row.limit] if self.settings.whole_cap else range(1, row.limit + 1)
-        return any(pricing.tokens(k) / pricing.seconds(k) > plain for k in ks)
+        # the same margin decide() needs to prefer a K over plain, so a row that ties is cut
+        # (and re-probed) rather than left following a step that runs K=0 anyway
+        return any(pricing.tokens(k) / pricing.seconds(k) > plain * (1 + 1e-9) for k in ks)
 
     def _probe_due(self, r: RequestView, ceiling: int, cost) -> bool:
         last = self.last_draft_ctx.get(r.request_id)

@@ -360,7 +360,8 @@ def test_draft_cost_settings_are_checked():
 
 
 def test_a_view_seen_again_with_nothing_observed_reuses_the_decision(monkeypatch):
-    p = GoodputPolicy(build_spec_plan("ngram", 4, None), FREE)
+    p = GoodputPolicy(build_spec_plan("ngram", 4, None),
+                      cost_model(lambda w: 0.01 * (1 + 0.1 * (w - 1))))
     feed(p, "a", 4, 4, ctx=100)
     calls = []
     inner = p._decide
@@ -370,5 +371,5 @@ def test_a_view_seen_again_with_nothing_observed_reuses_the_decision(monkeypatch
     assert p.decide(StepView(v.requests, v.num_reqs, planned=True)) == first and len(calls) == 1
     p.decide(view(rv("a", ctx=101)))  # another view: priced
     assert len(calls) == 2
-    feed(p, "a", 4, 0, ctx=101, times=8)  # an observation: priced again, and it changed its mind
+    feed(p, "a", 4, 0, ctx=101, times=20)  # observations: priced again, and it changed its mind
     assert p.decide(view(rv("a", ctx=101))).k < first.k and len(calls) == 3
