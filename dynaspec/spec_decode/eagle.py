@@ -102,8 +102,7 @@ class EagleProposer(Proposer):
             st = self.seqs.setdefault(rid, _HeadSeq())
             rows = hs.hidden[start: start + n]  # [n, F]
             if pos < st.next_pos:  # recomputed positions (preemption): start the head afresh
-                st.keys, st.vals, st.next_pos = [], [], 0
-                st.chunks, st.pend_len = [], 0
+                st.keys, st.vals, st.next_pos = [], [], 0  # add() sees the gap and drops pending
             st.add(rows, pos)
 
     def forget(self, request_id: str) -> None:
