@@ -215,7 +215,7 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
           float* s0 = sf.data() + blk * block_size + t0;
           if constexpr (std::is_same_v<T, c10::BFloat16>) {
             if (bf16dot) {
-              for (int64_t r = 0; r < R; ++r) scores16_bf16(qrow(r), keys, Hkv * D, n, D, sc, s0 + r * Ct);
+              for (int64_t r = 0; r < R; ++r) scores_bf16(qrow(r), keys, Hkv * D, n, D, sc, s0 + r * Ct);
               continue;
             }
           }
@@ -262,11 +262,8 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
         };
         auto acc = [&](int64_t r) { return accf.data() + r * D; };
         auto prob = [&](int64_t r) { return sf.data() + r * Ct + blk * block_size; };
-        int64_t r = 0;
-        for (; r + 1 < R; r += 2)
-          if (!accumulate_v2(acc(r), prob(r), keys_seen(r), acc(r + 1), prob(r + 1), keys_seen(r + 1), vf.data(), D))
-            break;
-        for (; r < R; ++r)
+        if (accumulate_v_rows(R, acc, prob, keys_seen, vf.data(), D)) continue;
+        for (int64_t r = 0; r < R; ++r)
           if (keys_seen(r) > 0) accumulate_v(acc(r), prob(r), vf.data(), keys_seen(r), D);
       }
       for (int64_t j = j0; j < j1; ++j)

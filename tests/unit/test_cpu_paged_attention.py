@@ -14,15 +14,15 @@ pytestmark = pytest.mark.skipif(not ok, reason=f"no C++ toolchain for the kernel
 BS, NUM_BLOCKS = 4, 64
 
 
-def _case(query_lens, ctx, hkv, g_heads, d, dtype, seed):
+def _case(query_lens, ctx, hkv, g_heads, d, dtype, seed, bs=BS):
     gen = torch.Generator().manual_seed(seed)
     free = torch.randperm(NUM_BLOCKS, generator=gen).tolist()  # fragmented: blocks out of order
-    tables = [[free.pop() for _ in range(-(-c // BS))] for c in ctx]
+    tables = [[free.pop() for _ in range(-(-c // bs))] for c in ctx]
     T = sum(query_lens)
     q = torch.randn(T, hkv * g_heads, d, generator=gen).to(dtype)
     k = torch.randn(T, hkv, d, generator=gen).to(dtype)
     v = torch.randn(T, hkv, d, generator=gen).to(dtype)
-    cache = torch.randn(2, NUM_BLOCKS * BS, hkv, d, generator=gen).to(dtype)
+    cache = torch.randn(2, NUM_BLOCKS * bs, hkv, d, generator=gen).to(dtype)
     return tables, q, k, v, cache
 
 
@@ -50,27 +50,30 @@ def test_cpu_paged_is_registered_and_supports_cpu_batches():
     assert fast.supports(AttentionBatch([1], [3], [[0]], BS, torch.device("cpu")))
 
 
-def _run(fast, q, k, v, cache, query_lens, ctx, tables, window=None):
-    batch = AttentionBatch(query_lens, ctx, tables, BS, torch.device("cpu"))
+def _run(fast, q, k, v, cache, query_lens, ctx, tables, window=None, bs=BS):
+    batch = AttentionBatch(query_lens, ctx, tables, bs, torch.device("cpu"))
     return fast.forward(q, k, v, cache, fast.build_metadata(batch), 0.125, window=window)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_rows_result_does_not_depend_on_its_step(dtype):
+@pytest.mark.parametrize("bs,d", [(BS, 64), (16, 64), (16, 128)])
+def test_a_rows_result_does_not_depend_on_its_step(dtype, bs, d):
     """Row invariance: the same token attended in a 37-token prefill chunk, a 5-token verify, alone,
-    or beside other requests gives bit-identical output."""
+    or beside other requests gives bit-identical output. With 16-slot blocks a row's keys come in
+    full groups of 16 in one call and a partial group in another (the kernel's two score paths),
+    and its value sums run in blocks of four rows or alone."""
     fast = get_backend("cpu_paged")
-    C, hkv, g, d = 37, 2, 3, 64
-    tables, q, k, v, cache = _case([C, 3], [C, 11], hkv, g, d, dtype, seed=7)
+    C, hkv, g = 37, 2, 3
+    tables, q, k, v, cache = _case([C, 3], [C, 11], hkv, g, d, dtype, seed=7, bs=bs)
     cache0 = cache.clone()
     # One prefill of all 37 tokens of request 0 (three 16-row tiles) beside a 3-token request.
-    full = _run(fast, q, k, v, cache, [C, 3], [C, 11], tables)[:C]
-    for width in (1, 5, 16):
+    full = _run(fast, q, k, v, cache, [C, 3], [C, 11], tables, bs=bs)[:C]
+    for width in (1, 2, 5, 16):
         for end in range(width, C + 1, 7):  # the last `width` tokens up to position end-1
             c = cache0.clone()
-            _run(fast, q[:C], k[:C], v[:C], c, [C], [C], tables[:1])  # KV of the whole prompt
+            _run(fast, q[:C], k[:C], v[:C], c, [C], [C], tables[:1], bs=bs)  # KV of the whole prompt
             rows = slice(end - width, end)
-            got = _run(fast, q[rows], k[rows], v[rows], c, [width], [end], tables[:1])
+            got = _run(fast, q[rows], k[rows], v[rows], c, [width], [end], tables[:1], bs=bs)
             assert torch.equal(got, full[rows]), (width, end)
 
 
