@@ -71,7 +71,7 @@ def test_a_rows_result_does_not_depend_on_its_step(dtype, bs, d):
     for width in (1, 2, 5, 16):
         for end in range(width, C + 1, 7):  # the last `width` tokens up to position end-1
             c = cache0.clone()
-            _run(fast, q[:C], k[:C], v[:C], c, [C], [C], tables[:1], bs=bs)  # KV of the whole prompt
+            _run(fast, q[:C], k[:C], v[:C], c, [C], [C], tables[:1], bs=bs)  # KV of the prompt
             rows = slice(end - width, end)
             got = _run(fast, q[rows], k[rows], v[rows], c, [width], [end], tables[:1], bs=bs)
             assert torch.equal(got, full[rows]), (width, end)
