@@ -157,7 +157,7 @@ class Gemma3Model(LlamaModel):
 
     def forward_traceable(self, input_ids: torch.Tensor, positions: torch.Tensor,
                           kv_caches: list[torch.Tensor], md, logits_indices: torch.Tensor | None,
-                          attn: AttentionBackend) -> torch.Tensor:
+                          attn: AttentionBackend, head: bool = True) -> torch.Tensor:
         x = self.embed(input_ids) * self.embed_scale  # [T, hidden]
         ropes = {None: self.rope.lookup(positions, self.dtype)}
         if any(layer.local for layer in self.layers):
@@ -171,6 +171,11 @@ class Gemma3Model(LlamaModel):
         h = self.ops.rms_norm(
             (x + delta).contiguous(), self.norm, self.cfg.rms_norm_eps
         )  # [R, hidden]
+        return self.head(h) if head else h
+
+    def head(self, h: torch.Tensor, argmax_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Normed hidden states [R, hidden] -> float32 logits [R, vocab], soft-capped. Every row
+        gets all its logits (argmax_rows is accepted for the model interface and not used)."""
         logits = self.lm_head(h).float()  # [R, vocab]
         cap = self.cfg.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -144,22 +144,57 @@ class Int8DotHead(KernelModule):
     (docs/benchmarks.md, fifth session: 0.9551 with one part, 0.9663 with two, llama.cpp 0.9590).
     The residual of the first quantization is quantized again and both go through one call as
     2M rows, so every weight is still read once; logits are the fp32 sum of the two halves.
-    Each row's result depends on that row alone (row invariance holds)."""
+    Each row's result depends on that row alone (row invariance holds).
 
-    def __init__(self, lin: Int8DotLinear) -> None:
+    A row read only for its argmax (greedy, no logprobs, nothing processing its logits) skips the
+    second part, which doubled the rows of the largest matrix: its tokens within `margin` of its
+    one-part maximum get their logits recomputed exactly (float64 dot products with the rows of
+    the table, rounded once to fp32), so its argmax is the exact matrix's wherever the one-part
+    error stays under margin / 2 (its spread is ~0.05 on the default model). Still a function of
+    the row alone, so greedy tokens stay the same alone, batched or speculated."""
+
+    margin = 1.0  # logits; see above
+
+    def __init__(self, lin: Int8DotLinear, table: QuantizedTensor | None = None) -> None:
         super().__init__()
         self.lin = lin
+        # Exact rows for the near-max recomputation: the tied embedding's table, else the groups
+        # the linear kept; without either, every row gets both parts.
+        table = table if table is not None else lin.source
+        # The kernel recomputes from int8 values with fp32 group scales and no minimum (Q8_0).
+        self.table = table if table is not None and _exact_table(table) else None
         self.out_features, self.in_features = lin.out_features, lin.in_features
         self.nbytes = lin.nbytes
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [M, K] -> fp32 logits [M, N]."""
+    def forward(self, x: torch.Tensor, argmax_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [M, K] -> fp32 logits [M, N]. argmax_rows: [M] bool, rows read only for their
+        argmax (their other logits are the one-part values)."""
         M = x.shape[0]
         xf, rest = activation_residual(x)
-        y = self.lin(torch.cat([xf, rest]))  # [2M, N]: the weights read once for both parts
-        return y[:M] + y[M:]
+        if argmax_rows is None or self.table is None or not bool(argmax_rows.any()):
+            y = self.lin(torch.cat([xf, rest]))  # [2M, N]: the weights read once for both parts
+            return y[:M] + y[M:]
+        full = (~argmax_rows).nonzero().flatten()  # [S]: rows that need every logit
+        if full.numel():
+            y = self.lin(torch.cat([xf, rest[full]]))  # [M + S, N]
+            logits = y[:M]
+            logits[full] += y[M:]
+        else:
+            logits = self.lin(xf)  # [M, N]
+        t = self.table
+        _ext().exact_near_max(logits, argmax_rows.nonzero().flatten(), xf, t.q, t.scale,
+                              t.group_size, self.margin)
+        return logits
 
 
-def output_head(head: torch.nn.Module) -> torch.nn.Module:
-    """The lm_head as the model runs it: two-part activations on the int8 kernel."""
-    return Int8DotHead(head) if isinstance(head, Int8DotLinear) else head
+def _exact_table(t: QuantizedTensor) -> bool:
+    return (t.kind == "q8" and t.zero is None and t.q.dtype == torch.int8
+            and t.scale.dtype == torch.float32 and t.q.is_contiguous() and t.scale.is_contiguous())
+
+
+def output_head(head: torch.nn.Module, table: QuantizedTensor | None = None) -> torch.nn.Module:
+    """The lm_head as the model runs it: two-part activations on the int8 kernel. table: the
+    matrix's groups as loaded (a tied embedding's), for exact logits near a greedy row's max."""
+    if not isinstance(head, Int8DotLinear):
+        return head
+    return Int8DotHead(head, table if isinstance(table, QuantizedTensor) else None)

@@ -12,7 +12,7 @@ import torch
 from dynaspec.attention.backend import AttentionBackend
 from dynaspec.attention.paged import EagerPagedBackend
 from dynaspec.config import ModelArchConfig
-from dynaspec.models.int8_dot import Int8DotLinear, output_head
+from dynaspec.models.int8_dot import Int8DotHead, Int8DotLinear, output_head
 from dynaspec.models.layers import FusedOps, RotaryCache, apply_rope, keep, rms_norm
 from dynaspec.models.quant import cat_rows
 from dynaspec.models.quant_linear import WeightPlan, make_embedding, make_linear, make_lm_head
@@ -108,7 +108,8 @@ class LlamaModel(torch.nn.Module):
         tied = cfg.tie_word_embeddings or "lm_head.weight" not in sd
         self.embed, head = make_embedding(raw("model.embed_tokens.weight"), plan, tied)
         self.lm_head = output_head(
-            head if tied else make_lm_head(raw("lm_head.weight"), plan)
+            head if tied else make_lm_head(raw("lm_head.weight"), plan),
+            getattr(self.embed, "table", None) if tied else None,
         )  # [vocab, hidden]
         keep(self, "norm", t("model.norm.weight"))  # [hidden]
         # The fused small ops run wherever the C++ kernels build (fp32 too: same rounding).
@@ -180,17 +181,28 @@ class LlamaModel(torch.nn.Module):
         md,
         logits_indices: torch.Tensor,
         attn: AttentionBackend | None = None,
+        argmax_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids, positions: [T]; logits_indices: [R]; md: the metadata `attn` built for this
-        step (default backend: eager paged SDPA). Returns float32 logits [R, vocab]."""
-        return self.forward_traceable(input_ids, positions, kv_caches, md, logits_indices,
-                                      self.attn if attn is None else attn)
+        step (default backend: eager paged SDPA); argmax_rows: [R] bool, rows read only for their
+        argmax (see `head`). Returns float32 logits [R, vocab]."""
+        h = self.forward_traceable(input_ids, positions, kv_caches, md, logits_indices,
+                                   self.attn if attn is None else attn, head=False)
+        return self.head(h, argmax_rows)
+
+    def head(self, h: torch.Tensor, argmax_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Normed hidden states [R, hidden] -> float32 logits [R, vocab]. Rows flagged in
+        argmax_rows may get exact logits only near their maximum (Int8DotHead)."""
+        if argmax_rows is not None and isinstance(self.lm_head, Int8DotHead):
+            return self.lm_head(h, argmax_rows)
+        return self.lm_head(h).float()
 
     def forward_traceable(self, input_ids: torch.Tensor, positions: torch.Tensor,
                           kv_caches: list[torch.Tensor], md, logits_indices: torch.Tensor | None,
-                          attn: AttentionBackend) -> torch.Tensor:
+                          attn: AttentionBackend, head: bool = True) -> torch.Tensor:
         """`forward` without inference mode, which torch.compile cannot trace through while the
-        step writes the KV cache in place; compiled callers run it under `torch.no_grad()`."""
+        step writes the KV cache in place; compiled callers run it under `torch.no_grad()`.
+        head=False: the normed hidden states [R, hidden] instead of the logits."""
         x = self.embed(input_ids)  # [T, hidden]
         cos, sin = self.rope.lookup(positions, self.dtype)
         if (
@@ -231,7 +243,7 @@ class LlamaModel(torch.nn.Module):
         if logits_indices is not None:  # None: every token's logits (the fixed-shape path)
             x, delta = x[logits_indices], delta[logits_indices]
         h = self.ops.rms_norm(x + delta, self.norm, self.cfg.rms_norm_eps)  # [R, hidden]
-        return self.lm_head(h).float()
+        return self.lm_head(h).float() if head else h
 
     def _aux(self, feats: dict, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """The captured streams in aux_layers order: [T, len(aux_layers) * hidden]."""

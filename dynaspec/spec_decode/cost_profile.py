@@ -70,11 +70,14 @@ def synthetic_step(model, kv_caches: list, block_size: int, num_blocks: int, bat
     ids = torch.zeros(batch * width, dtype=torch.long, device=model.device)  # [T]
     pos = torch.arange(ctx, ctx + width, device=model.device).repeat(batch)  # [T]
     rows = torch.arange(batch * width, device=model.device)  # [T]: every verified row
+    # Greedy rows, as most served steps are: only their argmax is read (see LlamaModel.head).
+    argmax_rows = torch.ones(batch * width, dtype=torch.bool)  # [T]
 
     def step() -> None:
         md = model.attn.build_metadata(AttentionBatch(qlens, clens, [blocks] * batch, block_size,
                                                       model.device))
-        model.forward(ids, pos, kv_caches, md, rows).argmax(dim=-1).tolist()
+        logits = model.forward(ids, pos, kv_caches, md, rows, argmax_rows=argmax_rows)
+        logits.argmax(dim=-1).tolist()
 
     return step
 

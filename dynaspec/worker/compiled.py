@@ -44,7 +44,9 @@ class FixedShapeExecutor(Protocol):
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, md: DecodeMetadata
     ) -> torch.Tensor:
-        """input_ids, positions: [B_pad*W]. Returns float32 logits [B_pad*W, vocab]."""
+        """input_ids, positions: [B_pad*W]. Returns the normed hidden states [B_pad*W, hidden]:
+        the runner applies the model's head outside the graph (`LlamaModel.head`), as the eager
+        path does, so both give every row the same logits."""
         ...
 
 
@@ -94,7 +96,7 @@ class _Base:
         width = input_ids.shape[0] // context_lens.shape[0]
         md = DecodeMetadata(slot_mapping, block_tables, context_lens, block_size, width)
         return self.model.forward_traceable(
-            input_ids, positions, self.kv_caches, md, None, self.backend
+            input_ids, positions, self.kv_caches, md, None, self.backend, head=False
         )
 
     def _built(self, key: tuple[int, int], seconds: float) -> None:

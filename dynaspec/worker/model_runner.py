@@ -52,6 +52,21 @@ class StepInputs:
     block_tables: list[list[int]] = field(default_factory=list)
     logit_rows: list[int] = field(default_factory=list)
     sampling: list[tuple[int, int]] = field(default_factory=list)  # (scheduled index, num drafts)
+    argmax_rows: torch.Tensor | None = None  # [R] bool: logit rows read only for their argmax
+
+
+def argmax_only_rows(reqs: list, sampling: list[tuple[int, int]]) -> torch.Tensor | None:
+    """[R] bool over the step's logit rows (request after request, drafts + 1 each): True where
+    only the row's argmax is read (greedy, no logprobs, no logits processing, no grammar), so the
+    model may leave its logits away from the maximum approximate (`LlamaModel.head`). None when
+    no row qualifies."""
+    flags: list[bool] = []
+    for req, (_, n) in zip(reqs, sampling):
+        sp = req.sampling_params
+        only = (sp.greedy and sp.logprobs is None and not sp.processes_logits
+                and sp.structured_output is None)
+        flags.extend([only] * (n + 1))
+    return torch.tensor(flags, dtype=torch.bool) if any(flags) else None
 
 
 @dataclass
@@ -170,6 +185,7 @@ class ModelRunner:
         self._pad(out, drafts, draft_probs)
         inputs = self._flatten(out, drafts)
         reqs = [out.scheduled[i].request for i, _ in inputs.sampling]
+        inputs.argmax_rows = argmax_only_rows(reqs, inputs.sampling)
         md = SamplingMetadata.from_params([r.sampling_params for r in reqs],
                                           [self._generator(r) for r in reqs], self.device) \
             if reqs else None
@@ -263,7 +279,9 @@ class ModelRunner:
                                                 self.block_size, self.device))
         ids, pos, rows = self._load(x.ids, x.positions, x.logit_rows)
         t2 = time.perf_counter()
-        return self.model.forward(ids, pos, self.kv_caches, md, rows, attn), batch, t2
+        logits = self.model.forward(ids, pos, self.kv_caches, md, rows, attn,
+                                    argmax_rows=x.argmax_rows)
+        return logits, batch, t2
 
     def _forward_fixed(self, x: StepInputs, batch: BatchDescriptor, ex: FixedShapeExecutor):
         W, B, n = batch.width, batch.num_reqs_padded, len(x.query_lens)
@@ -277,9 +295,9 @@ class ModelRunner:
         md = ex.backend.build_metadata(ab)
         ids_v, pos_v, _ = self._load(ids, positions, None)
         t2 = time.perf_counter()
-        logits = ex.run(ids_v, pos_v, md)  # [B*W, vocab]: every row, real and padded
-        rows = torch.tensor(x.logit_rows, dtype=torch.long, device=logits.device)
-        return logits[rows], batch, t2
+        h = ex.run(ids_v, pos_v, md)  # [B*W, hidden]: every row, real and padded
+        rows = torch.tensor(x.logit_rows, dtype=torch.long, device=h.device)
+        return self.model.head(h[rows], x.argmax_rows), batch, t2
 
     def precompile(self, shapes) -> float:
         """Build the fixed-shape executor for each (padded requests, width) now, with steps made

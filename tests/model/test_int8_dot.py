@@ -94,6 +94,31 @@ def test_two_part_head_recovers_what_int8_activations_lose_and_keeps_rows_invari
     assert torch.equal(xf, x.float()) and rest.abs().max() <= xf.abs().max() / 254 + 1e-6
 
 
+def test_argmax_only_rows_get_the_exact_argmax_and_stay_row_invariant():
+    """Rows read only for their argmax skip the second activation part: their logits near the
+    maximum are recomputed exactly, so the argmax is the exact matrix's; the other rows keep the
+    two-part logits bit for bit; every row's result is the same alone or in any mix."""
+    w = _weights("q8", 4096, 256, seed=11)
+    head = Int8DotHead(Int8DotLinear(w, None, keep_source=True))
+    g = torch.Generator().manual_seed(12)
+    x = (torch.randn(12, 256, generator=g) * 3).to(torch.bfloat16)
+    exact = x.double() @ w.dequantize().double().t()  # [12, 4096]
+    flags = torch.tensor([True, False] * 6)
+    got, two = head(x, flags), head(x)
+    assert torch.equal(got[~flags], two[~flags])  # full rows: the two-part logits unchanged
+    assert torch.equal(got[flags].argmax(-1), exact[flags].argmax(-1))
+    top = exact[flags].argmax(-1)
+    assert torch.equal(got[flags].gather(1, top[:, None]).squeeze(1),
+                       exact[flags].gather(1, top[:, None]).squeeze(1).float())
+    for i in range(12):  # alone, and beside rows of the other kind
+        alone = head(x[i:i + 1], flags[i:i + 1])
+        assert torch.equal(alone, got[i:i + 1]), i
+    mixed = head(x.flip(0), flags.flip(0)).flip(0)
+    assert torch.equal(mixed, got)
+    no_source = Int8DotHead(Int8DotLinear(w, None))  # untied: nothing to recompute from
+    assert torch.equal(no_source(x, flags), two)
+
+
 def _fp16_exact(kind: str) -> QuantizedTensor:
     """GGUF-like groups: every scale (and minimum) an fp16 value, as Q4_0/Q4_1/Q8_0 store them."""
     w = _weights("q8zero" if kind == "q8zero" else kind, 64, 128, seed=8)

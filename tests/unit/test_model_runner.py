@@ -36,9 +36,13 @@ class StubModel:
         self.attn = SimpleNamespace(build_metadata=lambda batch: batch)
         self.eager_calls: list[list[int]] = []  # query lengths of each eager forward
 
-    def forward(self, ids, positions, kv_caches, md, rows, attn):  # type: ignore[no-untyped-def]
+    def forward(self, ids, positions, kv_caches, md, rows, attn,  # type: ignore[no-untyped-def]
+                argmax_rows=None):
         self.eager_calls.append(list(md.query_lens))
         return _next_logits(ids)[rows]  # [R, vocab]
+
+    def head(self, h, argmax_rows=None):  # type: ignore[no-untyped-def]
+        return h  # the stub executor's "hidden states" are already its logits
 
 
 class StubExecutor:
