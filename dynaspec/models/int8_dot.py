@@ -170,16 +170,18 @@ class Int8DotHead(KernelModule):
         """x: [M, K] -> fp32 logits [M, N]. argmax_rows: [M] bool, rows read only for their
         argmax (their other logits are the one-part values)."""
         M = x.shape[0]
-        xf, rest = activation_residual(x)
         if argmax_rows is None or self.table is None or not bool(argmax_rows.any()):
+            xf, rest = activation_residual(x)
             y = self.lin(torch.cat([xf, rest]))  # [2M, N]: the weights read once for both parts
             return y[:M] + y[M:]
         full = (~argmax_rows).nonzero().flatten()  # [S]: rows that need every logit
         if full.numel():
+            xf, rest = activation_residual(x)
             y = self.lin(torch.cat([xf, rest[full]]))  # [M + S, N]
             logits = y[:M]
             logits[full] += y[M:]
-        else:
+        else:  # an all-greedy step: no residual to replay
+            xf = x.float().contiguous()  # [M, K], activation_residual's first output
             logits = self.lin(xf)  # [M, N]
         t = self.table
         _ext().exact_near_max(logits, argmax_rows.nonzero().flatten(), xf, t.q, t.scale,
