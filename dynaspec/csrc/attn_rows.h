@@ -5,6 +5,7 @@
 
 #include <torch/extension.h>
 
+#include "row_max.h"
 #include "vec_exp.h"
 
 #include <immintrin.h>
@@ -203,20 +204,6 @@ inline bool accumulate_v_rows(int64_t R, Acc&& acc, Prob&& prob, Seen&& seen, co
 #else
   return false;
 #endif
-}
-
-// The largest of x[0..n) (exact in any order; the scalar loop's compare chain was not
-// vectorised and cost as much as the scores at long contexts).
-inline float row_max(const float* x, int64_t n) {
-  float mx = -std::numeric_limits<float>::infinity();
-  int64_t t = 0;
-#if defined(__AVX512F__)
-  __m512 m = _mm512_set1_ps(mx);
-  for (; t + 16 <= n; t += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(x + t));
-  mx = _mm512_reduce_max_ps(m);
-#endif
-  for (; t < n; ++t) mx = x[t] > mx ? x[t] : mx;
-  return mx;
 }
 
 // e[t] = exp(e[t] - mx), 16 at a time where the ISA allows (the same bits as exp_vec).

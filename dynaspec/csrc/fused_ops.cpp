@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "row_max.h"
 #include "vec_exp.h"
 
 #include <immintrin.h>
@@ -153,9 +154,9 @@ void rope_inplace(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64
 // x[row] (fp32) with the table's row (int8 q times its fp32 group scale, each product exact
 // in double, summed in k order in double, rounded once to fp32): a function of the row alone.
 // Two passes over each row find them (a row is ~50k logits; the eager compare and nonzero cost
-// ~50 us a row, this ~6). Returns the number of logits recomputed.
-int64_t exact_near_max(torch::Tensor logits, torch::Tensor rows, torch::Tensor x, torch::Tensor q,
-                       torch::Tensor scale, int64_t group, double margin) {
+// ~50 us a row, this ~6).
+void exact_near_max(torch::Tensor logits, torch::Tensor rows, torch::Tensor x, torch::Tensor q,
+                    torch::Tensor scale, int64_t group, double margin) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat && logits.is_contiguous(),
               "exact_near_max: contiguous float32 [M, N] logits expected");
   TORCH_CHECK(x.scalar_type() == torch::kFloat && x.is_contiguous() && q.scalar_type() == torch::kChar &&
@@ -169,22 +170,13 @@ int64_t exact_near_max(torch::Tensor logits, torch::Tensor rows, torch::Tensor x
   const float* xp = x.data_ptr<float>();
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
-  std::vector<int64_t> count(A, 0);
   at::parallel_for(0, A, 1, [&](int64_t begin, int64_t end) {
     std::vector<int64_t> hits;
     for (int64_t a = begin; a < end; ++a) {
       float* y = lp + rp[a] * N;
-      float mx = -INFINITY;
-      int64_t i = 0;
-#if defined(__AVX512F__)
-      __m512 m = _mm512_set1_ps(mx);
-      for (; i + 16 <= N; i += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(y + i));
-      mx = _mm512_reduce_max_ps(m);
-#endif
-      for (; i < N; ++i) mx = y[i] > mx ? y[i] : mx;
-      const float thr = mx - static_cast<float>(margin);
+      const float thr = row_max(y, N) - static_cast<float>(margin);
       hits.clear();
-      i = 0;
+      int64_t i = 0;
 #if defined(__AVX512F__)
       const __m512 t = _mm512_set1_ps(thr);
       for (; i + 16 <= N; i += 16) {  // hits are a handful per row: test 16 at a time
@@ -203,10 +195,6 @@ int64_t exact_near_max(torch::Tensor logits, torch::Tensor rows, torch::Tensor x
           acc += static_cast<double>(static_cast<float>(qr[k]) * sr[k / group]) * static_cast<double>(xr[k]);
         y[tok] = static_cast<float>(acc);
       }
-      count[a] = static_cast<int64_t>(hits.size());
     }
   });
-  int64_t total = 0;
-  for (int64_t c : count) total += c;
-  return total;
 }

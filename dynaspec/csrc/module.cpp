@@ -11,8 +11,8 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor add_rms_norm(torch::Tensor residual, torch::Tensor delta, torch::Tensor w, double eps);
 torch::Tensor silu_mul(torch::Tensor gate_up);
 void rope_inplace(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t head_dim);
-int64_t exact_near_max(torch::Tensor logits, torch::Tensor rows, torch::Tensor x, torch::Tensor q,
-                       torch::Tensor scale, int64_t group, double margin);
+void exact_near_max(torch::Tensor logits, torch::Tensor rows, torch::Tensor x, torch::Tensor q,
+                    torch::Tensor scale, int64_t group, double margin);
 
 // int8_gemm.cpp
 torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor d, c10::optional<torch::Tensor> mn,

@@ -155,14 +155,13 @@ class Int8DotHead(KernelModule):
 
     margin = 1.0  # logits; see above
 
-    def __init__(self, lin: Int8DotLinear, table: QuantizedTensor | None = None) -> None:
+    def __init__(self, lin: Int8DotLinear, table: object = None) -> None:
         super().__init__()
         self.lin = lin
         # Exact rows for the near-max recomputation: the tied embedding's table, else the groups
-        # the linear kept; without either, every row gets both parts.
+        # the linear kept; without one the kernel can read (_exact_table), rows get both parts.
         table = table if table is not None else lin.source
-        # The kernel recomputes from int8 values with fp32 group scales and no minimum (Q8_0).
-        self.table = table if table is not None and _exact_table(table) else None
+        self.table = table if _exact_table(table) else None
         self.out_features, self.in_features = lin.out_features, lin.in_features
         self.nbytes = lin.nbytes
 
@@ -189,14 +188,15 @@ class Int8DotHead(KernelModule):
         return logits
 
 
-def _exact_table(t: QuantizedTensor) -> bool:
-    return (t.kind == "q8" and t.zero is None and t.q.dtype == torch.int8
-            and t.scale.dtype == torch.float32 and t.q.is_contiguous() and t.scale.is_contiguous())
+def _exact_table(t: object) -> bool:
+    """Whether exact_near_max can recompute rows from t: int8 values with fp32 group scales and
+    no minimum (Q8_0), as loaded."""
+    return (isinstance(t, QuantizedTensor) and t.kind == "q8" and t.zero is None
+            and t.q.dtype == torch.int8 and t.scale.dtype == torch.float32
+            and t.q.is_contiguous() and t.scale.is_contiguous())
 
 
-def output_head(head: torch.nn.Module, table: QuantizedTensor | None = None) -> torch.nn.Module:
+def output_head(head: torch.nn.Module, table: object = None) -> torch.nn.Module:
     """The lm_head as the model runs it: two-part activations on the int8 kernel. table: the
     matrix's groups as loaded (a tied embedding's), for exact logits near a greedy row's max."""
-    if not isinstance(head, Int8DotLinear):
-        return head
-    return Int8DotHead(head, table if isinstance(table, QuantizedTensor) else None)
+    return Int8DotHead(head, table) if isinstance(head, Int8DotLinear) else head

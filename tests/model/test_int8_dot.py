@@ -119,6 +119,16 @@ def test_argmax_only_rows_get_the_exact_argmax_and_stay_row_invariant():
     assert torch.equal(no_source(x, flags), two)
 
 
+def test_exact_near_max_names_what_does_not_fit():
+    w = _weights("q8", 64, 64, seed=13)
+    logits, x, row = torch.zeros(2, 64), torch.zeros(2, 64), torch.tensor([0])
+    op = int8_dot._ext().exact_near_max
+    with pytest.raises(RuntimeError, match="exact_near_max: shapes disagree"):
+        op(logits, row, x, w.q, w.scale[:, :1].contiguous(), 32, 1.0)
+    with pytest.raises(RuntimeError, match="exact_near_max: contiguous float32"):
+        op(logits.double(), row, x, w.q, w.scale, 32, 1.0)
+
+
 def _fp16_exact(kind: str) -> QuantizedTensor:
     """GGUF-like groups: every scale (and minimum) an fp16 value, as Q4_0/Q4_1/Q8_0 store them."""
     w = _weights("q8zero" if kind == "q8zero" else kind, 64, 128, seed=8)

@@ -1,0 +1,22 @@
+// The largest of a row of floats, shared by the attention softmax and the lm_head's near-max
+// search (fused_ops.cpp exact_near_max).
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <limits>
+
+// The largest of x[0..n) (exact in any order; the scalar loop's compare chain was not
+// vectorised and cost as much as the scores at long contexts).
+inline float row_max(const float* x, int64_t n) {
+  float mx = -std::numeric_limits<float>::infinity();
+  int64_t t = 0;
+#if defined(__AVX512F__)
+  __m512 m = _mm512_set1_ps(mx);
+  for (; t + 16 <= n; t += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(x + t));
+  mx = _mm512_reduce_max_ps(m);
+#endif
+  for (; t < n; ++t) mx = x[t] > mx ? x[t] : mx;
+  return mx;
+}
