@@ -202,8 +202,23 @@ AVX512_TARGET inline __m512 scales16(const Packed& p, const void* a, int64_t i) 
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(a) + i)));
 }
 
+// Group gi's weights, scales and minima into L1. A tile is one contiguous run of memory, so each
+// new tile starts a new stream the hardware prefetcher has to detect again: with only the
+// hardware to fetch, a step's weights streamed ~2x slower than they do with the next tile's
+// groups requested while this one computes (measured: docs/benchmarks.md, eighth session).
+// always_inline: GCC counts a function of prefetches alone as free of side effects and deletes
+// every call to it (an earlier try at prefetching here measured nothing for that reason).
+__attribute__((always_inline)) inline void prefetch_group(const Packed& p, int64_t gi) {
+  const uint8_t* w = p.w + gi * p.group_bytes();
+  for (int64_t b = 0; b < p.group_bytes(); b += 64) __builtin_prefetch(w + b, 0, 3);
+  const int64_t sb = p.half ? 2 : 4;
+  __builtin_prefetch(static_cast<const char*>(p.d) + gi * TILE * sb, 0, 3);
+  if (p.mn) __builtin_prefetch(static_cast<const char*>(p.mn) + gi * TILE * sb, 0, 3);
+}
+
+// pf: also prefetch the next tile's groups (the first pass over this tile's weights only).
 template <int RB, int BITS, int G>
-AVX512_TARGET void tile_avx512(const Packed& p, const QuantX& qx, int64_t m0, int64_t tile, float* acc) {
+AVX512_TARGET void tile_avx512(const Packed& p, const QuantX& qx, int64_t m0, int64_t tile, float* acc, bool pf) {
   constexpr int STEPS = G / 4;
   const int64_t ng = p.K / G;
   __m512 facc[RB];
@@ -212,6 +227,7 @@ AVX512_TARGET void tile_avx512(const Packed& p, const QuantX& qx, int64_t m0, in
   for (int64_t g = 0; g < ng; ++g) {
     const int64_t gi = tile * ng + g;
     const uint8_t* grp = p.w + gi * p.group_bytes();
+    if (pf) prefetch_group(p, gi + ng);
     __m512i w[STEPS];
     if (BITS == 4) {
       for (int s = 0; s < STEPS / 2; ++s) {
@@ -247,18 +263,20 @@ AVX512_TARGET void tile_avx512(const Packed& p, const QuantX& qx, int64_t m0, in
 
 template <int BITS, int G>
 AVX512_TARGET void rows_avx512(const Packed& p, const QuantX& qx, int64_t m0, int64_t M, int64_t tile, float* acc) {
+  const bool pf = m0 == 0 && tile + 1 < p.N / TILE;  // later passes find the tile in cache
   int64_t r = 0;
-  for (; r + MAX_RB <= M; r += MAX_RB) tile_avx512<MAX_RB, BITS, G>(p, qx, m0 + r, tile, acc + r * TILE);
+  for (; r + MAX_RB <= M; r += MAX_RB) tile_avx512<MAX_RB, BITS, G>(p, qx, m0 + r, tile, acc + r * TILE, pf && r == 0);
+  const bool rest_pf = pf && r == 0;
   const int64_t m = m0 + r;
   acc += r * TILE;
   switch (M - r) {
-    case 7: tile_avx512<7, BITS, G>(p, qx, m, tile, acc); break;
-    case 6: tile_avx512<6, BITS, G>(p, qx, m, tile, acc); break;
-    case 5: tile_avx512<5, BITS, G>(p, qx, m, tile, acc); break;
-    case 4: tile_avx512<4, BITS, G>(p, qx, m, tile, acc); break;
-    case 3: tile_avx512<3, BITS, G>(p, qx, m, tile, acc); break;
-    case 2: tile_avx512<2, BITS, G>(p, qx, m, tile, acc); break;
-    case 1: tile_avx512<1, BITS, G>(p, qx, m, tile, acc); break;
+    case 7: tile_avx512<7, BITS, G>(p, qx, m, tile, acc, rest_pf); break;
+    case 6: tile_avx512<6, BITS, G>(p, qx, m, tile, acc, rest_pf); break;
+    case 5: tile_avx512<5, BITS, G>(p, qx, m, tile, acc, rest_pf); break;
+    case 4: tile_avx512<4, BITS, G>(p, qx, m, tile, acc, rest_pf); break;
+    case 3: tile_avx512<3, BITS, G>(p, qx, m, tile, acc, rest_pf); break;
+    case 2: tile_avx512<2, BITS, G>(p, qx, m, tile, acc, rest_pf); break;
+    case 1: tile_avx512<1, BITS, G>(p, qx, m, tile, acc, rest_pf); break;
     default: break;
   }
 }
@@ -289,6 +307,7 @@ AVX2_TARGET inline __m256 scales8(const Packed& p, const void* a, int64_t i) {
         for (int64_t g = 0; g < ng; ++g) {                                                                \
           const int64_t gi = tile * ng + g;                                                               \
           const uint8_t* grp = p.w + gi * p.group_bytes() + half * 32;                                    \
+          if (half == 0 && r == 0 && m0 == 0 && tile + 1 < p.N / TILE) prefetch_group(p, gi + ng);         \
           const int32_t* xq = reinterpret_cast<const int32_t*>(qx.q.data() + m * p.K + g * G);            \
           __m256i idot = _mm256_setzero_si256();                                                          \
           for (int s = 0; s < STEPS; ++s) {                                                               \
