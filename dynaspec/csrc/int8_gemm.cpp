@@ -216,49 +216,64 @@ __attribute__((always_inline)) inline void prefetch_group(const Packed& p, int64
   if (p.mn) __builtin_prefetch(static_cast<const char*>(p.mn) + gi * TILE * sb, 0, 3);
 }
 
-// pf: also prefetch the next tile's groups (the first pass over this tile's weights only).
-template <int RB, int BITS, int G>
+// The weights of step s of a group as 64 unsigned bytes (4-bit: steps s and s + STEPS/2 share
+// bytes, low and high nibbles). Loaded per step rather than held for the group: the registers go
+// to the rows' accumulators.
+template <int BITS, int G>
+AVX512_TARGET inline __m512i step_weights(const uint8_t* grp, int s, __m512i lo) {
+  constexpr int STEPS = G / 4;
+  if (BITS == 8) return _mm512_loadu_si512(grp + s * 64);
+  if (s < STEPS / 2) return _mm512_and_si512(_mm512_loadu_si512(grp + s * 64), lo);
+  return _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(grp + (s - STEPS / 2) * 64), 4), lo);
+}
+
+// pf: also prefetch the next tile's groups (the first pass over this tile's weights only). MN:
+// the weights have a minimum term; a template argument so the accumulators stay in registers
+// (a runtime branch made GCC store them to the stack every group).
+template <int RB, int BITS, int G, bool MN>
 AVX512_TARGET void tile_avx512(const Packed& p, const QuantX& qx, int64_t m0, int64_t tile, float* acc, bool pf) {
   constexpr int STEPS = G / 4;
   const int64_t ng = p.K / G;
   __m512 facc[RB];
   for (int r = 0; r < RB; ++r) facc[r] = _mm512_setzero_ps();
   const __m512i lo = _mm512_set1_epi8(0x0F);
+  const int32_t* xq[RB];  // row r's int8 activations, 4 at a time
+  for (int r = 0; r < RB; ++r) xq[r] = reinterpret_cast<const int32_t*>(qx.q.data() + (m0 + r) * p.K);
+  const float* xd = qx.d.data() + m0 * ng;  // [RB][ng]
+  const float* xs = qx.s.data() + m0 * ng;
   for (int64_t g = 0; g < ng; ++g) {
     const int64_t gi = tile * ng + g;
     const uint8_t* grp = p.w + gi * p.group_bytes();
     if (pf) prefetch_group(p, gi + ng);
-    __m512i w[STEPS];
-    if (BITS == 4) {
-      for (int s = 0; s < STEPS / 2; ++s) {
-        const __m512i v = _mm512_loadu_si512(grp + s * 64);
-        w[s] = _mm512_and_si512(v, lo);
-        w[s + STEPS / 2] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo);
-      }
-    } else {
-      for (int s = 0; s < STEPS; ++s) w[s] = _mm512_loadu_si512(grp + s * 64);
-    }
-    const __m512 dw = scales16(p, p.d, gi * TILE);
-    const __m512 mw = p.mn ? scales16(p, p.mn, gi * TILE) : _mm512_setzero_ps();
     // Steps outer, rows inner: RB independent dependency chains (integer sums: order-free).
     __m512i idot[RB];
-    const int32_t* xq[RB];
-    for (int r = 0; r < RB; ++r) {
-      idot[r] = _mm512_setzero_si512();
-      xq[r] = reinterpret_cast<const int32_t*>(qx.q.data() + (m0 + r) * p.K + g * G);
-    }
-    for (int s = 0; s < STEPS; ++s)
+#pragma GCC unroll 16
+    for (int r = 0; r < RB; ++r) idot[r] = _mm512_setzero_si512();
+#pragma GCC unroll 16
+    for (int s = 0; s < STEPS; ++s) {
+      const __m512i w = step_weights<BITS, G>(grp, s, lo);
+#pragma GCC unroll 16
       for (int r = 0; r < RB; ++r)  // 4 int8 activations to every lane from memory (a load, not a shuffle)
-        idot[r] = dpbusd_bcast(idot[r], w[s], xq[r] + s);
+        idot[r] = dpbusd_bcast(idot[r], w, xq[r] + g * STEPS + s);
+    }
+    const __m512 dw = scales16(p, p.d, gi * TILE);
+    __m512 mw = _mm512_setzero_ps();
+    if (MN) mw = scales16(p, p.mn, gi * TILE);
+#pragma GCC unroll 16
     for (int r = 0; r < RB; ++r) {
-      const int64_t m = m0 + r;
-      if (BITS == 8) idot[r] = _mm512_sub_epi32(idot[r], _mm512_set1_epi32(128 * qx.sum[m * ng + g]));
-      const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(qx.d[m * ng + g]));
+      if (BITS == 8) idot[r] = _mm512_sub_epi32(idot[r], _mm512_set1_epi32(128 * qx.sum[(m0 + r) * ng + g]));
+      const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(xd[r * ng + g]));
       facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(idot[r]), scale, facc[r]);
-      if (p.mn) facc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(qx.s[m * ng + g]), facc[r]);
+      if (MN) facc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xs[r * ng + g]), facc[r]);
     }
   }
   for (int r = 0; r < RB; ++r) _mm512_storeu_ps(acc + r * TILE, facc[r]);
+}
+
+template <int RB, int BITS, int G>
+AVX512_TARGET void tile_avx512(const Packed& p, const QuantX& qx, int64_t m0, int64_t tile, float* acc, bool pf) {
+  if (p.mn) return tile_avx512<RB, BITS, G, true>(p, qx, m0, tile, acc, pf);
+  tile_avx512<RB, BITS, G, false>(p, qx, m0, tile, acc, pf);
 }
 
 template <int BITS, int G>
