@@ -36,7 +36,7 @@ using int8q::QuantX;
 using int8q::quantize_rows;
 
 constexpr int TILE = 16;   // output columns per tile (one zmm of int32 lanes)
-constexpr int MAX_RB = 8;  // rows per register block
+constexpr int MAX_RB = 12;  // rows per register block (12 accumulator pairs + 8 other zmm)
 
 struct Packed {
   const uint8_t* w;      // [N/16][K/G][bytes_per_group]
@@ -150,10 +150,11 @@ AVX512_TARGET void tile_avx512(const Packed& p, const QuantX& qx, int64_t m0, in
   __m512 facc[RB];
   for (int r = 0; r < RB; ++r) facc[r] = _mm512_setzero_ps();
   const __m512i lo = _mm512_set1_epi8(0x0F);
-  const int32_t* xq[RB];  // row r's int8 activations, 4 at a time
-  for (int r = 0; r < RB; ++r) xq[r] = reinterpret_cast<const int32_t*>(qx.q.data() + (m0 + r) * p.K);
-  const float* xd = qx.d.data() + m0 * ng;  // [RB][ng]
-  const float* xs = qx.s.data() + m0 * ng;
+  // The block's rows interleaved (interleave_blocks): one pointer, a constant offset per row.
+  const int32_t* xq = qx.qv + m0 * p.K / 4;  // [K/4][RB]
+  const float* xd = qx.dv + m0 * ng;          // [ng][RB]
+  const float* xs = qx.sv + m0 * ng;
+  const int32_t* xsum = qx.sumv + m0 * ng;
   for (int64_t g = 0; g < ng; ++g) {
     const int64_t gi = tile * ng + g;
     const uint8_t* grp = p.w + gi * p.group_bytes();
@@ -167,17 +168,17 @@ AVX512_TARGET void tile_avx512(const Packed& p, const QuantX& qx, int64_t m0, in
       const __m512i w = step_weights<BITS, G>(grp, s, lo);
 #pragma GCC unroll 16
       for (int r = 0; r < RB; ++r)  // 4 int8 activations to every lane from memory (a load, not a shuffle)
-        idot[r] = dpbusd_bcast(idot[r], w, xq[r] + g * STEPS + s);
+        idot[r] = dpbusd_bcast(idot[r], w, xq + (g * STEPS + s) * RB + r);
     }
     const __m512 dw = scales16(p, p.d, gi * TILE);
     __m512 mw = _mm512_setzero_ps();
     if (MN) mw = scales16(p, p.mn, gi * TILE);
 #pragma GCC unroll 16
     for (int r = 0; r < RB; ++r) {
-      if (BITS == 8) idot[r] = _mm512_sub_epi32(idot[r], _mm512_set1_epi32(128 * qx.sum[(m0 + r) * ng + g]));
-      const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(xd[r * ng + g]));
+      if (BITS == 8) idot[r] = _mm512_sub_epi32(idot[r], _mm512_set1_epi32(128 * xsum[g * RB + r]));
+      const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(xd[g * RB + r]));
       facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(idot[r]), scale, facc[r]);
-      if (MN) facc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xs[r * ng + g]), facc[r]);
+      if (MN) facc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xs[g * RB + r]), facc[r]);
     }
   }
   for (int r = 0; r < RB; ++r) _mm512_storeu_ps(acc + r * TILE, facc[r]);
@@ -198,6 +199,10 @@ AVX512_TARGET void rows_avx512(const Packed& p, const QuantX& qx, int64_t m0, in
   const int64_t m = m0 + r;
   acc += r * TILE;
   switch (M - r) {
+    case 11: tile_avx512<11, BITS, G>(p, qx, m, tile, acc, rest_pf); break;
+    case 10: tile_avx512<10, BITS, G>(p, qx, m, tile, acc, rest_pf); break;
+    case 9: tile_avx512<9, BITS, G>(p, qx, m, tile, acc, rest_pf); break;
+    case 8: tile_avx512<8, BITS, G>(p, qx, m, tile, acc, rest_pf); break;
     case 7: tile_avx512<7, BITS, G>(p, qx, m, tile, acc, rest_pf); break;
     case 6: tile_avx512<6, BITS, G>(p, qx, m, tile, acc, rest_pf); break;
     case 5: tile_avx512<5, BITS, G>(p, qx, m, tile, acc, rest_pf); break;
@@ -327,13 +332,45 @@ void store_rows(const float* acc, int64_t M, int64_t tile, int64_t N, T* y, bool
 
 // Rows are processed in chunks so one tile's weights (<= K/2 bytes at 4 bits) stay in L1/L2
 // while every chunk reads them: prefill reads each weight from memory about once as well.
-constexpr int64_t ROW_CHUNK = 64;
+constexpr int64_t ROW_CHUNK = 8 * MAX_RB;  // whole register blocks: interleave_blocks' blocks
+
+// Each block of up to MAX_RB rows of qx (blocks start every MAX_RB rows, as rows_avx512 walks
+// them within a ROW_CHUNK) rewritten rows-innermost, so a tile addresses all its rows through
+// one register: with a pointer per row, 8 rows left too few general registers and GCC kept the
+// loop's counters on the stack.
+void interleave_blocks(QuantX& qx, int64_t M, int64_t K, int64_t ng) {
+  const int32_t* q = reinterpret_cast<const int32_t*>(qx.q.data());
+  if (M == 1) {  // one row: already its own block layout
+    qx.qv = q, qx.dv = qx.d.data(), qx.sv = qx.s.data(), qx.sumv = qx.sum.data();
+    return;
+  }
+  qx.qi.resize(M * K / 4);
+  qx.di.resize(M * ng);
+  qx.si.resize(M * ng);
+  qx.sumi.resize(M * ng);
+  at::parallel_for(0, (M + MAX_RB - 1) / MAX_RB, 1, [&](int64_t b_begin, int64_t b_end) {
+    for (int64_t b0 = b_begin * MAX_RB; b0 < std::min(M, b_end * MAX_RB); b0 += MAX_RB) {
+      const int64_t rb = std::min<int64_t>(MAX_RB, M - b0);
+      for (int64_t r = 0; r < rb; ++r) {
+        const int64_t m = b0 + r;
+        for (int64_t j = 0; j < K / 4; ++j) qx.qi[b0 * K / 4 + j * rb + r] = q[m * K / 4 + j];
+        for (int64_t g = 0; g < ng; ++g) {
+          qx.di[b0 * ng + g * rb + r] = qx.d[m * ng + g];
+          qx.si[b0 * ng + g * rb + r] = qx.s[m * ng + g];
+          qx.sumi[b0 * ng + g * rb + r] = qx.sum[m * ng + g];
+        }
+      }
+    }
+  });
+  qx.qv = qx.qi.data(), qx.dv = qx.di.data(), qx.sv = qx.si.data(), qx.sumv = qx.sumi.data();
+}
 
 template <typename T>
 void gemm(const T* x, const Packed& p, int64_t M, T* y, Isa isa) {
   QuantX qx;
   const bool vec = isa == Isa::Avx512Vnni;  // the scalar reference keeps the scalar loops
   quantize_rows(x, M, p.K, p.G, qx, vec);
+  if (isa == Isa::Avx512Vnni) interleave_blocks(qx, M, p.K, p.K / p.G);
   const int64_t tiles = p.N / TILE;
   // ~8 tiles per task keeps both threads busy on the 576-wide matrices (36 tiles).
   at::parallel_for(0, tiles, 8, [&](int64_t begin, int64_t end) {

@@ -27,6 +27,15 @@ struct QuantX {  // activations, [M][K] int8 plus per-group facts
   std::vector<float> d;      // [M][K/G]: the scale of the 32-block the group lies in
   std::vector<float> s;      // [M][K/G]: d * sum(q) over the group (for the minimum term)
   std::vector<int32_t> sum;  // [M][K/G]: sum(q) over the group (for the 8-bit offset)
+  // The same per block of rows (int8_gemm.cpp interleave_blocks), rows innermost: q as
+  // [K/4][rb] int32, the rest as [K/G][rb]; the AVX-512 tiles read these through the views
+  // below, which point at the row-major arrays where that is the same layout (one row).
+  std::vector<int32_t> qi, sumi;
+  std::vector<float> di, si;
+  const int32_t* qv = nullptr;
+  const float* dv = nullptr;
+  const float* sv = nullptr;
+  const int32_t* sumv = nullptr;
 };
 
 

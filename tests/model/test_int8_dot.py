@@ -51,13 +51,13 @@ def test_every_isa_path_equals_the_scalar_reference_bit_for_bit(kind, dtype):
 def test_rows_do_not_depend_on_how_many_share_the_call(kind):
     w = _weights(kind, 96, 256, seed=3)
     lin = Int8DotLinear(w, None)
-    x = torch.randn(70, 256, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
-    full = lin(x)  # 70 rows: a 64-row chunk and a 6-row one, register blocks of 8 and 6
-    for m in (1, 2, 3, 5, 9, 16):
-        for start in (0, 7, 61):
+    x = torch.randn(200, 256, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    full = lin(x)  # row chunks of 96, 96 and 8; register blocks of 12, then 8 (each read interleaved)
+    for m in (1, 2, 3, 5, 9, 12, 13, 16):
+        for start in (0, 7, 61, 190):
             part = x[start: start + m]
             assert torch.equal(lin(part), full[start: start + len(part)]), (m, start)
-    perm = torch.randperm(70, generator=torch.Generator().manual_seed(5))
+    perm = torch.randperm(200, generator=torch.Generator().manual_seed(5))
     assert torch.equal(lin(x[perm]), full[perm])  # order in the batch changes nothing either
 
 
