@@ -380,3 +380,12 @@ def default_num_threads() -> int:
     return max(
         1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     )
+
+
+def server_num_threads() -> int:
+    """Torch threads of a `dynaspec serve` engine: every core but one, which the HTTP loop, the
+    SSE streams and detokenization need (vLLM's CPU backend also leaves cores to its front end).
+    An OpenMP team that shares its cores with them loses its barriers to preemption: on 2 cores
+    under an aiperf c16 load, one engine thread gave 1.63x the output tokens of two
+    (docs/benchmarks.md, eighth session)."""
+    return max(1, default_num_threads() - 1)

@@ -7,8 +7,11 @@ load fastapi, uvicorn or pydantic.
 from __future__ import annotations
 
 import argparse
+import logging
 
 from dynaspec.engine_flags import add_engine_args, engine_kwargs
+
+log = logging.getLogger("dynaspec")
 
 
 def register(sub) -> None:  # type: ignore[no-untyped-def]
@@ -33,6 +36,17 @@ def register(sub) -> None:  # type: ignore[no-untyped-def]
     p.set_defaults(func=run)
 
 
+def server_threads() -> int:
+    """The engine's torch threads when --num-threads is not given (config.server_num_threads),
+    logged so a user comparing against an offline run sees why they differ."""
+    from dynaspec.config import default_num_threads, server_num_threads
+
+    n = server_num_threads()
+    log.info("serve: %d torch thread(s) on %d core(s); one core is left to HTTP, streaming and "
+             "detokenization (--num-threads to change)", n, default_num_threads())
+    return n
+
+
 def run(args: argparse.Namespace) -> int:
     # The server's OpenMP spin count is set by cli/main.py, before anything imports torch.
     from dynaspec.server.api_server import build_app, build_async_engine
@@ -41,6 +55,8 @@ def run(args: argparse.Namespace) -> int:
     if args.max_body_bytes < 1:
         raise ValueError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
     kwargs = engine_kwargs(args)
+    if kwargs["num_threads"] is None and kwargs["data_parallel_size"] == 1:
+        kwargs["num_threads"] = server_threads()
     name = args.served_model_name or kwargs["model"]
     async_engine = build_async_engine(name, metrics_prefix=args.metrics_prefix, **kwargs)
     app = build_app(async_engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
