@@ -24,8 +24,9 @@ from dynaspec import cpu_kernels as ck
 from dynaspec.models.int8_dot import Int8DotLinear
 
 BIND = """#include <torch/extension.h>
-torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor d, c10::optional<torch::Tensor> mn,
-                        int64_t N, int64_t G, int64_t bits, int64_t isa);
+torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor d,
+                        c10::optional<torch::Tensor> mn, int64_t N, int64_t G, int64_t bits,
+                        int64_t isa);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("int8_gemm", &int8_gemm); }
 """
 

@@ -52,7 +52,7 @@ def test_rows_do_not_depend_on_how_many_share_the_call(kind):
     w = _weights(kind, 96, 256, seed=3)
     lin = Int8DotLinear(w, None)
     x = torch.randn(200, 256, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
-    full = lin(x)  # row chunks of 96, 96 and 8; register blocks of 12, then 8 (each read interleaved)
+    full = lin(x)  # row chunks of 96, 96 and 8; register blocks of 12, then one of 8
     for m in (1, 2, 3, 5, 9, 12, 13, 16):
         for start in (0, 7, 61, 190):
             part = x[start: start + m]
