@@ -233,6 +233,7 @@ AVX2_TARGET inline __m256 scales8(const Packed& p, const void* a, int64_t i) {
     constexpr int STEPS = G / 4;                                                                          \
     const int64_t ng = p.K / G;                                                                           \
     const __m256i lo = _mm256_set1_epi8(0x0F);                                                            \
+    const bool pf = m0 == 0 && tile + 1 < p.N / TILE; /* as rows_avx512: the first pass only */       \
     for (int half = 0; half < 2; ++half) {                                                                \
       for (int64_t r = 0; r < M; ++r) {                                                                   \
         const int64_t m = m0 + r;                                                                         \
@@ -240,7 +241,7 @@ AVX2_TARGET inline __m256 scales8(const Packed& p, const void* a, int64_t i) {
         for (int64_t g = 0; g < ng; ++g) {                                                                \
           const int64_t gi = tile * ng + g;                                                               \
           const uint8_t* grp = p.w + gi * p.group_bytes() + half * 32;                                    \
-          if (half == 0 && r == 0 && m0 == 0 && tile + 1 < p.N / TILE) prefetch_group(p, gi + ng);         \
+          if (half == 0 && r == 0 && pf) prefetch_group(p, gi + ng);                                      \
           const int32_t* xq = reinterpret_cast<const int32_t*>(qx.q.data() + m * p.K + g * G);            \
           __m256i idot = _mm256_setzero_si256();                                                          \
           for (int s = 0; s < STEPS; ++s) {                                                               \
@@ -370,7 +371,7 @@ void gemm(const T* x, const Packed& p, int64_t M, T* y, Isa isa) {
   QuantX qx;
   const bool vec = isa == Isa::Avx512Vnni;  // the scalar reference keeps the scalar loops
   quantize_rows(x, M, p.K, p.G, qx, vec);
-  if (isa == Isa::Avx512Vnni) interleave_blocks(qx, M, p.K, p.K / p.G);
+  if (vec) interleave_blocks(qx, M, p.K, p.K / p.G);
   const int64_t tiles = p.N / TILE;
   // ~8 tiles per task keeps both threads busy on the 576-wide matrices (36 tiles).
   at::parallel_for(0, tiles, 8, [&](int64_t begin, int64_t end) {

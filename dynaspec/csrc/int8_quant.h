@@ -38,7 +38,6 @@ struct QuantX {  // activations, [M][K] int8 plus per-group facts
   const int32_t* sumv = nullptr;
 };
 
-
 template <typename T>
 AVX512_TARGET inline __m512 load16f(const T* p) {
   if constexpr (std::is_same_v<T, float>) {
