@@ -142,12 +142,15 @@ AVX512_TARGET inline __m512i step_weights(const uint8_t* grp, int s, __m512i lo)
 
 // pf: also prefetch the next tile's groups (the first pass over this tile's weights only). MN:
 // the weights have a minimum term; a template argument so the accumulators stay in registers
-// (a runtime branch made GCC store them to the stack every group).
+// (a runtime branch made GCC store them to the stack every group). Every loop over rows is
+// unrolled, the first and last too: one rolled loop indexing facc keeps the array in memory, and
+// GCC then stored all RB accumulators every group (measured: 0.92x the 16-row body time unrolled).
 template <int RB, int BITS, int G, bool MN>
 AVX512_TARGET void tile_avx512(const Packed& p, const QuantX& qx, int64_t m0, int64_t tile, float* acc, bool pf) {
   constexpr int STEPS = G / 4;
   const int64_t ng = p.K / G;
   __m512 facc[RB];
+#pragma GCC unroll 16
   for (int r = 0; r < RB; ++r) facc[r] = _mm512_setzero_ps();
   const __m512i lo = _mm512_set1_epi8(0x0F);
   // The block's rows interleaved (interleave_blocks): one pointer, a constant offset per row.
@@ -181,6 +184,7 @@ AVX512_TARGET void tile_avx512(const Packed& p, const QuantX& qx, int64_t m0, in
       if (MN) facc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xs[g * RB + r]), facc[r]);
     }
   }
+#pragma GCC unroll 16
   for (int r = 0; r < RB; ++r) _mm512_storeu_ps(acc + r * TILE, facc[r]);
 }
 
