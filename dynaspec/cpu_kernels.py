@@ -189,3 +189,12 @@ def extension():
     if isinstance(mod, str):
         raise RuntimeError(f"the dynaspec CPU kernels could not be built: {mod}")
     return mod
+
+
+def loaded():
+    """The module if something has already loaded it, else None: never builds (callers outside
+    the model, such as the sampler, must not start a build the model itself did not need)."""
+    if _load.cache_info().currsize == 0:
+        return None
+    mod = _load()
+    return None if isinstance(mod, str) else mod

@@ -12,6 +12,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -197,4 +198,59 @@ void exact_near_max(torch::Tensor logits, torch::Tensor rows, torch::Tensor x, t
       }
     }
   });
+}
+
+// torch.argmax(logits, dim=-1) for contiguous float32 [M, N]: the first index of each row's
+// maximum, or of its first NaN (torch ranks NaN above every number). torch's reduction compares
+// one element at a time: ~0.7 ms for the 9 x 49k logits of a width-9 verify step, a tenth of the
+// step; two vector passes over the row (its maximum, then its first position) take ~10 us.
+torch::Tensor argmax_rows(torch::Tensor logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat && logits.is_contiguous(),
+              "argmax_rows: contiguous float32 [M, N] logits expected");
+  const int64_t M = logits.size(0), N = logits.size(1);
+  TORCH_CHECK(N > 0 || M == 0, "argmax_rows: a row of no logits has no argmax");
+  auto out = torch::empty({M}, torch::kLong);
+  const float* lp = logits.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, M, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* y = lp + r * N;
+      float mx = -std::numeric_limits<float>::infinity();
+      bool nan = false;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      __m512 m = _mm512_set1_ps(mx);
+      __mmask16 un = 0;
+      for (; i + 16 <= N; i += 16) {  // the maximum, and whether any lane was NaN
+        const __m512 v = _mm512_loadu_ps(y + i);
+        un |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        m = _mm512_max_ps(m, v);
+      }
+      mx = _mm512_reduce_max_ps(m);
+      nan = un != 0;
+#endif
+      for (; i < N; ++i) {
+        if (std::isnan(y[i])) nan = true;
+        else if (y[i] > mx) mx = y[i];
+      }
+      int64_t best = -1;
+      i = 0;
+      if (nan) {  // rare: the first NaN, scalar
+        while (!std::isnan(y[i])) ++i;
+        op[r] = i;
+        continue;
+      }
+#if defined(__AVX512F__)
+      const __m512 t = _mm512_set1_ps(mx);
+      for (; i + 16 <= N && best < 0; i += 16) {
+        const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(y + i), t, _CMP_EQ_OQ);
+        if (hit) best = i + __builtin_ctz(hit);
+      }
+#endif
+      for (; i < N && best < 0; ++i)
+        if (y[i] == mx) best = i;
+      op[r] = best;
+    }
+  });
+  return out;
 }

@@ -13,6 +13,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up);
 void rope_inplace(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t head_dim);
 void exact_near_max(torch::Tensor logits, torch::Tensor rows, torch::Tensor x, torch::Tensor q,
                     torch::Tensor scale, int64_t group, double margin);
+torch::Tensor argmax_rows(torch::Tensor logits);
 
 // int8_gemm.cpp
 torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor d, c10::optional<torch::Tensor> mn,
@@ -51,4 +52,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a [T, 2*inter] gate|up product", nogil);
   m.def("rope_inplace", &rope_inplace, "rotate-half RoPE in place on the first heads of each row", nogil);
   m.def("exact_near_max", &exact_near_max, "a greedy row's logits near its maximum, exactly, in place", nogil);
+  m.def("argmax_rows", &argmax_rows, "torch.argmax(logits, dim=-1) of float32 [M, N], vectorised", nogil);
 }

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dynaspec.sample.greedy import argmax_rows
 from dynaspec.sample.metadata import SamplingMetadata
 
 # Per request: (logprob of the chosen token, top-n [(token id, logprob)]).
@@ -120,7 +121,7 @@ class Sampler:
         if logits.shape[0] != md.num_reqs:
             raise ValueError(f"logits have {logits.shape[0]} rows for {md.num_reqs} requests")
         if md.all_greedy:
-            token_ids = logits.argmax(dim=-1)  # [num_reqs]
+            token_ids = argmax_rows(logits)  # [num_reqs]
         else:
             token_ids = self._sample_mixed(logits, md)
         return SamplerOutput(token_ids, compute_logprobs(logits, token_ids, md.num_logprobs))
@@ -132,7 +133,7 @@ class Sampler:
         token_ids = torch.empty(num_reqs, dtype=torch.int64, device=logits.device)
         greedy_rows = greedy.nonzero().squeeze(1)  # [num_greedy]
         if greedy_rows.numel():
-            token_ids[greedy_rows] = logits[greedy_rows].argmax(dim=-1)
+            token_ids[greedy_rows] = argmax_rows(logits[greedy_rows])
         rand_rows = (~greedy).nonzero().squeeze(1)  # [num_random]
         if rand_rows.numel() == 0:  # a hand-built md whose all_greedy flag was left False
             return token_ids

@@ -63,6 +63,7 @@ def synthetic_step(model, kv_caches: list, block_size: int, num_blocks: int, bat
     import torch
 
     from dynaspec.attention.backend import AttentionBatch
+    from dynaspec.sample.greedy import argmax_rows
 
     ctx = min(ctx, num_blocks * block_size - width)  # the pool bounds the context we can fake
     blocks = list(range(-(-(ctx + width) // block_size)))
@@ -71,13 +72,13 @@ def synthetic_step(model, kv_caches: list, block_size: int, num_blocks: int, bat
     pos = torch.arange(ctx, ctx + width, device=model.device).repeat(batch)  # [T]
     rows = torch.arange(batch * width, device=model.device)  # [T]: every verified row
     # Greedy rows, as most served steps are: only their argmax is read (see LlamaModel.head).
-    argmax_rows = torch.ones(batch * width, dtype=torch.bool)  # [T]
+    only_argmax = torch.ones(batch * width, dtype=torch.bool)  # [T]
 
     def step() -> None:
         md = model.attn.build_metadata(AttentionBatch(qlens, clens, [blocks] * batch, block_size,
                                                       model.device))
-        logits = model.forward(ids, pos, kv_caches, md, rows, argmax_rows=argmax_rows)
-        logits.argmax(dim=-1).tolist()
+        logits = model.forward(ids, pos, kv_caches, md, rows, argmax_rows=only_argmax)
+        argmax_rows(logits).tolist()
 
     return step
 

@@ -18,6 +18,7 @@ from dynaspec.kv.kv_cache_manager import KVCacheManager
 from dynaspec.kv.sizing import num_kv_blocks
 from dynaspec.models.llama import LlamaModel
 from dynaspec.request import Request
+from dynaspec.sample.greedy import argmax_rows
 from dynaspec.sample.metadata import SamplingMetadata
 from dynaspec.sample.sampler import processed_probs
 from dynaspec.spec_decode.base import Drafts, Proposer
@@ -187,7 +188,7 @@ class DraftModelProposer(Proposer):
             self.grammar.mask_draft_logits(reqs, logits)
         greedy = [r.sampling_params.greedy for r in reqs]
         if all(greedy):
-            return logits.argmax(-1).tolist(), [None] * len(reqs)
+            return argmax_rows(logits).tolist(), [None] * len(reqs)
         md_s = SamplingMetadata.from_params([r.sampling_params for r in reqs],
                                             [s.generator for s in seqs], self.model.device)
         q = processed_probs(logits, md_s, torch.arange(len(reqs), device=self.model.device))
