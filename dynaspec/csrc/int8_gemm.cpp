@@ -33,6 +33,7 @@ namespace {
 
 using int8q::QBLK;
 using int8q::QuantX;
+using int8q::quantize_blocks;
 using int8q::quantize_rows;
 
 constexpr int TILE = 16;   // output columns per tile (one zmm of int32 lanes)
@@ -153,7 +154,7 @@ AVX512_TARGET void tile_avx512(const Packed& p, const QuantX& qx, int64_t m0, in
 #pragma GCC unroll 16
   for (int r = 0; r < RB; ++r) facc[r] = _mm512_setzero_ps();
   const __m512i lo = _mm512_set1_epi8(0x0F);
-  // The block's rows interleaved (interleave_blocks): one pointer, a constant offset per row.
+  // The block's rows interleaved (quantize_blocks): one pointer, a constant offset per row.
   const int32_t* xq = qx.qv + m0 * p.K / 4;  // [K/4][RB]
   const float* xd = qx.dv + m0 * ng;          // [ng][RB]
   const float* xs = qx.sv + m0 * ng;
@@ -337,45 +338,17 @@ void store_rows(const float* acc, int64_t M, int64_t tile, int64_t N, T* y, bool
 
 // Rows are processed in chunks so one tile's weights (<= K/2 bytes at 4 bits) stay in L1/L2
 // while every chunk reads them: prefill reads each weight from memory about once as well.
-constexpr int64_t ROW_CHUNK = 8 * MAX_RB;  // whole register blocks: interleave_blocks' blocks
-
-// Each block of up to MAX_RB rows of qx (blocks start every MAX_RB rows, as rows_avx512 walks
-// them within a ROW_CHUNK) rewritten rows-innermost, so a tile addresses all its rows through
-// one register: with a pointer per row, 8 rows left too few general registers and GCC kept the
-// loop's counters on the stack.
-void interleave_blocks(QuantX& qx, int64_t M, int64_t K, int64_t ng) {
-  const int32_t* q = reinterpret_cast<const int32_t*>(qx.q.data());
-  if (M == 1) {  // one row: already its own block layout
-    qx.qv = q, qx.dv = qx.d.data(), qx.sv = qx.s.data(), qx.sumv = qx.sum.data();
-    return;
-  }
-  qx.qi.resize(M * K / 4);
-  qx.di.resize(M * ng);
-  qx.si.resize(M * ng);
-  qx.sumi.resize(M * ng);
-  at::parallel_for(0, (M + MAX_RB - 1) / MAX_RB, 1, [&](int64_t b_begin, int64_t b_end) {
-    for (int64_t b0 = b_begin * MAX_RB; b0 < std::min(M, b_end * MAX_RB); b0 += MAX_RB) {
-      const int64_t rb = std::min<int64_t>(MAX_RB, M - b0);
-      for (int64_t r = 0; r < rb; ++r) {
-        const int64_t m = b0 + r;
-        for (int64_t j = 0; j < K / 4; ++j) qx.qi[b0 * K / 4 + j * rb + r] = q[m * K / 4 + j];
-        for (int64_t g = 0; g < ng; ++g) {
-          qx.di[b0 * ng + g * rb + r] = qx.d[m * ng + g];
-          qx.si[b0 * ng + g * rb + r] = qx.s[m * ng + g];
-          qx.sumi[b0 * ng + g * rb + r] = qx.sum[m * ng + g];
-        }
-      }
-    }
-  });
-  qx.qv = qx.qi.data(), qx.dv = qx.di.data(), qx.sv = qx.si.data(), qx.sumv = qx.sumi.data();
-}
+constexpr int64_t ROW_CHUNK = 8 * MAX_RB;  // whole register blocks: quantize_blocks' blocks
 
 template <typename T>
 void gemm(const T* x, const Packed& p, int64_t M, T* y, Isa isa) {
   QuantX qx;
   const bool vec = isa == Isa::Avx512Vnni;  // the scalar reference keeps the scalar loops
-  quantize_rows(x, M, p.K, p.G, qx, vec);
-  if (vec) interleave_blocks(qx, M, p.K, p.K / p.G);
+  if (vec) {
+    quantize_blocks(x, M, p.K, p.G, MAX_RB, qx);
+  } else {
+    quantize_rows(x, M, p.K, p.G, qx);
+  }
   const int64_t tiles = p.N / TILE;
   // ~8 tiles per task keeps both threads busy on the 576-wide matrices (36 tiles).
   at::parallel_for(0, tiles, 8, [&](int64_t begin, int64_t end) {

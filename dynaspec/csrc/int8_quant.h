@@ -10,6 +10,7 @@
 
 #include "vec_exp.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -23,13 +24,13 @@ namespace int8q {
 constexpr int QBLK = 32;  // activation quantization block
 
 struct QuantX {  // activations, [M][K] int8 plus per-group facts
+  // Row-major (quantize_rows; the AVX2 and scalar tiles read these):
   std::vector<int8_t> q;     // [M][K]
   std::vector<float> d;      // [M][K/G]: the scale of the 32-block the group lies in
   std::vector<float> s;      // [M][K/G]: d * sum(q) over the group (for the minimum term)
   std::vector<int32_t> sum;  // [M][K/G]: sum(q) over the group (for the 8-bit offset)
-  // The same per block of rows (int8_gemm.cpp interleave_blocks), rows innermost: q as
-  // [K/4][rb] int32, the rest as [K/G][rb]; the AVX-512 tiles read these through the views
-  // below, which point at the row-major arrays where that is the same layout (one row).
+  // Per block of up to RB rows, rows innermost (quantize_blocks; the AVX-512 tiles read these
+  // through the views): q as [K/4][rb] int32, the rest as [K/G][rb].
   std::vector<int32_t> qi, sumi;
   std::vector<float> di, si;
   const int32_t* qv = nullptr;
@@ -72,54 +73,79 @@ AVX512_TARGET void quantize_block_avx512(const T* xb, int8_t* qb, int G, float* 
   }
 }
 
+// The scalar quantizer (amax, d = amax / 127, q = clamp(rint(v / d))), row-major.
 template <typename T>
-void quantize_rows(const T* x, int64_t M, int64_t K, int G, QuantX& out, bool vec) {
+void quantize_rows(const T* x, int64_t M, int64_t K, int G, QuantX& out) {
   const int64_t ng = K / G;
   out.q.resize(M * K);
   out.d.resize(M * ng);
   out.s.resize(M * ng);
   out.sum.resize(M * ng);
   at::parallel_for(0, M, 16, [&](int64_t m_begin, int64_t m_end) {
-  for (int64_t m = m_begin; m < m_end; ++m) {
-    if (vec) {
+    for (int64_t m = m_begin; m < m_end; ++m) {
       for (int64_t b = 0; b < K / QBLK; ++b) {
-        const int64_t g0 = b * (QBLK / G);
-        float dv;
-        quantize_block_avx512(x + m * K + b * QBLK, out.q.data() + m * K + b * QBLK, G, &dv,
-                              out.sum.data() + m * ng + g0);
+        const T* xb = x + m * K + b * QBLK;
+        float v[QBLK], amax = 0.f;
+        for (int i = 0; i < QBLK; ++i) {
+          v[i] = static_cast<float>(xb[i]);
+          amax = std::fmax(amax, std::fabs(v[i]));
+        }
+        const float d = amax / 127.f;
+        const float id = d > 0.f ? 1.f / d : 0.f;
+        int8_t* qb = out.q.data() + m * K + b * QBLK;
+        for (int i = 0; i < QBLK; ++i) {
+          float r = std::nearbyint(v[i] * id);
+          r = r > 127.f ? 127.f : (r < -127.f ? -127.f : r);
+          qb[i] = static_cast<int8_t>(r);
+        }
         for (int h = 0; h < QBLK / G; ++h) {
-          out.d[m * ng + g0 + h] = dv;
-          out.s[m * ng + g0 + h] = dv * static_cast<float>(out.sum[m * ng + g0 + h]);
+          const int64_t g = b * (QBLK / G) + h;
+          int32_t sq = 0;
+          for (int i = 0; i < G; ++i) sq += qb[h * G + i];
+          out.d[m * ng + g] = d;
+          out.sum[m * ng + g] = sq;
+          out.s[m * ng + g] = d * static_cast<float>(sq);
         }
       }
-      continue;
     }
-    for (int64_t b = 0; b < K / QBLK; ++b) {
-      const T* xb = x + m * K + b * QBLK;
-      float v[QBLK], amax = 0.f;
-      for (int i = 0; i < QBLK; ++i) {
-        v[i] = static_cast<float>(xb[i]);
-        amax = std::fmax(amax, std::fabs(v[i]));
-      }
-      const float d = amax / 127.f;
-      const float id = d > 0.f ? 1.f / d : 0.f;
-      int8_t* qb = out.q.data() + m * K + b * QBLK;
-      for (int i = 0; i < QBLK; ++i) {
-        float r = std::nearbyint(v[i] * id);
-        r = r > 127.f ? 127.f : (r < -127.f ? -127.f : r);
-        qb[i] = static_cast<int8_t>(r);
-      }
-      for (int h = 0; h < QBLK / G; ++h) {
-        const int64_t g = b * (QBLK / G) + h;
-        int32_t sq = 0;
-        for (int i = 0; i < G; ++i) sq += qb[h * G + i];
-        out.d[m * ng + g] = d;
-        out.sum[m * ng + g] = sq;
-        out.s[m * ng + g] = d * static_cast<float>(sq);
-      }
-    }
-  }
   });
+}
+
+// The AVX-512 tiles' activations: the same bytes as quantize_rows, written straight into blocks
+// of up to RB rows with the rows innermost, so a tile addresses all its rows through one
+// register (with a pointer per row, 8 rows left too few general registers). One 32-block of
+// one block of rows is a work item: a verify step's 9 rows of K = 576 are 18 items both threads
+// share (quantized row by row, then copied to the block layout, they were serial work the other
+// thread waited through at every matmul). A lone row is its own block layout.
+template <typename T>
+void quantize_blocks(const T* x, int64_t M, int64_t K, int G, int64_t RB, QuantX& out) {
+  const int64_t ng = K / G, nk = K / QBLK, nblocks = (M + RB - 1) / RB;
+  out.qi.resize(M * K / 4);
+  out.di.resize(M * ng);
+  out.si.resize(M * ng);
+  out.sumi.resize(M * ng);
+  // ~100 row-blocks of 32 per task: below that the fork and join cost more than they save.
+  const int64_t grain = std::max<int64_t>(1, 96 / std::min(M, RB));
+  at::parallel_for(0, nblocks * nk, grain, [&](int64_t begin, int64_t end) {
+    alignas(64) int32_t q[QBLK / 4];
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t b0 = it / nk * RB, kb = it % nk, rb = std::min(RB, M - b0);
+      int32_t* qo = out.qi.data() + b0 * K / 4 + kb * (QBLK / 4) * rb;
+      for (int64_t r = 0; r < rb; ++r) {
+        float dv;
+        int32_t sum[QBLK / 16];
+        quantize_block_avx512(x + (b0 + r) * K + kb * QBLK, reinterpret_cast<int8_t*>(q), G, &dv, sum);
+        for (int j = 0; j < QBLK / 4; ++j) qo[j * rb + r] = q[j];
+        for (int h = 0; h < QBLK / G; ++h) {
+          const int64_t at = b0 * ng + (kb * (QBLK / G) + h) * rb + r;
+          out.di[at] = dv;
+          out.sumi[at] = sum[h];
+          out.si[at] = dv * static_cast<float>(sum[h]);
+        }
+      }
+    }
+  });
+  out.qv = out.qi.data(), out.dv = out.di.data(), out.sv = out.si.data(), out.sumv = out.sumi.data();
 }
 
 }  // namespace int8q

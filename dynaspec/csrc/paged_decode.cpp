@@ -20,6 +20,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -166,19 +167,25 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
   // Work items: (request, first query token of the tile, KV head). Which rows share an item never
   // changes a row's arithmetic, only who converts K/V to fp32. (Splitting a batch-1 decode's Hkv
   // items further by query head measured slower: K/V converted per item outweighed the idle thread.)
-  std::vector<std::pair<int64_t, int64_t>> tiles;
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t j0 = 0; j0 < ql[b]; j0 += QUERY_TILE) tiles.emplace_back(b, j0);
+  std::vector<std::array<int64_t, 3>> tiles;  // (request, first query token, end token)
+  // A small verify step (batch 1: 3 KV heads on 2 threads) left one thread twice the other's
+  // rows; its queries then split in two tiles, so each thread gets half of every head's rows.
+  bool short_queries = true;  // decode and verify steps: every request fits one tile
+  for (int64_t b = 0; b < B; ++b) short_queries = short_queries && ql[b] <= QUERY_TILE;
+  const bool split = short_queries && B * Hkv < 2 * at::get_num_threads();
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t tile = split && ql[b] > 1 ? (ql[b] + 1) / 2 : QUERY_TILE;
+    for (int64_t j0 = 0; j0 < ql[b]; j0 += tile) tiles.push_back({b, j0, std::min(ql[b], j0 + tile)});
+  }
   const int64_t items = static_cast<int64_t>(tiles.size()) * Hkv;
   // `next()` hands a thread its next item (-1: none left). Which thread runs an item never
   // changes the item's arithmetic.
   auto run_items = [&](auto&& next) {
     std::vector<float> qf, sf, accf, kf(KEY_LANES * D), kt(KEY_LANES * D), vf(block_size * D);
     for (int64_t item = next(); item >= 0; item = next()) {
-      const auto [b, j0] = tiles[item / Hkv];
+      const auto [b, j0, j1] = tiles[item / Hkv];
       const int64_t h = item % Hkv;
       const int64_t W = ql[b], C = cl[b];
-      const int64_t j1 = std::min(W, j0 + QUERY_TILE);
       const int64_t R = (j1 - j0) * G;       // query rows: (token j, head g)
       const int64_t Ct = C - W + j1;         // keys the tile's last row sees
       sf.assign(R * Ct, 0.f);
@@ -274,8 +281,8 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
         }
     }
   };
-  if (tiles.size() == static_cast<size_t>(B)) {
-    // Decode and verify steps (every request one tile): contiguous ranges, so a thread keeps the
+  if (short_queries) {
+    // Decode and verify steps (every request one tile, or two split): contiguous ranges, so a thread keeps the
     // same (request, KV head) items from step to step and finds their keys in its own L2 (handing
     // them out dynamically measured 5-10% slower at batch 1).
     at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
@@ -288,8 +295,7 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
   // gave one thread ~3x the other's work while the other waited. Longest first (rows x keys),
   // one at a time to whichever thread is free.
   auto cost = [&](int64_t item) {
-    const auto [b, j0] = tiles[item / Hkv];
-    const int64_t j1 = std::min(ql[b], j0 + QUERY_TILE);
+    const auto [b, j0, j1] = tiles[item / Hkv];
     return (j1 - j0) * (cl[b] - ql[b] + j1);
   };
   std::vector<int64_t> order(items);

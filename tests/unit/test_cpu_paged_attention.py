@@ -32,6 +32,7 @@ def _case(query_lens, ctx, hkv, g_heads, d, dtype, seed, bs=BS):
     ([1, 1, 1], [5, 17, 33], 2, 3, 64),  # plain decodes, ragged contexts
     ([3, 1, 9, 16], [3, 40, 12, 16], 3, 3, 64),  # mixed widths: kernel rows and wide verify rows
     ([2, 3], [9, 30], 2, 3, 64),  # verifies the kernel takes
+    ([9], [40], 3, 3, 64),  # a batch-1 verify: its queries split in two tiles for the threads
     ([2, 20, 1], [7, 29, 50], 2, 2, 16),  # a prefill chunk (long path) between decodes
 ])
 def test_cpu_paged_matches_eager(query_lens, ctx, hkv, g_heads, d, dtype, tol):
