@@ -282,9 +282,9 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
     }
   };
   if (short_queries) {
-    // Decode and verify steps (every request one tile, or two split): contiguous ranges, so a thread keeps the
-    // same (request, KV head) items from step to step and finds their keys in its own L2 (handing
-    // them out dynamically measured 5-10% slower at batch 1).
+    // Decode and verify steps (every request one tile, or two when split): contiguous ranges, so
+    // a thread keeps the same (request, KV head) items from step to step and finds their keys in
+    // its own L2 (handing them out dynamically measured 5-10% slower at batch 1).
     at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
       int64_t i = begin;
       run_items([&] { return i < end ? i++ : int64_t{-1}; });
