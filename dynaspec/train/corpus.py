@@ -16,9 +16,11 @@ from __future__ import annotations
 import ast
 import os
 import random
+import textwrap
 from dataclasses import dataclass
 
 from dynaspec.bench import workloads
+from dynaspec.train import chat_topics
 
 _TOPICS = (
     "Explain what the Python module `{m}` is for and show a short example.",
@@ -87,25 +89,31 @@ def text_windows(tokenizer, files: list[str], seq_len: int, max_tokens: int) -> 
 
 
 def chat_prompts(files: list[str], n: int, seed: int) -> list[str]:
-    """n prompts: module questions, general coding asks and code-edit instructions on functions
-    of non-held-out modules (the bench's edit kinds, on other code)."""
+    """n prompts in a fixed mix of every 20: 8 everyday questions (chat_topics), 7 code-edit
+    instructions on functions of non-held-out modules (the bench's edit kinds, on other code),
+    3 general coding asks and 2 questions about stdlib modules."""
     rng = random.Random(seed)
     prompts = []
     mods = [f[:-3].replace("/", ".").removesuffix(".__init__") for f in files]
     for i in range(n):
-        kind = i % 3
-        if kind == 0:
-            prompts.append(rng.choice(_TOPICS).format(m=rng.choice(mods)))
-        elif kind == 1:
-            prompts.append(rng.choice(_GENERAL).format(t=rng.choice(_TASKS)))
-        else:
+        kind = i % 20
+        if kind < 8:
+            prompts.append(chat_topics.everyday_prompt(rng))
+        elif kind < 15:
             prompts.append(
                 _edit_prompt(rng, files) or rng.choice(_TOPICS).format(m=rng.choice(mods))
             )
+        elif kind < 18:
+            prompts.append(rng.choice(_GENERAL).format(t=rng.choice(_TASKS)))
+        else:
+            prompts.append(rng.choice(_TOPICS).format(m=rng.choice(mods)))
     return prompts
 
 
 def _edit_prompt(rng: random.Random, files: list[str]) -> str | None:
+    """A bench-style edit instruction (workloads' own wording and edit kinds) on a function of
+    8-25 lines: short enough that prompt and answer fit one training sequence, so the copy the
+    head learns to draft is of text it has seen."""
     rel = rng.choice(files)
     try:
         with open(os.path.join(workloads.stdlib_dir(), rel), encoding="utf-8") as fh:
@@ -117,26 +125,16 @@ def _edit_prompt(rng: random.Random, files: list[str]) -> str | None:
     fns = [
         n
         for n in ast.walk(tree)
-        if isinstance(n, ast.FunctionDef) and 8 <= (n.end_lineno or 0) - n.lineno <= 40
+        if isinstance(n, ast.FunctionDef) and 8 <= (n.end_lineno or 0) - n.lineno <= 25
     ]
     if not fns:
         return None
     fn = rng.choice(fns)
-    src = "".join(lines[fn.lineno - 1: fn.end_lineno])
-    import textwrap
-
-    ask = rng.choice(
-        (
-            "adding a short docstring",
-            "adding type hints to its parameters and return value",
-            "adding a one-line comment above each return statement",
-        )
-    )
-    return (
-        f"Repeat the Python function `{fn.name}` exactly, {ask}. Output only the "
-        f"code.\n\n```python\n"
-        f"{textwrap.dedent(src)}```"
-    )
+    src = textwrap.dedent("".join(lines[fn.lineno - 1: fn.end_lineno]))
+    names = tuple(a.arg for a in fn.args.args + fn.args.kwonlyargs if a.arg not in ("self", "cls"))
+    func = workloads._Function(rel, fn.name, src, fn.lineno - 1, fn.end_lineno or 0, names)
+    _, instruction = workloads._edit_instruction(func, rng)
+    return f"{instruction}\n\n```python\n{src}```"
 
 
 def generate_answers(llm, prompts: list[str], max_tokens: int, seq_len: int) -> list[list[int]]:
