@@ -173,6 +173,8 @@ class SpecConfig:
                                   type=str)
     draft_head: str | None = opt(None, "EAGLE/EAGLE-3 head folder for --speculator eagle "
                                  "(default: the head shipped for --model default)", type=str)
+    eagle_lookup: str = opt("none", "eagle: a lookup drafter tried first; the head drafts only "
+                            "where it finds nothing (none | ngram | suffix)", type=str)
     prompt_lookup_min: int = opt(2, "shortest n-gram to match")
     prompt_lookup_max: int = opt(5, "longest n-gram to match")
     # Suffix decoding, with vLLM's meanings and defaults (suffix_decoding_*); spec_decode/suffix.py.
@@ -206,6 +208,13 @@ class SpecConfig:
             object.__setattr__(self, "num_spec_tokens", EAGLE_DEFAULT_K)
         if self.speculator != "none" and self.num_spec_tokens == 0 and self.k_schedule is None:
             raise ValueError(f"--speculator {self.speculator} needs --num-spec-tokens K >= 1")
+        if self.eagle_lookup not in ("none", "ngram", "suffix"):
+            raise ValueError(
+                f"eagle_lookup must be none, ngram or suffix, got {self.eagle_lookup!r}"
+            )
+        if self.eagle_lookup != "none" and self.speculator != "eagle":
+            raise ValueError("--eagle-lookup applies to --speculator eagle only, got --speculator "
+                             f"{self.speculator}")
         if self.speculator == "draft" and not self.draft_model:
             raise ValueError("--speculator draft needs --draft-model PATH")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:

@@ -90,4 +90,12 @@ def build_eagle(config: EngineConfig, target: DrafterTarget) -> DrafterBuild:
              path, c.draft_vocab_size, ",".join(map(str, c.aux_layers)))
     if target.device.type == "cpu":
         head = drafting_form(head)
-    return DrafterBuild(EagleProposer(head, arch.max_position_embeddings, emb))
+    prop = EagleProposer(head, arch.max_position_embeddings, emb)
+    if config.spec.eagle_lookup == "none":
+        return DrafterBuild(prop)
+    from dynaspec.spec_decode.lookup_first import LookupFirstProposer
+
+    lookup = {"ngram": build_ngram, "suffix": build_suffix}[config.spec.eagle_lookup]
+    log.info("EAGLE drafter: %s lookup first, the head where it finds nothing",
+             config.spec.eagle_lookup)
+    return DrafterBuild(LookupFirstProposer(lookup(config, target).proposer, prop))

@@ -105,4 +105,17 @@ def test_head_kv_from_accepted_rows_equals_one_pass_and_stack_capture_equals_loo
     h = head.fuse(feats[:n], emb)
     cos, sin = head.rope.lookup(torch.arange(n), h.dtype)
     _, k, _ = head.layers[0].qkv(h, emb, cos, sin)
-    torch.testing.assert_close(st.keys[0], k)
+    torch.testing.assert_close(st.keys[0][: st.klen], k)
+
+
+@pytest.mark.parametrize("lookup", ["ngram", "suffix"])
+def test_lookup_first_eagle_equals_no_speculation(tiny_llama_dir, heads, prompts, lookup):
+    """--eagle-lookup: the lookup drafts on the repetitive prompts, the head elsewhere; greedy
+    output is unchanged and both drafters' state is dropped at the end (checked in _run)."""
+    ref, _ = _run(tiny_llama_dir, prompts, dtype="float32")
+    got, c = _run(tiny_llama_dir, prompts, dtype="float32", speculator="eagle",
+                  draft_head=heads["eagle3"], num_spec_tokens=3, eagle_lookup=lookup)
+    assert got == ref
+    _, alone = _run(tiny_llama_dir, prompts, dtype="float32", speculator=lookup,
+                    num_spec_tokens=3)
+    assert 0 < alone.num_draft_tokens < c.num_draft_tokens  # the head drafts where it finds none

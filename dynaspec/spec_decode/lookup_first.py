@@ -1,0 +1,70 @@
+"""Lookup first, head second: an EAGLE head drafts only for requests a lookup drafter cannot.
+
+A lookup drafter (n-gram or suffix) drafts where the context repeats and is then usually right
+(held-out code edits: 0.80 of its first drafts accepted), but drafts nothing elsewhere; the head
+drafts on every step at a lower rate (0.32 there). Trying the lookup first and handing the head
+only the requests it found nothing for keeps both strengths, as Arctic Inference's hybrid of
+suffix decoding and a model speculator does. The head still observes every step's hidden states,
+so a request it skipped has its pending features caught up in one pass when it next drafts.
+
+Drafts stay deterministic (argmax for the head, lookup for the other), so `probs` is None and
+verification treats both as one-hot: lossless as either alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from dynaspec.request import Request
+from dynaspec.spec_decode.base import Drafts, Proposer
+
+
+class LookupFirstProposer(Proposer):
+    reads_hidden_states = True
+
+    def __init__(self, lookup: Proposer, head: Proposer) -> None:
+        if lookup.reads_hidden_states or not head.reads_hidden_states:
+            raise ValueError("lookup-first drafting pairs a lookup drafter with a hidden-state "
+                             "head")
+        self.lookup, self.head = lookup, head
+
+    @property
+    def k_limit(self) -> int | None:  # type: ignore[override]
+        return self.head.k_limit
+
+    def attach(self, model) -> None:  # type: ignore[no-untyped-def]
+        self.head.attach(model)
+
+    def observe_hidden(self, hs) -> None:  # type: ignore[no-untyped-def]
+        self.head.observe_hidden(hs)
+
+    def propose(self, requests: Sequence[Request], k_per_request: Sequence[int]) -> Drafts:
+        found = self.lookup.propose(requests, k_per_request)
+        rest = [i for i, (d, k) in enumerate(zip(found.token_ids, k_per_request))
+                if k > 0 and not d]
+        if not rest:
+            return found
+        more = self.head.propose([requests[i] for i in rest], [k_per_request[i] for i in rest])
+        if more.probs is not None:
+            raise ValueError("lookup-first drafting needs a deterministic head (greedy drafts)")
+        token_ids, skips = list(found.token_ids), list(found.skip_reasons)
+        for i, d, why in zip(rest, more.token_ids, more.skip_reasons):
+            token_ids[i], skips[i] = d, why
+        return Drafts(token_ids=token_ids, probs=None, skip_reasons=skips)
+
+    def forget(self, request_id: str) -> None:
+        self.lookup.forget(request_id)
+        self.head.forget(request_id)
+
+    def preempt(self, request_id: str) -> None:
+        self.lookup.preempt(request_id)
+        self.head.preempt(request_id)
+
+    def num_cached(self) -> int:
+        return self.lookup.num_cached() + self.head.num_cached()
+
+    def cache_stats(self):  # type: ignore[no-untyped-def]
+        return self.lookup.cache_stats()  # the suffix drafter's global cache, if it is the lookup
+
+    def reset_cache(self) -> None:
+        self.lookup.reset_cache()
