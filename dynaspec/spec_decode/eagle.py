@@ -46,8 +46,12 @@ class HiddenStates:
 class _HeadSeq:
     """The head's view of one request: its KV and the target features not yet fed to it."""
 
-    keys: list[torch.Tensor] = field(default_factory=list)  # per head layer [L, Hkv, D]
+    # Per head layer [capacity, Hkv, D]; rows < klen are the KV, rows past it scratch for the
+    # drafts being chained (overwritten by the next catch-up). A buffer, not a list of steps
+    # concatenated: each chained draft attended over a fresh copy of the whole KV.
+    keys: list[torch.Tensor] = field(default_factory=list)
     vals: list[torch.Tensor] = field(default_factory=list)
+    klen: int = 0
     next_pos: int = 0  # position after the head's last KV entry
     pend_pos: int = 0  # position of the first pending row
     # The pending rows as the steps delivered them, joined only when drafting takes them: joined
@@ -63,6 +67,24 @@ class _HeadSeq:
             self.chunks, self.pend_pos = [rows.clone()], pos
             self.pend_len = 0
         self.pend_len += rows.shape[0]
+
+    def write(self, li: int, at: int, k: torch.Tensor, v: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [n, Hkv, D] at rows at..at+n of layer li (growing the buffer); returns the
+        keys and values of rows 0..at+n."""
+        end = at + k.shape[0]
+        if len(self.keys) <= li:
+            self.keys.append(k.new_empty((max(64, 2 * end), *k.shape[1:])))
+            self.vals.append(v.new_empty((max(64, 2 * end), *v.shape[1:])))
+        elif self.keys[li].shape[0] < end:
+            grow = max(2 * self.keys[li].shape[0], 2 * end)
+            for buf in (self.keys, self.vals):
+                new = buf[li].new_empty((grow, *buf[li].shape[1:]))
+                new[:at] = buf[li][:at]
+                buf[li] = new
+        self.keys[li][at:end] = k
+        self.vals[li][at:end] = v
+        return self.keys[li][:end], self.vals[li][:end]
 
     def take(self, n: int) -> torch.Tensor:
         """The first n pending rows [n, feature_size]; the rest stay pending."""
@@ -102,7 +124,7 @@ class EagleProposer(Proposer):
             st = self.seqs.setdefault(rid, _HeadSeq())
             rows = hs.hidden[start: start + n]  # [n, F]
             if pos < st.next_pos:  # recomputed positions (preemption): start the head afresh
-                st.keys, st.vals, st.next_pos = [], [], 0  # add() sees the gap and drops pending
+                st.klen, st.next_pos = 0, 0  # add() sees the gap and drops pending
             st.add(rows, pos)
 
     def forget(self, request_id: str) -> None:
@@ -160,14 +182,13 @@ class EagleProposer(Proposer):
         pos = torch.cat([torch.arange(p0, p0 + use) for p0, (*_, use) in zip(starts, ready)])
         sizes = [use for *_, use in ready]
         h = head.fuse(feats, emb)
-        out = self._layers(h, emb, pos, [st for _, st, *_ in ready], sizes, chain=None)
+        out = self._layers(h, emb, pos, [st for _, st, *_ in ready], sizes, chain_at=None)
         last = torch.cumsum(torch.tensor(sizes), 0) - 1
         for _, st, _, _, _ in ready:  # the pairs taken are in the head's KV now
             st.next_pos = st.pend_pos
         out = out[last]  # [B, H] the output at each request's newest pair
         pos = pos[last]
         kmax = max(k for _, _, _, k, _ in ready)
-        chain: list[list] = [[[], []] for _ in ready]  # per request: temporary draft keys/values
         drafts = [[] for _ in ready]
         alive = list(range(len(ready)))
         for j in range(kmax):
@@ -182,7 +203,7 @@ class EagleProposer(Proposer):
             e = self._embed(ids)
             h = self._chain_input(out, e)
             out = self._layers(h, e, pos, [ready[r][1] for r in alive], [1] * len(alive),
-                               chain=[chain[r] for r in alive])
+                               chain_at=j)
         return drafts
 
     def _chain_input(self, out: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
@@ -190,46 +211,30 @@ class EagleProposer(Proposer):
         embedding again (its fc always sees [embedding | hidden])."""
         return out if self.head.cfg.kind == "eagle3" else self.head.fuse(out, emb)
 
-    def _layers(self, h, emb, pos, states, sizes, chain) -> torch.Tensor:
-        """The head's layers over rows grouped by request (`sizes` each). chain None: catch-up
-        rows, appended to each request's KV; else one draft row each, kept in `chain`."""
+    def _layers(self, h, emb, pos, states, sizes, chain_at) -> torch.Tensor:
+        """The head's layers over rows grouped by request (`sizes` each). chain_at None: catch-up
+        rows, appended to each request's KV; else one draft row each, the chain's draft
+        chain_at, kept in the scratch rows after the KV."""
         cos, sin = self.head.rope.lookup(pos, h.dtype)  # [N, 1, D/2]
         for li, layer in enumerate(self.head.layers):
             q, k, v = layer.qkv(h, emb, cos, sin)  # [N, Hq|Hkv, D]
             outs, o = [], 0
-            for r, (st, n) in enumerate(zip(states, sizes)):
-                qi, ki, vi = q[o: o + n], k[o: o + n], v[o: o + n]
-                o += n
-                if len(st.keys) <= li:
-                    st.keys.append(ki[:0])
-                    st.vals.append(vi[:0])
-                if chain is None:
-                    st.keys[li] = torch.cat([st.keys[li], ki])
-                    st.vals[li] = torch.cat([st.vals[li], vi])
-                    K, V = st.keys[li], st.vals[li]
-                    L = K.shape[0] - n
-                    mask = torch.ones(n, L + n, dtype=torch.bool).tril(
-                        L
-                    )  # earlier entries + causal
-                else:
-                    c = chain[r]
-                    if len(c[0]) <= li:
-                        c[0].append(ki[:0])
-                        c[1].append(vi[:0])
-                    c[0][li] = torch.cat([c[0][li], ki])
-                    c[1][li] = torch.cat([c[1][li], vi])
-                    K, V, mask = (
-                        torch.cat([st.keys[li], c[0][li]]),
-                        torch.cat([st.vals[li], c[1][li]]),
-                        None,
-                    )
+            for st, n in zip(states, sizes):
+                at = st.klen if chain_at is None else st.klen + chain_at
+                K, V = st.write(li, at, k[o: o + n], v[o: o + n])  # [at + n, Hkv, D]
+                # catch-up row r sees the earlier entries and rows <= r; a draft sees all
+                mask = torch.ones(n, at + n, dtype=torch.bool).tril(at) if n > 1 else None
                 a = F.scaled_dot_product_attention(
-                    qi.transpose(0, 1)[None],
+                    q[o: o + n].transpose(0, 1)[None],
                     K.transpose(0, 1)[None],
                     V.transpose(0, 1)[None],
                     attn_mask=mask,
                     enable_gqa=True,
                 )
+                o += n
                 outs.append(a[0].transpose(0, 1))  # [n, Hq, D]
             h = layer.finish(torch.cat(outs), h)
+        if chain_at is None:
+            for st, n in zip(states, sizes):
+                st.klen += n
         return h

@@ -76,6 +76,21 @@ class HeadLayer(nn.Module):
         # eagle1: input_layernorm norms the input (absent on the first layer, as published).
         self.input_layernorm = nn.Parameter(torch.ones(H)) if input_norm or wide else None
         self.hidden_norm = nn.Parameter(torch.ones(H)) if wide else None
+        self.qkv_proj: nn.Module | None = None  # set by fuse_projections (the drafting form)
+        self.gate_up_proj: nn.Module | None = None
+
+    def fuse_projections(self) -> None:
+        """q/k/v and gate/up as one linear each: a chained draft runs one row through the layer,
+        where each linear is a kernel call (with its activation quantization) costing more than
+        its arithmetic. Same outputs: a row of the fused weight is the row it came from."""
+        def joined(*lins: nn.Linear) -> nn.Linear:
+            out = nn.Linear(lins[0].in_features, sum(x.out_features for x in lins), bias=False)
+            out.weight.data = torch.cat([x.weight.detach() for x in lins])
+            return out
+
+        self.qkv_proj = joined(self.q_proj, self.k_proj, self.v_proj)
+        self.gate_up_proj = joined(self.gate_proj, self.up_proj)
+        del self.q_proj, self.k_proj, self.v_proj, self.gate_proj, self.up_proj
 
     def qkv(self, h: torch.Tensor, emb: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor):
         """h, emb: [..., H]; cos/sin: [..., 1, D/2]. Returns q [..., Hq, D], k, v [..., Hkv, D]."""
@@ -90,16 +105,25 @@ class HeadLayer(nn.Module):
         else:
             x = h if self.input_layernorm is None else rms_norm(h, self.input_layernorm, self.eps)
         lead = x.shape[:-1]
-        q = apply_rope(self.q_proj(x).view(*lead, self.Hq, self.D), cos, sin)
-        k = apply_rope(self.k_proj(x).view(*lead, self.Hkv, self.D), cos, sin)
-        return q, k, self.v_proj(x).view(*lead, self.Hkv, self.D)
+        if self.qkv_proj is not None:
+            nq, nkv = self.Hq * self.D, self.Hkv * self.D
+            qx, kx, vx = self.qkv_proj(x).split((nq, nkv, nkv), -1)
+        else:
+            qx, kx, vx = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = apply_rope(qx.reshape(*lead, self.Hq, self.D), cos, sin)
+        k = apply_rope(kx.reshape(*lead, self.Hkv, self.D), cos, sin)
+        return q, k, vx.reshape(*lead, self.Hkv, self.D)
 
     def finish(self, attn: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """attn: [..., Hq, D] attention output; h: the residual [..., H]. Returns the layer
         output."""
         x = h + self.o_proj(attn.flatten(-2))
         m = rms_norm(x, self.post_attention_layernorm, self.eps)
-        return x + self.down_proj(F.silu(self.gate_proj(m)) * self.up_proj(m))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(m).chunk(2, -1)
+        else:
+            gate, up = self.gate_proj(m), self.up_proj(m)
+        return x + self.down_proj(F.silu(gate) * up)
 
 
 class EagleHead(nn.Module):
@@ -201,6 +225,8 @@ def drafting_form(head: EagleHead) -> EagleHead:
     from dynaspec.models.int8_dot import Int8DotLinear, quantize_grouped_int8, supports
 
     fast = copy.deepcopy(head)
+    for layer in fast.layers:
+        layer.fuse_projections()
     for mod in list(fast.modules()):
         for name, child in list(mod.named_children()):
             if isinstance(child, nn.Linear):

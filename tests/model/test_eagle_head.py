@@ -105,7 +105,8 @@ def test_the_drafting_form_runs_every_linear_on_the_int8_kernel_close_to_fp32(tm
     fast = drafting_form(head)
     linears = lambda m: sum(isinstance(x, torch.nn.Linear) for x in m.modules())  # noqa: E731
     assert linears(head) == 9  # fc, q, k, v, o, gate, up, down, lm_head: untouched
-    assert linears(fast) == (0 if cpu_kernels.available()[0] else 9)
+    # q/k/v and gate/up fused to one linear each (9 -> 6), each on the kernel when built
+    assert linears(fast) == (0 if cpu_kernels.available()[0] else 6)
     g = torch.Generator().manual_seed(5)
     feats, emb = torch.randn(7, 192, generator=g), torch.randn(7, 64, generator=g)
     cos, sin = head.rope.lookup(torch.arange(7), torch.float32)
@@ -120,3 +121,36 @@ def test_the_drafting_form_runs_every_linear_on_the_int8_kernel_close_to_fp32(tm
     # Five int8 matmuls in a row on random weights (weights and activations in groups of 32)
     # measured 2.0% relative error; a wrong scale or layout gives tens of percent.
     assert (got - ref).norm() <= 0.04 * ref.norm()
+
+
+def test_fused_projections_compute_what_the_separate_ones_do(tmp_path):
+    import copy
+
+    head, _ = load_head(write_eagle3(str(tmp_path / "h"), draft_vocab=64, scale=0.3), TARGET)
+    fused = copy.deepcopy(head)
+    fused.layers[0].fuse_projections()
+    assert fused.layers[0].qkv_proj.weight.shape == (4 * 16 + 2 * 2 * 16, 2 * 64)  # [q|k|v, 2H]
+    g = torch.Generator().manual_seed(6)
+    feats, emb = torch.randn(5, 192, generator=g), torch.randn(5, 64, generator=g)
+    cos, sin = head.rope.lookup(torch.arange(5), torch.float32)
+    with torch.no_grad():
+        a, b = (h.layers[0].qkv(h.fuse(feats), emb, cos, sin) for h in (head, fused))
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+        x = head.fuse(feats)
+        torch.testing.assert_close(head.layers[0].finish(a[0], x), fused.layers[0].finish(a[0], x),
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_head_kv_buffer_keeps_chain_rows_when_it_grows():
+    """Rows past klen (a chain's drafts) survive a growth of the buffer in the middle of a chain."""
+    from dynaspec.spec_decode.eagle import _HeadSeq
+
+    st = _HeadSeq()
+    rows = torch.arange(100 * 2 * 3, dtype=torch.float32).view(100, 2, 3)
+    st.write(0, 0, rows[:40], -rows[:40])  # capacity 80
+    st.klen = 40
+    st.write(0, 40, rows[40:70], -rows[40:70])  # a chain's rows, past klen
+    k, v = st.write(0, 70, rows[70:], -rows[70:])  # grows past 80
+    assert st.keys[0].shape[0] >= 100
+    assert torch.equal(k, rows) and torch.equal(v, -rows) and st.klen == 40
