@@ -6,13 +6,12 @@ excluded from the head's training corpus, dynaspec/train/corpus.py). Greedy, K f
 (--k-policy table: the goodput policy would measure step costs, which need an idle machine).
 Reports, per arm and workload: share of output tokens that came from accepted drafts, acceptance
 rate, mean acceptance length, conditional acceptance per draft position, steps without drafts.
-Run: python docs/eagle_acceptance.py [n_prompts] [max_tokens] [head_dir]
+Run: python docs/eagle_acceptance.py [n_prompts] [max_tokens] [head_dir] [--arms eagle,ngram,...]
 """
 
 from __future__ import annotations
 
 import json
-import sys
 
 from dynaspec import LLM, SamplingParams
 from dynaspec.bench.workloads import load_workload
@@ -49,16 +48,31 @@ def measure(arm: dict, workload: str, n: int, max_tokens: int) -> dict:
     return res
 
 
+ARMS = {
+    "eagle": {"speculator": "eagle"},
+    "ngram": {"speculator": "ngram"},
+    "suffix": {"speculator": "suffix"},
+    "eagle+ngram": {"speculator": "eagle", "eagle_lookup": "ngram"},
+    "eagle+suffix": {"speculator": "eagle", "eagle_lookup": "suffix"},
+}
+
+
 def main() -> None:
-    n = int(sys.argv[1]) if len(sys.argv) > 1 else 8
-    max_tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 256
-    eagle = {"speculator": "eagle", "num_spec_tokens": 3}
-    if len(sys.argv) > 3:
-        eagle["draft_head"] = sys.argv[3]
-    arms = [eagle, {"speculator": "ngram", "num_spec_tokens": 3}]
-    for workload in ("code_edit", "chat"):
-        for arm in arms:
-            print(json.dumps(measure(arm, workload, n, max_tokens)), flush=True)
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("n", type=int, nargs="?", default=8)
+    ap.add_argument("max_tokens", type=int, nargs="?", default=256)
+    ap.add_argument("head", nargs="?", default=None, help="head folder (default: the shipped one)")
+    ap.add_argument("--arms", default="eagle,ngram", help=",".join(ARMS))
+    ap.add_argument("--workloads", default="code_edit,chat")
+    a = ap.parse_args()
+    for workload in a.workloads.split(","):
+        for name in a.arms.split(","):
+            arm = dict(ARMS[name], num_spec_tokens=3)
+            if a.head and arm["speculator"] == "eagle":
+                arm["draft_head"] = a.head
+            print(json.dumps(measure(arm, workload, a.n, a.max_tokens)), flush=True)
 
 
 if __name__ == "__main__":
