@@ -154,3 +154,15 @@ def test_head_kv_buffer_keeps_chain_rows_when_it_grows():
     k, v = st.write(0, 70, rows[70:], -rows[70:])  # grows past 80
     assert st.keys[0].shape[0] >= 100
     assert torch.equal(k, rows) and torch.equal(v, -rows) and st.klen == 40
+
+
+def test_one_row_attention_equals_sdpa_with_gqa():
+    import torch.nn.functional as F
+
+    from dynaspec.spec_decode.eagle import _one_row_attention
+
+    g = torch.Generator().manual_seed(7)
+    q, K, V = (torch.randn(*s, generator=g) for s in ((6, 16), (11, 2, 16), (11, 2, 16)))
+    ref = F.scaled_dot_product_attention(q[:, None][None], K.transpose(0, 1)[None],
+                                         V.transpose(0, 1)[None], enable_gqa=True)  # [1, 6, 1, 16]
+    torch.testing.assert_close(_one_row_attention(q, K, V), ref[0].transpose(0, 1))
