@@ -125,6 +125,13 @@ class _Function:
     names: tuple[str, ...]  # renamable parameter names
 
 
+def renamable_params(node: ast.FunctionDef | ast.AsyncFunctionDef) -> tuple[str, ...]:
+    """A function's parameter names an edit may rename (not self or cls)."""
+    return tuple(
+        a.arg for a in node.args.args + node.args.kwonlyargs if a.arg not in ("self", "cls")
+    )
+
+
 @functools.lru_cache(maxsize=4)
 def stdlib_functions(min_lines: int = 20, max_lines: int = 60) -> tuple[_Function, ...]:
     """Functions and methods of min..max lines from _CODE_MODULES, in file order."""
@@ -142,11 +149,9 @@ def stdlib_functions(min_lines: int = 20, max_lines: int = 60) -> tuple[_Functio
             end = node.end_lineno or node.lineno
             if not min_lines <= end - start <= max_lines:
                 continue
-            params = [
-                a.arg for a in node.args.args + node.args.kwonlyargs if a.arg not in ("self", "cls")
-            ]
+            params = renamable_params(node)
             src = textwrap.dedent("".join(lines[start:end]))
-            found.append(_Function(rel, node.name, src, start, end, tuple(params)))
+            found.append(_Function(rel, node.name, src, start, end, params))
     found.sort(key=lambda f: (f.module, f.start))  # ast.walk order is breadth-first
     return tuple(found)
 

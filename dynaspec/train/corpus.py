@@ -131,8 +131,8 @@ def _edit_prompt(rng: random.Random, files: list[str]) -> str | None:
         return None
     fn = rng.choice(fns)
     src = textwrap.dedent("".join(lines[fn.lineno - 1: fn.end_lineno]))
-    names = tuple(a.arg for a in fn.args.args + fn.args.kwonlyargs if a.arg not in ("self", "cls"))
-    func = workloads._Function(rel, fn.name, src, fn.lineno - 1, fn.end_lineno or 0, names)
+    func = workloads._Function(rel, fn.name, src, fn.lineno - 1, fn.end_lineno or 0,
+                               workloads.renamable_params(fn))
     _, instruction = workloads._edit_instruction(func, rng)
     return f"{instruction}\n\n```python\n{src}```"
 

@@ -58,6 +58,14 @@ def test_lookup_drafts_first_and_the_head_fills_the_rest():
     assert lookup.ended == head.ended == ["a", "b"]
 
 
+def test_refuses_a_head_that_drafts_with_probabilities():
+    head = _Fake({"a": [1]}, hidden=True)
+    inner = head.propose
+    head.propose = lambda reqs, ks: Drafts(inner(reqs, ks).token_ids, [None], [None])
+    with pytest.raises(ValueError, match="needs a deterministic head"):
+        LookupFirstProposer(_Fake({}, hidden=False), head).propose([_req("a")], [2])
+
+
 def test_refuses_a_pair_in_the_wrong_roles():
     with pytest.raises(ValueError, match="lookup drafter"):
         LookupFirstProposer(_Fake({}, hidden=True), _Fake({}, hidden=True))
