@@ -10,6 +10,8 @@
 #include <cstring>
 #include <vector>
 
+#include "qlinear.h"
+
 // Declared in the other kernel files (one extension module).
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor add_rms_norm(torch::Tensor residual, torch::Tensor delta, torch::Tensor w, double eps);
@@ -17,15 +19,6 @@ torch::Tensor silu_mul(torch::Tensor gate_up);
 void rope_inplace(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t head_dim);
 void paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor tables, torch::Tensor ctx, torch::Tensor qstart,
                   torch::Tensor qlen, int64_t block_size, double scale, torch::Tensor out, int64_t window);
-torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor d, c10::optional<torch::Tensor> mn,
-                        int64_t N, int64_t G, int64_t bits, int64_t isa);
-
-struct QLinear {  // one Int8DotLinear's packed weights (models/int8_dot.py)
-  torch::Tensor w, d;
-  c10::optional<torch::Tensor> mn;
-  int64_t N, G, bits;
-  torch::Tensor operator()(const torch::Tensor& x) const { return int8_gemm(x, w, d, mn, N, G, bits, -1); }
-};
 
 struct Layer {
   QLinear qkv, o, gate_up, down;

@@ -34,12 +34,16 @@ int64_t int8_gemm_isa();
 // layer_stack.cpp
 void register_layer_stack(pybind11::module& m);
 
+// head_step.cpp
+void register_head_step(pybind11::module& m);
+
 // The kernels run without the GIL (arguments are converted before it is released): a long
 // forward holding it starved the server's event loop, so /health waited ~90 s behind a
 // 130k-token prefill. They touch no Python object.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   register_layer_stack(m);
+  register_head_step(m);
   m.def("build_info", [] { return std::make_tuple(std::string(DYNASPEC_STR(DYNASPEC_ISA_TAG)), std::string(DYNASPEC_STR(DYNASPEC_SRC_HASH))); },
         "(ISA tag, source hash) this module was built with");
   m.def("int8_gemm", &int8_gemm, "x W^T with W in GGUF groups, x quantized to int8 per 32 (row-invariant)", nogil);

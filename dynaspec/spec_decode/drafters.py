@@ -74,7 +74,7 @@ def build_eagle(config: EngineConfig, target: DrafterTarget) -> DrafterBuild:
     """The EAGLE head (--draft-head, or the one shipped for the default model), checked against
     the target's architecture as it loads."""
     from dynaspec.spec_decode.eagle import DEFAULT_HEAD, EagleProposer
-    from dynaspec.spec_decode.eagle_head import drafting_form
+    from dynaspec.spec_decode.eagle_head import compiled_step, drafting_form
     from dynaspec.spec_decode.eagle_io import load_head
 
     path, arch = config.spec.draft_head, target.arch
@@ -88,9 +88,11 @@ def build_eagle(config: EngineConfig, target: DrafterTarget) -> DrafterBuild:
     c = head.cfg
     log.info("EAGLE drafter: %s head from %s (draft vocabulary %d, target layers %s)", c.kind,
              path, c.draft_vocab_size, ",".join(map(str, c.aux_layers)))
+    step = None
     if target.device.type == "cpu":
         head = drafting_form(head)
-    prop = EagleProposer(head, arch.max_position_embeddings, emb)
+        step = compiled_step(head)
+    prop = EagleProposer(head, arch.max_position_embeddings, emb, step)
     if config.spec.eagle_lookup == "none":
         return DrafterBuild(prop)
     from dynaspec.spec_decode.lookup_first import LookupFirstProposer

@@ -68,20 +68,26 @@ class _HeadSeq:
             self.pend_len = 0
         self.pend_len += rows.shape[0]
 
-    def write(self, li: int, at: int, k: torch.Tensor, v: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v [n, Hkv, D] at rows at..at+n of layer li (growing the buffer); returns the
-        keys and values of rows 0..at+n."""
-        end = at + k.shape[0]
+    def reserve(self, li: int, at: int, end: int, row: tuple[int, int]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer li's key and value buffers [>= end, *row] fp32, grown keeping rows < at."""
         if len(self.keys) <= li:
-            self.keys.append(k.new_empty((max(64, 2 * end), *k.shape[1:])))
-            self.vals.append(v.new_empty((max(64, 2 * end), *v.shape[1:])))
+            self.keys.append(torch.empty((max(64, 2 * end), *row)))
+            self.vals.append(torch.empty((max(64, 2 * end), *row)))
         elif self.keys[li].shape[0] < end:
             grow = max(2 * self.keys[li].shape[0], 2 * end)
             for buf in (self.keys, self.vals):
                 new = buf[li].new_empty((grow, *buf[li].shape[1:]))
                 new[:at] = buf[li][:at]
                 buf[li] = new
+        return self.keys[li], self.vals[li]
+
+    def write(self, li: int, at: int, k: torch.Tensor, v: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [n, Hkv, D] at rows at..at+n of layer li (growing the buffer); returns the
+        keys and values of rows 0..at+n."""
+        end = at + k.shape[0]
+        self.reserve(li, at, end, tuple(k.shape[1:]))
         self.keys[li][at:end] = k
         self.vals[li][at:end] = v
         return self.keys[li][:end], self.vals[li][:end]
@@ -99,9 +105,13 @@ class EagleProposer(Proposer):
     reads_hidden_states = True
 
     def __init__(
-        self, head: EagleHead, max_len: int, embed_table: torch.Tensor | None = None
+        self, head: EagleHead, max_len: int, embed_table: torch.Tensor | None = None,
+        step=None,
     ) -> None:
         self.head, self.max_len = head, max_len
+        # The head's layer and drafts as C++ calls (eagle_head.compiled_step), or None: torch.
+        self.step = step
+        self._draft_emb: torch.Tensor | None = None  # built on the first compiled draft
         self.embed_table = embed_table  # the head's own [vocab, H], or None: the target's
         self.model = None  # the target, attached by the builder once it is loaded
         self.seqs: dict[str, _HeadSeq] = {}
@@ -188,6 +198,8 @@ class EagleProposer(Proposer):
             st.next_pos = st.pend_pos
         out = out[last]  # [B, H] the output at each request's newest pair
         pos = pos[last]
+        if self.step is not None:
+            return self._compiled_chain(out, pos, ready)
         kmax = max(k for _, _, _, k, _ in ready)
         drafts = [[] for _ in ready]
         alive = list(range(len(ready)))
@@ -206,6 +218,20 @@ class EagleProposer(Proposer):
                                chain_at=j)
         return drafts
 
+    def _compiled_chain(self, out: torch.Tensor, pos: torch.Tensor, ready: list) -> list[list[int]]:
+        """_draft's chain as one C++ call (HeadStep.chain): the same drafts, in the same rows."""
+        c, head = self.head.cfg, self.head
+        states = [st for _, st, *_ in ready]
+        ks = [k for _, _, _, k, _ in ready]
+        bufs = [st.reserve(0, st.klen, st.klen + max(k - 1, 1), (c.num_key_value_heads, c.head_dim))
+                for st, k in zip(states, ks)]
+        if self._draft_emb is None:  # [draft_vocab, H] fp32: a drafted token's embedding by index
+            self._draft_emb = self._embed(head.draft_to_target).float().contiguous()
+        drafts = self.step.chain(out.contiguous(), pos.long(), [k for k, _ in bufs],
+                                 [v for _, v in bufs], [st.klen for st in states], ks,
+                                 self._draft_emb, head.rope.cos, head.rope.sin)  # [B, kmax]
+        return [row[:k] for row, k in zip(drafts.tolist(), ks)]
+
     def _chain_input(self, out: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         """A chained step's hidden: eagle3 reads its own output as is, eagle1 fuses it with the
         embedding again (its fc always sees [embedding | hidden])."""
@@ -216,6 +242,8 @@ class EagleProposer(Proposer):
         rows, appended to each request's KV; else one draft row each, the chain's draft
         chain_at, kept in the scratch rows after the KV."""
         cos, sin = self.head.rope.lookup(pos, h.dtype)  # [N, 1, D/2]
+        if self.step is not None:
+            return self._compiled_layer(h, emb, cos, sin, states, sizes, chain_at)
         for li, layer in enumerate(self.head.layers):
             q, k, v = layer.qkv(h, emb, cos, sin)  # [N, Hq|Hkv, D]
             outs, o = [], 0
@@ -242,6 +270,22 @@ class EagleProposer(Proposer):
             for st, n in zip(states, sizes):
                 st.klen += n
         return h
+
+
+    def _compiled_layer(self, h, emb, cos, sin, states, sizes, chain_at) -> torch.Tensor:
+        """_layers' single layer as one C++ call (HeadStep.layer), the KV in the same buffers."""
+        c = self.head.cfg
+        at = [st.klen if chain_at is None else st.klen + chain_at for st in states]
+        bufs = [st.reserve(0, a, a + n, (c.num_key_value_heads, c.head_dim))
+                for st, a, n in zip(states, at, sizes)]
+        N = h.shape[0]
+        out = self.step.layer(h.contiguous(), emb.float().contiguous(),
+                              cos.reshape(N, -1).contiguous(), sin.reshape(N, -1).contiguous(),
+                              [k for k, _ in bufs], [v for _, v in bufs], at, list(sizes))
+        if chain_at is None:
+            for st, n in zip(states, sizes):
+                st.klen += n
+        return out
 
 
 def _one_row_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor) -> torch.Tensor:

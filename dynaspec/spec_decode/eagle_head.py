@@ -237,6 +237,30 @@ def drafting_form(head: EagleHead) -> EagleHead:
     return fast
 
 
+def compiled_step(head: EagleHead):
+    """The drafting-form head's layer and its greedy drafts as one C++ call each
+    (csrc/head_step.cpp: ~80 torch ops a chained draft become two calls), or None where the head
+    is not on that path: eagle1 (the target's lm_head), several layers, or a linear left fp32."""
+    from dynaspec.models.int8_dot import Int8DotLinear, _ext
+
+    ext = _ext()
+    if ext is None or not hasattr(ext, "HeadStep") or head.cfg.kind != "eagle3" \
+            or len(head.layers) != 1:
+        return None
+    layer = head.layers[0]
+    lins = [layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj, head.lm_head]
+    kern = [m.lin if isinstance(m, _RowsLinear) else None for m in lins]
+    if not all(isinstance(k, Int8DotLinear) and k.bias is None for k in kern):
+        return None
+    q = [ext.QLinear(k.packed, k.scales, k.mins, k.out_features, k.group_size, k.bits)
+         for k in kern]
+    norms = [t.detach().float().contiguous() for t in
+             (layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm, head.norm)]
+    c = head.cfg
+    return ext.HeadStep(*q, *norms, head.draft_to_target.long().contiguous(),
+                        c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps)
+
+
 def target_head_dtype(head) -> torch.dtype:
     """The activation dtype a target lm_head kernel takes (its parameters' or buffers' float
     dtype)."""

@@ -166,3 +166,43 @@ def test_one_row_attention_equals_sdpa_with_gqa():
     ref = F.scaled_dot_product_attention(q[:, None][None], K.transpose(0, 1)[None],
                                          V.transpose(0, 1)[None], enable_gqa=True)  # [1, 6, 1, 16]
     torch.testing.assert_close(_one_row_attention(q, K, V), ref[0].transpose(0, 1))
+
+
+@pytest.mark.skipif(not __import__("dynaspec.cpu_kernels", fromlist=["x"]).available()[0],
+                    reason="the C++ kernels are not built")
+def test_compiled_head_step_drafts_what_the_torch_layer_does(tmp_path):
+    """HeadStep (one C++ call for the layer, one for a whole chain) against the same drafting-form
+    head run op by op in torch: two requests of different lengths and K, over three steps (the
+    second and third catch up on accepted rows), the same drafts and the same head KV."""
+    from dynaspec.spec_decode.eagle_head import compiled_step, drafting_form
+
+    head, _ = load_head(write_eagle3(str(tmp_path / "h"), draft_vocab=288, scale=0.3), TARGET)
+    fast = drafting_form(head)
+    step = compiled_step(fast)
+    assert step is not None
+    g = torch.Generator().manual_seed(9)
+    table = torch.randn(288, 64, generator=g)
+    props = [EagleProposer(fast, 256, embed_table=table, step=s) for s in (None, step)]
+    toks = {rid: torch.randint(3, 288, (n,), generator=g).tolist()
+            for rid, n in (("a", 40), ("b", 14))}
+    feats = {rid: torch.randn(len(t), 192, generator=g) for rid, t in toks.items()}
+    seen = {"a": 0, "b": 0}  # tokens whose features were delivered
+    for ks, new in (([3, 1], {"a": 30, "b": 5}), ([2, 4], {"a": 3, "b": 3}),
+                    ([4, 2], {"a": 1, "b": 2})):
+        reqs = []
+        for rid in toks:
+            lo, hi = seen[rid], seen[rid] + new[rid]
+            hs = HiddenStates([rid], [0], [lo], [hi - lo], feats[rid][lo:hi])
+            for p in props:
+                p.observe_hidden(hs)
+            seen[rid] = hi
+            req = Request(rid, toks[rid][:hi], SamplingParams(temperature=0.0))
+            req.output_token_ids.append(toks[rid][hi])
+            reqs.append(req)
+        ref, got = (p.propose(reqs, ks).token_ids for p in props)
+        assert [len(d) for d in got] == ks and got == ref
+        for rid in toks:
+            a, b = (p.seqs[rid] for p in props)
+            assert a.klen == b.klen
+            torch.testing.assert_close(b.keys[0][: b.klen], a.keys[0][: a.klen],
+                                       rtol=1e-4, atol=1e-4)
