@@ -72,10 +72,10 @@ void check_rows(const torch::Tensor& t, int64_t N, int64_t H, const char* what) 
 
 class HeadStep {
  public:
-  HeadStep(QLinear qkv, QLinear o, QLinear gate_up, QLinear down, QLinear lm_head, torch::Tensor ln_emb,
-           torch::Tensor ln_hidden, torch::Tensor ln_post, torch::Tensor norm, torch::Tensor d2t, int64_t Hq,
-           int64_t Hkv, int64_t D, double eps)
-      : qkv_(std::move(qkv)), o_(std::move(o)), gate_up_(std::move(gate_up)), down_(std::move(down)),
+  HeadStep(QLinear fc, QLinear qkv, QLinear o, QLinear gate_up, QLinear down, QLinear lm_head,
+           torch::Tensor ln_emb, torch::Tensor ln_hidden, torch::Tensor ln_post, torch::Tensor norm, torch::Tensor d2t,
+           int64_t Hq, int64_t Hkv, int64_t D, double eps)
+      : fc_(std::move(fc)), qkv_(std::move(qkv)), o_(std::move(o)), gate_up_(std::move(gate_up)), down_(std::move(down)),
         lm_(std::move(lm_head)), ln_emb_(ln_emb.contiguous()), ln_hidden_(ln_hidden.contiguous()),
         ln_post_(ln_post.contiguous()), norm_(norm.contiguous()), d2t_(d2t.contiguous()), Hq_(Hq), Hkv_(Hkv),
         D_(D), eps_(eps) {
@@ -140,8 +140,29 @@ class HeadStep {
     return res + down_(silu_mul(gate_up_(m)));
   }
 
-  // Each row's greedy draft as a target id: d2t[argmax(lm_head(norm(out)))]; out [B, H] -> [B].
-  torch::Tensor draft_ids(torch::Tensor out) const { return d2t_.index_select(0, draft_index(out)); }
+  // A drafting pass for B requests in one call: fuse each request's pending target features
+  // (feats [N, feature_size], emb [N, H] the embeddings of the tokens after theirs, pos [N] their
+  // positions; sizes[b] rows each) into the head's KV at buffer rows at[b].., then chain k[b]
+  // drafts from each request's newest row (see chain; its drafts are written after those rows).
+  torch::Tensor draft(torch::Tensor feats, torch::Tensor emb, torch::Tensor pos, std::vector<int64_t> sizes,
+                      std::vector<torch::Tensor> keys, std::vector<torch::Tensor> vals, std::vector<int64_t> at,
+                      std::vector<int64_t> k, torch::Tensor emb_rows, torch::Tensor cos_table,
+                      torch::Tensor sin_table) const {
+    TORCH_CHECK(pos.scalar_type() == torch::kLong && pos.numel() == feats.size(0),
+                "HeadStep.draft: one position per feature row");
+    auto out = layer(fc_(feats.contiguous()), emb, cos_table.index_select(0, pos), sin_table.index_select(0, pos),
+                     keys, vals, at, sizes);  // [N, H]
+    std::vector<int64_t> last, next_at(at);
+    int64_t row = -1;
+    for (size_t b = 0; b < sizes.size(); ++b) {
+      row += sizes[b];
+      last.push_back(row);
+      next_at[b] += sizes[b];
+    }
+    auto sel = torch::tensor(last, torch::kLong);
+    return chain(out.index_select(0, sel), pos.index_select(0, sel), keys, vals, next_at, k, emb_rows, cos_table,
+                 sin_table);
+  }
 
   // Chained greedy drafts for B requests, the first from out [B, H] (the layer output at each
   // request's newest verified pair, position pos[b]), each next one from the layer run on the
@@ -199,7 +220,7 @@ class HeadStep {
     return argmax_rows(lm_(rms_norm(out, norm_, eps_)));
   }
 
-  QLinear qkv_, o_, gate_up_, down_, lm_;
+  QLinear fc_, qkv_, o_, gate_up_, down_, lm_;
   torch::Tensor ln_emb_, ln_hidden_, ln_post_, norm_, d2t_;
   int64_t Hq_, Hkv_, D_;
   double eps_;
@@ -208,9 +229,7 @@ class HeadStep {
 void register_head_step(pybind11::module& m) {
   namespace py = pybind11;
   py::class_<HeadStep>(m, "HeadStep", py::module_local())
-      .def(py::init<QLinear, QLinear, QLinear, QLinear, QLinear, torch::Tensor, torch::Tensor, torch::Tensor,
-                    torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, double>())
-      .def("layer", &HeadStep::layer, py::call_guard<py::gil_scoped_release>())
-      .def("draft_ids", &HeadStep::draft_ids, py::call_guard<py::gil_scoped_release>())
-      .def("chain", &HeadStep::chain, py::call_guard<py::gil_scoped_release>());
+      .def(py::init<QLinear, QLinear, QLinear, QLinear, QLinear, QLinear, torch::Tensor, torch::Tensor,
+                    torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, double>())
+      .def("draft", &HeadStep::draft, py::call_guard<py::gil_scoped_release>());
 }

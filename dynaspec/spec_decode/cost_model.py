@@ -104,9 +104,13 @@ class StepCostModel:
     def cost(self, num_reqs: int, ctx: int, width: int) -> float:
         g = self.grid
         total = 0.0
+        # Each axis's weights once: the goodput policy prices a few widths per decision, every
+        # step, and recomputing them per grid cell was most of that decision's ~130 us.
+        cws = _axis_weights(g.contexts, ctx, log=False)
+        wws = _axis_weights(g.widths, width, log=False)
         for bi, bw in _axis_weights(g.batches, num_reqs, log=True):
-            for ci, cw in _axis_weights(g.contexts, ctx, log=False):
-                for wi, ww in _axis_weights(g.widths, width, log=False):
+            for ci, cw in cws:
+                for wi, ww in wws:
                     total += bw * cw * ww * self.seconds[bi][ci][wi]
         return max(self.MIN_COST, total)
 

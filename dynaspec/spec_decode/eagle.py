@@ -111,7 +111,7 @@ class EagleProposer(Proposer):
         self.head, self.max_len = head, max_len
         # The head's layer and drafts as C++ calls (eagle_head.compiled_step), or None: torch.
         self.step = step
-        self._draft_emb: torch.Tensor | None = None  # built on the first compiled draft
+        self._draft_tables_: tuple[torch.Tensor, torch.Tensor] | None = None
         self.embed_table = embed_table  # the head's own [vocab, H], or None: the target's
         self.model = None  # the target, attached by the builder once it is loaded
         self.seqs: dict[str, _HeadSeq] = {}
@@ -188,9 +188,11 @@ class EagleProposer(Proposer):
         starts = [st.pend_pos for _, st, _, _, _ in ready]
         feats = torch.cat([st.take(use) for _, st, _, _, use in ready]).float()  # [N, F]
         toks = torch.tensor([t for _, _, tk, _, _ in ready for t in tk])
-        emb = self._embed(toks)  # [N, H]
         pos = torch.cat([torch.arange(p0, p0 + use) for p0, (*_, use) in zip(starts, ready)])
         sizes = [use for *_, use in ready]
+        if self.step is not None:
+            return self._compiled_draft(feats, toks, pos, sizes, ready)
+        emb = self._embed(toks)  # [N, H]
         h = head.fuse(feats, emb)
         out = self._layers(h, emb, pos, [st for _, st, *_ in ready], sizes, chain_at=None)
         last = torch.cumsum(torch.tensor(sizes), 0) - 1
@@ -198,8 +200,6 @@ class EagleProposer(Proposer):
             st.next_pos = st.pend_pos
         out = out[last]  # [B, H] the output at each request's newest pair
         pos = pos[last]
-        if self.step is not None:
-            return self._compiled_chain(out, pos, ready)
         kmax = max(k for _, _, _, k, _ in ready)
         drafts = [[] for _ in ready]
         alive = list(range(len(ready)))
@@ -218,19 +218,39 @@ class EagleProposer(Proposer):
                                chain_at=j)
         return drafts
 
-    def _compiled_chain(self, out: torch.Tensor, pos: torch.Tensor, ready: list) -> list[list[int]]:
-        """_draft's chain as one C++ call (HeadStep.chain): the same drafts, in the same rows."""
-        c, head = self.head.cfg, self.head
+    def _compiled_draft(self, feats: torch.Tensor, toks: torch.Tensor, pos: torch.Tensor,
+                        sizes: list[int], ready: list) -> list[list[int]]:
+        """_draft as one C++ call (HeadStep.draft: fc, the catch-up rows, the whole chain), the
+        head's KV in the same buffers: the same drafts the torch layers give."""
+        c = self.head.cfg
         states = [st for _, st, *_ in ready]
         ks = [k for _, _, _, k, _ in ready]
-        bufs = [st.reserve(0, st.klen, st.klen + max(k - 1, 1), (c.num_key_value_heads, c.head_dim))
-                for st, k in zip(states, ks)]
-        if self._draft_emb is None:  # [draft_vocab, H] fp32: a drafted token's embedding by index
-            self._draft_emb = self._embed(head.draft_to_target).float().contiguous()
-        drafts = self.step.chain(out.contiguous(), pos.long(), [k for k, _ in bufs],
-                                 [v for _, v in bufs], [st.klen for st in states], ks,
-                                 self._draft_emb, head.rope.cos, head.rope.sin)  # [B, kmax]
-        return [row[:k] for row, k in zip(drafts.tolist(), ks)]
+        row = (c.num_key_value_heads, c.head_dim)
+        bufs = [st.reserve(0, st.klen, st.klen + n + max(k - 1, 1), row)
+                for st, n, k in zip(states, sizes, ks)]
+        emb_rows, index = self._draft_tables()
+        idx = index[toks]  # [N] draft-vocabulary ids, -1 outside it
+        # Accepted drafts and most bonus tokens are in the draft vocabulary: rows of its table
+        # (the same values) instead of the target's quantized lookup, ~100 us a call.
+        emb = emb_rows[idx] if bool((idx >= 0).all()) else self._embed(toks).float()
+        drafts = self.step.draft(feats.contiguous(), emb.contiguous(), pos, sizes,
+                                 [k for k, _ in bufs], [v for _, v in bufs],
+                                 [st.klen for st in states], ks, emb_rows, self.head.rope.cos,
+                                 self.head.rope.sin)  # [B, max k]
+        for st, n in zip(states, sizes):
+            st.klen += n
+            st.next_pos = st.pend_pos
+        return [d[:k] for d, k in zip(drafts.tolist(), ks)]
+
+    def _draft_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the embedding of each draft-vocabulary token [draft_vocab, H] fp32, each target id's
+        draft-vocabulary id or -1 [vocab]), built on the first compiled draft."""
+        if self._draft_tables_ is None:
+            d2t = self.head.draft_to_target
+            index = torch.full((self.head.cfg.vocab_size,), -1, dtype=torch.long)
+            index[d2t] = torch.arange(d2t.numel())
+            self._draft_tables_ = (self._embed(d2t).float().contiguous(), index)
+        return self._draft_tables_
 
     def _chain_input(self, out: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         """A chained step's hidden: eagle3 reads its own output as is, eagle1 fuses it with the
@@ -242,8 +262,6 @@ class EagleProposer(Proposer):
         rows, appended to each request's KV; else one draft row each, the chain's draft
         chain_at, kept in the scratch rows after the KV."""
         cos, sin = self.head.rope.lookup(pos, h.dtype)  # [N, 1, D/2]
-        if self.step is not None:
-            return self._compiled_layer(h, emb, cos, sin, states, sizes, chain_at)
         for li, layer in enumerate(self.head.layers):
             q, k, v = layer.qkv(h, emb, cos, sin)  # [N, Hq|Hkv, D]
             outs, o = [], 0
@@ -270,22 +288,6 @@ class EagleProposer(Proposer):
             for st, n in zip(states, sizes):
                 st.klen += n
         return h
-
-
-    def _compiled_layer(self, h, emb, cos, sin, states, sizes, chain_at) -> torch.Tensor:
-        """_layers' single layer as one C++ call (HeadStep.layer), the KV in the same buffers."""
-        c = self.head.cfg
-        at = [st.klen if chain_at is None else st.klen + chain_at for st in states]
-        bufs = [st.reserve(0, a, a + n, (c.num_key_value_heads, c.head_dim))
-                for st, a, n in zip(states, at, sizes)]
-        N = h.shape[0]
-        out = self.step.layer(h.contiguous(), emb.float().contiguous(),
-                              cos.reshape(N, -1).contiguous(), sin.reshape(N, -1).contiguous(),
-                              [k for k, _ in bufs], [v for _, v in bufs], at, list(sizes))
-        if chain_at is None:
-            for st, n in zip(states, sizes):
-                st.klen += n
-        return out
 
 
 def _one_row_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor) -> torch.Tensor:

@@ -239,7 +239,7 @@ def drafting_form(head: EagleHead) -> EagleHead:
 
 def compiled_step(head: EagleHead):
     """The drafting-form head's layer and its greedy drafts as one C++ call each
-    (csrc/head_step.cpp: ~80 torch ops a chained draft become two calls), or None where the head
+    (csrc/head_step.cpp: fc, catch-up and the whole chain in one call), or None where the head
     is not on that path: eagle1 (the target's lm_head), several layers, or a linear left fp32."""
     from dynaspec.models.int8_dot import Int8DotLinear, _ext
 
@@ -248,7 +248,8 @@ def compiled_step(head: EagleHead):
             or len(head.layers) != 1:
         return None
     layer = head.layers[0]
-    lins = [layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj, head.lm_head]
+    lins = [head.fc, layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj,
+            head.lm_head]
     kern = [m.lin if isinstance(m, _RowsLinear) else None for m in lins]
     if not all(isinstance(k, Int8DotLinear) and k.bias is None for k in kern):
         return None

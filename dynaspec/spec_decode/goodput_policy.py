@@ -274,7 +274,7 @@ class GoodputPolicy(TablePolicy):
             return self._step_k(0, ctx, caps, {}, g is not None)
         # Under DP the lockstep step runs at the busiest rank's pace, so its size prices a width.
         num_reqs = view.num_reqs if g is None else g.max_rank_reqs
-        cost = lambda w: self.cost_model.cost(num_reqs, ctx, w)  # noqa: E731
+        cost = _widths_priced(self.cost_model, num_reqs, ctx)
         fixed: dict[str, int] = {}  # requests whose K does not follow the step's (0 or a probe)
         rows = []  # each request priced once, for its own check and the step's
         for r in view.requests:
@@ -380,3 +380,17 @@ class GoodputPolicy(TablePolicy):
         # under DP it is the K every rank agreed on (this rank's requests may all verify less).
         k = k if agreed else runnable_k(max(per.values(), default=0), self.allowed_widths)
         return StepK(k, per, reasons, ctx)
+
+
+def _widths_priced(model: StepCostModel, num_reqs: int, ctx: int):
+    """cost(width) for one decision, each width priced once: the rows' checks, the probes and
+    the candidates ask for the same few widths many times within a step."""
+    seen: dict[int, float] = {}
+
+    def cost(width: int) -> float:
+        c = seen.get(width)
+        if c is None:
+            c = seen[width] = model.cost(num_reqs, ctx, width)
+        return c
+
+    return cost
