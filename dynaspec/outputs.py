@@ -32,6 +32,9 @@ class RunnerOutput:
     results: list[RequestResult]  # in StepPlan.scheduled order
     prepare_seconds: float = 0.0
     draft_seconds: float = 0.0
+    # Of draft_seconds, the drafter's once-per-request work (an EAGLE head's prefill of a
+    # prompt): the policy's per-token drafting cost leaves it out.
+    draft_setup_seconds: float = 0.0
     forward_seconds: float = 0.0
     sample_seconds: float = 0.0
     grammar_seconds: float = 0.0  # structured output: draft checks, bitmasks, masking

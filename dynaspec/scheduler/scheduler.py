@@ -285,7 +285,8 @@ class Scheduler:
         ctx = -(-sum(s.request.num_tokens for s in out.scheduled) // len(out.scheduled))
         # The width the runner laid out from the plan before the forward, not re-derived here.
         self.policy.observe_step(len(out.scheduled), ctx, res.verified_width, res.forward_seconds
-                                 + res.sample_seconds + res.prepare_seconds, res.draft_seconds,
+                                 + res.sample_seconds + res.prepare_seconds,
+                                 res.draft_seconds - res.draft_setup_seconds,
                                  sum(r.num_draft_tokens for r in res.results),
                                  sum(len(r.token_ids) for r in res.results))
 

@@ -23,6 +23,9 @@ class Drafts:
     probs: list[torch.Tensor | None] | None
     # Per request: why it has no drafts ("no_match", ...), None when it has drafts or k_i == 0.
     skip_reasons: list[str | None]
+    # Of the call's seconds, those spent on once-per-request work (a drafter's prefill of a
+    # prompt): the goodput policy learns the per-token drafting cost without them.
+    setup_seconds: float = 0.0
 
 
 class Proposer:

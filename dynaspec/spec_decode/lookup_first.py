@@ -50,7 +50,8 @@ class LookupFirstProposer(Proposer):
         token_ids, skips = list(found.token_ids), list(found.skip_reasons)
         for i, d, why in zip(rest, more.token_ids, more.skip_reasons):
             token_ids[i], skips[i] = d, why
-        return Drafts(token_ids=token_ids, probs=None, skip_reasons=skips)
+        return Drafts(token_ids=token_ids, probs=None, skip_reasons=skips,
+                      setup_seconds=found.setup_seconds + more.setup_seconds)
 
     def forget(self, request_id: str) -> None:
         self.lookup.forget(request_id)

@@ -86,6 +86,7 @@ class PreparedStep:
     logits_proc: LogitsProcessing | None = None  # penalties, logit_bias, min_tokens, bans
     draft_seconds: float = 0.0
     prepare_seconds: float = 0.0
+    draft_setup_seconds: float = 0.0  # of draft_seconds, the drafter's once-per-request work
 
 
 class ModelRunner:
@@ -129,15 +130,18 @@ class ModelRunner:
         return g
 
     def _draft(self, out: StepPlan
-               ) -> tuple[dict[str, list[int]], dict[str, torch.Tensor | None], dict[str, str]]:
-        """Real drafts only, at most each request's cap; padding comes after the grammar."""
-        tokens, probs, skips = {}, {}, {}
+               ) -> tuple[dict[str, list[int]], dict[str, torch.Tensor | None], dict[str, str],
+                          float]:
+        """Real drafts only, at most each request's cap; padding comes after the grammar. Also
+        the drafter's once-per-request seconds (Drafts.setup_seconds)."""
+        tokens, probs, skips, setup = {}, {}, {}, 0.0
         idx = [i for i, s in enumerate(out.scheduled) if s.draft_budget > 0]
         if idx and self.proposer is not None:
             reqs = [out.scheduled[i].request for i in idx]
             drafts: Drafts = self.proposer.propose(
                 reqs, [out.scheduled[i].draft_budget for i in idx]
             )
+            setup = drafts.setup_seconds
             for j, req in enumerate(reqs):
                 d = list(drafts.token_ids[j][: out.scheduled[idx[j]].draft_budget])
                 if self.synthetic is not None:
@@ -147,7 +151,7 @@ class ModelRunner:
                     probs[req.request_id] = drafts.probs[j] if drafts.probs is not None else None
                 else:
                     skips[req.request_id] = drafts.skip_reasons[j] or "no_match"
-        return tokens, probs, skips
+        return tokens, probs, skips, setup
 
     @staticmethod
     def _pad(out: StepPlan, tokens: dict[str, list[int]], probs: dict) -> None:
@@ -172,7 +176,7 @@ class ModelRunner:
         if self.proposer is not None:
             for rid in out.preempted_ids:
                 self.proposer.preempt(rid)  # a preempted request must not keep drafter KV blocks
-        drafts, draft_probs, draft_skips = self._draft(out)
+        drafts, draft_probs, draft_skips, draft_setup = self._draft(out)
         t1 = time.perf_counter()
         num_real = {rid: len(d) for rid, d in drafts.items()}
         # Structured output: cut grammar-invalid drafts before they are verified (docs/design.md
@@ -192,7 +196,8 @@ class ModelRunner:
         # After the grammar cut: rows are processed with the drafts they actually verify.
         proc = LogitsProcessing.build(reqs, inputs.sampling, drafts, self.eos_token_ids)
         return PreparedStep(out, out.batch, inputs, drafts, draft_probs, draft_skips, num_valid,
-                            num_cut, grammar, md, proc, t1 - t0, time.perf_counter() - t1)
+                            num_cut, grammar, md, proc, t1 - t0, time.perf_counter() - t1,
+                            draft_setup)
 
     def run(self, p: PreparedStep) -> RunnerOutput:
         """The target forward and verification of a prepared step."""
@@ -212,7 +217,8 @@ class ModelRunner:
             p.grammar.commit(results)
         t4 = time.perf_counter()
         res = RunnerOutput(results, prepare_seconds=p.prepare_seconds + (t2 - t_run),
-                           draft_seconds=p.draft_seconds, forward_seconds=t3 - t2,
+                           draft_seconds=p.draft_seconds,
+                           draft_setup_seconds=p.draft_setup_seconds, forward_seconds=t3 - t2,
                            sample_seconds=t4 - t3, batch=batch,
                            verified_width=1 + max((n for _, n in p.inputs.sampling), default=0))
         if p.grammar is not None:

@@ -78,6 +78,26 @@ def test_goodput_policy_drafts_with_the_head_and_stays_lossless(tiny_llama_dir, 
     assert got == ref and llm.engine.counters.num_accepted_tokens > 0
 
 
+
+def test_the_policy_learns_the_drafting_cost_without_the_heads_prefill(tiny_llama_dir, heads,
+                                                                       prompts):
+    """A request's first drafts feed its prompt to the head (setup seconds): the goodput policy
+    is handed each step's drafting seconds less that, so a prefill is not priced per token."""
+    llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=256, speculator="eagle",
+              draft_head=heads["eagle3"], num_spec_tokens=3, cost_table=FREE_VERIFY,
+              enable_prefix_caching=False)
+    sched = llm.engine.scheduler
+    pol, observe, seen, runs = sched.policy, sched._observe_step, [], []
+    sched._observe_step = lambda out, res: (runs.append(res), observe(out, res))[1]
+    learn = pol.observe_step
+    pol.observe_step = lambda *a: (seen.append((a[4], runs[-1])), learn(*a))[1]
+    llm.generate(prompts, greedy(MAX_TOKENS, ignore_eos=True))
+    assert any(r.draft_setup_seconds > 0 for _, r in seen)  # prompts of 6-40 tokens fed apart
+    for given, r in seen:
+        assert 0 <= r.draft_setup_seconds <= r.draft_seconds
+        assert given == r.draft_seconds - r.draft_setup_seconds
+
+
 @needs_kernels
 def test_head_kv_from_accepted_rows_equals_one_pass_and_stack_capture_equals_loop(q41, heads):
     llm = LLM(model=q41, num_kv_blocks=128, speculator="eagle", draft_head=heads["copy"],

@@ -206,3 +206,34 @@ def test_compiled_head_step_drafts_what_the_torch_layer_does(tmp_path):
             assert a.klen == b.klen
             torch.testing.assert_close(b.keys[0][: b.klen], a.keys[0][: a.klen],
                                        rtol=1e-4, atol=1e-4)
+
+
+def test_a_prompt_backlog_is_fed_apart_timed_as_setup_with_the_same_drafts(tmp_path, monkeypatch):
+    """A request's first drafts feed its whole prompt to the head: those rows go in a pass of
+    their own, reported as Drafts.setup_seconds (the policy's per-token cost leaves it out), and
+    the drafts and head KV are what one pass over every row gives."""
+    from dynaspec.spec_decode import eagle
+
+    head, _ = load_head(write_eagle3(str(tmp_path / "h"), draft_vocab=288, scale=0.3), TARGET)
+    g = torch.Generator().manual_seed(4)
+    table = torch.randn(288, 64, generator=g)
+    toks = torch.randint(3, 288, (41,), generator=g).tolist()
+    feats = torch.randn(40, 192, generator=g)
+    got = []
+    for fresh in (eagle.FRESH_ROWS, 10**9):  # 10**9: nothing fed apart
+        monkeypatch.setattr(eagle, "FRESH_ROWS", fresh)
+        prop = EagleProposer(head, 256, embed_table=table)
+        prop.observe_hidden(HiddenStates(["r"], [0], [0], [40], feats))
+        req = Request("r", toks[:40], SamplingParams(temperature=0.0))
+        req.output_token_ids.append(toks[40])
+        d = prop.propose([req], [3])
+        got.append((d, prop.seqs["r"]))
+    (split, st), (whole, st_whole) = got
+    assert split.setup_seconds > 0 and whole.setup_seconds == 0
+    assert split.token_ids == whole.token_ids and len(split.token_ids[0]) == 3
+    assert st.klen == st_whole.klen == 40
+    torch.testing.assert_close(st.keys[0][:40], st_whole.keys[0][:40], rtol=1e-5, atol=1e-5)
+    # the next step's few new rows are all fresh: no setup
+    prop.observe_hidden(HiddenStates(["r"], [0], [40], [1], torch.randn(1, 192, generator=g)))
+    req.output_token_ids.append(5)
+    assert prop.propose([req], [2]).setup_seconds == 0
