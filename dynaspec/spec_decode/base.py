@@ -9,6 +9,10 @@ import torch
 
 from dynaspec.request import Request
 
+# Pending tokens a drafter feeds along with a request's drafts; older ones (a prompt, on the
+# request's first drafts) are its prefill, fed in a pass of their own and timed as setup.
+FRESH_TOKENS = 8
+
 
 @dataclass
 class Drafts:

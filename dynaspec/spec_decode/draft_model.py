@@ -8,6 +8,7 @@ accepted is kept (they are the same tokens); slots of rejected drafts are simply
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -21,7 +22,7 @@ from dynaspec.request import Request
 from dynaspec.sample.greedy import argmax_rows
 from dynaspec.sample.metadata import SamplingMetadata
 from dynaspec.sample.sampler import processed_probs
-from dynaspec.spec_decode.base import Drafts, Proposer
+from dynaspec.spec_decode.base import FRESH_TOKENS, Drafts, Proposer
 
 
 @dataclass
@@ -139,6 +140,7 @@ class DraftModelProposer(Proposer):
             seq.base, seq.fed = r.num_tokens, []
             feeds.append(r.token_slice(seq.num_computed_tokens, r.num_tokens))
             seqs.append(seq)
+        setup = self._prefill(seqs, feeds)
         max_k = max((k for _, k in active), default=0)
         live = list(range(len(active)))
         for step in range(max_k):
@@ -167,7 +169,38 @@ class DraftModelProposer(Proposer):
             live = nxt
         for seq, (r, _) in zip(seqs, active):
             seq.num_computed_tokens = r.num_tokens  # drafts' KV is re-validated next call
-        return self._pack(requests, k_per_request, out_tokens, out_probs)
+        d = self._pack(requests, k_per_request, out_tokens, out_probs)
+        d.setup_seconds = setup
+        return d
+
+    def _prefill(self, seqs: list[_DraftSeq], feeds: list[list[int]]) -> float:
+        """Feed the tokens of each request older than its newest FRESH_TOKENS (a prompt, on its
+        first drafts) in a forward of their own, trimming `feeds` to the rest; returns the
+        seconds it took (Drafts.setup_seconds). In the first draft's forward, a prompt's prefill
+        made that request's first drafts cost tens of ms a token, and the goodput policy, which
+        learns the cost from drafting steps only, then stopped drafting for good."""
+        old = [i for i, f in enumerate(feeds) if len(f) > FRESH_TOKENS
+               and self._grow(seqs[i], len(f) - FRESH_TOKENS)]
+        if not old:
+            return 0.0
+        t0 = time.perf_counter()
+        pre = [feeds[i][:-FRESH_TOKENS] for i in old]
+        qlens = [len(f) for f in pre]
+        group = [seqs[i] for i in old]
+        clens = [s.num_computed_tokens + q for s, q in zip(group, qlens)]
+        md = build_metadata(qlens, clens, [self.kv.block_table(s.request_id) for s in group],
+                            self.block_size, self.model.device)
+        dev = self.model.device
+        ids = torch.tensor([t for f in pre for t in f], dtype=torch.long, device=dev)
+        pos = torch.tensor([p for s, q in zip(group, qlens)
+                            for p in range(s.num_computed_tokens, s.num_computed_tokens + q)],
+                           dtype=torch.long, device=dev)
+        last = torch.tensor(qlens, device=dev).cumsum(0) - 1  # logits of one row each, unused
+        self.model.forward(ids, pos, self.kv_caches, md, last)
+        for i, q in zip(old, qlens):
+            seqs[i].num_computed_tokens += q
+            feeds[i] = feeds[i][q:]
+        return time.perf_counter() - t0
 
     def _grow(self, seq: _DraftSeq, n: int) -> bool:
         return seq.num_computed_tokens + n <= self.max_len and self.kv.allocate_slots(seq, n)

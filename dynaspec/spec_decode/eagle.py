@@ -24,12 +24,11 @@ import torch
 import torch.nn.functional as F
 
 from dynaspec.request import Request
-from dynaspec.spec_decode.base import Drafts, Proposer
+from dynaspec.spec_decode.base import FRESH_TOKENS, Drafts, Proposer
 from dynaspec.spec_decode.eagle_head import EagleHead
 
 HEADS_DIR = os.path.join(os.path.dirname(__file__), "heads")
 DEFAULT_HEAD = os.path.join(HEADS_DIR, "smollm2-135m-instruct")
-FRESH_ROWS = 8  # pending pairs fed with a request's drafts; older ones are fed apart (a prefill)
 
 
 @dataclass(frozen=True)
@@ -189,14 +188,14 @@ class EagleProposer(Proposer):
         return Drafts(token_ids=drafts, probs=None, skip_reasons=skips, setup_seconds=setup)
 
     def _feed_backlog(self, ready: list) -> tuple[list, float]:
-        """Feed each request's pending pairs older than its newest FRESH_ROWS (a prompt's) on
+        """Feed each request's pending pairs older than its newest FRESH_TOKENS (a prompt's) on
         their own: the head's prefill, a once-per-request cost timed apart from the drafting
         (Drafts.setup_seconds). Counted as drafting, a request's first drafts cost ~10 ms a
         token, and three such samples made the goodput policy stop drafting for good (it
         learns the cost only from steps that draft). Returns `ready` with the newest pairs, and
         the seconds that took."""
-        old = [(st, tk[: use - FRESH_ROWS], use - FRESH_ROWS)
-               for _, st, tk, _, use in ready if use > FRESH_ROWS]
+        old = [(st, tk[: use - FRESH_TOKENS], use - FRESH_TOKENS)
+               for _, st, tk, _, use in ready if use > FRESH_TOKENS]
         if not old:
             return ready, 0.0
         t0 = time.perf_counter()
@@ -209,8 +208,8 @@ class EagleProposer(Proposer):
             self._layers(self.head.fuse(feats, emb), emb, pos, states, sizes, chain_at=None)
             for st in states:
                 st.next_pos = st.pend_pos
-        return [(i, st, tk, k, use) if use <= FRESH_ROWS else
-                (i, st, tk[use - FRESH_ROWS:], k, FRESH_ROWS)
+        return [(i, st, tk, k, use) if use <= FRESH_TOKENS else
+                (i, st, tk[use - FRESH_TOKENS:], k, FRESH_TOKENS)
                 for i, st, tk, k, use in ready], time.perf_counter() - t0
 
     @staticmethod

@@ -117,3 +117,30 @@ def test_always_zero_is_the_no_speculation_path(
     assert llm.engine.runner.proposer is None, "always_zero must not load the drafter"
     assert llm.engine.pool_report() == none.engine.pool_report()
     assert got == baseline
+
+
+def test_draft_model_prefill_is_fed_apart_as_setup_with_the_same_drafts(tiny_llama_dir,
+                                                                         tiny_draft_dir,
+                                                                         monkeypatch):
+    """A request's first drafts prefill its prompt in the drafter: that forward runs on its own,
+    reported as Drafts.setup_seconds (left out of the policy's per-token cost), and the drafts
+    are the ones one forward over the whole prompt gives."""
+    from dynaspec.request import Request
+    from dynaspec.sampling_params import SamplingParams
+    from dynaspec.spec_decode import draft_model
+
+    prompt = random_prompts(1, 280, seed=9, lo=40, hi=41)[0]
+    got = []
+    for fresh in (draft_model.FRESH_TOKENS, 10**9):  # 10**9: nothing fed apart
+        monkeypatch.setattr(draft_model, "FRESH_TOKENS", fresh)
+        llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=128, speculator="draft",
+                  draft_model=tiny_draft_dir, num_spec_tokens=3)
+        prop = llm.engine.runner.proposer
+        req = Request("r", list(prompt), SamplingParams(temperature=0.0))
+        first = prop.propose([req], [3])
+        req.output_token_ids.extend(first.token_ids[0][:1] + [7])  # one accepted, a bonus
+        got.append((first, prop.propose([req], [3])))
+    (split, again), (whole, whole_again) = got
+    assert split.setup_seconds > 0 and whole.setup_seconds == 0 and again.setup_seconds == 0
+    assert split.token_ids == whole.token_ids and len(split.token_ids[0]) == 3
+    assert again.token_ids == whole_again.token_ids

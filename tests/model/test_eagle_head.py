@@ -220,8 +220,8 @@ def test_a_prompt_backlog_is_fed_apart_timed_as_setup_with_the_same_drafts(tmp_p
     toks = torch.randint(3, 288, (41,), generator=g).tolist()
     feats = torch.randn(40, 192, generator=g)
     got = []
-    for fresh in (eagle.FRESH_ROWS, 10**9):  # 10**9: nothing fed apart
-        monkeypatch.setattr(eagle, "FRESH_ROWS", fresh)
+    for fresh in (eagle.FRESH_TOKENS, 10**9):  # 10**9: nothing fed apart
+        monkeypatch.setattr(eagle, "FRESH_TOKENS", fresh)
         prop = EagleProposer(head, 256, embed_table=table)
         prop.observe_hidden(HiddenStates(["r"], [0], [0], [40], feats))
         req = Request("r", toks[:40], SamplingParams(temperature=0.0))
