@@ -53,22 +53,31 @@ class CostGrid:
         return CostGrid(batches, contexts, widths)
 
 
-def _axis_weights(axis: tuple[int, ...], value: float, log: bool) -> list[tuple[int, float]]:
-    """(index, weight) pairs interpolating `value` on `axis`; linear extrapolation outside."""
-    f = (lambda v: math.log2(max(v, 1e-9))) if log else float
-    if len(axis) == 1:
-        return [(0, 1.0)]
-    x = f(value)
-    i = bisect.bisect_right([f(a) for a in axis], x) - 1
-    i = min(max(i, 0), len(axis) - 2)
-    x0, x1 = f(axis[i]), f(axis[i + 1])
-    t = (x - x0) / (x1 - x0)
-    return [(i, 1.0 - t), (i + 1, t)]
+class _Axis:
+    """One grid axis, its points transformed once (log2 for batches): a decision prices a few
+    widths, every step, and transforming the axis on each lookup was most of its cost."""
 
+    def __init__(self, points: tuple[int, ...], log: bool) -> None:
+        self.log = log
+        self.x = [self.f(p) for p in points]
 
-def _nearest(axis: tuple[int, ...], value: float, log: bool) -> int:
-    f = (lambda v: math.log2(max(v, 1e-9))) if log else float
-    return min(range(len(axis)), key=lambda i: abs(f(axis[i]) - f(value)))
+    def f(self, v: float) -> float:
+        return math.log2(max(v, 1e-9)) if self.log else float(v)
+
+    def weights(self, value: float) -> list[tuple[int, float]]:
+        """(index, weight) pairs interpolating `value`; linear extrapolation outside."""
+        if len(self.x) == 1:
+            return [(0, 1.0)]
+        x = self.f(value)
+        i = bisect.bisect_right(self.x, x) - 1
+        i = min(max(i, 0), len(self.x) - 2)
+        x0, x1 = self.x[i], self.x[i + 1]
+        t = (x - x0) / (x1 - x0)
+        return [(i, 1.0 - t), (i + 1, t)]
+
+    def nearest(self, value: float) -> int:
+        x = self.f(value)
+        return min(range(len(self.x)), key=lambda i: abs(self.x[i] - x))
 
 
 class StepCostModel:
@@ -93,6 +102,8 @@ class StepCostModel:
         if draft_seconds_per_token is not None and draft_seconds_per_token < 0:
             raise ValueError(f"draft_seconds_per_token must be >= 0, got {draft_seconds_per_token}")
         self.grid, self.alpha, self.source = grid, alpha, source
+        self._axes = (_Axis(grid.batches, True), _Axis(grid.contexts, False),
+                      _Axis(grid.widths, False))
         self.seconds = [[list(c) for c in r] for r in seconds]
         self.num_observations = 0
         # False for an injected table (tests, a user's fixed file): served steps leave it as it
@@ -102,13 +113,11 @@ class StepCostModel:
         self.draft_seconds_per_token = draft_seconds_per_token
 
     def cost(self, num_reqs: int, ctx: int, width: int) -> float:
-        g = self.grid
+        b_axis, c_axis, w_axis = self._axes
         total = 0.0
-        # Each axis's weights once: the goodput policy prices a few widths per decision, every
-        # step, and recomputing them per grid cell was most of that decision's ~130 us.
-        cws = _axis_weights(g.contexts, ctx, log=False)
-        wws = _axis_weights(g.widths, width, log=False)
-        for bi, bw in _axis_weights(g.batches, num_reqs, log=True):
+        # Each axis's weights once, not once per grid cell they multiply.
+        cws, wws = c_axis.weights(ctx), w_axis.weights(width)
+        for bi, bw in b_axis.weights(num_reqs):
             for ci, cw in cws:
                 for wi, ww in wws:
                     total += bw * cw * ww * self.seconds[bi][ci][wi]
@@ -119,9 +128,8 @@ class StepCostModel:
         by the model's own ratio, so one observation off-grid corrects its neighbourhood."""
         if not seconds > 0 or not self.learn:
             return
-        g = self.grid
-        bi, ci, wi = (_nearest(g.batches, num_reqs, True), _nearest(g.contexts, ctx, False),
-                      _nearest(g.widths, width, False))
+        b_axis, c_axis, w_axis = self._axes
+        bi, ci, wi = b_axis.nearest(num_reqs), c_axis.nearest(ctx), w_axis.nearest(width)
         here = self.cost(num_reqs, ctx, width)
         at_point = self.seconds[bi][ci][wi]
         target = seconds * at_point / here
