@@ -25,6 +25,7 @@ class RequestResult:
     # the request alone finishes with an error; the sampled token was dropped.
     grammar_dead_end: bool = False
     num_async_invalid_tokens: int = 0  # budgeted slots invalid under async ("async_placeholder")
+    drafts_from_fallback: bool = False  # its drafts came from the drafter's fallback (a head)
 
 
 @dataclass
@@ -35,6 +36,7 @@ class RunnerOutput:
     # Of draft_seconds, the drafter's once-per-request work (an EAGLE head's prefill of a
     # prompt): the policy's per-token drafting cost leaves it out.
     draft_setup_seconds: float = 0.0
+    draft_fallback_seconds: float = 0.0  # of draft_seconds, a fallback drafter's (setup excluded)
     forward_seconds: float = 0.0
     sample_seconds: float = 0.0
     grammar_seconds: float = 0.0  # structured output: draft checks, bitmasks, masking

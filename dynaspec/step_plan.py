@@ -53,6 +53,9 @@ class ScheduledRequest:
     # Async scheduling: budgeted draft slots found invalid once the previous step's tokens were
     # known (its caps dropped); they go down the invalid-draft channel ("async_placeholder").
     num_async_invalid: int = 0
+    # A drafter with a fallback (lookup first, then a head): the fallback's own cap, <=
+    # draft_budget; None, the same cap (a policy that does not price the fallback apart).
+    fallback_budget: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -276,12 +276,14 @@ class LockstepPolicy:
         return self.inner.decide(view)
 
     def observe(self, request_id: str, num_drafted: int, num_accepted: int, ctx: int,
-                cap: int = 0) -> None:
-        self.inner.observe(request_id, num_drafted, num_accepted, ctx, cap)
+                cap: int = 0, fallback: bool = False) -> None:
+        self.inner.observe(request_id, num_drafted, num_accepted, ctx, cap, fallback)
 
     def observe_step(self, num_reqs: int, ctx: int, width: int, target_seconds: float,
-                     draft_seconds: float, num_drafted: int, num_emitted: int) -> None:
-        """Held back: sent with the next exchange and applied, gathered, on every rank."""
+                     draft_seconds: float, num_drafted: int, num_emitted: int,
+                     fallback_seconds: float = 0.0, fallback_drafted: int = 0) -> None:
+        """Held back: sent with the next exchange and applied, gathered, on every rank. A
+        fallback is not priced apart under DP (the K is agreed from engine-wide state)."""
         self.agreement.pending_obs = (num_reqs, ctx, width, target_seconds, draft_seconds,
                                       num_drafted, num_emitted)
 

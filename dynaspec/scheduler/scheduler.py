@@ -152,13 +152,16 @@ class Scheduler:
             decision = width.decide(self.policy, view, reserved_k)
         entries = []
         for r in rows:
-            budget, reason = r.lookahead, r.reason
+            budget, reason, fallback = r.lookahead, r.reason, None
             if decision is not None:
-                budget, reason = width.cap(r.lookahead, r.reason, decision, r.request.request_id)
+                rid = r.request.request_id
+                budget, reason = width.cap(r.lookahead, r.reason, decision, rid)
+                if rid in decision.fallback:
+                    fallback = min(budget, decision.fallback[rid])
             entries.append(ScheduledRequest(
                 request=r.request, num_new_tokens=r.num_new_tokens, draft_budget=budget,
                 skip_reason=reason, block_table=self.kv.block_table(r.request.request_id),
-                sampling=r.sampling, num_lookahead=r.lookahead))
+                sampling=r.sampling, num_lookahead=r.lookahead, fallback_budget=fallback))
         return (None if decision is None else decision.k), entries
 
     def _schedule_running(self, rows: list[_Row], preempted: list[str], budget: int,
@@ -258,8 +261,11 @@ class Scheduler:
             if status is None:
                 self.kv.cache_full_blocks(req, req.num_computed_tokens)
                 if self.policy is not None:
+                    cap = s.draft_budget - s.num_async_invalid
+                    if r.drafts_from_fallback and s.fallback_budget is not None:
+                        cap = min(cap, s.fallback_budget)
                     self.policy.observe(req.request_id, r.num_draft_tokens, r.num_accepted_tokens,
-                                        req.num_tokens, s.draft_budget - s.num_async_invalid)
+                                        req.num_tokens, cap, fallback=r.drafts_from_fallback)
             else:
                 self.finish_request(req.request_id, status)
             updates.append(StepUpdate(req, emitted, r, status is not None))
@@ -284,11 +290,14 @@ class Scheduler:
             return  # prefill chunks in the step: not the shape the cost model describes
         ctx = -(-sum(s.request.num_tokens for s in out.scheduled) // len(out.scheduled))
         # The width the runner laid out from the plan before the forward, not re-derived here.
+        fallback = [r for r in res.results if r.drafts_from_fallback]
         self.policy.observe_step(len(out.scheduled), ctx, res.verified_width, res.forward_seconds
                                  + res.sample_seconds + res.prepare_seconds,
                                  res.draft_seconds - res.draft_setup_seconds,
                                  sum(r.num_draft_tokens for r in res.results),
-                                 sum(len(r.token_ids) for r in res.results))
+                                 sum(len(r.token_ids) for r in res.results),
+                                 fallback_seconds=res.draft_fallback_seconds,
+                                 fallback_drafted=sum(r.num_draft_tokens for r in fallback))
 
     def _append_checked(
         self, req: Request, tokens: list[int]
@@ -338,7 +347,8 @@ class Scheduler:
             if plan.step_k is not None and s.draft_budget > 0:
                 cap, why, cut = width.recap_cap(plan.step_k, self._view(s.request), s.draft_budget)
                 if cut:
-                    s = replace(s, draft_budget=cap, skip_reason=why,
+                    fb = None if s.fallback_budget is None else min(s.fallback_budget, cap)
+                    s = replace(s, draft_budget=cap, skip_reason=why, fallback_budget=fb,
                                 num_async_invalid=s.num_async_invalid + cut)
             kept.append(s)
         return replace(plan, scheduled=tuple(kept))

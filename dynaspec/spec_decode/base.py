@@ -30,6 +30,11 @@ class Drafts:
     # Of the call's seconds, those spent on once-per-request work (a drafter's prefill of a
     # prompt): the goodput policy learns the per-token drafting cost without them.
     setup_seconds: float = 0.0
+    # A drafter with a fallback (lookup first, then a head): per request, whether the fallback
+    # drafted it, and the fallback's seconds (its setup excluded). The goodput policy keeps the
+    # two apart: one history for both priced the lookup's matches at the head's rate.
+    from_fallback: list[bool] | None = None
+    fallback_seconds: float = 0.0
 
 
 class Proposer:
@@ -48,8 +53,14 @@ class Proposer:
     # evidence does), so a cap below the plan's only cuts drafts it was sure of: the goodput
     # policy then gives a request its whole cap or none.
     sizes_own_drafts: bool = False
+    # True when a second drafter drafts where the first finds nothing (lookup_first.py): it then
+    # takes a cap of its own per request (`fallback_k`), which the goodput policy prices apart.
+    has_fallback: bool = False
 
-    def propose(self, requests: Sequence[Request], k_per_request: Sequence[int]) -> Drafts:
+    def propose(self, requests: Sequence[Request], k_per_request: Sequence[int],
+                fallback_k: Sequence[int] | None = None) -> Drafts:
+        """Drafts of at most k_per_request[i] tokens per request (a drafter with a fallback:
+        fallback_k[i] where the fallback drafts; None, the same caps)."""
         raise NotImplementedError
 
     def forget(self, request_id: str) -> None:

@@ -123,6 +123,19 @@ class StepCostModel:
                     total += bw * cw * ww * self.seconds[bi][ci][wi]
         return max(self.MIN_COST, total)
 
+    def widths_priced(self, num_reqs: int, ctx: int):
+        """cost(width) at these requests and context, each width priced once: one decision's
+        row checks, probes and candidates ask for the same few widths many times."""
+        seen: dict[int, float] = {}
+
+        def cost(width: int) -> float:
+            c = seen.get(width)
+            if c is None:
+                c = seen[width] = self.cost(num_reqs, ctx, width)
+            return c
+
+        return cost
+
     def observe(self, num_reqs: int, ctx: int, width: int, seconds: float) -> None:
         """Move the nearest grid point toward an observed step, scaled to that point's shape
         by the model's own ratio, so one observation off-grid corrects its neighbourhood."""

@@ -44,6 +44,7 @@ from dataclasses import dataclass, replace
 
 from dynaspec.spec_decode.acceptance import FULL_LENGTHS, AcceptanceHistory, DraftLengths
 from dynaspec.spec_decode.cost_model import StepCostModel
+from dynaspec.spec_decode.fallback_pricing import FallbackPricer
 from dynaspec.spec_decode.k_policy import (
     RequestView,
     StepK,
@@ -92,6 +93,9 @@ class GoodputSettings:
     # 0.924x of always drafting 4 (docs/benchmarks.md, sixth session).
     request_alpha: float = 0.1
     request_prior_weight: float = 2.0
+    # The drafter has a fallback (Proposer.has_fallback: lookup first, a head second): its
+    # acceptance, cost and cap are priced apart (fallback_pricing.py).
+    prices_fallback: bool = False
 
     def __post_init__(self) -> None:
         for name in ("prior_rate", "probe_rate"):
@@ -182,6 +186,7 @@ class GoodputPolicy(TablePolicy):
         self.synthetic = (
             _FixedRates(*settings.synthetic_rates) if settings.synthetic_rates else None
         )
+        self.fallback = FallbackPricer(settings) if settings.prices_fallback else None
 
     # ---- writers: called with a step's results --------------------------------------------
     def new_history(self) -> AcceptanceHistory:
@@ -192,8 +197,11 @@ class GoodputPolicy(TablePolicy):
                                  prior_weight=self.settings.request_prior_weight)
 
     def observe(self, request_id: str, num_drafted: int, num_accepted: int, ctx: int,
-                cap: int = 0) -> None:
+                cap: int = 0, fallback: bool = False) -> None:
         self._version += 1
+        if fallback and self.fallback is not None:
+            self.fallback.observe(request_id, num_drafted, num_accepted, ctx)
+            return
         super().observe(request_id, num_drafted, num_accepted, ctx, cap)
         if num_drafted:
             self.engine_history.update(num_drafted, num_accepted)
@@ -207,13 +215,21 @@ class GoodputPolicy(TablePolicy):
         super().forget(request_id)
         self.last_draft_ctx.pop(request_id, None)
         self.lengths.pop(request_id, None)
+        if self.fallback is not None:
+            self.fallback.forget(request_id)
 
     def num_cached(self) -> int:
-        return len(self.histories.keys() | self.last_draft_ctx.keys() | self.lengths.keys())
+        own = len(self.histories.keys() | self.last_draft_ctx.keys() | self.lengths.keys())
+        return own + (self.fallback.num_cached() if self.fallback is not None else 0)
 
     def observe_step(self, num_reqs: int, ctx: int, width: int, target_seconds: float,
-                     draft_seconds: float, num_drafted: int, num_emitted: int) -> None:
+                     draft_seconds: float, num_drafted: int, num_emitted: int,
+                     fallback_seconds: float = 0.0, fallback_drafted: int = 0) -> None:
         self._version += 1
+        if self.fallback is not None:  # the lookup's cost per drafted token without the head's
+            self.fallback.observe_cost(fallback_seconds, fallback_drafted)
+            draft_seconds -= fallback_seconds
+            num_drafted -= fallback_drafted
         self.cost_model.observe(num_reqs, ctx, width, target_seconds)
         seconds = target_seconds + draft_seconds
         if self.last_modelled_goodput is not None and seconds > 0:
@@ -274,7 +290,7 @@ class GoodputPolicy(TablePolicy):
             return self._step_k(0, ctx, caps, {}, g is not None)
         # Under DP the lockstep step runs at the busiest rank's pace, so its size prices a width.
         num_reqs = view.num_reqs if g is None else g.max_rank_reqs
-        cost = _widths_priced(self.cost_model, num_reqs, ctx)
+        cost = self.cost_model.widths_priced(num_reqs, ctx)
         fixed: dict[str, int] = {}  # requests whose K does not follow the step's (0 or a probe)
         rows = []  # each request priced once, for its own check and the step's
         for r in view.requests:
@@ -295,7 +311,10 @@ class GoodputPolicy(TablePolicy):
             # the guard's re-probe: one narrow K>0 step
             best_k, fixed = runnable_k(1, self.allowed_widths), {}
         self.last_modelled_goodput = best
-        return self._step_k(best_k, ctx, caps, fixed, g is not None)
+        fallback = {} if self.fallback is None or g is not None else {
+            r.request_id: self.fallback.cap(r, caps[r.request_id][0], cost)
+            for r in view.requests}
+        return self._step_k(best_k, ctx, caps, fixed, g is not None, fallback)
 
     def _shared_goodput(self, num_reqs: int, k: int, cost) -> float:
         """Data parallel: the step's K from state every rank holds identically (the global view,
@@ -366,10 +385,14 @@ class GoodputPolicy(TablePolicy):
         return pricing.tokens(k) / seconds
 
     def _step_k(self, k: int, ctx: int, caps: dict, fixed: dict[str, int],
-                agreed: bool = False) -> StepK:
+                agreed: bool = False, fallback: dict[str, int] | None = None) -> StepK:
         per = self._per_request(caps, fixed, k)
         if agreed:  # a probe cannot widen the step the ranks agreed on (K=0: no forward width)
             per = {rid: min(n, k) for rid, n in per.items()}
+        # A request may verify as many drafts as either drafter is allowed (its fallback's cap
+        # is its own, no wider than its hard cap).
+        fallback = fallback or {}
+        per = {rid: max(n, fallback.get(rid, 0)) for rid, n in per.items()}
         reasons = {}
         for rid, (cap, why) in caps.items():
             if per[rid] < cap:
@@ -379,18 +402,4 @@ class GoodputPolicy(TablePolicy):
         # The step's K: the widest any request verifies, rounded up to a width the plan runs;
         # under DP it is the K every rank agreed on (this rank's requests may all verify less).
         k = k if agreed else runnable_k(max(per.values(), default=0), self.allowed_widths)
-        return StepK(k, per, reasons, ctx)
-
-
-def _widths_priced(model: StepCostModel, num_reqs: int, ctx: int):
-    """cost(width) for one decision, each width priced once: the rows' checks, the probes and
-    the candidates ask for the same few widths many times within a step."""
-    seen: dict[int, float] = {}
-
-    def cost(width: int) -> float:
-        c = seen.get(width)
-        if c is None:
-            c = seen[width] = model.cost(num_reqs, ctx, width)
-        return c
-
-    return cost
+        return StepK(k, per, reasons, ctx, fallback)

@@ -50,10 +50,11 @@ class KPolicy(Protocol):
     def decide(self, view: StepView) -> StepK: ...
 
     def observe(self, request_id: str, num_drafted: int, num_accepted: int, ctx: int,
-                cap: int = 0) -> None: ...
+                cap: int = 0, fallback: bool = False) -> None: ...
 
     def observe_step(self, num_reqs: int, ctx: int, width: int, target_seconds: float,
-                     draft_seconds: float, num_drafted: int, num_emitted: int) -> None: ...
+                     draft_seconds: float, num_drafted: int, num_emitted: int,
+                     fallback_seconds: float = 0.0, fallback_drafted: int = 0) -> None: ...
 
     def forget(self, request_id: str) -> None: ...
 
@@ -86,16 +87,18 @@ class TablePolicy:
         return AcceptanceHistory()
 
     def observe(self, request_id: str, num_drafted: int, num_accepted: int, ctx: int,
-                cap: int = 0) -> None:
+                cap: int = 0, fallback: bool = False) -> None:
         """A verified step's outcome for one request; `cap` is the drafts it was allowed
-        (0: unknown), so a drafter's own stops can be told from the cap's."""
+        (0: unknown), so a drafter's own stops can be told from the cap's; `fallback`: the
+        drafter's fallback drafted them (kept apart only by a policy that prices it)."""
         if self.keeps_history and num_drafted:
             if request_id not in self.histories:
                 self.histories[request_id] = self.new_history()
             self.histories[request_id].update(num_drafted, num_accepted)
 
     def observe_step(self, num_reqs: int, ctx: int, width: int, target_seconds: float,
-                     draft_seconds: float, num_drafted: int, num_emitted: int) -> None:
+                     draft_seconds: float, num_drafted: int, num_emitted: int,
+                     fallback_seconds: float = 0.0, fallback_drafted: int = 0) -> None:
         """Step timings, for policies with a cost model; the table has none."""
 
     def goodput_report(self) -> tuple[float | None, float | None]:

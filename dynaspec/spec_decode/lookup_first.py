@@ -13,7 +13,9 @@ verification treats both as one-hot: lossless as either alone.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 from dynaspec.request import Request
 from dynaspec.spec_decode.base import Drafts, Proposer
@@ -21,6 +23,7 @@ from dynaspec.spec_decode.base import Drafts, Proposer
 
 class LookupFirstProposer(Proposer):
     reads_hidden_states = True
+    has_fallback = True
 
     def __init__(self, lookup: Proposer, head: Proposer) -> None:
         if lookup.reads_hidden_states or not head.reads_hidden_states:
@@ -38,20 +41,27 @@ class LookupFirstProposer(Proposer):
     def observe_hidden(self, hs) -> None:  # type: ignore[no-untyped-def]
         self.head.observe_hidden(hs)
 
-    def propose(self, requests: Sequence[Request], k_per_request: Sequence[int]) -> Drafts:
+    def propose(self, requests: Sequence[Request], k_per_request: Sequence[int],
+                fallback_k: Sequence[int] | None = None) -> Drafts:
+        head_k = k_per_request if fallback_k is None else fallback_k
+        if len(head_k) != len(requests):
+            raise ValueError(f"{len(requests)} requests but {len(head_k)} fallback k values")
         found = self.lookup.propose(requests, k_per_request)
-        rest = [i for i, (d, k) in enumerate(zip(found.token_ids, k_per_request))
-                if k > 0 and not d]
+        from_head = [False] * len(requests)
+        rest = [i for i, (d, k) in enumerate(zip(found.token_ids, head_k)) if k > 0 and not d]
         if not rest:
-            return found
-        more = self.head.propose([requests[i] for i in rest], [k_per_request[i] for i in rest])
+            return replace(found, from_fallback=from_head)
+        t0 = time.perf_counter()
+        more = self.head.propose([requests[i] for i in rest], [head_k[i] for i in rest])
+        head_seconds = time.perf_counter() - t0 - more.setup_seconds
         if more.probs is not None:
             raise ValueError("lookup-first drafting needs a deterministic head (greedy drafts)")
         token_ids, skips = list(found.token_ids), list(found.skip_reasons)
         for i, d, why in zip(rest, more.token_ids, more.skip_reasons):
-            token_ids[i], skips[i] = d, why
+            token_ids[i], skips[i], from_head[i] = d, why, bool(d)
         return Drafts(token_ids=token_ids, probs=None, skip_reasons=skips,
-                      setup_seconds=found.setup_seconds + more.setup_seconds)
+                      setup_seconds=found.setup_seconds + more.setup_seconds,
+                      from_fallback=from_head, fallback_seconds=head_seconds)
 
     def forget(self, request_id: str) -> None:
         self.lookup.forget(request_id)

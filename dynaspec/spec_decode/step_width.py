@@ -108,6 +108,9 @@ class StepK:
     per_request: dict[str, int]  # request_id -> drafts allowed this step (<= k)
     reasons: dict[str, str]  # request_id -> why its cap is below k (metrics.stats.SKIP_REASONS)
     ctx_stat: int  # the context statistic used for the lookup
+    # request_id -> the fallback drafter's cap (<= per_request), where the policy prices a
+    # drafter's fallback apart (goodput with lookup-first drafting); absent: per_request's.
+    fallback: dict[str, int] = field(default_factory=dict)
 
 
 class Decider(Protocol):

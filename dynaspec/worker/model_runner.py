@@ -87,6 +87,21 @@ class PreparedStep:
     draft_seconds: float = 0.0
     prepare_seconds: float = 0.0
     draft_setup_seconds: float = 0.0  # of draft_seconds, the drafter's once-per-request work
+    # A drafter with a fallback: the requests the fallback drafted, and its seconds.
+    draft_fallback: frozenset[str] = frozenset()
+    draft_fallback_seconds: float = 0.0
+
+
+@dataclass
+class _StepDrafts:
+    """What the drafter gave a step, per request id (real drafts only, before any padding)."""
+
+    tokens: dict[str, list[int]]
+    probs: dict[str, torch.Tensor | None]
+    skips: dict[str, str]
+    setup_seconds: float = 0.0  # Drafts.setup_seconds
+    fallback: frozenset[str] = frozenset()  # requests the fallback drafted
+    fallback_seconds: float = 0.0
 
 
 class ModelRunner:
@@ -129,29 +144,36 @@ class ModelRunner:
             self.generators[req.request_id] = g
         return g
 
-    def _draft(self, out: StepPlan
-               ) -> tuple[dict[str, list[int]], dict[str, torch.Tensor | None], dict[str, str],
-                          float]:
-        """Real drafts only, at most each request's cap; padding comes after the grammar. Also
-        the drafter's once-per-request seconds (Drafts.setup_seconds)."""
-        tokens, probs, skips, setup = {}, {}, {}, 0.0
+    def _draft(self, out: StepPlan) -> _StepDrafts:
+        """Real drafts only, at most each request's cap; padding comes after the grammar."""
+        got = _StepDrafts({}, {}, {})
         idx = [i for i, s in enumerate(out.scheduled) if s.draft_budget > 0]
-        if idx and self.proposer is not None:
-            reqs = [out.scheduled[i].request for i in idx]
-            drafts: Drafts = self.proposer.propose(
-                reqs, [out.scheduled[i].draft_budget for i in idx]
-            )
-            setup = drafts.setup_seconds
-            for j, req in enumerate(reqs):
-                d = list(drafts.token_ids[j][: out.scheduled[idx[j]].draft_budget])
-                if self.synthetic is not None:
-                    d = self.synthetic.cut(d)  # no coin-flip EOS (see SyntheticVerifier)
-                if d:
-                    tokens[req.request_id] = d
-                    probs[req.request_id] = drafts.probs[j] if drafts.probs is not None else None
-                else:
-                    skips[req.request_id] = drafts.skip_reasons[j] or "no_match"
-        return tokens, probs, skips, setup
+        if not idx or self.proposer is None:
+            return got
+        sched = [out.scheduled[i] for i in idx]
+        reqs = [s.request for s in sched]
+        ks = [s.draft_budget for s in sched]
+        if self.proposer.has_fallback:
+            fks = [s.draft_budget if s.fallback_budget is None else s.fallback_budget
+                   for s in sched]
+            drafts: Drafts = self.proposer.propose(reqs, ks, fallback_k=fks)
+        else:
+            drafts = self.proposer.propose(reqs, ks)
+        got.setup_seconds, got.fallback_seconds = drafts.setup_seconds, drafts.fallback_seconds
+        fallback = set()
+        for j, req in enumerate(reqs):
+            d = list(drafts.token_ids[j][: ks[j]])
+            if self.synthetic is not None:
+                d = self.synthetic.cut(d)  # no coin-flip EOS (see SyntheticVerifier)
+            if d:
+                got.tokens[req.request_id] = d
+                got.probs[req.request_id] = drafts.probs[j] if drafts.probs is not None else None
+                if drafts.from_fallback is not None and drafts.from_fallback[j]:
+                    fallback.add(req.request_id)
+            else:
+                got.skips[req.request_id] = drafts.skip_reasons[j] or "no_match"
+        got.fallback = frozenset(fallback)
+        return got
 
     @staticmethod
     def _pad(out: StepPlan, tokens: dict[str, list[int]], probs: dict) -> None:
@@ -176,7 +198,8 @@ class ModelRunner:
         if self.proposer is not None:
             for rid in out.preempted_ids:
                 self.proposer.preempt(rid)  # a preempted request must not keep drafter KV blocks
-        drafts, draft_probs, draft_skips, draft_setup = self._draft(out)
+        got = self._draft(out)
+        drafts, draft_probs, draft_skips = got.tokens, got.probs, got.skips
         t1 = time.perf_counter()
         num_real = {rid: len(d) for rid, d in drafts.items()}
         # Structured output: cut grammar-invalid drafts before they are verified (docs/design.md
@@ -197,7 +220,7 @@ class ModelRunner:
         proc = LogitsProcessing.build(reqs, inputs.sampling, drafts, self.eos_token_ids)
         return PreparedStep(out, out.batch, inputs, drafts, draft_probs, draft_skips, num_valid,
                             num_cut, grammar, md, proc, t1 - t0, time.perf_counter() - t1,
-                            draft_setup)
+                            got.setup_seconds, got.fallback, got.fallback_seconds)
 
     def run(self, p: PreparedStep) -> RunnerOutput:
         """The target forward and verification of a prepared step."""
@@ -218,7 +241,9 @@ class ModelRunner:
         t4 = time.perf_counter()
         res = RunnerOutput(results, prepare_seconds=p.prepare_seconds + (t2 - t_run),
                            draft_seconds=p.draft_seconds,
-                           draft_setup_seconds=p.draft_setup_seconds, forward_seconds=t3 - t2,
+                           draft_setup_seconds=p.draft_setup_seconds,
+                           draft_fallback_seconds=p.draft_fallback_seconds,
+                           forward_seconds=t3 - t2,
                            sample_seconds=t4 - t3, batch=batch,
                            verified_width=1 + max((n for _, n in p.inputs.sampling), default=0))
         if p.grammar is not None:
@@ -353,6 +378,7 @@ class ModelRunner:
             rid = req.request_id
             valid = p.num_valid.get(rid, 0)
             r.num_draft_tokens, r.num_accepted_tokens = valid, len(toks) - 1
+            r.drafts_from_fallback = valid > 0 and rid in p.draft_fallback
             # Slots cut (by the grammar, or found invalid under async scheduling) are pads on a
             # fixed-shape row and not in the row at all on eager; each counts under its reason.
             r.num_async_invalid_tokens = out.scheduled[i].num_async_invalid

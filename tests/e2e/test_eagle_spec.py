@@ -90,7 +90,7 @@ def test_the_policy_learns_the_drafting_cost_without_the_heads_prefill(tiny_llam
     pol, observe, seen, runs = sched.policy, sched._observe_step, [], []
     sched._observe_step = lambda out, res: (runs.append(res), observe(out, res))[1]
     learn = pol.observe_step
-    pol.observe_step = lambda *a: (seen.append((a[4], runs[-1])), learn(*a))[1]
+    pol.observe_step = lambda *a, **kw: (seen.append((a[4], runs[-1])), learn(*a, **kw))[1]
     llm.generate(prompts, greedy(MAX_TOKENS, ignore_eos=True))
     assert any(r.draft_setup_seconds > 0 for _, r in seen)  # prompts of 6-40 tokens fed apart
     for given, r in seen:

@@ -373,3 +373,31 @@ def test_a_view_seen_again_with_nothing_observed_reuses_the_decision(monkeypatch
     assert len(calls) == 2
     feed(p, "a", 4, 0, ctx=101, times=20)  # observations: priced again, and it changed its mind
     assert p.decide(view(rv("a", ctx=101))).k < first.k and len(calls) == 3
+
+
+def test_a_fallback_is_priced_apart_from_the_lookup():
+    """Lookup-first drafting: the head's rejected drafts cut the head's own cap, not the
+    lookup's, whose matches keep the request's K (one history for both cut the request to 0)."""
+    settings = GoodputSettings(prices_fallback=True)
+    costs = cost_model(lambda w: 0.01 * (1 + 0.05 * (w - 1)))  # a wider verify costs 5% a row
+    p = GoodputPolicy(build_spec_plan("ngram", 3, None), costs, settings)
+    shared = GoodputPolicy(build_spec_plan("ngram", 3, None), costs)
+    for pol in (p, shared):
+        for _ in range(4):  # the lookup matches one step in five (chat), every draft accepted
+            pol.observe("a", 3, 3, ctx=100)
+            pol.observe_step(1, 100, 4, 0.0115, 0.0, 3, 4)
+            for _ in range(4):  # the head drafts the others, rejected, at 2 ms a token
+                pol.observe("a", 1, 0, ctx=100, fallback=True)
+                pol.observe_step(1, 100, 2, 0.0105, 0.002, 1, 1, fallback_seconds=0.002,
+                                 fallback_drafted=1)
+    d = p.decide(view(rv("a", ctx=101)))
+    assert d.per_request == {"a": 3} and d.fallback == {"a": 0}
+    assert shared.decide(view(rv("a", ctx=101))).per_request == {"a": 0}  # the mixed history
+    # A head accepted at its first position gets a cap of its own; a probe once it is stale.
+    for _ in range(8):
+        p.observe("b", 1, 1, ctx=100, fallback=True)
+    assert p.decide(view(rv("b", ctx=101))).fallback["b"] >= 1
+    assert p.decide(view(rv("a", ctx=100 + settings.probe_interval))).fallback == {"a": 1}
+    p.forget("a")
+    p.forget("b")
+    assert p.num_cached() == 0

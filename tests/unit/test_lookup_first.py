@@ -69,3 +69,16 @@ def test_refuses_a_head_that_drafts_with_probabilities():
 def test_refuses_a_pair_in_the_wrong_roles():
     with pytest.raises(ValueError, match="lookup drafter"):
         LookupFirstProposer(_Fake({}, hidden=True), _Fake({}, hidden=True))
+
+
+def test_the_head_drafts_within_its_own_cap_and_is_reported_as_the_fallback():
+    lookup = _Fake({"a": [7, 8, 9]}, hidden=False)
+    head = _Fake({"b": [4, 5, 6], "c": [1, 2]}, hidden=True)
+    p = LookupFirstProposer(lookup, head)
+    assert p.has_fallback
+    d = p.propose([_req("a"), _req("b"), _req("c")], [3, 3, 2], fallback_k=[0, 1, 0])
+    assert d.token_ids == [[7, 8, 9], [4], []]
+    assert head.asked == [("b", 1)]  # "c": its fallback cap is 0, so the head is not asked
+    assert d.from_fallback == [False, True, False] and d.fallback_seconds >= 0
+    with pytest.raises(ValueError, match="fallback k"):
+        p.propose([_req("a")], [3], fallback_k=[1, 1])

@@ -15,7 +15,7 @@ import torch
 from dynaspec.outputs import RunnerOutput
 from dynaspec.request import Request, RequestStatus
 from dynaspec.sampling_params import SamplingParams
-from dynaspec.spec_decode.base import Drafts
+from dynaspec.spec_decode.base import Drafts, Proposer
 from dynaspec.step_plan import BatchDescriptor, ScheduledRequest, StepPlan
 from dynaspec.worker.model_runner import ModelRunner
 
@@ -69,7 +69,7 @@ class StubExecutor:
         self.failed.append(key)
 
 
-class StubProposer:
+class StubProposer(Proposer):
     def __init__(self, drafts: dict[str, list[int]]) -> None:
         self.drafts = drafts
         self.asked: dict[str, int] = {}
