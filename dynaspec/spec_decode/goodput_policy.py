@@ -54,7 +54,12 @@ from dynaspec.spec_decode.k_policy import (
     hard_cap,
 )
 from dynaspec.spec_decode.plan import SpecPlan
-from dynaspec.spec_decode.step_pricing import PricedRow, StepPricing, price_row
+from dynaspec.spec_decode.step_pricing import (
+    PricedRow,
+    StepPricing,
+    one_row_seconds,
+    price_row,
+)
 from dynaspec.spec_decode.step_width import runnable_k
 
 log = logging.getLogger("dynaspec")
@@ -364,12 +369,14 @@ class GoodputPolicy(TablePolicy):
 
     def _pays(self, row: PricedRow, cost) -> bool:
         """Would any k <= the row's cap beat plain decode if every request drafted like it?"""
-        pricing = self._pricing([row], cost)
         plain = 1.0 / cost(1)
         ks = [row.limit] if self.settings.whole_cap else range(1, row.limit + 1)
+        follow = self.settings.widths_follow_drafts
         # the same margin decide() needs to prefer a K over plain, so a row that ties is cut
         # (and re-probed) rather than left following a step that runs K=0 anyway
-        return any(pricing.tokens(k) / pricing.seconds(k) > plain * (1 + 1e-9) for k in ks)
+        return any((1.0 + row.accepted[min(k, row.limit)])
+                   / one_row_seconds(row, k, cost, self._runnable, follow) > plain * (1 + 1e-9)
+                   for k in ks)
 
     def _probe_due(self, r: RequestView, ceiling: int, cost) -> bool:
         last = self.last_draft_ctx.get(r.request_id)

@@ -93,3 +93,22 @@ class StepPricing:
                 total += (at_most - below) * self.cost(1 + self.runnable(depth))
                 below = at_most
         return total
+
+
+def one_row_seconds(row: PricedRow, k: int, cost: Callable[[int], float],
+                    runnable: Callable[[int], int], widths_follow_drafts: bool) -> float:
+    """StepPricing([row], ...).seconds(k) for one row that follows K, without building the
+    pricing: the same arithmetic in the same order. The goodput policy checks every request
+    alone each decision (~25 us a request at batch 32 built the long way)."""
+    assert row.follows, "one_row_seconds prices a row that follows the step's K"
+    top = min(k, row.limit)
+    if not widths_follow_drafts:
+        return cost(1 + runnable(top))
+    total, below = 0.0, 0.0
+    for depth in range(top + 1):
+        at_most = 1.0 if depth == top else 1.0 * (1.0 - row.survival[depth])
+        if at_most > below:
+            total += (at_most - below) * cost(1 + runnable(depth))
+            below = at_most
+    return total
+

@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from dynaspec.spec_decode.step_pricing import StepPricing, price_row
+from dynaspec.spec_decode.step_pricing import StepPricing, one_row_seconds, price_row
 
 
 def cost(width: int) -> float:
@@ -72,3 +72,16 @@ def test_padded_widths_cost_the_cap_whatever_the_drafts():
     rows = [price_row(lambda i: 0.5, [0.1] * 3, 3, True)]
     assert StepPricing(rows, cost, ident, widths_follow_drafts=False).seconds(3) == cost(4)
     assert StepPricing(rows, cost, ident, widths_follow_drafts=True).seconds(3) < cost(2)
+
+
+@pytest.mark.parametrize("follow", [True, False])
+def test_one_row_seconds_is_the_pricing_of_that_row_alone_bit_for_bit(follow):
+    """The policy's per-request check skips building a StepPricing for one row: the same
+    floats, at every K, on both width models."""
+    for follows, limit, surv, rates in ROWS:
+        if not follows:
+            continue
+        row = price_row(lambda i, r=rates: r[i], surv, limit, True)
+        pricing = StepPricing([row], cost, ident, follow)
+        for k in range(0, limit + 2):
+            assert one_row_seconds(row, k, cost, ident, follow) == pricing.seconds(k)
