@@ -164,9 +164,8 @@ def build_engine_parts(config: EngineConfig,
     structured = StructuredOutputManager(so.structured_output_backend, loaded.tokenizer,
                                          arch.vocab_size, loaded.eos_token_ids,
                                          so.structured_any_whitespace)
-    plan, proposer, drafter_tokens, drafter_max_len = _plan_and_proposer(config, arch.vocab_size,
-                                                                         device, dtype, structured,
-                                                                         arch)
+    plan, proposer, drafter_tokens, drafter_max_len = _plan_and_proposer(
+        config, arch.vocab_size, device, dtype, structured, arch, max_model_len)
     weights = WeightPlan(
         quant, mc.quant_dense_above, dtype, device, mc.dense_row_buckets, mc.linear_kernel
     )
@@ -218,7 +217,7 @@ def build_engine_parts(config: EngineConfig,
 
 def _plan_and_proposer(config: EngineConfig, vocab_size: int, device: torch.device,
                        dtype: torch.dtype, structured: StructuredOutputManager,
-                       arch: ModelArchConfig):
+                       arch: ModelArchConfig, max_model_len: int):
     """The plan is built before the drafter (always_zero loads none), then rebuilt with the
     drafter's own K limit so clamping and classification see it; a drafter whose limit makes
     the plan always_zero is dropped again."""
@@ -226,7 +225,8 @@ def _plan_and_proposer(config: EngineConfig, vocab_size: int, device: torch.devi
     plan = build_spec_plan(sc.speculator, sc.num_spec_tokens, sc.k_schedule)
     proposer, drafter_tokens, drafter_max_len = None, 0, None
     if plan.speculating:  # always_zero loads no drafter
-        drafter = build_drafter(config, DrafterTarget(arch, device, dtype, structured))
+        drafter = build_drafter(config, DrafterTarget(arch, device, dtype, structured,
+                                                      max_model_len + plan.max_k + 1))
         proposer, drafter_tokens, drafter_max_len = (drafter.proposer, drafter.kv_tokens,
                                                      drafter.max_len)
     limit = proposer.k_limit if proposer is not None else None

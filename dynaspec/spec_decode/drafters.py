@@ -27,6 +27,9 @@ class DrafterTarget:
     device: torch.device
     dtype: torch.dtype
     grammar: Any = None  # the structured-output manager, for drafters with `uses_grammar`
+    # Positions the engine may run, drafts included (0: the target's max_position_embeddings);
+    # past that under --allow-long-max-model-len.
+    max_positions: int = 0
 
 
 @dataclass(frozen=True)
@@ -84,7 +87,7 @@ def build_eagle(config: EngineConfig, target: DrafterTarget) -> DrafterBuild:
                              "the default (train one with: dynaspec train-draft-head --model M "
                              "--out DIR)")
         path = DEFAULT_HEAD
-    head, emb = load_head(path, arch)
+    head, emb = load_head(path, arch, target.max_positions)
     c = head.cfg
     log.info("EAGLE drafter: %s head from %s (draft vocabulary %d, target layers %s)", c.kind,
              path, c.draft_vocab_size, ",".join(map(str, c.aux_layers)))
@@ -92,7 +95,7 @@ def build_eagle(config: EngineConfig, target: DrafterTarget) -> DrafterBuild:
     if target.device.type == "cpu":
         head = drafting_form(head)
         step = compiled_step(head)
-    prop = EagleProposer(head, arch.max_position_embeddings, emb, step)
+    prop = EagleProposer(head, c.max_positions, emb, step)
     if config.spec.eagle_lookup == "none":
         return DrafterBuild(prop)
     from dynaspec.spec_decode.lookup_first import LookupFirstProposer

@@ -44,7 +44,8 @@ def _layer_prefix(sd: dict) -> str:
     return "midlayer." if any(k.startswith("midlayer.") for k in sd) else "layers.0."
 
 
-def head_config(path: str, sd: dict, target: ModelArchConfig) -> HeadConfig:
+def head_config(path: str, sd: dict, target: ModelArchConfig,
+                max_positions: int = 0) -> HeadConfig:
     """The head's config from its config.json and tensor shapes, checked against the target."""
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
         c = json.load(f)
@@ -81,7 +82,9 @@ def head_config(path: str, sd: dict, target: ModelArchConfig) -> HeadConfig:
         rope_theta=c.get("rope_theta", 10000.0),
         rope_scaling=tuple(sorted(scaling.items())) if scaling else None,
         num_layers=n_layers,
-        max_positions=target.max_position_embeddings,
+        # RoPE is defined at any position: cover every one the engine may run (past the
+        # target's table under --allow-long-max-model-len), not the target's trained length.
+        max_positions=max(target.max_position_embeddings, max_positions),
     )
     check_fits(hc, sd, target, path)
     return hc
@@ -151,10 +154,12 @@ def _renames(c: HeadConfig, p: str) -> dict[str, str]:
     return names
 
 
-def load_head(path: str, target: ModelArchConfig) -> tuple[EagleHead, torch.Tensor | None]:
-    """(the head in fp32, its own embedding table or None to use the target's)."""
+def load_head(path: str, target: ModelArchConfig, max_positions: int = 0
+              ) -> tuple[EagleHead, torch.Tensor | None]:
+    """(the head in fp32, its own embedding table or None to use the target's). max_positions:
+    the positions the engine may run, drafts included (0: the target's trained length)."""
     sd = read_weights(path)
-    c = head_config(path, sd, target)
+    c = head_config(path, sd, target, max_positions)
     head = EagleHead(c)
     own = head.state_dict()
     loaded = {}

@@ -139,3 +139,22 @@ def test_lookup_first_eagle_equals_no_speculation(tiny_llama_dir, heads, prompts
     _, alone = _run(tiny_llama_dir, prompts, dtype="float32", speculator=lookup,
                     num_spec_tokens=3)
     assert 0 < alone.num_draft_tokens < c.num_draft_tokens  # the head drafts where it finds none
+
+
+def test_eagle_drafts_past_the_targets_position_table(tiny_llama_dir, tmp_path):
+    """The head's RoPE table covers every position the engine may run (a context past the
+    target's max_position_embeddings under --allow-long-max-model-len), so drafting there is
+    lossless instead of an index error that ends the step."""
+    import json
+    import os
+
+    with open(os.path.join(tiny_llama_dir, "config.json"), encoding="utf-8") as f:
+        mpe = json.load(f)["max_position_embeddings"]
+    head = write_eagle3(str(tmp_path / "h"), scale=0.3)
+    prompt = random_prompts(1, 280, seed=3, lo=mpe + 8, hi=mpe + 9)[0]
+    kw = dict(model=tiny_llama_dir, dtype="float32", num_kv_blocks=256,
+              max_model_len=2 * mpe, allow_long_max_model_len=True)
+    ref = LLM(**kw).generate([prompt], greedy(16, ignore_eos=True))[0].token_ids
+    llm = LLM(**kw, speculator="eagle", draft_head=head, num_spec_tokens=3, k_policy="table")
+    got = llm.generate([prompt], greedy(16, ignore_eos=True))[0].token_ids
+    assert got == ref and llm.engine.counters.num_draft_tokens > 0
