@@ -3,6 +3,8 @@ verified step (docs/design.md §3)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 class AcceptanceHistory:
     """Per request: EMA of the conditional acceptance rate at each draft position.
@@ -60,12 +62,17 @@ class AcceptanceHistory:
         return self.rates[min(position, len(self.rates) - 1)]
 
     def expected_accepted(self, k: int) -> float:
-        """Expected accepted drafts out of k: sum over j of P(first j drafts all accepted)."""
-        total, survive = 0.0, 1.0
-        for i in range(k):
-            survive *= self.rate(i)
-            total += survive
-        return total
+        return expected_accepted(self.rate, k)
+
+
+def expected_accepted(rate: Callable[[int], float], k: int) -> float:
+    """Expected accepted drafts out of k from conditional rates rate(i): sum over j of P(first j
+    drafts all accepted)."""
+    total, survive = 0.0, 1.0
+    for i in range(k):
+        survive *= rate(i)
+        total += survive
+    return total
 
 
 class DraftLengths:

@@ -186,17 +186,7 @@ class DraftModelProposer(Proposer):
         t0 = time.perf_counter()
         pre = [feeds[i][:-FRESH_TOKENS] for i in old]
         qlens = [len(f) for f in pre]
-        group = [seqs[i] for i in old]
-        clens = [s.num_computed_tokens + q for s, q in zip(group, qlens)]
-        md = build_metadata(qlens, clens, [self.kv.block_table(s.request_id) for s in group],
-                            self.block_size, self.model.device)
-        dev = self.model.device
-        ids = torch.tensor([t for f in pre for t in f], dtype=torch.long, device=dev)
-        pos = torch.tensor([p for s, q in zip(group, qlens)
-                            for p in range(s.num_computed_tokens, s.num_computed_tokens + q)],
-                           dtype=torch.long, device=dev)
-        last = torch.tensor(qlens, device=dev).cumsum(0) - 1  # logits of one row each, unused
-        self.model.forward(ids, pos, self.kv_caches, md, last)
+        self._logits([seqs[i] for i in old], pre)  # the KV is what counts; the logits are unused
         for i, q in zip(old, qlens):
             seqs[i].num_computed_tokens += q
             feeds[i] = feeds[i][q:]
@@ -205,7 +195,9 @@ class DraftModelProposer(Proposer):
     def _grow(self, seq: _DraftSeq, n: int) -> bool:
         return seq.num_computed_tokens + n <= self.max_len and self.kv.allocate_slots(seq, n)
 
-    def _forward(self, seqs: list[_DraftSeq], feeds: list[list[int]], reqs: list[Request]):
+    def _logits(self, seqs: list[_DraftSeq], feeds: list[list[int]]) -> torch.Tensor:
+        """One forward of each sequence's fed tokens into its KV: the logits at each one's last
+        token [len(seqs), vocab]."""
         qlens = [len(f) for f in feeds]
         clens = [s.num_computed_tokens + q for s, q in zip(seqs, qlens)]
         md = build_metadata(qlens, clens, [self.kv.block_table(s.request_id) for s in seqs],
@@ -216,7 +208,10 @@ class DraftModelProposer(Proposer):
         pos = torch.tensor([p for s, q in zip(seqs, qlens) for p in range(s.num_computed_tokens,
                             s.num_computed_tokens + q)], dtype=torch.long, device=self.model.device)
         last = torch.tensor(qlens, device=self.model.device).cumsum(0) - 1
-        logits = self.model.forward(ids, pos, self.kv_caches, md, last)  # [num_reqs, vocab]
+        return self.model.forward(ids, pos, self.kv_caches, md, last)
+
+    def _forward(self, seqs: list[_DraftSeq], feeds: list[list[int]], reqs: list[Request]):
+        logits = self._logits(seqs, feeds)  # [num_reqs, vocab]
         if self.grammar is not None:
             self.grammar.mask_draft_logits(reqs, logits)
         greedy = [r.sampling_params.greedy for r in reqs]

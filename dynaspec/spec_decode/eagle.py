@@ -203,11 +203,7 @@ class EagleProposer(Proposer):
         if self.step is not None:
             self._compiled_draft(*self._inputs(old), states, [0] * len(old))
         else:
-            feats, toks, pos, sizes = self._inputs(old)
-            emb = self._embed(toks)  # [N, H]
-            self._layers(self.head.fuse(feats, emb), emb, pos, states, sizes, chain_at=None)
-            for st in states:
-                st.next_pos = st.pend_pos
+            self._catch_up(*self._inputs(old), states)
         return [(i, st, tk, k, use) if use <= FRESH_TOKENS else
                 (i, st, tk[use - FRESH_TOKENS:], k, FRESH_TOKENS)
                 for i, st, tk, k, use in ready], time.perf_counter() - t0
@@ -230,12 +226,8 @@ class EagleProposer(Proposer):
         feats, toks, pos, sizes = self._inputs([(st, tk, use) for _, st, tk, _, use in ready])
         if self.step is not None:
             return self._compiled_draft(feats, toks, pos, sizes, states, ks)
-        emb = self._embed(toks)  # [N, H]
-        h = head.fuse(feats, emb)
-        out = self._layers(h, emb, pos, states, sizes, chain_at=None)
+        out = self._catch_up(feats, toks, pos, sizes, states)
         last = torch.cumsum(torch.tensor(sizes), 0) - 1
-        for st in states:  # the pairs taken are in the head's KV now
-            st.next_pos = st.pend_pos
         out = out[last]  # [B, H] the output at each request's newest pair
         pos = pos[last]
         kmax = max(ks)
@@ -255,6 +247,16 @@ class EagleProposer(Proposer):
             out = self._layers(h, e, pos, [states[r] for r in alive], [1] * len(alive),
                                chain_at=j)
         return drafts
+
+    def _catch_up(self, feats: torch.Tensor, toks: torch.Tensor, pos: torch.Tensor,
+                  sizes: list[int], states: list[_HeadSeq]) -> torch.Tensor:
+        """The torch layers over pending pairs taken from `states` (`sizes` rows each), into
+        each one's KV; returns the layer outputs [N, H]."""
+        emb = self._embed(toks)  # [N, H]
+        out = self._layers(self.head.fuse(feats, emb), emb, pos, states, sizes, chain_at=None)
+        for st in states:  # the pairs taken are in the head's KV now
+            st.next_pos = st.pend_pos
+        return out
 
     def _compiled_draft(self, feats: torch.Tensor, toks: torch.Tensor, pos: torch.Tensor,
                         sizes: list[int], states: list[_HeadSeq], ks: list[int]
@@ -281,7 +283,7 @@ class EagleProposer(Proposer):
 
     def _draft_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(the embedding of each draft-vocabulary token [draft_vocab, H] fp32, each target id's
-        draft-vocabulary id or -1 [vocab]), built on the first compiled draft."""
+        draft-vocabulary id or -1 [vocab]), built once (at attach)."""
         if self._draft_tables_ is None:
             d2t = self.head.draft_to_target
             index = torch.full((self.head.cfg.vocab_size,), -1, dtype=torch.long)

@@ -20,7 +20,7 @@ import statistics
 from collections import deque
 from typing import TYPE_CHECKING
 
-from dynaspec.spec_decode.acceptance import AcceptanceHistory
+from dynaspec.spec_decode.acceptance import AcceptanceHistory, expected_accepted
 from dynaspec.spec_decode.step_width import RequestView
 
 if TYPE_CHECKING:
@@ -72,7 +72,7 @@ class FallbackPricer:
         rate = self._rate(r.request_id)
         best_k, best = 0, 1.0 / cost(1)
         for k in range(1, limit + 1):
-            value = (1.0 + _expected(rate, k)) / (cost(1 + k) + self.seconds_per_token * k)
+            value = (1.0 + expected_accepted(rate, k)) / (cost(1 + k) + self.seconds_per_token * k)
             if value > best * (1 + 1e-9):
                 best_k, best = k, value
         if best_k:
@@ -92,11 +92,3 @@ class FallbackPricer:
         own = h.rates
         return lambda i: own[i] if i < len(own) else below(i)
 
-
-def _expected(rate, k: int) -> float:
-    """Expected accepted drafts out of k from conditional per-position rates."""
-    total, survive = 0.0, 1.0
-    for i in range(k):
-        survive *= rate(i)
-        total += survive
-    return total

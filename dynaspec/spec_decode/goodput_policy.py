@@ -42,7 +42,12 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, replace
 
-from dynaspec.spec_decode.acceptance import FULL_LENGTHS, AcceptanceHistory, DraftLengths
+from dynaspec.spec_decode.acceptance import (
+    FULL_LENGTHS,
+    AcceptanceHistory,
+    DraftLengths,
+    expected_accepted,
+)
 from dynaspec.spec_decode.cost_model import StepCostModel
 from dynaspec.spec_decode.fallback_pricing import FallbackPricer
 from dynaspec.spec_decode.k_policy import (
@@ -138,11 +143,7 @@ class _FixedRates:
         return self._rates[min(position, len(self._rates) - 1)]
 
     def expected_accepted(self, k: int) -> float:
-        total, survive = 0.0, 1.0
-        for i in range(k):
-            survive *= self.rate(i)
-            total += survive
-        return total
+        return expected_accepted(self.rate, k)
 
 
 class _Deeper:
