@@ -79,7 +79,8 @@ class FallbackPricer:
             return best_k
         last = self.last_ctx.get(r.request_id)
         stale = last is None or r.context_len - last >= self.settings.probe_interval
-        probe = (1.0 + self.settings.probe_rate) / (cost(2) + self.seconds_per_token)
+        rate = self.settings.probe_rates(self.engine_history)(0)
+        probe = (1.0 + rate) / (cost(2) + self.seconds_per_token)
         return 1 if stale and probe > (1.0 / cost(1)) * (1 + 1e-9) else 0
 
     def _rate(self, request_id: str):

@@ -15,8 +15,13 @@ changes nothing; ``observe*`` calls, made after a step's result, are the only wr
 Requests that stop paying (their own acceptance makes drafting a loss at this batch's costs)
 get 0 drafts, and are re-probed with one draft once ``probe_interval`` tokens have passed since
 they last verified a draft, so a recovery is seen. A probe is only worth it where drafting could
-pay at all: if even ``probe_rate`` acceptance at every position would lose at these costs, no
-request probes and the step stays at K = 0. A new request probes on its first decode step.
+pay at all: if even the probe's rates would lose at these costs, no request probes and the step
+stays at K = 0. A new request probes on its first decode step. The probe's rates are
+``probe_rate`` until the engine has seen ``probe_evidence`` drafting steps, then the engine's own
+rates plus ``probe_headroom`` (at most ``probe_rate``): an EAGLE head accepted at ~0.3 at c16
+probed every new request at the optimistic rate, and each probe fed the request's whole prompt
+to the head (1.1 s of a 17.9 s run, docs/benchmarks.md, eleventh session) for drafts the policy
+then cut.
 
 Divergence guard: when the decisions' modelled goodput and the goodput the same steps gave
 stay apart by more than ``divergence_bound`` (a factor) for ``divergence_steps`` decode steps
@@ -40,6 +45,7 @@ from __future__ import annotations
 import logging
 import statistics
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from dynaspec.spec_decode.acceptance import (
@@ -74,6 +80,10 @@ log = logging.getLogger("dynaspec")
 class GoodputSettings:
     prior_rate: float = 0.6  # per-position acceptance assumed before anything is observed
     probe_rate: float = 0.8  # acceptance at which a probe is judged worth its cost
+    # Once the engine has this much evidence, probes are priced at its rates + the headroom
+    # (a request may do better than the engine's mean; lookups vary far more than that).
+    probe_evidence: int = 64
+    probe_headroom: float = 0.25
     probe_interval: int = 16  # tokens without a verified draft before a request is re-probed
     # The drafter's seconds per drafted token: the median of its last `draft_cost_window`
     # drafting steps, taken as 0 until `draft_cost_min_samples` exist. An EMA seeded by the first
@@ -108,7 +118,7 @@ class GoodputSettings:
     prices_fallback: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("prior_rate", "probe_rate"):
+        for name in ("prior_rate", "probe_rate", "probe_headroom"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if any(not 0.0 <= r <= 1.0 for r in self.synthetic_rates):
@@ -116,8 +126,9 @@ class GoodputSettings:
         if not 1 <= self.draft_cost_min_samples <= self.draft_cost_window:
             raise ValueError("need 1 <= draft_cost_min_samples <= draft_cost_window, got "
                              f"{self.draft_cost_min_samples} and {self.draft_cost_window}")
-        if self.probe_interval < 1:
-            raise ValueError(f"probe_interval must be >= 1, got {self.probe_interval}")
+        if self.probe_interval < 1 or self.probe_evidence < 0:
+            raise ValueError("need probe_interval >= 1 and probe_evidence >= 0, got "
+                             f"{self.probe_interval} and {self.probe_evidence}")
         if (
             not self.divergence_bound > 1.0
             or self.divergence_steps < 1
@@ -126,6 +137,16 @@ class GoodputSettings:
             raise ValueError(
                 "need divergence_bound > 1, divergence_steps >= 1, reprobe_interval >= 1"
             )
+
+
+    def probe_rates(self, engine: AcceptanceHistory) -> Callable[[int], float]:
+        """rate(position) a probe is priced at: ``probe_rate`` until ``engine`` has
+        ``probe_evidence`` updates, then the engine's own rates plus ``probe_headroom``, never
+        above ``probe_rate``. A request may do better than the engine's mean, so a probe keeps
+        some optimism; none at all where the engine has shown the drafter far below it."""
+        if engine.num_updates < self.probe_evidence:
+            return lambda _i: self.probe_rate
+        return lambda i: min(self.probe_rate, engine.rate(i) + self.probe_headroom)
 
 
 def _ema(old: float | None, new: float, alpha: float = 0.1) -> float:
@@ -299,11 +320,17 @@ class GoodputPolicy(TablePolicy):
         cost = self.cost_model.widths_priced(num_reqs, ctx)
         fixed: dict[str, int] = {}  # requests whose K does not follow the step's (0 or a probe)
         rows = []  # each request priced once, for its own check and the step's
+        probe_pays = None  # the same for every request: priced once, when first needed
         for r in view.requests:
             rid, cap = r.request_id, caps[r.request_id][0]
             row = self._row(r, cap)
             if cap > 0 and not self._pays(row, cost):
-                fixed[rid] = 1 if self._probe_due(r, ceiling, cost) else 0
+                probe = 0
+                if self._stale(r):
+                    if probe_pays is None:
+                        probe_pays = self._pays(self._probe_row(ceiling), cost)
+                    probe = int(probe_pays)
+                fixed[rid] = probe
                 row = replace(row, follows=False, limit=min(fixed[rid], cap))
             rows.append(row)
         pricing = None if g is not None else self._pricing(rows, cost)
@@ -379,11 +406,13 @@ class GoodputPolicy(TablePolicy):
                    / one_row_seconds(row, k, cost, self._runnable, follow) > plain * (1 + 1e-9)
                    for k in ks)
 
-    def _probe_due(self, r: RequestView, ceiling: int, cost) -> bool:
+    def _stale(self, r: RequestView) -> bool:
         last = self.last_draft_ctx.get(r.request_id)
-        stale = last is None or r.context_len - last >= self.settings.probe_interval
-        probe = self._row(r, ceiling, _FixedRates(self.settings.probe_rate), FULL_LENGTHS)
-        return stale and self._pays(probe, cost)
+        return last is None or r.context_len - last >= self.settings.probe_interval
+
+    def _probe_row(self, ceiling: int) -> PricedRow:
+        rates = self.settings.probe_rates(self.engine_history)
+        return price_row(rates, FULL_LENGTHS.survival(ceiling), ceiling, True)
 
     def _per_request(self, caps: dict, fixed: dict[str, int], k: int) -> dict[str, int]:
         return {rid: min(fixed.get(rid, k), cap) for rid, (cap, _) in caps.items()}

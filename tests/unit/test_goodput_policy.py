@@ -401,3 +401,39 @@ def test_a_fallback_is_priced_apart_from_the_lookup():
     p.forget("a")
     p.forget("b")
     assert p.num_cached() == 0
+
+
+def _engine_at(p: GoodputPolicy, rate_tenths: int, times: int, fallback: bool = False) -> None:
+    """`times` one-draft steps from other requests, accepted `rate_tenths` in ten."""
+    for i in range(times):
+        p.observe(f"old{i}", 1, int(i % 10 < rate_tenths), ctx=100, fallback=fallback)
+        p.forget(f"old{i}")
+
+
+@pytest.mark.parametrize("fallback", [False, True])
+def test_a_probe_is_priced_at_the_engines_rates_once_they_are_known(fallback):
+    """A new request probes at the optimistic rate while the engine knows little, and not where
+    the engine has seen the drafter accepted far below what would pay (an EAGLE head at ~0.3:
+    each probe fed the request's prompt to the head for drafts then cut)."""
+    settings = GoodputSettings(prices_fallback=fallback)
+    costs = cost_model(lambda w: 0.01 * (1 + 0.6 * (w - 1)))  # 0.8 pays at K=1, 0.55 does not
+
+    def probes(times: int, rate_tenths: int) -> int:
+        p = GoodputPolicy(build_spec_plan("ngram", 3, None), costs, settings)
+        _engine_at(p, rate_tenths, times, fallback)
+        engine = p.fallback.engine_history if fallback else p.engine_history
+        assert engine.num_updates == times
+        d = p.decide(view(rv("new", ctx=101)))
+        return d.fallback.get("new", 0) if fallback else d.per_request["new"]
+
+    n = settings.probe_evidence
+    assert probes(n - 1, 3) == 1  # too little evidence yet: the optimistic probe
+    assert probes(4 * n, 3) == 0  # a drafter at ~0.3: 0.3 + headroom does not pay, no probe
+    assert probes(4 * n, 9) >= 1  # a drafter at ~0.9: drafts (its prior pays, or a probe)
+
+
+def test_probe_settings_are_checked():
+    with pytest.raises(ValueError, match="probe_headroom"):
+        GoodputSettings(probe_headroom=1.5)
+    with pytest.raises(ValueError, match="probe_evidence"):
+        GoodputSettings(probe_evidence=-1)
