@@ -237,3 +237,51 @@ def test_a_prompt_backlog_is_fed_apart_timed_as_setup_with_the_same_drafts(tmp_p
     prop.observe_hidden(HiddenStates(["r"], [0], [40], [1], torch.randn(1, 192, generator=g)))
     req.output_token_ids.append(5)
     assert prop.propose([req], [2]).setup_seconds == 0
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_backlog_fed_in_short_passes_gives_the_same_drafts_and_kv(tmp_path, monkeypatch,
+                                                                    compiled):
+    """Backlogs are fed in passes of at most CATCH_UP_ROWS rows (one pass over 16 prompts faulted
+    in ~300 MB of fresh pages a call): two requests split across passes that also share them give
+    the drafts and head KV one pass gives."""
+    from dynaspec.spec_decode import eagle
+    from dynaspec.spec_decode.eagle_head import compiled_step, drafting_form
+
+    head, _ = load_head(write_eagle3(str(tmp_path / "h"), draft_vocab=288, scale=0.3), TARGET)
+    fast = drafting_form(head)
+    step = compiled_step(fast) if compiled else None
+    g = torch.Generator().manual_seed(5)
+    table = torch.randn(288, 64, generator=g)
+    toks = {"a": torch.randint(3, 288, (41,), generator=g).tolist(),
+            "b": torch.randint(3, 288, (27,), generator=g).tolist()}
+    feats = {rid: torch.randn(len(t) - 1, 192, generator=g) for rid, t in toks.items()}
+    got = []
+    for rows in (7, 10**9):
+        monkeypatch.setattr(eagle, "CATCH_UP_ROWS", rows)
+        prop = EagleProposer(fast, 256, embed_table=table, step=step)
+        reqs = []
+        for rid, t in toks.items():
+            prop.observe_hidden(HiddenStates([rid], [0], [0], [len(t) - 1], feats[rid]))
+            req = Request(rid, t[:-1], SamplingParams(temperature=0.0))
+            req.output_token_ids.append(t[-1])
+            reqs.append(req)
+        got.append((prop.propose(reqs, [3, 2]), prop.seqs))
+    (short, seqs), (whole, seqs_whole) = got
+    assert short.token_ids == whole.token_ids and [len(d) for d in short.token_ids] == [3, 2]
+    for rid, t in toks.items():
+        a, b = seqs[rid], seqs_whole[rid]
+        assert a.klen == b.klen == len(t) - 1
+        torch.testing.assert_close(a.keys[0][: a.klen], b.keys[0][: b.klen], rtol=1e-4, atol=1e-4)
+
+
+def test_backlog_passes_cover_every_row_once_in_order():
+    from dynaspec.spec_decode.eagle import _pieces
+
+    items = [("a", list(range(10)), 10), ("b", list(range(3)), 3), ("c", list(range(6)), 6)]
+    pieces = list(_pieces(items, 4))
+    assert all(sum(n for *_, n in p) <= 4 for p in pieces)
+    assert all(len({st for st, *_ in p}) == len(p) for p in pieces)  # a request once a pass
+    for st, tk, n in items:
+        rows = [t for p in pieces for s, ts, m in p if s == st for t in ts]
+        assert rows == tk and sum(m for p in pieces for s, _, m in p if s == st) == n
