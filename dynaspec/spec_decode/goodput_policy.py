@@ -82,7 +82,7 @@ class GoodputSettings:
     probe_rate: float = 0.8  # acceptance at which a probe is judged worth its cost
     # Once the engine has this much evidence, probes are priced at its rates + the headroom
     # (a request may do better than the engine's mean; lookups vary far more than that).
-    probe_evidence: int = 64
+    probe_evidence: int = 32  # the rate's standard error is then <= 0.09, well inside the headroom
     probe_headroom: float = 0.25
     probe_interval: int = 16  # tokens without a verified draft before a request is re-probed
     # The drafter's seconds per drafted token: the median of its last `draft_cost_window`
