@@ -34,6 +34,7 @@ def _case(query_lens, ctx, hkv, g_heads, d, dtype, seed, bs=BS):
     ([2, 3], [9, 30], 2, 3, 64),  # verifies the kernel takes
     ([9], [40], 3, 3, 64),  # a batch-1 verify: its queries split in two tiles for the threads
     ([2, 20, 1], [7, 29, 50], 2, 2, 16),  # a prefill chunk (long path) between decodes
+    ([1, 1, 3, 1, 2, 1], [9, 30, 17, 4, 22, 13], 3, 3, 64),  # a batch wider than the threads
 ])
 def test_cpu_paged_matches_eager(query_lens, ctx, hkv, g_heads, d, dtype, tol):
     tables, q, k, v, cache = _case(query_lens, ctx, hkv, g_heads, d, dtype, seed=len(ctx) + d)
@@ -76,6 +77,23 @@ def test_a_rows_result_does_not_depend_on_its_step(dtype, bs, d):
             rows = slice(end - width, end)
             got = _run(fast, q[rows], k[rows], v[rows], c, [width], [end], tables[:1], bs=bs)
             assert torch.equal(got, full[rows]), (width, end)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_wide_decode_batch_gives_each_row_what_it_gets_alone(dtype):
+    """A decode/verify batch wider than the threads (each thread a contiguous range of
+    (request, KV head) items) gives each row the bits the same request's step alone gives (its
+    queries then split in two tiles for the threads)."""
+    fast = get_backend("cpu_paged")
+    widths, ctx = [1, 1, 3, 1, 2, 1, 1, 4], [37, 5, 60, 16, 23, 41, 9, 30]
+    tables, q, k, v, cache = _case(widths, ctx, 3, 3, 64, dtype, seed=11, bs=16)
+    out = _run(fast, q, k, v, cache.clone(), widths, ctx, tables, bs=16)
+    start = 0
+    for w, c, table in zip(widths, ctx, tables):
+        rows = slice(start, start + w)
+        alone = _run(fast, q[rows], k[rows], v[rows], cache.clone(), [w], [c], [table], bs=16)
+        assert torch.equal(out[rows], alone), (w, c)
+        start += w
 
 
 def test_sliding_window_matches_a_masked_reference():
