@@ -351,11 +351,16 @@ void gemm(const T* x, const Packed& p, int64_t M, T* y, Isa isa) {
   }
   const int64_t tiles = p.N / TILE;
   // ~8 tiles per task keeps both threads busy on the 576-wide matrices (36 tiles).
+  // Row chunks outer, each thread's tiles inner: neighbouring tiles write the two halves of each
+  // output cache line one after the other (tiles outer wrote a line's halves a whole pass over
+  // the rows apart, each partial write missing), and a chunk's activations stay in cache across
+  // the tiles. The tiles' weights (at most a few hundred KB a thread) are re-read from L2 per
+  // chunk; the first chunk streams them from memory (with the prefetch of rows_avx512).
   at::parallel_for(0, tiles, 8, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(std::min<int64_t>(M, ROW_CHUNK) * TILE);
-    for (int64_t tile = begin; tile < end; ++tile) {
-      for (int64_t m0 = 0; m0 < M; m0 += ROW_CHUNK) {
-        const int64_t rows = std::min<int64_t>(ROW_CHUNK, M - m0);
+    for (int64_t m0 = 0; m0 < M; m0 += ROW_CHUNK) {
+      const int64_t rows = std::min<int64_t>(ROW_CHUNK, M - m0);
+      for (int64_t tile = begin; tile < end; ++tile) {
         dispatch_tile(isa, p, qx, m0, rows, tile, acc.data());
         store_rows(acc.data(), rows, tile, p.N, y + m0 * p.N, vec);
       }
