@@ -138,7 +138,6 @@ class GoodputSettings:
                 "need divergence_bound > 1, divergence_steps >= 1, reprobe_interval >= 1"
             )
 
-
     def probe_rates(self, engine: AcceptanceHistory) -> Callable[[int], float]:
         """rate(position) a probe is priced at: ``probe_rate`` until ``engine`` has
         ``probe_evidence`` updates, then the engine's own rates plus ``probe_headroom``, never
@@ -325,12 +324,10 @@ class GoodputPolicy(TablePolicy):
             rid, cap = r.request_id, caps[r.request_id][0]
             row = self._row(r, cap)
             if cap > 0 and not self._pays(row, cost):
-                probe = 0
-                if self._stale(r):
-                    if probe_pays is None:
-                        probe_pays = self._pays(self._probe_row(ceiling), cost)
-                    probe = int(probe_pays)
-                fixed[rid] = probe
+                stale = self._stale(r)
+                if stale and probe_pays is None:
+                    probe_pays = self._pays(self._probe_row(ceiling), cost)
+                fixed[rid] = 1 if stale and probe_pays else 0
                 row = replace(row, follows=False, limit=min(fixed[rid], cap))
             rows.append(row)
         pricing = None if g is not None else self._pricing(rows, cost)
