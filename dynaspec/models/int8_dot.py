@@ -127,11 +127,14 @@ def activation_residual(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor,
     """(x as fp32 [M, K], what int8_gemm's activation quantization loses of it [M, K]).
 
     Replays the kernel's quantization exactly (int8_gemm.cpp quantize_rows: per `block` values,
-    d = amax / 127, q = clamp(rint(v * (1 / d)), -127, 127), each a single fp32 rounding), so
+    d = amax / 127 (0 below the smallest normal float), q = clamp(rint(v * (1 / d)), -127, 127),
+    each a single fp32 rounding), so
     x = q * d + residual up to the rounding of that subtraction."""
     M, K = x.shape
     v = x.float().reshape(M, K // block, block)  # [M, K/32, 32]
     d = v.abs().amax(-1, keepdim=True) / 127.0  # [M, K/32, 1]
+    # below the smallest normal float the kernel quantizes the block as zeros (block_scale)
+    d = torch.where(d >= torch.finfo(torch.float32).tiny, d, torch.zeros_like(d))
     inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
     q = torch.round(v * inv).clamp_(-127.0, 127.0)  # round half to even, as nearbyint
     return v.reshape(M, K), (v - q * d).reshape(M, K)

@@ -47,6 +47,28 @@ def test_every_isa_path_equals_the_scalar_reference_bit_for_bit(kind, dtype):
     assert rel < 0.03, rel  # int8 activations: ~0.5-1.5% of the largest output here
 
 
+@pytest.mark.parametrize("kind", ["q4", "q8g16"])
+def test_activation_blocks_at_their_edges_quantize_as_the_reference(kind):
+    # Register blocks of 1..12 rows take the row-by-row quantizer or the one with rows in the
+    # vector lanes; both must write the scalar reference's bytes, scales and sums, on blocks
+    # that are all zero, hold one value, sit on rounding halves, or are bf16 subnormals.
+    w = _weights(kind, 32, 128, seed=11)
+    lin = Int8DotLinear(w, None)
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(40, 128, generator=g) * torch.logspace(-3, 3, 40)[:, None]
+    x[3] = 0.0
+    x[5, :32] = 0.0
+    x[7] = 0.0
+    x[7, 40] = -2.5
+    x[11] = torch.arange(128) % 32 - 15.5  # q = v * 127 / 16.5: several land on .5 after scaling
+    x[17] = torch.randint(-3, 4, (128,), generator=g) * 1e-39  # subnormal in bf16
+    x[23, 64:96] = -1e30
+    x = x.to(torch.bfloat16)
+    for m in range(1, 26):
+        part = x[m: 2 * m + 1]
+        assert torch.equal(lin(part), lin(part, isa=0)), m
+
+
 @pytest.mark.parametrize("kind", ["q4", "q8"])
 def test_rows_do_not_depend_on_how_many_share_the_call(kind):
     w = _weights(kind, 96, 256, seed=3)
