@@ -206,14 +206,58 @@ inline bool accumulate_v_rows(int64_t R, Acc&& acc, Prob&& prob, Seen&& seen, co
 #endif
 }
 
-// e[t] = exp(e[t] - mx), 16 at a time where the ISA allows (the same bits as exp_vec).
-inline void exp_shifted(float* e, int64_t n, float mx) {
+// e[t] = exp(e[t] - mx) for t < n, and their sum: in 16 lanes by t % 16 (each lane in order of
+// t), then the lanes in order. Fixed by n alone, never by the buffer's alignment (which differs
+// between tiles).
+inline float exp_shifted_sum(float* e, int64_t n, float mx) {
+  float lanes[16] = {0.f};
   int64_t t = 0;
 #if defined(__AVX512F__)
+  // The rows' last n % 16 keys (7.5 on average: a prefill tile's rows end at every position)
+  // as a masked vector too: the scalar exps of those tails cost as much as the vector ones.
   const __m512 m = _mm512_set1_ps(mx);
-  for (; t + 16 <= n; t += 16) _mm512_storeu_ps(e + t, exp16(_mm512_sub_ps(_mm512_loadu_ps(e + t), m)));
+  __m512 acc = _mm512_setzero_ps();
+  for (; t + 16 <= n; t += 16) {
+    const __m512 x = exp16(_mm512_sub_ps(_mm512_loadu_ps(e + t), m));
+    _mm512_storeu_ps(e + t, x);
+    acc = _mm512_add_ps(acc, x);
+  }
+  if (t < n) {
+    const __mmask16 k = static_cast<__mmask16>((1u << (n - t)) - 1u);
+    const __m512 x = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, e + t), m));
+    _mm512_mask_storeu_ps(e + t, k, x);
+    acc = _mm512_mask_add_ps(acc, k, acc, x);  // lanes past n keep their sums
+  }
+  _mm512_storeu_ps(lanes, acc);
+#else
+  for (; t < n; ++t) {
+    e[t] = exp_vec(e[t] - mx);
+    lanes[t % 16] += e[t];
+  }
 #endif
-  for (; t < n; ++t) e[t] = exp_vec(e[t] - mx);
+  float sum = 0.f;
+  for (int l = 0; l < 16; ++l) sum += lanes[l];
+  return sum;
+}
+
+// The softmax of one score row over its visible keys [lo, pos]; every other key gets 0.
+inline void softmax_row(float* srow, int64_t Ct, int64_t lo, int64_t pos) {
+  const int64_t n = pos + 1 - lo;
+  float* e = srow + lo;
+  const float inv = 1.f / exp_shifted_sum(e, n, row_max(e, n));
+  std::fill(srow, e, 0.f);
+  int64_t t = 0;
+#if defined(__AVX512F__)
+  const __m512 v = _mm512_set1_ps(inv);
+  for (; t + 16 <= n; t += 16) _mm512_storeu_ps(e + t, _mm512_mul_ps(_mm512_loadu_ps(e + t), v));
+  if (t < n) {
+    const __mmask16 k = static_cast<__mmask16>((1u << (n - t)) - 1u);
+    _mm512_mask_storeu_ps(e + t, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, e + t), v));
+    t = n;
+  }
+#endif
+  for (; t < n; ++t) e[t] *= inv;
+  std::fill(srow + pos + 1, srow + Ct, 0.f);
 }
 
 }  // namespace

@@ -234,25 +234,7 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
       for (int64_t r = 0; r < R; ++r) {
         const int64_t pos = C - W + j0 + r / G;
         const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
-        float* srow = sf.data() + r * Ct;
-        const float mx = row_max(srow + lo, pos + 1 - lo);
-        float* e = srow + lo;
-        const int64_t n = pos + 1 - lo;
-        exp_shifted(e, n, mx);  // elementwise: order-free
-        // The sum in 16 lanes by (t - lo) % 16, then the lanes in order: fixed by (lo, pos) alone,
-        // never by the buffer's alignment (which differs between tiles).
-        float lanes[16] = {0.f};
-        int64_t t = 0;
-        for (; t + 16 <= n; t += 16)
-#pragma omp simd
-          for (int l = 0; l < 16; ++l) lanes[l] += e[t + l];
-        for (int l = 0; t + l < n; ++l) lanes[l] += e[t + l];
-        float sum = 0.f;
-        for (int l = 0; l < 16; ++l) sum += lanes[l];
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < lo; ++t) srow[t] = 0.f;
-        for (int64_t t = lo; t <= pos; ++t) srow[t] *= inv;
-        for (int64_t t = pos + 1; t < Ct; ++t) srow[t] = 0.f;
+        softmax_row(sf.data() + r * Ct, Ct, lo, pos);
       }
       // Pass 2: weighted sum of V, block by block (a zero weight adds exactly nothing).
       for (int64_t blk = 0; blk <= last; ++blk) {

@@ -15,6 +15,10 @@ inline float row_max(const float* x, int64_t n) {
 #if defined(__AVX512F__)
   __m512 m = _mm512_set1_ps(mx);
   for (; t + 16 <= n; t += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(x + t));
+  if (t < n) {  // the tail as a masked load: -inf in the lanes past n
+    m = _mm512_max_ps(m, _mm512_mask_loadu_ps(m, static_cast<__mmask16>((1u << (n - t)) - 1u), x + t));
+    t = n;
+  }
   mx = _mm512_reduce_max_ps(m);
 #endif
   for (; t < n; ++t) mx = x[t] > mx ? x[t] : mx;
