@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 namespace {
 
@@ -109,31 +110,39 @@ BF16DOT_TARGET inline void scores_bf16(const c10::BFloat16* q, const c10::BFloat
 }
 
 #if defined(__AVX512F__)
-// acc[0..16*NV) += p[t] * v[t] for t < n in order (v: [n][16*NV] fp32), the sums kept in
+// 16 values of a value row as fp32: fp32 rows as they are, bf16 rows widened exactly.
+template <typename VT>
+inline __m512 vload16(const VT* p) {
+  if constexpr (std::is_same_v<VT, float>) {
+    return _mm512_loadu_ps(p);
+  } else {
+    return bf16x16_load(p);
+  }
+}
+
+// acc[0..16*NV) += p[t] * v[t] for t < n in order (row t at v + t * vs), the sums kept in
 // registers across keys (the plain loop stored them back for every key).
-template <int NV>
-inline void pv_rows(float* __restrict acc, const float* __restrict p, const float* __restrict v, int64_t n) {
+template <int NV, typename VT>
+inline void pv_rows(float* __restrict acc, const float* __restrict p, const VT* __restrict v, int64_t vs, int64_t n) {
   __m512 a[NV];
   for (int i = 0; i < NV; ++i) a[i] = _mm512_loadu_ps(acc + 16 * i);
   for (int64_t t = 0; t < n; ++t) {
     const __m512 pt = _mm512_set1_ps(p[t]);
-    for (int i = 0; i < NV; ++i) a[i] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v + (t * NV + i) * 16), a[i]);
+    for (int i = 0; i < NV; ++i) a[i] = _mm512_fmadd_ps(pt, vload16(v + t * vs + i * 16), a[i]);
   }
   for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + 16 * i, a[i]);
 }
-#endif
 
-#if defined(__AVX512F__)
 // pv_rows for RB rows over the same n values: each value vector is loaded once for all RB rows
 // and the sums stay in registers for the block; every row's sums run in the same order as alone.
-template <int NV, int RB>
-inline void pv_rows_block(float* const* acc, const float* const* p, const float* __restrict v, int64_t n) {
+template <int NV, int RB, typename VT>
+inline void pv_rows_block(float* const* acc, const float* const* p, const VT* __restrict v, int64_t vs, int64_t n) {
   __m512 a[RB][NV];
   for (int r = 0; r < RB; ++r)
     for (int i = 0; i < NV; ++i) a[r][i] = _mm512_loadu_ps(acc[r] + 16 * i);
   for (int64_t t = 0; t < n; ++t) {
     __m512 vt[NV];
-    for (int i = 0; i < NV; ++i) vt[i] = _mm512_loadu_ps(v + (t * NV + i) * 16);
+    for (int i = 0; i < NV; ++i) vt[i] = vload16(v + t * vs + i * 16);
     for (int r = 0; r < RB; ++r) {
       const __m512 pr = _mm512_set1_ps(p[r][t]);
       for (int i = 0; i < NV; ++i) a[r][i] = _mm512_fmadd_ps(pr, vt[i], a[r][i]);
@@ -144,13 +153,13 @@ inline void pv_rows_block(float* const* acc, const float* const* p, const float*
 }
 #endif
 
-// acc += sum_t p[t] * v[t] (t < n, in order), registers where D allows.
+// acc += sum_t p[t] * v[t] (t < n, in order; fp32 rows of D), registers where D allows.
 inline void accumulate_v(float* acc, const float* p, const float* v, int64_t n, int64_t D) {
 #if defined(__AVX512F__)
   switch (D) {
-    case 64: return pv_rows<4>(acc, p, v, n);
-    case 128: return pv_rows<8>(acc, p, v, n);
-    case 256: return pv_rows<16>(acc, p, v, n);
+    case 64: return pv_rows<4>(acc, p, v, D, n);
+    case 128: return pv_rows<8>(acc, p, v, D, n);
+    case 256: return pv_rows<16>(acc, p, v, D, n);
     default: break;
   }
 #endif
@@ -159,22 +168,24 @@ inline void accumulate_v(float* acc, const float* p, const float* v, int64_t n, 
 
 #if defined(__AVX512F__)
 // RB rows over the values they all see, together; the rest of a longer row alone after them.
-template <int NV, int RB>
-inline void pv_group(float* const* a, const float* const* p, const int64_t* seen, const float* v, int64_t D) {
+template <int NV, int RB, typename VT>
+inline void pv_group(float* const* a, const float* const* p, const int64_t* seen, const VT* v, int64_t vs) {
   int64_t m = seen[0];
   for (int i = 1; i < RB; ++i) m = std::min(m, seen[i]);
-  if (m > 0) pv_rows_block<NV, RB>(a, p, v, m);
+  if (m > 0) pv_rows_block<NV, RB>(a, p, v, vs, m);
   for (int i = 0; i < RB; ++i)
-    if (seen[i] > m) accumulate_v(a[i], p[i] + m, v + m * D, seen[i] - m, D);
+    if (seen[i] > m) pv_rows<NV>(a[i], p[i] + m, v + m * vs, vs, seen[i] - m);
 }
 #endif
 
-// Rows 0..R of one block: acc(r) += sum_t prob(r)[t] * v[t] over t < seen(r), in order. Up to four
-// rows (D = 64) or two (D = 128) at a time share each value load, and the sums stay
-// in registers for the block (two rows at a time took 42 us where four take 23, for 15 rows x
-// 512 keys x 3 heads on one core). False: D has no block path (the caller goes row by row).
-template <typename Acc, typename Prob, typename Seen>
-inline bool accumulate_v_rows(int64_t R, Acc&& acc, Prob&& prob, Seen&& seen, const float* v, int64_t D) {
+// Rows 0..R of one block: acc(r) += sum_t prob(r)[t] * v[t] over t < seen(r), in order (value row
+// t at v + t * vs: fp32 rows converted once for many query rows, or bf16 rows read from the cache
+// as they are). Up to four rows (D = 64) or two (D = 128) at a time share each value load, and
+// the sums stay in registers for the block (two rows at a time took 42 us where four take 23, for
+// 15 rows x 512 keys x 3 heads on one core). False: D has no block path (the caller goes row by
+// row).
+template <typename VT, typename Acc, typename Prob, typename Seen>
+inline bool accumulate_v_rows(int64_t R, Acc&& acc, Prob&& prob, Seen&& seen, const VT* v, int64_t vs, int64_t D) {
 #if defined(__AVX512F__)
   if (D != 64 && D != 128) return false;
   const int64_t rb = D == 64 ? 4 : 2;
@@ -189,15 +200,15 @@ inline bool accumulate_v_rows(int64_t R, Acc&& acc, Prob&& prob, Seen&& seen, co
       s[i] = seen(r + i);
     }
     if (D == 128) {
-      if (k == 2) pv_group<8, 2>(a, p, s, v, D);
-      else pv_group<8, 1>(a, p, s, v, D);
+      if (k == 2) pv_group<8, 2>(a, p, s, v, vs);
+      else pv_group<8, 1>(a, p, s, v, vs);
       continue;
     }
     switch (k) {
-      case 4: pv_group<4, 4>(a, p, s, v, D); break;
-      case 3: pv_group<4, 3>(a, p, s, v, D); break;
-      case 2: pv_group<4, 2>(a, p, s, v, D); break;
-      default: pv_group<4, 1>(a, p, s, v, D); break;
+      case 4: pv_group<4, 4>(a, p, s, v, vs); break;
+      case 3: pv_group<4, 3>(a, p, s, v, vs); break;
+      case 2: pv_group<4, 2>(a, p, s, v, vs); break;
+      default: pv_group<4, 1>(a, p, s, v, vs); break;
     }
   }
   return true;

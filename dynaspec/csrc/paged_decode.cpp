@@ -147,6 +147,36 @@ inline void load_keys(const T* src, int64_t stride, int64_t n, float* kf, float*
   transpose_keys(kf, kt, D);
 }
 
+// Brings one request's KV blocks into L2 a slice at a time, spread over another item's block
+// steps: head h of Hkv takes blocks [h, h + 1) * nblk / Hkv, keys and values, every head's rows
+// (a block of one cache is one contiguous run of slots x heads x D).
+struct NextRequest {
+  const char* k = nullptr;
+  const char* v = nullptr;
+  const int64_t* table = nullptr;
+  int64_t region = 0, first = 0, lines = 0, per_step = 0, done = 0;
+  template <typename T>
+  NextRequest(const T* kp, const T* vp, const int64_t* tb, int64_t NB, int64_t block_elems, int64_t req,
+              const int64_t* cl, int64_t h, int64_t Hkv, int64_t block_size, int64_t steps) {
+    if (req < 0 || steps <= 0) return;
+    const int64_t nblk = std::min(NB, (cl[req] + block_size - 1) / block_size);
+    first = h * nblk / Hkv;
+    const int64_t blocks = (h + 1) * nblk / Hkv - first;
+    k = reinterpret_cast<const char*>(kp), v = reinterpret_cast<const char*>(vp), table = tb + req * NB;
+    region = block_elems * static_cast<int64_t>(sizeof(T));
+    lines = blocks * 2 * (region / 64);
+    per_step = (lines + steps - 1) / steps;
+  }
+  __attribute__((always_inline)) inline void step() {
+    const int64_t per_region = region / 64;
+    for (int64_t e = std::min(lines, done + per_step); done < e; ++done) {
+      const int64_t r = done / per_region, line = done % per_region;
+      const char* base = (r % 2 ? v : k) + table[first + r / 2] * region;
+      _mm_prefetch(base + line * 64, _MM_HINT_T1);
+    }
+  }
+};
+
 template <typename T>
 void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& tables,
          const torch::Tensor& ctx, const torch::Tensor& qstart, const torch::Tensor& qlen,
@@ -180,13 +210,16 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
   const int64_t items = static_cast<int64_t>(tiles.size()) * Hkv;
   // `next()` hands a thread its next item (-1: none left). Which thread runs an item never
   // changes the item's arithmetic.
-  auto run_items = [&](auto&& next) {
+  // `ahead(item)`: the request whose KV to bring into L2 while this item runs (-1: none).
+  auto run_items = [&](auto&& next, auto&& ahead) {
     std::vector<float> qf, sf, accf, kf(KEY_LANES * D), kt(KEY_LANES * D), vf(block_size * D);
     for (int64_t item = next(); item >= 0; item = next()) {
       const auto [b, j0, j1] = tiles[item / Hkv];
       const int64_t h = item % Hkv;
       const int64_t W = ql[b], C = cl[b];
       const int64_t R = (j1 - j0) * G;       // query rows: (token j, head g)
+      NextRequest pre(kp, vp, tb, NB, block_size * Hkv * D, ahead(item), cl, h, Hkv, block_size,
+                      2 * ((C - W + j1 + block_size - 1) / block_size));
       const int64_t Ct = C - W + j1;         // keys the tile's last row sees
       sf.assign(R * Ct, 0.f);
       accf.assign(R * D, 0.f);
@@ -207,6 +240,7 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
       for (int64_t blk = 0; blk <= last; ++blk) {
         const int64_t base = tb[b * NB + blk] * block_size;
         const int64_t n_blk = std::min(block_size, Ct - blk * block_size);
+        pre.step();
         // Keys AHEAD blocks on; in the last blocks, pass 2's first values instead.
         const int64_t want = blk + AHEAD;
         if (want <= last) {
@@ -240,18 +274,27 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
       for (int64_t blk = 0; blk <= last; ++blk) {
         const int64_t base = tb[b * NB + blk] * block_size;
         const int64_t n = std::min(block_size, Ct - blk * block_size);
+        pre.step();
         if (blk + AHEAD <= last) {
           const auto [next, rows] = block_rows(vp, blk + AHEAD);
           prefetch_rows(next, Hkv * D, rows, D);
         }
-        for (int64_t t = 0; t < n; ++t) row_to_float(vp + ((base + t) * Hkv + h) * D, vf.data() + t * D, D);
         // Keys past a row's position have probability 0: they would add exactly nothing.
         auto keys_seen = [&](int64_t r) {
           return std::max<int64_t>(0, std::min(n, C - W + j0 + r / G + 1 - blk * block_size));
         };
         auto acc = [&](int64_t r) { return accf.data() + r * D; };
         auto prob = [&](int64_t r) { return sf.data() + r * Ct + blk * block_size; };
-        if (accumulate_v_rows(R, acc, prob, keys_seen, vf.data(), D)) continue;
+        const T* vrows = vp + (base * Hkv + h) * D;
+        if constexpr (std::is_same_v<T, c10::BFloat16>) {
+          // One group of query rows (a decode step's G heads): the bf16 values widened as they
+          // are loaded, the same fp32 values as converting the block first. The conversion's
+          // stores and reloads were a fifth of a decode item's instructions; for more rows it
+          // is done once and shared.
+          if (R <= 4 && accumulate_v_rows(R, acc, prob, keys_seen, vrows, Hkv * D, D)) continue;
+        }
+        for (int64_t t = 0; t < n; ++t) row_to_float(vrows + t * Hkv * D, vf.data() + t * D, D);
+        if (accumulate_v_rows(R, acc, prob, keys_seen, vf.data(), D, D)) continue;
         for (int64_t r = 0; r < R; ++r)
           if (keys_seen(r) > 0) accumulate_v(acc(r), prob(r), vf.data(), keys_seen(r), D);
       }
@@ -269,7 +312,14 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
     // its own L2 (handing them out dynamically measured 5-10% slower at batch 1).
     at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
       int64_t i = begin;
-      run_items([&] { return i < end ? i++ : int64_t{-1}; });
+      // The thread's next request, while this one runs: its blocks (every head's rows, keys and
+      // values) into L2, a share per item of this request. Not for a batch that splits its
+      // items by query tile (a small batch: the next item is the same request).
+      auto ahead = [&](int64_t it) -> int64_t {
+        const int64_t nt = (it / Hkv + 1) * Hkv;
+        return split || nt >= end ? -1 : tiles[nt / Hkv][0];
+      };
+      run_items([&] { return i < end ? i++ : int64_t{-1}; }, ahead);
     });
     return;
   }
@@ -289,7 +339,7 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
     run_items([&] {
       const int64_t k = next_item++;
       return k < items ? order[k] : int64_t{-1};
-    });
+    }, [](int64_t) { return int64_t{-1}; });
   });
 }
 
