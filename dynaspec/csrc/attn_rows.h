@@ -234,7 +234,7 @@ inline float exp_shifted_sum(float* e, int64_t n, float mx) {
     acc = _mm512_add_ps(acc, x);
   }
   if (t < n) {
-    const __mmask16 k = static_cast<__mmask16>((1u << (n - t)) - 1u);
+    const __mmask16 k = first_lanes(n - t);
     const __m512 x = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, e + t), m));
     _mm512_mask_storeu_ps(e + t, k, x);
     acc = _mm512_mask_add_ps(acc, k, acc, x);  // lanes past n keep their sums
@@ -262,7 +262,7 @@ inline void softmax_row(float* srow, int64_t Ct, int64_t lo, int64_t pos) {
   const __m512 v = _mm512_set1_ps(inv);
   for (; t + 16 <= n; t += 16) _mm512_storeu_ps(e + t, _mm512_mul_ps(_mm512_loadu_ps(e + t), v));
   if (t < n) {
-    const __mmask16 k = static_cast<__mmask16>((1u << (n - t)) - 1u);
+    const __mmask16 k = first_lanes(n - t);
     _mm512_mask_storeu_ps(e + t, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, e + t), v));
     t = n;
   }

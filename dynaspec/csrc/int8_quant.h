@@ -194,15 +194,15 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int G, QuantX& out) {
   });
 }
 
+// Row blocks of at least this many rows go through quantize_lanes_bf16 (fewer leave most lanes idle).
+constexpr int64_t LANES_MIN_ROWS = 4;
+
 // The AVX-512 tiles' activations: the same bytes as quantize_rows, written straight into blocks
 // of up to RB rows with the rows innermost, so a tile addresses all its rows through one
 // register (with a pointer per row, 8 rows left too few general registers). One 32-block of
 // one block of rows is a work item: a verify step's 9 rows of K = 576 are 18 items both threads
 // share (quantized row by row, then copied to the block layout, they were serial work the other
 // thread waited through at every matmul). A lone row is its own block layout.
-// Row blocks of at least this many rows go through quantize_lanes_bf16 (fewer leave most lanes idle).
-constexpr int64_t LANES_MIN_ROWS = 4;
-
 template <typename T>
 void quantize_blocks(const T* x, int64_t M, int64_t K, int G, int64_t RB, QuantX& out) {
   const int64_t ng = K / G, nk = K / QBLK, nblocks = (M + RB - 1) / RB;

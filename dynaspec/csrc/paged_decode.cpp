@@ -218,8 +218,6 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
       const int64_t h = item % Hkv;
       const int64_t W = ql[b], C = cl[b];
       const int64_t R = (j1 - j0) * G;       // query rows: (token j, head g)
-      NextRequest pre(kp, vp, tb, NB, block_size * Hkv * D, ahead(item), cl, h, Hkv, block_size,
-                      2 * ((C - W + j1 + block_size - 1) / block_size));
       const int64_t Ct = C - W + j1;         // keys the tile's last row sees
       sf.assign(R * Ct, 0.f);
       accf.assign(R * D, 0.f);
@@ -231,8 +229,10 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
           for (int64_t d = 0; d < D; ++d) qf[r * D + d] = static_cast<float>(qrow(r)[d]) * sc;
       }
       const int64_t nblk = (Ct + block_size - 1) / block_size;
-      // Pass 1: scores, 16 keys at a time. Keys past a row's position are masked below.
       const int64_t last = std::min(nblk, NB) - 1;
+      // One step() per block of each pass.
+      NextRequest pre(kp, vp, tb, NB, block_size * Hkv * D, ahead(item), cl, h, Hkv, block_size, 2 * (last + 1));
+      // Pass 1: scores, 16 keys at a time. Keys past a row's position are masked below.
       auto block_rows = [&](const T* cache, int64_t blk) {  // (first row of head h, rows)
         return std::make_pair(cache + (tb[b * NB + blk] * block_size * Hkv + h) * D,
                               std::min(block_size, Ct - blk * block_size));

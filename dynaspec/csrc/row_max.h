@@ -7,6 +7,11 @@
 #include <cstdint>
 #include <limits>
 
+#if defined(__AVX512F__)
+// The first k (< 16) lanes: a row's tail as one masked vector.
+inline __mmask16 first_lanes(int64_t k) { return static_cast<__mmask16>((1u << k) - 1u); }
+#endif
+
 // The largest of x[0..n) (exact in any order; the scalar loop's compare chain was not
 // vectorised and cost as much as the scores at long contexts).
 inline float row_max(const float* x, int64_t n) {
@@ -16,7 +21,7 @@ inline float row_max(const float* x, int64_t n) {
   __m512 m = _mm512_set1_ps(mx);
   for (; t + 16 <= n; t += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(x + t));
   if (t < n) {  // the tail as a masked load: -inf in the lanes past n
-    m = _mm512_max_ps(m, _mm512_mask_loadu_ps(m, static_cast<__mmask16>((1u << (n - t)) - 1u), x + t));
+    m = _mm512_max_ps(m, _mm512_mask_loadu_ps(m, first_lanes(n - t), x + t));
     t = n;
   }
   mx = _mm512_reduce_max_ps(m);

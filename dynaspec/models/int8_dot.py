@@ -126,10 +126,9 @@ class Int8DotLinear(KernelModule):
 def activation_residual(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     """(x as fp32 [M, K], what int8_gemm's activation quantization loses of it [M, K]).
 
-    Replays the kernel's quantization exactly (int8_gemm.cpp quantize_rows: per `block` values,
+    Replays the kernel's quantization exactly (int8_quant.h quantize_rows: per `block` values,
     d = amax / 127 (0 below the smallest normal float), q = clamp(rint(v * (1 / d)), -127, 127),
-    each a single fp32 rounding), so
-    x = q * d + residual up to the rounding of that subtraction."""
+    each a single fp32 rounding), so x = q * d + residual up to the rounding of that subtraction."""
     M, K = x.shape
     v = x.float().reshape(M, K // block, block)  # [M, K/32, 32]
     d = v.abs().amax(-1, keepdim=True) / 127.0  # [M, K/32, 1]
