@@ -109,6 +109,89 @@ BF16DOT_TARGET inline void scores_bf16(const c10::BFloat16* q, const c10::BFloat
   scores16_bf16(q, k0, stride, n, D, scale, s);
 }
 
+// Row i of a 16 x 16 block of 32-bit values to column i of out (out[c * 16 + i] = r[i] lane c).
+// Only data moves (the lanes may hold fp32 or bf16 pairs alike).
+__attribute__((target("avx512f"))) inline void transpose16x16(const __m512* r, float* out) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // u[i + c]: rows i..i+3, columns {c, c+4, c+8, c+12}
+    u[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    u[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    u[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    u[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512 x0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88);  // rows 0-7: cols c, c+8
+    const __m512 x1 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xDD);  // rows 0-7: cols c+4, c+12
+    const __m512 y0 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88);
+    const __m512 y1 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xDD);
+    _mm512_storeu_ps(out + c * 16, _mm512_shuffle_f32x4(x0, y0, 0x88));
+    _mm512_storeu_ps(out + (c + 8) * 16, _mm512_shuffle_f32x4(x0, y0, 0xDD));
+    _mm512_storeu_ps(out + (c + 4) * 16, _mm512_shuffle_f32x4(x1, y1, 0x88));
+    _mm512_storeu_ps(out + (c + 12) * 16, _mm512_shuffle_f32x4(x1, y1, 0xDD));
+  }
+}
+
+// ---- Scores for many rows over the same keys ----------------------------------------------------
+// A prefill tile's 48 rows (16 tokens x 3 heads) score the same keys: reduce16 per row and key
+// group was ~40% of their score instructions. The key pairs are transposed once for the rows
+// instead, and each row runs the same operations as scores_bf16 with keys in the lanes: lane L's
+// chain (pairs L, L + 16, ... in order) for all 16 keys at once, then reduce16's tree as vertical
+// adds ((l0 + l2) + (l1 + l3) per 128-bit block, (b0 + b1) + (b2 + b3)). Same values, same
+// operations, so the same bits as a row scored alone.
+
+// kt[j * 16 + t] = pair j (elements 2j, 2j + 1) of key t (at k0 + t * stride) for j < D / 2;
+// keys n.. zero.
+BF16DOT_TARGET inline void transpose_key_pairs(const c10::BFloat16* k0, int64_t stride, int64_t n, float* kt,
+                                               int64_t D) {
+  for (int64_t j0 = 0; j0 < D / 2; j0 += 16) {
+    __m512 r[16];
+    for (int64_t i = 0; i < 16; ++i)
+      r[i] = i < n ? _mm512_castsi512_ps(_mm512_loadu_si512(k0 + i * stride + 2 * j0)) : _mm512_setzero_ps();
+    transpose16x16(r, kt + j0 * 16);
+  }
+}
+
+// acc += k . broadcast(*q) (one bf16 pair to every lane): the pair as the instruction's embedded
+// broadcast, which GCC does not fold from _mm512_set1_epi32. Which operand holds q does not
+// matter: each lane adds its two exact products in the same order either way.
+BF16DOT_TARGET inline __m512 dpbf16_bcast(__m512 acc, __m512bh k, const int32_t* q) {
+  asm("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(k), "m"(*q));
+  return acc;
+}
+
+// s(r)[t] = scale * q(r) . k_t for R rows and the n <= 16 keys of kt (D = 32 * NC), row r's
+// scores at s0 + r * ld. part: [4][R][16] scratch for the 128-bit blocks' sums.
+template <int NC, typename QRow>
+BF16DOT_TARGET void scores_rows_bf16(const float* kt, int64_t R, QRow&& qrow, float* s0, int64_t ld, int64_t n,
+                                     float scale, float* part) {
+  for (int bk = 0; bk < 4; ++bk) {
+    __m512bh kv[NC][4];  // pairs 16c + 4bk + l of the 16 keys
+    for (int c = 0; c < NC; ++c)
+      for (int l = 0; l < 4; ++l) kv[c][l] = (__m512bh)_mm512_loadu_ps(kt + (16 * c + 4 * bk + l) * 16);
+    for (int64_t r = 0; r < R; ++r) {
+      const int32_t* qd = reinterpret_cast<const int32_t*>(qrow(r));  // q's pairs
+      __m512 a[4];
+      for (int l = 0; l < 4; ++l) {
+        a[l] = dpbf16_bcast(_mm512_setzero_ps(), kv[0][l], qd + 4 * bk + l);
+        for (int c = 1; c < NC; ++c) a[l] = dpbf16_bcast(a[l], kv[c][l], qd + 16 * c + 4 * bk + l);
+      }
+      _mm512_storeu_ps(part + (bk * R + r) * 16,
+                       _mm512_add_ps(_mm512_add_ps(a[0], a[2]), _mm512_add_ps(a[1], a[3])));
+    }
+  }
+  const __mmask16 m = static_cast<__mmask16>((1u << n) - 1u);
+  for (int64_t r = 0; r < R; ++r) {
+    const float* p = part + r * 16;
+    const __m512 b01 = _mm512_add_ps(_mm512_loadu_ps(p), _mm512_loadu_ps(p + R * 16));
+    const __m512 b23 = _mm512_add_ps(_mm512_loadu_ps(p + 2 * R * 16), _mm512_loadu_ps(p + 3 * R * 16));
+    _mm512_mask_storeu_ps(s0 + r * ld, m, _mm512_mul_ps(_mm512_add_ps(b01, b23), _mm512_set1_ps(scale)));
+  }
+}
+
 #if defined(__AVX512F__)
 // 16 values of a value row as fp32: fp32 rows as they are, bf16 rows widened exactly.
 template <typename VT>

@@ -40,6 +40,11 @@ inline void to_float(const T* src, float* dst, int64_t n) {
 // the score buffer stays small. A row's arithmetic does not depend on its tile (see below).
 constexpr int64_t QUERY_TILE = 16;
 
+// Rows from which a work item's key groups are transposed once for all its rows (scores_rows_bf16)
+// rather than each row reducing its own 16 lanes per key group: the transpose costs about what
+// six rows' reductions do.
+constexpr int64_t MANY_ROWS = 8;
+
 // s[t] = sum_d q[d] * k[t][d] for n <= 16 keys held transposed (kt[d * 16 + t]): the sum runs
 // over d in order in each key's lane, the same for every row and every key.
 inline void scores16(const float* __restrict q, const float* __restrict kt, float* __restrict s, int64_t n,
@@ -78,28 +83,9 @@ template <typename T>
 inline void transpose_keys_from(const T* __restrict src, int64_t stride, int64_t n, float* __restrict kt,
                                 int64_t D) {
   for (int64_t d0 = 0; d0 < D; d0 += 16) {
-    __m512 r[16], t[16], u[16];
+    __m512 r[16];
     for (int i = 0; i < 16; ++i) r[i] = i < n ? load16(src + i * stride + d0) : _mm512_setzero_ps();
-    for (int i = 0; i < 16; i += 2) {
-      t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-      t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {  // u[i + c]: rows i..i+3, columns {c, c+4, c+8, c+12}
-      u[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
-      u[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
-      u[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
-      u[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
-    }
-    for (int c = 0; c < 4; ++c) {
-      const __m512 x0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88);   // rows 0-7: cols c, c+8
-      const __m512 x1 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xDD);   // rows 0-7: cols c+4, c+12
-      const __m512 y0 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88);
-      const __m512 y1 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xDD);
-      _mm512_storeu_ps(kt + (d0 + c) * KEY_LANES, _mm512_shuffle_f32x4(x0, y0, 0x88));
-      _mm512_storeu_ps(kt + (d0 + c + 8) * KEY_LANES, _mm512_shuffle_f32x4(x0, y0, 0xDD));
-      _mm512_storeu_ps(kt + (d0 + c + 4) * KEY_LANES, _mm512_shuffle_f32x4(x1, y1, 0x88));
-      _mm512_storeu_ps(kt + (d0 + c + 12) * KEY_LANES, _mm512_shuffle_f32x4(x1, y1, 0xDD));
-    }
+    transpose16x16(r, kt + d0 * KEY_LANES);
   }
 }
 #endif
@@ -213,16 +199,22 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
   // `ahead(item)`: the request whose KV to bring into L2 while this item runs (-1: none).
   auto run_items = [&](auto&& next, auto&& ahead) {
     std::vector<float> qf, sf, accf, kf(KEY_LANES * D), kt(KEY_LANES * D), vf(block_size * D);
+    std::vector<float> part(4 * QUERY_TILE * G * KEY_LANES);  // scores_rows_bf16's block sums
+    std::vector<const T*> qptr;
     for (int64_t item = next(); item >= 0; item = next()) {
       const auto [b, j0, j1] = tiles[item / Hkv];
       const int64_t h = item % Hkv;
       const int64_t W = ql[b], C = cl[b];
       const int64_t R = (j1 - j0) * G;       // query rows: (token j, head g)
       const int64_t Ct = C - W + j1;         // keys the tile's last row sees
-      sf.assign(R * Ct, 0.f);
+      // Not zeroed: pass 1 writes every key of every row and softmax_row then every probability.
+      if (static_cast<int64_t>(sf.size()) < R * Ct) sf.resize(R * Ct);
       accf.assign(R * D, 0.f);
-      // Query row r is (token j0 + r / G, head h * G + r % G).
-      auto qrow = [&](int64_t r) { return qp + ((qs[b] + j0 + r / G) * H + h * G + r % G) * D; };
+      // Query row r is (token j0 + r / G, head h * G + r % G): its address computed once per item
+      // (the divisions cost as much as a row's scores for a key group).
+      qptr.resize(R);
+      for (int64_t r = 0; r < R; ++r) qptr[r] = qp + ((qs[b] + j0 + r / G) * H + h * G + r % G) * D;
+      auto qrow = [&](int64_t r) { return qptr[r]; };
       if (!bf16dot) {
         qf.assign(R * D, 0.f);
         for (int64_t r = 0; r < R; ++r)
@@ -256,6 +248,12 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
           float* s0 = sf.data() + blk * block_size + t0;
           if constexpr (std::is_same_v<T, c10::BFloat16>) {
             if (bf16dot) {
+              if (R >= MANY_ROWS && (D == 64 || D == 128)) {
+                transpose_key_pairs(keys, Hkv * D, n, kt.data(), D);
+                if (D == 64) scores_rows_bf16<2>(kt.data(), R, qrow, s0, Ct, n, sc, part.data());
+                else scores_rows_bf16<4>(kt.data(), R, qrow, s0, Ct, n, sc, part.data());
+                continue;
+              }
               for (int64_t r = 0; r < R; ++r) scores_bf16(qrow(r), keys, Hkv * D, n, D, sc, s0 + r * Ct);
               continue;
             }
