@@ -199,7 +199,7 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
   // `ahead(item)`: the request whose KV to bring into L2 while this item runs (-1: none).
   auto run_items = [&](auto&& next, auto&& ahead) {
     std::vector<float> qf, sf, accf, kf(KEY_LANES * D), kt(KEY_LANES * D), vf(block_size * D);
-    std::vector<float> part(4 * QUERY_TILE * G * KEY_LANES);  // scores_rows_bf16's block sums
+    std::vector<float> part;  // scores_rows_bf16's block sums: [4][R][16], sized when first used
     std::vector<const T*> qptr;
     for (int64_t item = next(); item >= 0; item = next()) {
       const auto [b, j0, j1] = tiles[item / Hkv];
@@ -249,6 +249,7 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
           if constexpr (std::is_same_v<T, c10::BFloat16>) {
             if (bf16dot) {
               if (R >= MANY_ROWS && (D == 64 || D == 128)) {
+                if (static_cast<int64_t>(part.size()) < 4 * R * KEY_LANES) part.resize(4 * R * KEY_LANES);
                 transpose_key_pairs(keys, Hkv * D, n, kt.data(), D);
                 if (D == 64) scores_rows_bf16<2>(kt.data(), R, qrow, s0, Ct, n, sc, part.data());
                 else scores_rows_bf16<4>(kt.data(), R, qrow, s0, Ct, n, sc, part.data());
