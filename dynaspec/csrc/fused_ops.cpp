@@ -84,9 +84,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
         if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
           if (inter % 16 == 0) {  // the scalar loop below, 16 lanes at a time (the same bits)
             for (int64_t i = 0; i < inter; i += 16) {
-              const __m512 a = bf16x16_load(gate + i);
-              const __m512 s = _mm512_div_ps(a, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32(INT32_MIN))))));
-              bf16x16_store(o + r * inter + i, _mm512_mul_ps(bf16x16_round(s), bf16x16_load(up + i)));
+              bf16x16_store(o + r * inter + i, silu_mul16(bf16x16_load(gate + i), bf16x16_load(up + i)));
             }
             continue;
           }

@@ -3,8 +3,9 @@
 // At batch 1 a step is ~5 ms of kernels; the Python around them (about 40 ops and 10 Python calls
 // per layer, 30 layers) cost about as much again. This runs the same kernels, in the same order,
 // with the same rounding, as the Python layer loop (models/llama.py DecoderLayer.forward on the
-// int8dot + cpu_paged + fused-ops path), so the two are bit-identical; the model picks this one
-// only when every part of a layer is on that path.
+// int8dot + cpu_paged + fused-ops path), so the two are bit-identical (the MLP's gate|up GEMM and
+// silu_mul run fused here: int8_gemm_silu gives silu_mul's bits); the model picks this one only
+// when every part of a layer is on that path.
 #include <torch/extension.h>
 
 #include <cstring>
@@ -15,7 +16,6 @@
 // Declared in the other kernel files (one extension module).
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor add_rms_norm(torch::Tensor residual, torch::Tensor delta, torch::Tensor w, double eps);
-torch::Tensor silu_mul(torch::Tensor gate_up);
 void rope_inplace(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t head_dim);
 void paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor tables, torch::Tensor ctx, torch::Tensor qstart,
                   torch::Tensor qlen, int64_t block_size, double scale, torch::Tensor out, int64_t window);
@@ -94,7 +94,7 @@ class LayerStack {
       auto a = torch::empty_like(q);  // [T, H, D]
       paged_decode(q, kv_caches[i], tables, ctx, qstart, qlen, block_size, scale, a, 0);
       h = add_rms_norm(x, L.o(a.view({T, H_ * D_})), L.ln2, eps_);
-      delta = L.down(silu_mul(L.gate_up(h)));
+      delta = L.down(L.gate_up.silu_mul(h));
     }
     return {x, delta};
   }

@@ -18,6 +18,8 @@ torch::Tensor argmax_rows(torch::Tensor logits);
 // int8_gemm.cpp
 torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor d, c10::optional<torch::Tensor> mn,
                         int64_t N, int64_t G, int64_t bits, int64_t isa);
+torch::Tensor int8_gemm_silu(torch::Tensor x, torch::Tensor w, torch::Tensor d, c10::optional<torch::Tensor> mn,
+                             int64_t N, int64_t G, int64_t bits);
 int64_t int8_gemm_isa();
 
 // Build facts passed as bare tokens (-DDYNASPEC_ISA_TAG=avx512): quotes do not survive the
@@ -47,6 +49,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("build_info", [] { return std::make_tuple(std::string(DYNASPEC_STR(DYNASPEC_ISA_TAG)), std::string(DYNASPEC_STR(DYNASPEC_SRC_HASH))); },
         "(ISA tag, source hash) this module was built with");
   m.def("int8_gemm", &int8_gemm, "x W^T with W in GGUF groups, x quantized to int8 per 32 (row-invariant)", nogil);
+  m.def("int8_gemm_silu", &int8_gemm_silu, "silu_mul(int8_gemm(x, ...)) of a gate|up matrix, fused", nogil);
   m.def("int8_gemm_isa", &int8_gemm_isa, "0 scalar, 1 AVX2, 2 AVX-VNNI, 3 AVX-512 VNNI");
   m.def("paged_decode", &paged_decode, "paged attention over the KV cache in place, any query length",
         py::arg("q"), py::arg("kv"), py::arg("tables"), py::arg("ctx"), py::arg("qstart"), py::arg("qlen"),

@@ -71,3 +71,14 @@ BF16X16_TARGET inline __m512 bf16x16_round(__m512 v) {  // float(bf16(v))
 BF16X16_TARGET inline void bf16x16_store(void* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16x16_bits(v)));
 }
+
+#if defined(__AVX512F__)
+// silu(gate) * up on 16 lanes of bf16 values (as fp32), rounded as the eager ops round: silu to
+// bf16, then the product (the caller's store rounds it). silu_mul and the gate|up GEMM's fused
+// epilogue both call this, so the two give the same bits.
+inline __m512 silu_mul16(__m512 gate, __m512 up) {
+  const __m512 neg = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(gate), _mm512_set1_epi32(INT32_MIN)));
+  const __m512 s = _mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(neg)));
+  return _mm512_mul_ps(bf16x16_round(s), up);
+}
+#endif

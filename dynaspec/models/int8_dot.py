@@ -122,6 +122,14 @@ class Int8DotLinear(KernelModule):
                      self.group_size, self.bits, isa)
         return y if self.bias is None else y + self.bias
 
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for W = gate's rows over up's: [M, K] -> [M, N / 2], the bits of
+        FusedOps.silu_and_mul(self(x)) without storing the [M, N] product (int8_gemm_silu)."""
+        if self.bias is not None:
+            raise ValueError("silu_mul: a gate|up matrix with a bias is not supported")
+        return _ext().int8_gemm_silu(x.contiguous(), self.packed, self.scales, self.mins,
+                                     self.out_features, self.group_size, self.bits)
+
 
 def activation_residual(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     """(x as fp32 [M, K], what int8_gemm's activation quantization loses of it [M, K]).

@@ -13,6 +13,7 @@ from dynaspec.models.int8_dot import (
     activation_residual,
     quantize_grouped_int8,
 )
+from dynaspec.models.layers import FusedOps
 from dynaspec.models.quant import QuantizedTensor, quantize_int4
 
 pytestmark = pytest.mark.skipif(
@@ -81,6 +82,21 @@ def test_rows_do_not_depend_on_how_many_share_the_call(kind):
             assert torch.equal(lin(part), full[start: start + len(part)]), (m, start)
     perm = torch.randperm(200, generator=torch.Generator().manual_seed(5))
     assert torch.equal(lin(x[perm]), full[perm])  # order in the batch changes nothing either
+
+
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_gate_up_silu_gives_the_bits_of_the_gemm_then_silu_mul(kind, dtype):
+    # 3 tile pairs (gate tiles 0-2, up tiles 3-5); rows across register blocks and row chunks.
+    w = _weights(kind, 96, 128, seed=13)
+    lin = Int8DotLinear(w, None)
+    x = (torch.randn(200, 128, generator=torch.Generator().manual_seed(14)) * 3).to(dtype)
+    x[7] = 0.0  # silu(0) * up: exact zeros
+    ops = FusedOps(enabled=True)
+    for m in (1, 5, 12, 13, 96, 200):
+        got = lin.silu_mul(x[:m])
+        assert got.shape == (m, 48) and got.dtype == dtype
+        assert torch.equal(got, ops.silu_and_mul(lin(x[:m]))), m
 
 
 def test_q4_1_minimum_is_recovered_exactly_and_bias_added():
