@@ -140,25 +140,38 @@ struct NextRequest {
   const char* k = nullptr;
   const char* v = nullptr;
   const int64_t* table = nullptr;
-  int64_t region = 0, first = 0, lines = 0, per_step = 0, done = 0;
+  int64_t region = 0, region_lines = 0, per_step = 0, left = 0;
+  int64_t blk = 0, line = 0;  // where the next line is: block first + blk, keys then values
+  bool values = false;
   template <typename T>
   NextRequest(const T* kp, const T* vp, const int64_t* tb, int64_t NB, int64_t block_elems, int64_t req,
               const int64_t* cl, int64_t h, int64_t Hkv, int64_t block_size, int64_t steps) {
     if (req < 0 || steps <= 0) return;
     const int64_t nblk = std::min(NB, (cl[req] + block_size - 1) / block_size);
-    first = h * nblk / Hkv;
+    const int64_t first = h * nblk / Hkv;
     const int64_t blocks = (h + 1) * nblk / Hkv - first;
-    k = reinterpret_cast<const char*>(kp), v = reinterpret_cast<const char*>(vp), table = tb + req * NB;
+    k = reinterpret_cast<const char*>(kp), v = reinterpret_cast<const char*>(vp), table = tb + req * NB + first;
     region = block_elems * static_cast<int64_t>(sizeof(T));
-    lines = blocks * 2 * (region / 64);
-    per_step = (lines + steps - 1) / steps;
+    region_lines = region / 64;
+    left = blocks * 2 * region_lines;
+    per_step = (left + steps - 1) / steps;
   }
+  // The next per_step lines in order (block by block, its keys then its values). Counters rather
+  // than a division per line: dividing to find each line's block was ~40% of a decode item.
   __attribute__((always_inline)) inline void step() {
-    const int64_t per_region = region / 64;
-    for (int64_t e = std::min(lines, done + per_step); done < e; ++done) {
-      const int64_t r = done / per_region, line = done % per_region;
-      const char* base = (r % 2 ? v : k) + table[first + r / 2] * region;
-      _mm_prefetch(base + line * 64, _MM_HINT_T1);
+    int64_t n = std::min(per_step, left);
+    left -= n;
+    while (n > 0) {
+      const char* base = (values ? v : k) + table[blk] * region + line * 64;
+      const int64_t take = std::min(n, region_lines - line);
+      for (int64_t i = 0; i < take; ++i) _mm_prefetch(base + i * 64, _MM_HINT_T1);
+      n -= take;
+      line += take;
+      if (line == region_lines) {
+        line = 0;
+        values = !values;
+        if (!values) ++blk;
+      }
     }
   }
 };
