@@ -184,6 +184,9 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
   const int64_t H = q.size(1), D = q.size(2), Hkv = kv.size(2), G = H / Hkv;
   const int64_t slots = kv.size(1);
   const T* qp = q.data_ptr<T>();
+  // A token's queries: contiguous heads, any token stride (is_contiguous ignores the strides of
+  // size-1 dimensions, so a contiguous q's own stride(0) may not be H * D).
+  const int64_t qstride = q.is_contiguous() ? H * D : q.stride(0);
   const T* kp = kv.data_ptr<T>();
   const T* vp = kp + slots * Hkv * D;
   T* op = out.data_ptr<T>();
@@ -226,7 +229,7 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
       // Query row r is (token j0 + r / G, head h * G + r % G): its address computed once per item
       // (the divisions cost as much as a row's scores for a key group).
       qptr.resize(R);
-      for (int64_t r = 0; r < R; ++r) qptr[r] = qp + ((qs[b] + j0 + r / G) * H + h * G + r % G) * D;
+      for (int64_t r = 0; r < R; ++r) qptr[r] = qp + (qs[b] + j0 + r / G) * qstride + (h * G + r % G) * D;
       auto qrow = [&](int64_t r) { return qptr[r]; };
       if (!bf16dot) {
         qf.assign(R * D, 0.f);
@@ -357,13 +360,17 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
 
 }  // namespace
 
-// q: [T, H, D]; kv: [2, S, Hkv, D]; tables: [B, NB] long; ctx, qstart, qlen: [B] long.
+// q: [T, H, D] (heads contiguous within a token); kv: [2, S, Hkv, D]; tables: [B, NB] long; ctx, qstart, qlen: [B] long.
 // Writes rows qstart[b] .. qstart[b] + qlen[b] of out ([T, H, D], same dtype as q).
 // window > 0: a query at position p sees keys max(0, p - window + 1) .. p (sliding window).
 void paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor tables, torch::Tensor ctx,
                   torch::Tensor qstart, torch::Tensor qlen, int64_t block_size, double scale,
                   torch::Tensor out, int64_t window) {
-  TORCH_CHECK(q.is_contiguous() && kv.is_contiguous() && out.is_contiguous(), "contiguous tensors expected");
+  // q may be a view of the fused qkv rows (its tokens strided, each token's heads contiguous).
+  TORCH_CHECK(q.dim() == 3, "q: [T, H, D] expected");
+  TORCH_CHECK(q.is_contiguous() || (q.stride(2) == 1 && q.stride(1) == q.size(2) && q.stride(0) >= q.size(1) * q.size(2)),
+              "q: each token's heads must be contiguous ([T, H, D], any token stride)");
+  TORCH_CHECK(kv.is_contiguous() && out.is_contiguous(), "contiguous kv and out expected");
   TORCH_CHECK(q.scalar_type() == kv.scalar_type() && q.scalar_type() == out.scalar_type(), "dtype mismatch");
   TORCH_CHECK(tables.scalar_type() == torch::kLong && ctx.scalar_type() == torch::kLong, "long metadata expected");
   TORCH_CHECK(q.size(1) % kv.size(2) == 0, "query heads must be a multiple of KV heads");

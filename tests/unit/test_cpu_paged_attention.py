@@ -111,3 +111,29 @@ def test_sliding_window_matches_a_masked_reference():
     assert not torch.allclose(
         out, _run(fast, q, k, v, cache.clone(), [C], [C], tables)
     )  # the window matters
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_queries_read_in_place_from_the_fused_qkv_rows(dtype):
+    """The layer stack hands the kernel q as a view of the qkv rows (tokens strided by the fused
+    width, each token's heads contiguous): the same bits as a contiguous copy. Heads that are not
+    contiguous within a token are refused by name."""
+    from dynaspec import cpu_kernels
+
+    op = cpu_kernels.extension().paged_decode
+    widths, ctx, hkv, g, d, bs = [20, 1, 3], [29, 50, 7], 3, 3, 64, 16
+    tables, q, _, _, cache = _case(widths, ctx, hkv, g, d, dtype, seed=5, bs=bs)
+    T, H = q.shape[0], hkv * g
+    qkv = torch.randn(T, (H + 2 * hkv) * d, generator=torch.Generator().manual_seed(6)).to(dtype)
+    qkv[:, : H * d] = q.reshape(T, H * d)
+    view = qkv.narrow(1, 0, H * d).view(T, H, d)
+    assert not view.is_contiguous()
+    nb = max(len(t) for t in tables)
+    meta = (torch.tensor([t + [0] * (nb - len(t)) for t in tables]), torch.tensor(ctx),
+            torch.tensor([0, 20, 21]), torch.tensor(widths))
+    out_view, out_copy = torch.empty_like(q), torch.empty_like(q)
+    op(view, cache, *meta, bs, d ** -0.5, out_view)
+    op(q.contiguous(), cache, *meta, bs, d ** -0.5, out_copy)
+    assert torch.equal(out_view, out_copy)
+    with pytest.raises(RuntimeError, match="heads must be contiguous"):
+        op(q.transpose(0, 1).contiguous().transpose(0, 1), cache, *meta, bs, d ** -0.5, out_copy)
