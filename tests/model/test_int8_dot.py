@@ -99,6 +99,16 @@ def test_fused_gate_up_silu_gives_the_bits_of_the_gemm_then_silu_mul(kind, dtype
         assert torch.equal(got, ops.silu_and_mul(lin(x[:m]))), m
 
 
+def test_fused_gate_up_silu_names_what_it_cannot_take():
+    w = _weights("q4", 32, 64, seed=15)
+    with pytest.raises(ValueError, match="with a bias is not supported"):
+        Int8DotLinear(w, torch.zeros(32)).silu_mul(torch.randn(2, 64))
+    lin = Int8DotLinear(w, None)
+    with pytest.raises(RuntimeError, match="N must stack gate and up rows"):
+        int8_dot._ext().int8_gemm_silu(torch.randn(2, 64), lin.packed, lin.scales, lin.mins, 31,
+                                       lin.group_size, lin.bits)
+
+
 def test_q4_1_minimum_is_recovered_exactly_and_bias_added():
     w = _weights("q4", 32, 64, seed=6)
     packed, scales, mins, bits = int8_dot.pack(w)
