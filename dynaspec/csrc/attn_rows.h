@@ -136,7 +136,7 @@ __attribute__((target("avx512f"))) inline void transpose16x16(const __m512* r, f
 }
 
 // ---- Scores for many rows over the same keys ----------------------------------------------------
-// A prefill tile's 48 rows (16 tokens x 3 heads) score the same keys: reduce16 per row and key
+// A prefill tile's 96 rows (32 tokens x 3 heads) score the same keys: reduce16 per row and key
 // group was ~40% of their score instructions. The key pairs are transposed once for the rows
 // instead, and each row runs the same operations as scores_bf16 with keys in the lanes: lane L's
 // chain (pairs L, L + 16, ... in order) for all 16 keys at once, then reduce16's tree as vertical
@@ -168,6 +168,39 @@ BF16DOT_TARGET inline __m512 dpbf16_bcast(__m512 acc, __m512bh k, const int32_t*
 template <int NC, typename QRow>
 BF16DOT_TARGET void scores_rows_bf16(const float* kt, int64_t R, QRow&& qrow, float* s0, int64_t ld, int64_t n,
                                      float scale, float* part) {
+  const __mmask16 m = static_cast<__mmask16>((1u << n) - 1u);
+  if constexpr (NC == 2) {
+    // D = 64: two 128-bit blocks a pass (16 key registers), so a row's blocks b0 + b1 wait in
+    // part for b2 + b3 rather than all four blocks going through it: four stores and reloads
+    // a row and key group were a third of the pass's instructions besides the dot products.
+    for (int half = 0; half < 2; ++half) {
+      __m512bh kv[2][NC][4];  // pairs 16c + 4bk + l of the 16 keys, bk = 2 * half + i
+      for (int i = 0; i < 2; ++i)
+        for (int c = 0; c < NC; ++c)
+          for (int l = 0; l < 4; ++l) kv[i][c][l] = (__m512bh)_mm512_loadu_ps(kt + (16 * c + 4 * (2 * half + i) + l) * 16);
+      for (int64_t r = 0; r < R; ++r) {
+        const int32_t* qd = reinterpret_cast<const int32_t*>(qrow(r));  // q's pairs
+        __m512 blk[2];
+        for (int i = 0; i < 2; ++i) {
+          const int bk = 2 * half + i;
+          __m512 a[4];
+          for (int l = 0; l < 4; ++l) {
+            a[l] = dpbf16_bcast(_mm512_setzero_ps(), kv[i][0][l], qd + 4 * bk + l);
+            for (int c = 1; c < NC; ++c) a[l] = dpbf16_bcast(a[l], kv[i][c][l], qd + 16 * c + 4 * bk + l);
+          }
+          blk[i] = _mm512_add_ps(_mm512_add_ps(a[0], a[2]), _mm512_add_ps(a[1], a[3]));
+        }
+        const __m512 pair = _mm512_add_ps(blk[0], blk[1]);  // b0 + b1, then b2 + b3
+        if (half == 0) {
+          _mm512_storeu_ps(part + r * 16, pair);
+        } else {
+          const __m512 sum = _mm512_add_ps(_mm512_loadu_ps(part + r * 16), pair);
+          _mm512_mask_storeu_ps(s0 + r * ld, m, _mm512_mul_ps(sum, _mm512_set1_ps(scale)));
+        }
+      }
+    }
+    return;
+  }
   for (int bk = 0; bk < 4; ++bk) {
     __m512bh kv[NC][4];  // pairs 16c + 4bk + l of the 16 keys
     for (int c = 0; c < NC; ++c)
@@ -183,7 +216,6 @@ BF16DOT_TARGET void scores_rows_bf16(const float* kt, int64_t R, QRow&& qrow, fl
                        _mm512_add_ps(_mm512_add_ps(a[0], a[2]), _mm512_add_ps(a[1], a[3])));
     }
   }
-  const __mmask16 m = static_cast<__mmask16>((1u << n) - 1u);
   for (int64_t r = 0; r < R; ++r) {
     const float* p = part + r * 16;
     const __m512 b01 = _mm512_add_ps(_mm512_loadu_ps(p), _mm512_loadu_ps(p + R * 16));

@@ -3,7 +3,7 @@
 // width of its request's step, its tile or the batch, so chunking, batching and speculation
 // cannot change a request's tokens.
 //
-// One work item is (request, tile of <= 16 query tokens, KV head): its G query heads x tokens are
+// One work item is (request, tile of <= 32 query tokens, KV head): its G query heads x tokens are
 // scored against the request's context block by block, straight from the cache. With bf16 KV on
 // an AVX512-BF16 CPU the scores are bf16 dot products on the cached keys as they are (exact
 // products, fp32 sums); otherwise the keys are converted to fp32 and transposed. V of each block
@@ -36,14 +36,25 @@ inline void to_float(const T* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-// Query rows per work item: long prefill chunks split into tiles so both threads get work and
-// the score buffer stays small. A row's arithmetic does not depend on its tile (see below).
-constexpr int64_t QUERY_TILE = 16;
+// Query tokens per work item: long prefill chunks split into tiles so both threads get work and
+// the score buffer stays in L2 (96 rows x 800 keys: 300 KB). 32 against 16 measured 0.92-0.95x
+// on prefill chunks (the key transposes and value conversions shared by twice the rows); 8 was
+// 1.09x. A row's arithmetic does not depend on its tile (see below).
+constexpr int64_t QUERY_TILE = 32;
 
 // Rows from which a work item's key groups are transposed once for all its rows (scores_rows_bf16)
-// rather than each row reducing its own 16 lanes per key group. A prefill tile has 48; a batch-1
+// rather than each row reducing its own 16 lanes per key group. A prefill tile has 96; a batch-1
 // verify item of 9 rows measured 1.03-1.06x slower transposed, one of 27 0.94x.
 constexpr int64_t MANY_ROWS = 16;
+
+#if defined(__AVX512F__)
+constexpr bool VALUE_ROWS_VEC = true;
+#else
+constexpr bool VALUE_ROWS_VEC = false;
+#endif
+
+// Blocks of values a many-row item converts to fp32 at a time (8 of 16 slots at D = 64: 32 KB, in L1).
+constexpr int64_t V_CHUNK = 8;
 
 // s[t] = sum_d q[d] * k[t][d] for n <= 16 keys held transposed (kt[d * 16 + t]): the sum runs
 // over d in order in each key's lane, the same for every row and every key.
@@ -279,39 +290,68 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
           for (int64_t r = 0; r < R; ++r) scores16(qf.data() + r * D, kt.data(), s0 + r * Ct, n, D);
         }
       }
+      auto acc = [&](int64_t r) { return accf.data() + r * D; };
+      // Keys [k0, k0 + n) that row r sees: those past its position have probability 0.
+      auto seen_from = [&](int64_t r, int64_t k0, int64_t n) {
+        return std::max<int64_t>(0, std::min(n, C - W + j0 + r / G + 1 - k0));
+      };
+      // Many rows (a prefill tile): the values of V_CHUNK blocks converted to fp32 once, then each
+      // group of rows runs over all of the chunk's keys with its sums in registers. Per block,
+      // loading and storing the groups' sums and setting them up cost ~a third of the
+      // multiply-adds. Each row still adds its keys one at a time in key order: the same bits.
+      auto many_rows_v = [&](int64_t rows, NextRequest& pf, int64_t lastb) {
+        if (!VALUE_ROWS_VEC || (D != 64 && D != 128)) return false;  // accumulate_v_rows' paths
+        if (static_cast<int64_t>(vf.size()) < V_CHUNK * block_size * D) vf.resize(V_CHUNK * block_size * D);
+        for (int64_t c0 = 0; c0 <= lastb; c0 += V_CHUNK) {
+          const int64_t c1 = std::min(lastb + 1, c0 + V_CHUNK);
+          const int64_t k0 = c0 * block_size, k1 = std::min(Ct, c1 * block_size);
+          for (int64_t blk = c0; blk < c1; ++blk) {
+            pf.step();
+            if (blk + AHEAD <= lastb) {
+              const auto [next, n_next] = block_rows(vp, blk + AHEAD);
+              prefetch_rows(next, Hkv * D, n_next, D);
+            }
+            const T* vrows = vp + (tb[b * NB + blk] * block_size * Hkv + h) * D;
+            const int64_t n = std::min(block_size, Ct - blk * block_size);
+            float* dst = vf.data() + (blk - c0) * block_size * D;
+            for (int64_t t = 0; t < n; ++t) row_to_float(vrows + t * Hkv * D, dst + t * D, D);
+          }
+          auto prob = [&](int64_t r) { return sf.data() + r * Ct + k0; };
+          auto seen = [&](int64_t r) { return seen_from(r, k0, k1 - k0); };
+          accumulate_v_rows(rows, acc, prob, seen, vf.data(), D, D);
+        }
+        return true;
+      };
       // Softmax per row over its visible keys [lo, pos]; everything else gets probability 0.
       for (int64_t r = 0; r < R; ++r) {
         const int64_t pos = C - W + j0 + r / G;
         const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
         softmax_row(sf.data() + r * Ct, Ct, lo, pos);
       }
-      // Pass 2: weighted sum of V, block by block (a zero weight adds exactly nothing).
-      for (int64_t blk = 0; blk <= last; ++blk) {
-        const int64_t base = tb[b * NB + blk] * block_size;
-        const int64_t n = std::min(block_size, Ct - blk * block_size);
-        pre.step();
-        if (blk + AHEAD <= last) {
-          const auto [next, rows] = block_rows(vp, blk + AHEAD);
-          prefetch_rows(next, Hkv * D, rows, D);
+      // Pass 2: weighted sum of V, in key order (a zero weight adds exactly nothing).
+      if (R <= 4 || !many_rows_v(R, pre, last)) {
+        for (int64_t blk = 0; blk <= last; ++blk) {
+          const int64_t base = tb[b * NB + blk] * block_size;
+          const int64_t n = std::min(block_size, Ct - blk * block_size);
+          pre.step();
+          if (blk + AHEAD <= last) {
+            const auto [next, rows] = block_rows(vp, blk + AHEAD);
+            prefetch_rows(next, Hkv * D, rows, D);
+          }
+          auto keys_seen = [&](int64_t r) { return seen_from(r, blk * block_size, n); };
+          auto prob = [&](int64_t r) { return sf.data() + r * Ct + blk * block_size; };
+          const T* vrows = vp + (base * Hkv + h) * D;
+          if constexpr (std::is_same_v<T, c10::BFloat16>) {
+            // One group of query rows (a decode step's G heads): the bf16 values widened as they
+            // are loaded, the same fp32 values as converting the block first. The conversion's
+            // stores and reloads were a fifth of a decode item's instructions.
+            if (R <= 4 && accumulate_v_rows(R, acc, prob, keys_seen, vrows, Hkv * D, D)) continue;
+          }
+          for (int64_t t = 0; t < n; ++t) row_to_float(vrows + t * Hkv * D, vf.data() + t * D, D);
+          if (accumulate_v_rows(R, acc, prob, keys_seen, vf.data(), D, D)) continue;
+          for (int64_t r = 0; r < R; ++r)
+            if (keys_seen(r) > 0) accumulate_v(acc(r), prob(r), vf.data(), keys_seen(r), D);
         }
-        // Keys past a row's position have probability 0: they would add exactly nothing.
-        auto keys_seen = [&](int64_t r) {
-          return std::max<int64_t>(0, std::min(n, C - W + j0 + r / G + 1 - blk * block_size));
-        };
-        auto acc = [&](int64_t r) { return accf.data() + r * D; };
-        auto prob = [&](int64_t r) { return sf.data() + r * Ct + blk * block_size; };
-        const T* vrows = vp + (base * Hkv + h) * D;
-        if constexpr (std::is_same_v<T, c10::BFloat16>) {
-          // One group of query rows (a decode step's G heads): the bf16 values widened as they
-          // are loaded, the same fp32 values as converting the block first. The conversion's
-          // stores and reloads were a fifth of a decode item's instructions; for more rows it
-          // is done once and shared.
-          if (R <= 4 && accumulate_v_rows(R, acc, prob, keys_seen, vrows, Hkv * D, D)) continue;
-        }
-        for (int64_t t = 0; t < n; ++t) row_to_float(vrows + t * Hkv * D, vf.data() + t * D, D);
-        if (accumulate_v_rows(R, acc, prob, keys_seen, vf.data(), D, D)) continue;
-        for (int64_t r = 0; r < R; ++r)
-          if (keys_seen(r) > 0) accumulate_v(acc(r), prob(r), vf.data(), keys_seen(r), D);
       }
       for (int64_t j = j0; j < j1; ++j)
         for (int64_t g = 0; g < G; ++g) {

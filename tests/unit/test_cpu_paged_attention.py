@@ -58,19 +58,20 @@ def _run(fast, q, k, v, cache, query_lens, ctx, tables, window=None, bs=BS):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("bs,d", [(BS, 64), (16, 64), (16, 128)])
-def test_a_rows_result_does_not_depend_on_its_step(dtype, bs, d):
-    """Row invariance: the same token attended in a 37-token prefill chunk, a 5-token verify, alone,
-    or beside other requests gives bit-identical output. With 16-slot blocks a row's keys come in
-    full groups of 16 in one call and a partial group in another (the kernel's two score paths),
-    and its value sums run in blocks of four rows or alone."""
+@pytest.mark.parametrize("bs,d,C", [(BS, 64, 37), (16, 64, 37), (16, 128, 37), (16, 64, 150), (16, 128, 150)])
+def test_a_rows_result_does_not_depend_on_its_step(dtype, bs, d, C):
+    """Row invariance: the same token attended in a C-token prefill chunk, a 5- or 33-token verify,
+    alone, or beside other requests gives bit-identical output. With 16-slot blocks a row's keys
+    come in full groups of 16 in one call and a partial group in another (the kernel's two score
+    paths); its value sums run block by block (a decode's rows) or over chunks of 8 blocks (many
+    rows: at C = 150 a row's keys cross a chunk), in groups of four rows or alone."""
     fast = get_backend("cpu_paged")
-    C, hkv, g = 37, 2, 3
+    hkv, g = 2, 3
     tables, q, k, v, cache = _case([C, 3], [C, 11], hkv, g, d, dtype, seed=7, bs=bs)
     cache0 = cache.clone()
-    # One prefill of all 37 tokens of request 0 (three 16-row tiles) beside a 3-token request.
+    # One prefill of all C tokens of request 0 (two or five 32-token tiles) beside a 3-token request.
     full = _run(fast, q, k, v, cache, [C, 3], [C, 11], tables, bs=bs)[:C]
-    for width in (1, 2, 5, 16):
+    for width in (1, 2, 5, 16, 33):
         for end in range(width, C + 1, 7):  # the last `width` tokens up to position end-1
             c = cache0.clone()
             _run(fast, q[:C], k[:C], v[:C], c, [C], [C], tables[:1], bs=bs)  # KV of the prompt
