@@ -58,7 +58,9 @@ def _run(fast, q, k, v, cache, query_lens, ctx, tables, window=None, bs=BS):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("bs,d,C", [(BS, 64, 37), (16, 64, 37), (16, 128, 37), (16, 64, 150), (16, 128, 150)])
+@pytest.mark.parametrize(
+    "bs,d,C", [(BS, 64, 37), (16, 64, 37), (16, 128, 37), (16, 64, 150), (16, 128, 150)]
+)
 def test_a_rows_result_does_not_depend_on_its_step(dtype, bs, d, C):
     """Row invariance: the same token attended in a C-token prefill chunk, a 5- or 33-token verify,
     alone, or beside other requests gives bit-identical output. With 16-slot blocks a row's keys
@@ -69,7 +71,7 @@ def test_a_rows_result_does_not_depend_on_its_step(dtype, bs, d, C):
     hkv, g = 2, 3
     tables, q, k, v, cache = _case([C, 3], [C, 11], hkv, g, d, dtype, seed=7, bs=bs)
     cache0 = cache.clone()
-    # One prefill of all C tokens of request 0 (two or five 32-token tiles) beside a 3-token request.
+    # One prefill of all C tokens of request 0 (2 or 5 tiles of 32) beside a 3-token request.
     full = _run(fast, q, k, v, cache, [C, 3], [C, 11], tables, bs=bs)[:C]
     for width in (1, 2, 5, 16, 33):
         for end in range(width, C + 1, 7):  # the last `width` tokens up to position end-1
