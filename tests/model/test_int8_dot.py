@@ -84,6 +84,28 @@ def test_rows_do_not_depend_on_how_many_share_the_call(kind):
     assert torch.equal(lin(x[perm]), full[perm])  # order in the batch changes nothing either
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+def test_workers_taking_each_others_tiles_give_every_tile_once(threads):
+    # 20 tiles (10 SwiGLU output tiles) split into ranges per worker; from 12 rows up a worker
+    # that finishes takes the others' (chunk, tile) units. Rows alone (one row: own ranges only)
+    # must match the batch, and every tile must be there (the dequantized product bounds it).
+    w = _weights("q4", 320, 256, seed=21)
+    lin = Int8DotLinear(w, None)
+    x = torch.randn(200, 256, generator=torch.Generator().manual_seed(22)).to(torch.bfloat16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        full, fused = lin(x), lin.silu_mul(x)
+        for r in (0, 95, 96, 199):
+            assert torch.equal(lin(x[r: r + 1]), full[r: r + 1]), r
+            assert torch.equal(lin.silu_mul(x[r: r + 1]), fused[r: r + 1]), r
+        assert torch.equal(fused, FusedOps(enabled=True).silu_and_mul(full))
+    finally:
+        torch.set_num_threads(before)
+    exact = x.float() @ w.dequantize().t()
+    assert ((full.float() - exact).abs().max() / exact.abs().max()).item() < 0.03
+
+
 @pytest.mark.parametrize("kind", ["q4", "q8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_gate_up_silu_gives_the_bits_of_the_gemm_then_silu_mul(kind, dtype):
