@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <numeric>
 #include <type_traits>
 #include <vector>
@@ -364,17 +365,39 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
   if (short_queries) {
     // Decode and verify steps (every request one tile, or two when split): contiguous ranges, so
     // a thread keeps the same (request, KV head) items from step to step and finds their keys in
-    // its own L2 (handing them out dynamically measured 5-10% slower at batch 1).
-    at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-      int64_t i = begin;
-      // The thread's next request, while this one runs: its blocks (every head's rows, keys and
-      // values) into L2, a share per item of this request. Not for a batch that splits its
-      // items by query tile (a small batch: the next item is the same request).
-      auto ahead = [&](int64_t it) -> int64_t {
-        const int64_t nt = (it / Hkv + 1) * Hkv;
-        return split || nt >= end ? -1 : tiles[nt / Hkv][0];
-      };
-      run_items([&] { return i < end ? i++ : int64_t{-1}; }, ahead);
+    // its own L2 (handing them out dynamically measured 5-10% slower at batch 1). A thread that
+    // finishes its range takes the rest of the others' items from where they are: the two
+    // vCPUs here do not run at one speed, and contexts differ between ranges. Not for a batch
+    // that splits its items by query tile (a small batch: halves of the same rows).
+    const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(items, at::get_num_threads()));
+    struct alignas(64) Next {
+      std::atomic<int64_t> item{0};
+    };
+    std::unique_ptr<Next[]> next(new Next[workers]);
+    const int64_t ranges = split ? 1 : workers;
+    // Range r: [lo(r), lo(r + 1)), at::parallel_for's split (the first ranges take the remainder).
+    const int64_t per = (items + workers - 1) / workers;
+    auto lo = [&](int64_t r) { return std::min(items, r * per); };
+    at::parallel_for(0, workers, 1, [&](int64_t wb, int64_t we) {
+      for (int64_t w = wb; w < we; ++w) {
+        int64_t k = 0, r = w;
+        auto take = [&]() -> int64_t {  // own range first, then the others'
+          for (; k < ranges; ++k) {
+            r = (w + k) % workers;
+            const int64_t i = lo(r) + next[r].item++;
+            if (i < lo(r + 1)) return i;
+          }
+          return -1;
+        };
+        // The range's next request, while this one runs: its blocks (every head's rows, keys and
+        // values) into L2, a share per item of this request. Not when split (the next item is
+        // the same request).
+        auto ahead = [&](int64_t it) -> int64_t {
+          const int64_t nt = (it / Hkv + 1) * Hkv;
+          return split || nt >= lo(r + 1) ? -1 : tiles[nt / Hkv][0];
+        };
+        run_items(take, ahead);
+      }
     });
     return;
   }
