@@ -383,15 +383,17 @@ void gemm(const T* x, const Packed& p, int64_t M, T* y, Isa isa, bool silu = fal
   struct alignas(64) Next {
     std::atomic<int64_t> unit{0};
   };
-  std::unique_ptr<Next[]> next(new Next[workers]);
   const int64_t ranges = M >= MAX_RB ? workers : 1;  // ranges a worker works through
+  std::unique_ptr<Next[]> next(ranges > 1 ? new Next[workers] : nullptr);
   at::parallel_for(0, workers, 1, [&](int64_t wb, int64_t we) {
     std::vector<float> acc((silu ? 2 : 1) * chunk);
     for (int64_t w = wb; w < we; ++w) {
       for (int64_t k = 0; k < ranges; ++k) {  // its own range first, then the others'
         const int64_t r = (w + k) % workers;
         const int64_t t0 = r * outs / workers, nt = (r + 1) * outs / workers - t0;
-        for (int64_t u = next[r].unit++; u < chunks * nt; u = next[r].unit++) {
+        int64_t own = 0;  // a range nobody else takes from needs no shared counter
+        auto claim = [&] { return ranges > 1 ? next[r].unit++ : own++; };
+        for (int64_t u = claim(); u < chunks * nt; u = claim()) {
           const int64_t m0 = u / nt * ROW_CHUNK, tile = t0 + u % nt;
           const int64_t rows = std::min<int64_t>(ROW_CHUNK, M - m0);
           dispatch_tile(isa, p, qx, m0, rows, tile, acc.data());
