@@ -319,10 +319,18 @@ AVX512_TARGET inline void store16_bf16(const float* src, c10::BFloat16* dst) {
   bf16x16_store(dst, _mm512_loadu_ps(src));
 }
 
+const bool g_bf16cvt = cpu_has_bf16cvt();
+
+// store16_bf16 for M rows of a tile, through vcvtneps2bf16 (bf16x16_store_cvt: the same bits).
+BF16CVT_TARGET void store_tile_bf16_cvt(const float* acc, int64_t M, c10::BFloat16* y, int64_t N) {
+  for (int64_t m = 0; m < M; ++m) bf16x16_store_cvt(y + m * N, _mm512_loadu_ps(acc + m * TILE));
+}
+
 template <typename T>
 void store_rows(const float* acc, int64_t M, int64_t tile, int64_t N, T* y, bool vec) {
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     if (vec) {
+      if (g_bf16cvt) return store_tile_bf16_cvt(acc, M, y + tile * TILE, N);
       for (int64_t m = 0; m < M; ++m) store16_bf16(acc + m * TILE, y + m * N + tile * TILE);
       return;
     }
@@ -342,7 +350,15 @@ void store_rows(const float* acc, int64_t M, int64_t tile, int64_t N, T* y, bool
 #if defined(__AVX512F__)
 // Output tile `tile` of silu(gate) * up from a gate tile's and its up tile's accumulators: each
 // rounded to bf16 as int8_gemm stores them, then silu_mul16 as silu_mul runs on those stores.
+BF16CVT_TARGET void store_silu_rows_cvt(const float* g, const float* u, int64_t M, int64_t tile, int64_t N,
+                                        c10::BFloat16* y) {
+  for (int64_t m = 0; m < M; ++m)
+    bf16x16_store_cvt(y + m * N + tile * TILE, silu_mul16_cvt(bf16x16_round_cvt(_mm512_loadu_ps(g + m * TILE)),
+                                                              bf16x16_round_cvt(_mm512_loadu_ps(u + m * TILE))));
+}
+
 void store_silu_rows(const float* g, const float* u, int64_t M, int64_t tile, int64_t N, c10::BFloat16* y) {
+  if (g_bf16cvt) return store_silu_rows_cvt(g, u, M, tile, N, y);
   for (int64_t m = 0; m < M; ++m)
     bf16x16_store(y + m * N + tile * TILE, silu_mul16(bf16x16_round(_mm512_loadu_ps(g + m * TILE)),
                                                       bf16x16_round(_mm512_loadu_ps(u + m * TILE))));

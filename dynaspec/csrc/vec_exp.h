@@ -72,13 +72,43 @@ BF16X16_TARGET inline void bf16x16_store(void* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16x16_bits(v)));
 }
 
+// The same bits through AVX512-BF16's vcvtneps2bf16: one instruction for bf16x16_bits' seven.
+// It takes subnormal inputs as zero and keeps a NaN's sign and payload, so lanes holding either
+// (fpclass: QNaN 0x01, subnormal 0x20, SNaN 0x80; rare) take the integer path, which rounds
+// them as c10::BFloat16 does. For callers that checked cpu_has_bf16cvt().
+#define BF16CVT_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+inline bool cpu_has_bf16cvt() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+}
+
+BF16CVT_TARGET inline __m256i bf16x16_pack_cvt(__m512 v) {
+  if (_mm512_fpclass_ps_mask(v, 0xA1) == 0) return (__m256i)_mm512_cvtneps_pbh(v);
+  return _mm512_cvtepi32_epi16(bf16x16_bits(v));
+}
+
+BF16CVT_TARGET inline __m512 bf16x16_round_cvt(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16x16_pack_cvt(v)), 16));
+}
+
+BF16CVT_TARGET inline void bf16x16_store_cvt(void* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16x16_pack_cvt(v));
+}
+
 #if defined(__AVX512F__)
 // silu(gate) * up on 16 lanes of bf16 values (as fp32), rounded as the eager ops round: silu to
 // bf16, then the product (the caller's store rounds it). silu_mul and the gate|up GEMM's fused
 // epilogue both call this, so the two give the same bits.
-inline __m512 silu_mul16(__m512 gate, __m512 up) {
+inline __m512 silu16(__m512 gate) {  // silu, before its rounding to bf16
   const __m512 neg = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(gate), _mm512_set1_epi32(INT32_MIN)));
-  const __m512 s = _mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(neg)));
-  return _mm512_mul_ps(bf16x16_round(s), up);
+  return _mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(neg)));
+}
+
+inline __m512 silu_mul16(__m512 gate, __m512 up) { return _mm512_mul_ps(bf16x16_round(silu16(gate)), up); }
+
+BF16CVT_TARGET inline __m512 silu_mul16_cvt(__m512 gate, __m512 up) {  // the same bits
+  return _mm512_mul_ps(bf16x16_round_cvt(silu16(gate)), up);
 }
 #endif

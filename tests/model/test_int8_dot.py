@@ -84,6 +84,26 @@ def test_rows_do_not_depend_on_how_many_share_the_call(kind):
     assert torch.equal(lin(x[perm]), full[perm])  # order in the batch changes nothing either
 
 
+def test_bf16_outputs_round_as_the_scalar_reference_down_to_subnormals():
+    # The vector stores round through vcvtneps2bf16 where the CPU has it, which takes subnormal
+    # inputs as zero: outputs down to ~1e-38 must still get the scalar reference's bits.
+    g = torch.Generator().manual_seed(32)
+    lin = Int8DotLinear(quantize_int4(torch.randn(64, 128, generator=g) * 1e-4), None)
+    x = torch.randn(24, 128, generator=g) * torch.logspace(-35, 2, 24)[:, None]
+    x[9] = 0.0
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype)
+        ref, got = lin(xd, isa=0), lin(xd)
+        if dtype == torch.bfloat16:
+            assert torch.equal(got.view(torch.int16), ref.view(torch.int16))
+            tiny = got.float().abs() < 1.18e-38
+            assert (tiny & (got != 0)).any()  # subnormal outputs were stored
+        else:
+            assert torch.equal(got, ref)
+        fused, composed = lin.silu_mul(xd), FusedOps(enabled=True).silu_and_mul(lin(xd))
+        assert torch.equal(fused, composed)
+
+
 @pytest.mark.parametrize("threads", [2, 3])
 def test_workers_taking_each_others_tiles_give_every_tile_once(threads):
     # 20 tiles (10 SwiGLU output tiles) split into ranges per worker; from 12 rows up a worker
