@@ -39,12 +39,7 @@ inline void axpy_rows(float* __restrict acc, const float* __restrict p, const fl
 // 64-long dependent FMA chain per row and 16 keys, plus a transpose: ~5x the time at batch 32.)
 #define BF16DOT_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
 
-bool detect_bf16dot() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-}
-const bool g_bf16dot = detect_bf16dot();
+const bool g_bf16dot = cpu_has_avx512bf16();  // vec_exp.h
 
 // out lane t = the 16 lanes of a[t] summed as ((b0 + b1) + (b2 + b3)) over 128-bit blocks bk,
 // each block as ((l0 + l2) + (l1 + l3)).

@@ -180,7 +180,7 @@ AVX512_TARGET inline void store16_bf16(const float* src, c10::BFloat16* dst) {
   bf16x16_store(dst, _mm512_loadu_ps(src));
 }
 
-const bool g_bf16cvt = cpu_has_bf16cvt();
+const bool g_bf16cvt = cpu_has_avx512bf16();
 
 // store16_bf16 for M rows of a tile, through vcvtneps2bf16 (bf16x16_store_cvt: the same bits).
 BF16CVT_TARGET void store_tile_bf16_cvt(const float* acc, int64_t M, c10::BFloat16* y, int64_t N) {

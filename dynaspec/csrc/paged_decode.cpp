@@ -292,67 +292,49 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
         }
       }
       auto acc = [&](int64_t r) { return accf.data() + r * D; };
-      // Keys [k0, k0 + n) that row r sees: those past its position have probability 0.
-      auto seen_from = [&](int64_t r, int64_t k0, int64_t n) {
-        return std::max<int64_t>(0, std::min(n, C - W + j0 + r / G + 1 - k0));
-      };
-      // Many rows (a prefill tile): the values of V_CHUNK blocks converted to fp32 once, then each
-      // group of rows runs over all of the chunk's keys with its sums in registers. Per block,
-      // loading and storing the groups' sums and setting them up cost ~a third of the
-      // multiply-adds. Each row still adds its keys one at a time in key order: the same bits.
-      auto many_rows_v = [&](int64_t rows, NextRequest& pf, int64_t lastb) {
-        if (!VALUE_ROWS_VEC || (D != 64 && D != 128)) return false;  // accumulate_v_rows' paths
-        if (static_cast<int64_t>(vf.size()) < V_CHUNK * block_size * D) vf.resize(V_CHUNK * block_size * D);
-        for (int64_t c0 = 0; c0 <= lastb; c0 += V_CHUNK) {
-          const int64_t c1 = std::min(lastb + 1, c0 + V_CHUNK);
-          const int64_t k0 = c0 * block_size, k1 = std::min(Ct, c1 * block_size);
-          for (int64_t blk = c0; blk < c1; ++blk) {
-            pf.step();
-            if (blk + AHEAD <= lastb) {
-              const auto [next, n_next] = block_rows(vp, blk + AHEAD);
-              prefetch_rows(next, Hkv * D, n_next, D);
-            }
-            const T* vrows = vp + (tb[b * NB + blk] * block_size * Hkv + h) * D;
-            const int64_t n = std::min(block_size, Ct - blk * block_size);
-            float* dst = vf.data() + (blk - c0) * block_size * D;
-            for (int64_t t = 0; t < n; ++t) row_to_float(vrows + t * Hkv * D, dst + t * D, D);
-          }
-          auto prob = [&](int64_t r) { return sf.data() + r * Ct + k0; };
-          auto seen = [&](int64_t r) { return seen_from(r, k0, k1 - k0); };
-          accumulate_v_rows(rows, acc, prob, seen, vf.data(), D, D);
-        }
-        return true;
-      };
       // Softmax per row over its visible keys [lo, pos]; everything else gets probability 0.
       for (int64_t r = 0; r < R; ++r) {
         const int64_t pos = C - W + j0 + r / G;
         const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
         softmax_row(sf.data() + r * Ct, Ct, lo, pos);
       }
-      // Pass 2: weighted sum of V, in key order (a zero weight adds exactly nothing).
-      if (R <= 4 || !many_rows_v(R, pre, last)) {
-        for (int64_t blk = 0; blk <= last; ++blk) {
-          const int64_t base = tb[b * NB + blk] * block_size;
-          const int64_t n = std::min(block_size, Ct - blk * block_size);
+      // Pass 2: weighted sum of V, in key order (a zero weight adds exactly nothing), a span of
+      // blocks at a time. One group of query rows (a decode step's G heads) reads the bf16 values
+      // straight from the cache, widened as they are loaded (the same fp32 values as converting
+      // first; the conversion's stores and reloads were a fifth of a decode item's instructions).
+      // More rows convert V_CHUNK blocks to fp32 once and run each group of rows over all of their
+      // keys with its sums in registers (per block, loading, storing and setting up the groups'
+      // sums cost ~a third of the multiply-adds). Each row adds its keys in order: the same bits.
+      const bool vec_rows = VALUE_ROWS_VEC && (D == 64 || D == 128);  // accumulate_v_rows' paths
+      const bool direct = std::is_same_v<T, c10::BFloat16> && R <= 4 && vec_rows;
+      const int64_t span = R > 4 && vec_rows ? V_CHUNK : 1;
+      if (static_cast<int64_t>(vf.size()) < span * block_size * D) vf.resize(span * block_size * D);
+      for (int64_t c0 = 0; c0 <= last; c0 += span) {
+        const int64_t c1 = std::min(last + 1, c0 + span);
+        const int64_t k0 = c0 * block_size, n = std::min(Ct, c1 * block_size) - k0;
+        for (int64_t blk = c0; blk < c1; ++blk) {
           pre.step();
           if (blk + AHEAD <= last) {
             const auto [next, rows] = block_rows(vp, blk + AHEAD);
             prefetch_rows(next, Hkv * D, rows, D);
           }
-          auto keys_seen = [&](int64_t r) { return seen_from(r, blk * block_size, n); };
-          auto prob = [&](int64_t r) { return sf.data() + r * Ct + blk * block_size; };
-          const T* vrows = vp + (base * Hkv + h) * D;
-          if constexpr (std::is_same_v<T, c10::BFloat16>) {
-            // One group of query rows (a decode step's G heads): the bf16 values widened as they
-            // are loaded, the same fp32 values as converting the block first. The conversion's
-            // stores and reloads were a fifth of a decode item's instructions.
-            if (R <= 4 && accumulate_v_rows(R, acc, prob, keys_seen, vrows, Hkv * D, D)) continue;
-          }
-          for (int64_t t = 0; t < n; ++t) row_to_float(vrows + t * Hkv * D, vf.data() + t * D, D);
-          if (accumulate_v_rows(R, acc, prob, keys_seen, vf.data(), D, D)) continue;
-          for (int64_t r = 0; r < R; ++r)
-            if (keys_seen(r) > 0) accumulate_v(acc(r), prob(r), vf.data(), keys_seen(r), D);
+          if (direct) continue;
+          const T* vrows = vp + (tb[b * NB + blk] * block_size * Hkv + h) * D;
+          float* dst = vf.data() + (blk - c0) * block_size * D;
+          for (int64_t t = 0; t < std::min(block_size, Ct - blk * block_size); ++t)
+            row_to_float(vrows + t * Hkv * D, dst + t * D, D);
         }
+        auto seen = [&](int64_t r) { return std::max<int64_t>(0, std::min(n, C - W + j0 + r / G + 1 - k0)); };
+        auto prob = [&](int64_t r) { return sf.data() + r * Ct + k0; };
+        if constexpr (std::is_same_v<T, c10::BFloat16>) {
+          if (direct) {  // span 1: block c0's values in the cache
+            accumulate_v_rows(R, acc, prob, seen, vp + (tb[b * NB + c0] * block_size * Hkv + h) * D, Hkv * D, D);
+            continue;
+          }
+        }
+        if (accumulate_v_rows(R, acc, prob, seen, vf.data(), D, D)) continue;
+        for (int64_t r = 0; r < R; ++r)
+          if (seen(r) > 0) accumulate_v(acc(r), prob(r), vf.data(), seen(r), D);
       }
       for (int64_t j = j0; j < j1; ++j)
         for (int64_t g = 0; g < G; ++g) {
