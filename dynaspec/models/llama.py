@@ -12,6 +12,7 @@ import torch
 from dynaspec.attention.backend import AttentionBackend
 from dynaspec.attention.paged import EagerPagedBackend
 from dynaspec.config import ModelArchConfig
+from dynaspec.models import huge_pages
 from dynaspec.models.int8_dot import Int8DotHead, Int8DotLinear, output_head
 from dynaspec.models.layers import FusedOps, RotaryCache, apply_rope, keep, rms_norm
 from dynaspec.models.quant import cat_rows
@@ -169,8 +170,10 @@ class LlamaModel(torch.nn.Module):
 
     def allocate_kv(self, num_slots: int) -> list[torch.Tensor]:
         c = self.cfg
-        return [torch.zeros(2, num_slots, c.num_key_value_heads, c.head_dim, dtype=self.dtype,
-                            device=self.device) for _ in range(c.num_hidden_layers)]
+        # Huge pages: decode attention reads blocks scattered over the whole pool (see huge_pages).
+        shape = (2, num_slots, c.num_key_value_heads, c.head_dim)
+        n = c.num_hidden_layers
+        return [huge_pages.zeros(shape, self.dtype, self.device) for _ in range(n)]
 
     @torch.inference_mode()
     def forward(

@@ -11,40 +11,15 @@ weights stay where they are.
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import mmap
-import sys
 
 import torch
 
+from dynaspec.models.huge_pages import huge_block
+
 log = logging.getLogger("dynaspec")
-HUGE = 2 << 20
 ALIGN = 64  # every tensor starts on a cache line
-MADV_HUGEPAGE = 14
 _NAMES = ("packed", "scales", "mins")
-
-
-def _thp_allowed() -> bool:
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled", encoding="utf-8") as f:
-            return "[never]" not in f.read()
-    except OSError:
-        return False
-
-
-def _huge_block(nbytes: int) -> tuple[mmap.mmap, int] | None:
-    """(an anonymous mapping of nbytes + 2 MB, the offset of its first 2 MB boundary), advised
-    as huge pages; None where that is refused."""
-    if not sys.platform.startswith("linux") or not _thp_allowed():
-        return None
-    block = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    addr = ctypes.addressof(ctypes.c_char.from_buffer(block))
-    start = (-addr) % HUGE
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.madvise(ctypes.c_void_p(addr + start), ctypes.c_size_t(nbytes), MADV_HUGEPAGE) != 0:
-        return None
-    return block, start
 
 
 def place_weights(model: torch.nn.Module, kind: type) -> int:
@@ -56,7 +31,7 @@ def place_weights(model: torch.nn.Module, kind: type) -> int:
     if not tensors or any(t.device.type != "cpu" for _, _, t in tensors):
         return 0
     sizes = [-(-t.numel() * t.element_size() // ALIGN) * ALIGN for _, _, t in tensors]
-    got = _huge_block(sum(sizes))
+    got = huge_block(sum(sizes))
     if got is None:
         log.info("huge pages unavailable: weights stay in 4 KB pages")
         return 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dynaspec.models import int8_dot, weight_arena
+from dynaspec.models import huge_pages, int8_dot, weight_arena
 from dynaspec.models.int8_dot import Int8DotLinear
 from dynaspec.models.quant import quantize_int4
 
@@ -26,7 +26,7 @@ def _run(m: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
 
 
 def test_weights_move_into_one_block_and_compute_the_same(monkeypatch):
-    monkeypatch.setattr(weight_arena, "_thp_allowed", lambda: True)
+    monkeypatch.setattr(huge_pages, "thp_allowed", lambda: True)
     m = _model()
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(1))
     before = _run(m, x)
@@ -42,7 +42,7 @@ def test_weights_move_into_one_block_and_compute_the_same(monkeypatch):
 
 
 def test_without_huge_pages_nothing_moves(monkeypatch):
-    monkeypatch.setattr(weight_arena, "_thp_allowed", lambda: False)
+    monkeypatch.setattr(huge_pages, "thp_allowed", lambda: False)
     m = _model()
     old = [lin.packed.data_ptr() for lin in m]
     assert weight_arena.place_weights(m, Int8DotLinear) == 0
