@@ -187,6 +187,12 @@ BF16CVT_TARGET void store_tile_bf16_cvt(const float* acc, int64_t M, c10::BFloat
   for (int64_t m = 0; m < M; ++m) bf16x16_store_cvt(y + m * N, _mm512_loadu_ps(acc + m * TILE));
 }
 
+// M rows of a tile as they are (fp32 output: the logits). The scalar loop below ran ~3% of a
+// c64 decode step on the 49,152-column head.
+AVX512_TARGET void store_tile_f32(const float* acc, int64_t M, float* y, int64_t N) {
+  for (int64_t m = 0; m < M; ++m) _mm512_storeu_ps(y + m * N, _mm512_loadu_ps(acc + m * TILE));
+}
+
 template <typename T>
 void store_rows(const float* acc, int64_t M, int64_t tile, int64_t N, T* y, bool vec) {
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
@@ -195,6 +201,8 @@ void store_rows(const float* acc, int64_t M, int64_t tile, int64_t N, T* y, bool
       for (int64_t m = 0; m < M; ++m) store16_bf16(acc + m * TILE, y + m * N + tile * TILE);
       return;
     }
+  } else {
+    if (vec) return store_tile_f32(acc, M, y + tile * TILE, N);
   }
   for (int64_t m = 0; m < M; ++m)
     for (int c = 0; c < TILE; ++c) {

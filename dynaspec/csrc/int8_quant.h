@@ -14,6 +14,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -25,6 +26,20 @@ namespace int8q {
 
 constexpr int QBLK = 32;  // activation quantization block
 
+// A buffer every element of which the quantizer writes: unlike std::vector's resize it is not
+// zeroed first (at a 2,048-token prefill that was ~3 MB of memset per matmul, on the calling
+// thread alone while the other waited).
+template <typename T>
+class Scratch {
+ public:
+  void resize(int64_t n) { p_.reset(new T[n]); }  // default-initialised: left as it is
+  T* data() { return p_.get(); }
+  T& operator[](int64_t i) { return p_[i]; }
+
+ private:
+  std::unique_ptr<T[]> p_;
+};
+
 struct QuantX {  // activations, [M][K] int8 plus per-group facts
   // Row-major (quantize_rows; the AVX2 and scalar tiles read these):
   std::vector<int8_t> q;     // [M][K]
@@ -33,8 +48,8 @@ struct QuantX {  // activations, [M][K] int8 plus per-group facts
   std::vector<int32_t> sum;  // [M][K/G]: sum(q) over the group (for the 8-bit offset)
   // Per block of up to RB rows, rows innermost (quantize_blocks; the AVX-512 tiles read these
   // through the views): q as [K/4][rb] int32, the rest as [K/G][rb].
-  std::vector<int32_t> qi, sumi;
-  std::vector<float> di, si;
+  Scratch<int32_t> qi, sumi;
+  Scratch<float> di, si;
   const int32_t* qv = nullptr;
   const float* dv = nullptr;
   const float* sv = nullptr;

@@ -7,6 +7,7 @@
 // silu_mul run fused here: int8_gemm_silu gives silu_mul's bits); the model picks this one only
 // when every part of a layer is on that path.
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
 
 #include <cstring>
 #include <vector>
@@ -36,13 +37,18 @@ void write_kv(torch::Tensor kv, const torch::Tensor& k, const torch::Tensor& v, 
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t es = kv.element_size();
   char* base = static_cast<char*>(kv.data_ptr());
-  for (int64_t t = 0; t < T; ++t) {
-    TORCH_CHECK(sp[t] >= 0 && sp[t] < S, "write_kv: slot out of range");
-    // k/v rows are contiguous within a token (heads x D) but strided between tokens.
-    std::memcpy(base + (sp[t] * row) * es, static_cast<const char*>(k.data_ptr()) + t * k.stride(0) * es, row * es);
-    std::memcpy(base + ((S + sp[t]) * row) * es, static_cast<const char*>(v.data_ptr()) + t * v.stride(0) * es,
-                row * es);
-  }
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < S, "write_kv: slot out of range");
+  // Both threads for a prefill chunk's rows (2,048 rows are 3 MB a layer, which the calling
+  // thread copied alone while the other waited); a decode step's few rows in place.
+  at::parallel_for(0, T, 256, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      // k/v rows are contiguous within a token (heads x D) but strided between tokens.
+      std::memcpy(base + (sp[t] * row) * es, static_cast<const char*>(k.data_ptr()) + t * k.stride(0) * es,
+                  row * es);
+      std::memcpy(base + ((S + sp[t]) * row) * es, static_cast<const char*>(v.data_ptr()) + t * v.stride(0) * es,
+                  row * es);
+    }
+  });
 }
 
 class LayerStack {

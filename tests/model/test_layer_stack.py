@@ -62,3 +62,21 @@ def test_stack_is_bit_identical_to_the_python_loop(q41_gguf):
 def test_models_with_qk_norm_or_bias_keep_the_python_loop(tiny_qwen2_dir):
     llm = LLM(model=tiny_qwen2_dir, num_kv_blocks=64, quantization="int8")
     assert llm.engine.parts.model._stack is None  # qkv bias: not on the stack's path
+
+
+@pytest.mark.parametrize("rows", [5, 700])  # one thread's rows; a prefill chunk's, both threads
+def test_write_kv_puts_each_row_in_its_slot(rows):
+    from dynaspec import cpu_kernels
+
+    g = torch.Generator().manual_seed(rows)
+    kv = torch.zeros(2, 1024, 3, 8, dtype=torch.bfloat16)
+    qkv = torch.randn(rows, 9 * 8, generator=g).bfloat16()  # q | k | v heads, strided rows
+    k = qkv[:, 3 * 8: 6 * 8].view(rows, 3, 8)
+    v = qkv[:, 6 * 8:].view(rows, 3, 8)
+    slots = torch.randperm(1024, generator=g)[:rows]
+    cpu_kernels.extension().write_kv(kv, k, v, slots)
+    ref = torch.zeros_like(kv)
+    ref[0, slots], ref[1, slots] = k, v
+    assert torch.equal(kv, ref)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        cpu_kernels.extension().write_kv(kv, k, v, slots + 1024)
