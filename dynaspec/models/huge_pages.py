@@ -11,6 +11,7 @@ Linux) callers get ordinary allocations.
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 import sys
 
@@ -48,10 +49,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype,
     allows them. Written once here, so every page is faulted in now rather than by a step."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    n = 1
-    for s in shape:
-        n *= s
-    nbytes = n * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     got = huge_block(nbytes) if nbytes >= HUGE else None
     if got is None:
         return torch.zeros(shape, dtype=dtype)
