@@ -6,14 +6,18 @@
 // One work item is (request, tile of <= 32 query tokens, KV head): its G query heads x tokens are
 // scored against the request's context block by block, straight from the cache. With bf16 KV on
 // an AVX512-BF16 CPU the scores are bf16 dot products on the cached keys as they are (exact
-// products, fp32 sums); otherwise the keys are converted to fp32 and transposed. V of each block
-// is converted to fp32 once per work item. Softmax and accumulation are in fp32. The next blocks
+// products, fp32 sums), and the value sums take bf16 probabilities two keys at a time
+// (attn_pairs.h: FlashAttention's numerics). Otherwise the keys are converted to fp32 and
+// transposed, V of each block is converted to fp32 once per work item, and softmax and
+// accumulation are in fp32. The next blocks
 // are prefetched (they sit at random places in the pool). Causal within the step: query j of a request with W queries and context C sits at absolute
 // position C - W + j and sees keys 0..C-W+j. Written as plain loops the compiler vectorises for
 // the ISA chosen at build time (the build runs on the machine that runs it).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "attn_fp32.h"
+#include "attn_pairs.h"
 #include "attn_prefetch.h"
 #include "attn_rows.h"
 #include "vec_exp.h"
@@ -32,11 +36,6 @@
 #include <vector>
 
 namespace {
-
-template <typename T>
-inline void to_float(const T* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
 
 // Query tokens per work item: long prefill chunks split into tiles so both threads get work and
 // the score buffer stays in L2 (96 rows x 800 keys: 300 KB). 32 against 16 measured 0.92-0.95x
@@ -58,81 +57,6 @@ constexpr bool VALUE_ROWS_VEC = false;
 // Blocks of values a many-row item converts to fp32 at a time (8 of 16 slots at D = 64: 32 KB, in L1).
 constexpr int64_t V_CHUNK = 8;
 
-// s[t] = sum_d q[d] * k[t][d] for n <= 16 keys held transposed (kt[d * 16 + t]): the sum runs
-// over d in order in each key's lane, the same for every row and every key.
-inline void scores16(const float* __restrict q, const float* __restrict kt, float* __restrict s, int64_t n,
-                     int64_t D) {
-  float acc[KEY_LANES] = {0.f};
-  for (int64_t d = 0; d < D; ++d) {
-    const float qd = q[d];
-    const float* __restrict kd = kt + d * KEY_LANES;
-#pragma omp simd
-    for (int64_t t = 0; t < KEY_LANES; ++t) acc[t] = __builtin_fmaf(qd, kd[t], acc[t]);
-  }
-  for (int64_t t = 0; t < n; ++t) s[t] = acc[t];
-}
-
-// kt[d * 16 + t] = kf[t * D + d]: 16 converted key rows to key-major lanes. Only data moves, so
-// every path gives identical scores. (A scalar scatter of every key's 64 values here cost more
-// than the arithmetic at long contexts; 64 gathers per 16 keys then dominated decode steps.)
-inline void transpose_keys(const float* __restrict kf, float* __restrict kt, int64_t D) {
-  for (int64_t t = 0; t < KEY_LANES; ++t)
-    for (int64_t d = 0; d < D; ++d) kt[d * KEY_LANES + t] = kf[t * D + d];
-}
-
-#if defined(__AVX512F__)
-template <typename T>
-inline __m512 load16(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return _mm512_loadu_ps(p);
-  } else {  // bf16: the high half of an fp32, exactly
-    return bf16x16_load(p);
-  }
-}
-
-// The same kt as converting then transpose_keys, straight from the cache: 16 key rows (row t at
-// src + t * stride; rows n.. are zero) go through a 16x16 in-register transpose per 16 dims.
-template <typename T>
-inline void transpose_keys_from(const T* __restrict src, int64_t stride, int64_t n, float* __restrict kt,
-                                int64_t D) {
-  for (int64_t d0 = 0; d0 < D; d0 += 16) {
-    __m512 r[16];
-    for (int i = 0; i < 16; ++i) r[i] = i < n ? load16(src + i * stride + d0) : _mm512_setzero_ps();
-    transpose16x16(r, kt + d0 * KEY_LANES);
-  }
-}
-#endif
-
-// One cached row to fp32 (exact), 16 values per instruction where D allows.
-template <typename T>
-inline void row_to_float(const T* src, float* dst, int64_t D) {
-#if defined(__AVX512F__)
-  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
-    if (D % 16 == 0) {
-      for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(dst + d, load16(src + d));
-      return;
-    }
-  }
-#endif
-  to_float(src, dst, D);
-}
-
-// 16 keys of one KV head, converted to fp32 and transposed to kt (rows n.. zero).
-template <typename T>
-inline void load_keys(const T* src, int64_t stride, int64_t n, float* kf, float* kt, int64_t D) {
-#if defined(__AVX512F__)
-  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
-    if (D % 16 == 0) {
-      transpose_keys_from(src, stride, n, kt, D);
-      return;
-    }
-  }
-#endif
-  for (int64_t t = 0; t < n; ++t) to_float(src + t * stride, kf + t * D, D);
-  std::fill(kf + n * D, kf + KEY_LANES * D, 0.f);
-  transpose_keys(kf, kt, D);
-}
-
 template <typename T>
 void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& tables,
          const torch::Tensor& ctx, const torch::Tensor& qstart, const torch::Tensor& qlen,
@@ -153,6 +77,8 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
   const int64_t* ql = qlen.data_ptr<int64_t>();
   const float sc = static_cast<float>(scale);
   const bool bf16dot = std::is_same_v<T, c10::BFloat16> && D % 32 == 0 && g_bf16dot;
+  // Value sums with bf16 probabilities (attn_pairs.h); a pair of keys never straddles a block.
+  const bool pairs_pv = bf16dot && VALUE_ROWS_VEC && (D == 64 || D == 128) && block_size % 2 == 0;
   // Work items: (request, first query token of the tile, KV head). Which rows share an item never
   // changes a row's arithmetic, only who converts K/V to fp32. (Splitting a batch-1 decode's Hkv
   // items further by query head measured slower: K/V converted per item outweighed the idle thread.)
@@ -174,6 +100,63 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
     std::vector<float> qf, sf, accf, kf(KEY_LANES * D), kt(KEY_LANES * D), vf(block_size * D);
     std::vector<float> part;  // scores_rows_bf16's block sums: [4][R][16], sized when first used
     std::vector<const T*> qptr;
+#if defined(__AVX512F__)
+    std::vector<c10::BFloat16> pb;  // bf16 probabilities: [R][Ct rounded up to a pair]
+    std::vector<float> inv;         // [R]: 1 / each row's sum of exps
+    std::vector<int32_t> vpairs;    // V_CHUNK blocks of value pairs: [pairs][D / 16][16]
+    // Pass 2 and the output of an item with bf16 probabilities (attn_pairs.h): a decode's few
+    // rows take the value pairs straight from the cache, more rows from V_CHUNK blocks
+    // interleaved once for them all. Every row gets the same operations either way.
+    auto values_in_pairs = [&](auto nv, int64_t b, int64_t h, int64_t j0, int64_t R, int64_t Ct, int64_t last,
+                               auto& pre) {
+      constexpr int NV = decltype(nv)::value;
+      const int64_t first = cl[b] - ql[b] + j0;  // the item's first token's position
+      const int64_t ne = Ct + (Ct & 1), rs = Hkv * D;
+      if (static_cast<int64_t>(pb.size()) < R * ne) pb.resize(R * ne);
+      inv.resize(R);
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t pos = first + r / G;
+        const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+        inv[r] = exp_row_bf16(sf.data() + r * Ct, lo, pos, ne, pb.data() + r * ne);
+      }
+      auto acc = [&](int64_t r) { return accf.data() + r * D; };
+      auto rows_of = [&](int64_t blk) { return vp + (tb[b * NB + blk] * block_size * Hkv + h) * D; };
+      auto keys_in = [&](int64_t blk) { return std::min(block_size, Ct - blk * block_size); };
+      const bool direct = R <= 4;
+      const int64_t span = direct ? 1 : V_CHUNK;
+      vpairs.resize(direct ? 0 : span * block_size / 2 * NV * 16);
+      for (int64_t c0 = 0; c0 <= last; c0 += span) {
+        const int64_t c1 = std::min(last + 1, c0 + span);
+        const int64_t k0 = c0 * block_size, n = std::min(Ct, c1 * block_size) - k0;
+        for (int64_t blk = c0; blk < c1; ++blk) {
+          pre.step();
+          if (blk + AHEAD <= last) prefetch_rows(rows_of(blk + AHEAD), rs, keys_in(blk + AHEAD), D);
+          if (direct) continue;
+          const T* v = rows_of(blk);
+          int32_t* dst = vpairs.data() + (blk - c0) * block_size / 2 * NV * 16;
+          for (int64_t t = 0; t < keys_in(blk); t += 2) {
+            __m512i x[NV];
+            value_pairs<NV>(v + t * rs, t + 1 < keys_in(blk) ? v + (t + 1) * rs : nullptr, x);
+            for (int i = 0; i < NV; ++i) _mm512_storeu_si512(dst + (t / 2 * NV + i) * 16, x[i]);
+          }
+        }
+        auto prob = [&](int64_t r) { return pb.data() + r * ne + k0; };
+        auto pairs = [&](int64_t r) { return (std::max<int64_t>(0, std::min(n, first + r / G + 1 - k0)) + 1) / 2; };
+        if (direct) {
+          const T* v = rows_of(c0);
+          accumulate_pairs<NV>(R, acc, prob, pairs, [&](int64_t j, __m512i* x) {
+            value_pairs<NV>(v + 2 * j * rs, 2 * j + 1 < n ? v + (2 * j + 1) * rs : nullptr, x);
+          });
+        } else {
+          accumulate_pairs<NV>(R, acc, prob, pairs, [&](int64_t j, __m512i* x) {
+            for (int i = 0; i < NV; ++i) x[i] = _mm512_loadu_si512(vpairs.data() + (j * NV + i) * 16);
+          });
+        }
+      }
+      for (int64_t r = 0; r < R; ++r)
+        store_pairs_row<NV>(acc(r), inv[r], op + ((qs[b] + j0 + r / G) * H + h * G + r % G) * D);
+    };
+#endif
     for (int64_t item = next(); item >= 0; item = next()) {
       const auto [b, j0, j1] = tiles[item / Hkv];
       const int64_t h = item % Hkv;
@@ -237,6 +220,15 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
         }
       }
       auto acc = [&](int64_t r) { return accf.data() + r * D; };
+#if defined(__AVX512F__)
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (pairs_pv) {
+          if (D == 64) values_in_pairs(std::integral_constant<int, 4>{}, b, h, j0, R, Ct, last, pre);
+          else values_in_pairs(std::integral_constant<int, 8>{}, b, h, j0, R, Ct, last, pre);
+          continue;
+        }
+      }
+#endif
       // Softmax per row over its visible keys [lo, pos]; everything else gets probability 0.
       for (int64_t r = 0; r < R; ++r) {
         const int64_t pos = C - W + j0 + r / G;

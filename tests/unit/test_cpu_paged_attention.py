@@ -140,3 +140,21 @@ def test_queries_read_in_place_from_the_fused_qkv_rows(dtype):
     assert torch.equal(out_view, out_copy)
     with pytest.raises(RuntimeError, match="heads must be contiguous"):
         op(q.transpose(0, 1).contiguous().transpose(0, 1), cache, *meta, bs, d ** -0.5, out_copy)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_slots_past_the_context_never_reach_a_row(d):
+    """The bf16 value sums take keys two at a time, so a context of odd length pairs its last key
+    with a slot nobody has written yet (stale KV of a freed block, or anything): NaN there leaves
+    every output as it is."""
+    fast = get_backend("cpu_paged")
+    widths, ctx, bs = [1, 3, 21, 1], [7, 13, 21, 31], 16  # odd contexts: each last key's partner is unwritten
+    tables, q, k, v, cache = _case(widths, ctx, 3, 3, d, torch.bfloat16, seed=13, bs=bs)
+    clean = _run(fast, q, k, v, cache.clone(), widths, ctx, tables, bs=bs)
+    dirty = cache.clone()
+    for c, table in zip(ctx, tables):
+        for pos in range(c, len(table) * bs):  # the unwritten tail of the last block
+            dirty[:, table[pos // bs] * bs + pos % bs] = float("nan")
+    out = _run(fast, q, k, v, dirty, widths, ctx, tables, bs=bs)
+    assert not out.isnan().any()
+    assert torch.equal(out, clean)
