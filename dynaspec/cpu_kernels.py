@@ -28,8 +28,8 @@ log = logging.getLogger("dynaspec")
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 SOURCES = ("module.cpp", "paged_decode.cpp", "fused_ops.cpp", "int8_gemm.cpp", "layer_stack.cpp",
            "head_step.cpp")
-HEADERS = ("vec_exp.h", "attn_fp32.h", "attn_pairs.h", "attn_prefetch.h", "attn_rows.h", "row_max.h",
-           "int8_quant.h", "int8_tiles.h", "qlinear.h")
+HEADERS = ("vec_exp.h", "attn_fp32.h", "attn_pairs.h", "attn_prefetch.h", "attn_rows.h",
+           "row_max.h", "int8_quant.h", "int8_tiles.h", "qlinear.h")
 EXT_MODULE = "dynaspec._cpu_kernels"
 _ISA = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c"],

@@ -148,7 +148,8 @@ def test_slots_past_the_context_never_reach_a_row(d):
     with a slot nobody has written yet (stale KV of a freed block, or anything): NaN there leaves
     every output as it is."""
     fast = get_backend("cpu_paged")
-    widths, ctx, bs = [1, 3, 21, 1], [7, 13, 21, 31], 16  # odd contexts: each last key's partner is unwritten
+    # Odd contexts: each one's last key pairs with an unwritten slot.
+    widths, ctx, bs = [1, 3, 21, 1], [7, 13, 21, 31], 16
     tables, q, k, v, cache = _case(widths, ctx, 3, 3, d, torch.bfloat16, seed=13, bs=bs)
     clean = _run(fast, q, k, v, cache.clone(), widths, ctx, tables, bs=bs)
     dirty = cache.clone()
