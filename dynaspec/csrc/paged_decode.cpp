@@ -9,9 +9,9 @@
 // products, fp32 sums), and the value sums take bf16 probabilities two keys at a time
 // (attn_pairs.h: FlashAttention's numerics). Otherwise the keys are converted to fp32 and
 // transposed, V of each block is converted to fp32 once per work item, and softmax and
-// accumulation are in fp32. The next blocks
-// are prefetched (they sit at random places in the pool). Causal within the step: query j of a request with W queries and context C sits at absolute
-// position C - W + j and sees keys 0..C-W+j. Written as plain loops the compiler vectorises for
+// accumulation are in fp32. The next blocks are prefetched (they sit at random places in the
+// pool). Causal within the step: query j of a request with W queries and context C sits at
+// absolute position C - W + j and sees keys 0..C-W+j. Written as plain loops the compiler vectorises for
 // the ISA chosen at build time (the build runs on the machine that runs it).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -96,6 +96,15 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
   // `next()` hands a thread its next item (-1: none left). Which thread runs an item never
   // changes the item's arithmetic.
   // `ahead(item)`: the request whose KV to bring into L2 while this item runs (-1: none).
+  // Request b's rows of KV head h in block blk of a cache: the first, and how many lie before Ct.
+  auto head_rows = [&](const T* cache, int64_t b, int64_t h, int64_t blk, int64_t Ct) {
+    return std::make_pair(cache + (tb[b * NB + blk] * block_size * Hkv + h) * D,
+                          std::min(block_size, Ct - blk * block_size));
+  };
+  // The first key a query at position pos sees (later than 0 in a sliding window).
+  auto first_key = [&](int64_t pos) {
+    return window > 0 ? std::max<int64_t>(0, pos - window + 1) : int64_t{0};
+  };
   auto run_items = [&](auto&& next, auto&& ahead) {
     std::vector<float> qf, sf, accf, kf(KEY_LANES * D), kt(KEY_LANES * D), vf(block_size * D);
     std::vector<float> part;  // scores_rows_bf16's block sums: [4][R][16], sized when first used
@@ -116,34 +125,35 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
       inv.resize(R);
       for (int64_t r = 0; r < R; ++r) {
         const int64_t pos = first + r / G;
-        const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
-        inv[r] = exp_row_bf16(sf.data() + r * Ct, lo, pos, ne, pb.data() + r * ne);
+        inv[r] = exp_row_bf16(sf.data() + r * Ct, first_key(pos), pos, ne, pb.data() + r * ne);
       }
       auto acc = [&](int64_t r) { return accf.data() + r * D; };
-      auto rows_of = [&](int64_t blk) { return vp + (tb[b * NB + blk] * block_size * Hkv + h) * D; };
-      auto keys_in = [&](int64_t blk) { return std::min(block_size, Ct - blk * block_size); };
       const bool direct = R <= 4;
       const int64_t span = direct ? 1 : V_CHUNK;
-      vpairs.resize(direct ? 0 : span * block_size / 2 * NV * 16);
+      if (!direct && static_cast<int64_t>(vpairs.size()) < span * block_size / 2 * NV * 16)
+        vpairs.resize(span * block_size / 2 * NV * 16);
       for (int64_t c0 = 0; c0 <= last; c0 += span) {
         const int64_t c1 = std::min(last + 1, c0 + span);
         const int64_t k0 = c0 * block_size, n = std::min(Ct, c1 * block_size) - k0;
         for (int64_t blk = c0; blk < c1; ++blk) {
           pre.step();
-          if (blk + AHEAD <= last) prefetch_rows(rows_of(blk + AHEAD), rs, keys_in(blk + AHEAD), D);
+          if (blk + AHEAD <= last) {
+            const auto [next, rows] = head_rows(vp, b, h, blk + AHEAD, Ct);
+            prefetch_rows(next, rs, rows, D);
+          }
           if (direct) continue;
-          const T* v = rows_of(blk);
+          const auto [v, rows] = head_rows(vp, b, h, blk, Ct);
           int32_t* dst = vpairs.data() + (blk - c0) * block_size / 2 * NV * 16;
-          for (int64_t t = 0; t < keys_in(blk); t += 2) {
+          for (int64_t t = 0; t < rows; t += 2) {
             __m512i x[NV];
-            value_pairs<NV>(v + t * rs, t + 1 < keys_in(blk) ? v + (t + 1) * rs : nullptr, x);
+            value_pairs<NV>(v + t * rs, t + 1 < rows ? v + (t + 1) * rs : nullptr, x);
             for (int i = 0; i < NV; ++i) _mm512_storeu_si512(dst + (t / 2 * NV + i) * 16, x[i]);
           }
         }
         auto prob = [&](int64_t r) { return pb.data() + r * ne + k0; };
         auto pairs = [&](int64_t r) { return (std::max<int64_t>(0, std::min(n, first + r / G + 1 - k0)) + 1) / 2; };
         if (direct) {
-          const T* v = rows_of(c0);
+          const T* v = head_rows(vp, b, h, c0, Ct).first;
           accumulate_pairs<NV>(R, acc, prob, pairs, [&](int64_t j, __m512i* x) {
             value_pairs<NV>(v + 2 * j * rs, 2 * j + 1 < n ? v + (2 * j + 1) * rs : nullptr, x);
           });
@@ -181,10 +191,7 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
       // One step() per block of each pass.
       NextRequest pre(kp, vp, tb, NB, block_size * Hkv * D, ahead(item), cl, h, Hkv, block_size, 2 * (last + 1));
       // Pass 1: scores, 16 keys at a time. Keys past a row's position are masked below.
-      auto block_rows = [&](const T* cache, int64_t blk) {  // (first row of head h, rows)
-        return std::make_pair(cache + (tb[b * NB + blk] * block_size * Hkv + h) * D,
-                              std::min(block_size, Ct - blk * block_size));
-      };
+      auto block_rows = [&](const T* cache, int64_t blk) { return head_rows(cache, b, h, blk, Ct); };
       for (int64_t blk = 0; blk <= last; ++blk) {
         const int64_t base = tb[b * NB + blk] * block_size;
         const int64_t n_blk = std::min(block_size, Ct - blk * block_size);
@@ -232,8 +239,7 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
       // Softmax per row over its visible keys [lo, pos]; everything else gets probability 0.
       for (int64_t r = 0; r < R; ++r) {
         const int64_t pos = C - W + j0 + r / G;
-        const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
-        softmax_row(sf.data() + r * Ct, Ct, lo, pos);
+        softmax_row(sf.data() + r * Ct, Ct, first_key(pos), pos);
       }
       // Pass 2: weighted sum of V, in key order (a zero weight adds exactly nothing), a span of
       // blocks at a time. One group of query rows (a decode step's G heads) reads the bf16 values
