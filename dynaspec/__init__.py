@@ -2,7 +2,7 @@
 
 from dynaspec.config import EngineConfig
 from dynaspec.sampling_params import SamplingParams
-from dynaspec.structured.params import StructuredOutputParams
+from dynaspec.structured_params import StructuredOutputParams
 
 
 def __getattr__(name: str):

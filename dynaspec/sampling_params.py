@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dynaspec.structured.params import StructuredOutputParams
+from dynaspec.structured_params import StructuredOutputParams
 
 _GREEDY_BELOW = 1e-5  # temperatures below this are greedy
 _MAX_TOP_K = 2**31 - 1  # above any vocabulary; bounded so it fits the sampler's int64 tensor

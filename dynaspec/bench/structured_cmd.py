@@ -16,7 +16,7 @@ import shlex
 import sys
 from dataclasses import replace
 
-from dynaspec.structured.params import StructuredOutputParams
+from dynaspec.structured_params import StructuredOutputParams
 
 SCHEMA = {
     "type": "object",

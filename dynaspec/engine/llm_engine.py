@@ -17,6 +17,7 @@ from dynaspec.config import EngineConfig
 from dynaspec.engine.builder import EngineParts, build_engine_parts
 from dynaspec.engine.client import EngineState, ModelCard, PoolReport
 from dynaspec.engine.phases import Landed, Launched, StepPhases, drop_ended
+from dynaspec.engine.step_records import request_spec
 from dynaspec.metrics.stats import (
     EngineSnapshot,
     FinishedRequestTimes,
@@ -26,7 +27,6 @@ from dynaspec.metrics.stats import (
     StepStats,
     fold_step,
 )
-from dynaspec.metrics.step_records import request_spec
 from dynaspec.outputs import RequestOutput
 from dynaspec.request import Request, RequestStatus
 from dynaspec.sampling_params import SamplingParams

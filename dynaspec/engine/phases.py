@@ -22,8 +22,8 @@ import time
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 
+from dynaspec.engine.step_records import orphan_spec, prompt_tokens
 from dynaspec.metrics.stats import RequestStepSpec
-from dynaspec.metrics.step_records import orphan_spec, prompt_tokens
 from dynaspec.outputs import RunnerOutput
 from dynaspec.request import Request, RequestStatus
 from dynaspec.scheduler.scheduler import Hold, Scheduler, StepUpdate

@@ -14,7 +14,7 @@ from dynaspec.models.tokenizer import ChatTemplateError
 from dynaspec.sampling_params import SamplingParams
 from dynaspec.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from dynaspec.server.tools import ToolPlan
-from dynaspec.structured.params import StructuredOutputParams
+from dynaspec.structured_params import StructuredOutputParams
 
 Req = CompletionRequest | ChatCompletionRequest
 

@@ -39,7 +39,7 @@ from dynaspec.server.chat_body import (  # noqa: F401
 )
 from dynaspec.server.errors import APIError, parse_body, validation_error  # noqa: F401
 from dynaspec.server.structured_body import JsonSchemaFormat, ResponseFormat, StructuredOutputsBody  # noqa: F401
-from dynaspec.structured.params import StructuredOutputParams
+from dynaspec.structured_params import StructuredOutputParams
 
 MAX_N = 16  # choices per prompt; each is a sequence in the engine
 

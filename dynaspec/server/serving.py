@@ -26,8 +26,8 @@ from dynaspec.server.params import base_params, choice_params, prompts_ids
 from dynaspec.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from dynaspec.server.sse import SSEResponse, TextTracker, sse, wait_disconnect
 from dynaspec.server.tools import ToolPlan, ToolStream, tool_plan
-from dynaspec.structured.params import StructuredOutputParams
 from dynaspec.structured.spellable import Ranges, first_unspellable, unspellable_ranges
+from dynaspec.structured_params import StructuredOutputParams
 
 MAX_CHOICES = 256  # engine requests one API request may start (prompts x best_of)
 

@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass
 
 from dynaspec.server.protocol import ChatCompletionRequest, NamedToolChoice
-from dynaspec.structured.params import StructuredOutputParams
+from dynaspec.structured_params import StructuredOutputParams
 
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 OPEN_TAG = "<tool_call>"

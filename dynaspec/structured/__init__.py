@@ -2,6 +2,6 @@
 with speculation. `params` is dependency-free; the grammar library is imported only by its edge
 module (`xgrammar_backend`)."""
 
-from dynaspec.structured.params import StructuredOutputParams
+from dynaspec.structured_params import StructuredOutputParams
 
 __all__ = ["StructuredOutputParams"]

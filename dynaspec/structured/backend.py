@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from dynaspec.structured.params import StructuredOutputParams
+from dynaspec.structured_params import StructuredOutputParams
 
 EXTRA_HINT = "pip install 'dynaspec[structured]'"
 

@@ -19,8 +19,8 @@ import torch
 from dynaspec.request import Request
 from dynaspec.step_plan import ScheduledRequest
 from dynaspec.structured.backend import GrammarBackend, Matcher, allocate_bitmask, load_backend
-from dynaspec.structured.params import StructuredOutputParams
 from dynaspec.structured.step import GrammarStep
+from dynaspec.structured_params import StructuredOutputParams
 
 _CACHE_SIZE = 256  # compiled grammars kept (LRU); a compiled JSON schema is a few hundred KB
 

@@ -17,7 +17,7 @@ import torch
 import xgrammar as xgr
 
 from dynaspec.structured.backend import GrammarCompileError, apply_bitmask_torch
-from dynaspec.structured.params import StructuredOutputParams
+from dynaspec.structured_params import StructuredOutputParams
 
 # "[08:59:19] /project/cpp/regex_converter.cc:94: " in front of every xgrammar error.
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")

@@ -113,7 +113,7 @@ def test_synthetic_mode_marks_output_not_lossless(tiny_llama_dir, prompts12, che
 
 def test_synthetic_refuses_structured_output(tiny_llama_dir):
     from dynaspec import SamplingParams
-    from dynaspec.structured.params import StructuredOutputParams
+    from dynaspec.structured_params import StructuredOutputParams
 
     llm = LLM(
         cost_table=FREE_VERIFY,

@@ -88,8 +88,8 @@ def test_format_generators_compile(default_gguf_path):
     hyp = pytest.importorskip("hypothesis")
     from dynaspec.bench.fuzz_formats import ebnf_values, json_schema_values
     from dynaspec.models.loader import load_tokenizer
-    from dynaspec.structured.params import StructuredOutputParams
     from dynaspec.structured.xgrammar_backend import XGrammarBackend
+    from dynaspec.structured_params import StructuredOutputParams
 
     tok = load_tokenizer(default_gguf_path)
     backend = XGrammarBackend(tok, tok.vocab_size, [tok.eos_token_id], False)
