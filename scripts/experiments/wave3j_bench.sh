@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Wave 3, tenth session: the EAGLE drafter at c1 (issue 27), default flags otherwise. One at a
 # time on an idle machine:
-#   OUT=out/w3j WL=code_edit|chat docs/wave3j_bench.sh eagle|hybrid|hybrid_vs_ngram|hybrid_vs_suffix
+#   OUT=out/w3j WL=code_edit|chat scripts/experiments/wave3j_bench.sh eagle|hybrid|hybrid_vs_ngram|hybrid_vs_suffix
 # HEAD=DIR runs a head other than the shipped one (--draft-head).
 set -u
 cd "$(dirname "$0")/.."

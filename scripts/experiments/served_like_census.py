@@ -1,6 +1,6 @@
 """A served-like offline run with a per-step census (docs/benchmarks.md, thirteenth session).
 
-  python docs/served_like_census.py THREADS CONCURRENCY REQUESTS
+  python scripts/experiments/served_like_census.py THREADS CONCURRENCY REQUESTS
 
 runs REQUESTS random 230-token prompts with 48 output tokens each, CONCURRENCY at once, on THREADS
 torch threads (`serve` runs the engine on one), and prints output tok/s and how the time splits

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One `dynaspec serve` run under load, with perf's context-switch count (docs/benchmarks.md,
-# "Wave 3, fourth session"): docs/wave3d_serve_ab.sh TAG aiperf|load. Env: TREE (source tree,
+# "Wave 3, fourth session"): scripts/experiments/wave3d_serve_ab.sh TAG aiperf|load. Env: TREE (source tree,
 # default this one), EXTRA (serve flags), REQS (aiperf requests, default 32), and any
 # OMP_WAIT_POLICY / GOMP_SPINCOUNT to try. Run it alone on the idle machine.
 set -u

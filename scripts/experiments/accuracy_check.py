@@ -4,7 +4,7 @@ Arms: dynaspec int8dot (default; all logits, and with every row flagged argmax-o
 serving flags it), dynaspec torch int4 (wave 2), llama-cpp-python on the same GGUF (where
 installed). Text: the code_edit and chat workloads' prompts, concatenated, cut into 512-token
 windows.
-Run: python docs/accuracy_check.py [positions]
+Run: python scripts/experiments/accuracy_check.py [positions]
 """
 
 from __future__ import annotations

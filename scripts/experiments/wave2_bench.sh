@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The wave-2 benchmarks of docs/benchmarks.md, one at a time on an idle machine: docs/wave2_bench.sh b1
+# The wave-2 benchmarks of docs/benchmarks.md, one at a time on an idle machine: scripts/experiments/wave2_bench.sh b1
 set -u
 cd "$(dirname "$0")/.."
 D=${OUT:-out/wave2}; mkdir -p "$D"

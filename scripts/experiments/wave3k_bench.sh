@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Wave 3, eleventh session: the EAGLE head's drafting as C++ calls (issue 27), default flags
 # otherwise. One at a time on an idle machine:
-#   OUT=out/w3k WL=code_edit|chat docs/wave3k_bench.sh eagle|eagle_table|hybrid_vs_ngram|eagle_c16
+#   OUT=out/w3k WL=code_edit|chat scripts/experiments/wave3k_bench.sh eagle|eagle_table|hybrid_vs_ngram|eagle_c16
 set -u
 cd "$(dirname "$0")/.."
 D=${OUT:-out/w3k}; mkdir -p "$D"

@@ -9,7 +9,7 @@ ms per call (median of rounds), 2 threads, M = 1..16 rows, each matrix rotated o
 - torchao: 0.18 `Int8DynamicActivationInt8WeightConfig` on nn.Linear (if importable, e.g.
   PYTHONPATH=/tmp/taolib), activation quantization included;
 - int8dot: dynaspec's kernel (csrc/int8_gemm.cpp), 4-bit weights, activation quantization included.
-Run on an idle machine: python docs/kernel_candidates.py
+Run on an idle machine: python scripts/experiments/kernel_candidates.py
 """
 
 from __future__ import annotations

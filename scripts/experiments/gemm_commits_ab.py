@@ -1,6 +1,6 @@
 """int8 GEMM at two or more commits, on the default model's own packed matrices (eighth session).
 
-    python docs/gemm_commits_ab.py 1,5,9,16,64 76582c1 HEAD
+    python scripts/experiments/gemm_commits_ab.py 1,5,9,16,64 76582c1 HEAD
 
 Each commit's `dynaspec/csrc/int8_gemm.cpp` (and the headers it includes) is JIT-built under its
 own name; the arms alternate over 7 rounds. Per row count M it prints:

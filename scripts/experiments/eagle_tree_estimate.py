@@ -7,7 +7,7 @@ greedy outputs of the target on the bench's held-out code_edit and chat prompts,
 features over prompt + output (one forward), the head run teacher-forced over them (pass 1 of
 its training-time unrolling, exactly a first draft given verified features), and the rank of the
 target's actual next token among the head's draft logits. Token counts only, no timings.
-Run: python docs/eagle_tree_estimate.py [n_prompts] [max_tokens]
+Run: python scripts/experiments/eagle_tree_estimate.py [n_prompts] [max_tokens]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Where a batch-1 decode step's time goes beyond the matmuls: the step with the C++ layer stack,
 with the Python layer loop (same kernels), with torch's int4 path, and the matmuls alone.
-Run on an idle machine: python docs/step_overhead.py"""
+Run on an idle machine: python scripts/experiments/step_overhead.py"""
 
 from __future__ import annotations
 

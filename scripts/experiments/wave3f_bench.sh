@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Wave 3, sixth session (docs/benchmarks.md "Wave 3, sixth session"). One at a time on an idle
-# machine; the issue targets rerun with OUT=out/wave3f docs/wave3e_bench.sh c1|agentic|eagle_code|
-# eagle_chat and OUT=out/wave3f docs/wave3_bench.sh w3|w6|w7.
+# machine; the issue targets rerun with OUT=out/wave3f scripts/experiments/wave3e_bench.sh c1|agentic|eagle_code|
+# eagle_chat and OUT=out/wave3f scripts/experiments/wave3_bench.sh w3|w6|w7.
 set -u
 cd "$(dirname "$0")/.."
 D=${OUT:-out/wave3f}; mkdir -p "$D"
@@ -13,6 +13,6 @@ case "$1" in
   # step time by verify width (issue 21's ratios)
   decode) $B decode --model default --widths 1,2,3,5,9,16 --batch-sizes 1,4 --context-lens 128,1024 --rounds 5 --json > $D/w1_decode.json ;;
   # the int8 GEMM with weights streamed from memory (30 layers of distinct weights)
-  gemm_stream) DYNASPEC_GEMM_LAYERS=30 python docs/gemm_ab.py 1,2,5,9,16,64 ;;
+  gemm_stream) DYNASPEC_GEMM_LAYERS=30 python scripts/experiments/gemm_ab.py 1,2,5,9,16,64 ;;
   *) echo "usage: $0 goodput_vs_table|decode|gemm_stream"; exit 2 ;;
 esac
