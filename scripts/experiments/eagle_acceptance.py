@@ -6,7 +6,8 @@ excluded from the head's training corpus, dynaspec/train/corpus.py). Greedy, K f
 (--k-policy table: the goodput policy would measure step costs, which need an idle machine).
 Reports, per arm and workload: share of output tokens that came from accepted drafts, acceptance
 rate, mean acceptance length, conditional acceptance per draft position, steps without drafts.
-Run: python scripts/experiments/eagle_acceptance.py [n_prompts] [max_tokens] [head_dir] [--arms eagle,ngram,...]
+Run: python scripts/experiments/eagle_acceptance.py \
+    [n_prompts] [max_tokens] [head_dir] [--arms eagle,ngram,...]
 """
 
 from __future__ import annotations

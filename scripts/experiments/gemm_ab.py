@@ -1,4 +1,5 @@
-"""int8 gemm, before against after (as scripts/experiments/attention_ab.py): the module built at install against
+"""int8 gemm, before against after (as
+scripts/experiments/attention_ab.py): the module built at install against
 this tree's sources, on SmolLM2-135M's shapes with Q4_1-like weights, per row count M; prints
 ms per call summed over one layer's matrices, GMAC/s, and whether the outputs are bit-identical."""
 

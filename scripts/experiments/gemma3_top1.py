@@ -1,4 +1,5 @@
-"""Run: python scripts/experiments/gemma3_top1.py (needs llama-cpp-python and the Gemma-3 chunk packages).
+"""Run: python scripts/experiments/gemma3_top1.py
+(needs llama-cpp-python and the Gemma-3 chunk packages).
 
 Top-1 agreement with the fp32 dequantized reference over 2,000 positions (4 x 500-token texts):
 dynaspec's default quantized path vs llama.cpp on the same Gemma-3 GGUF."""
