@@ -181,7 +181,7 @@ class EngineArm:
                                     for (p, w), n in steps_now().items() if n > x0.get((p, w), 0)}}
         rec.phase_s = {k: v - t0[k] for k, v in asdict(e.times).items()}
         rec.identity_violations = _violations(e, delta, streamed, rec.tokens)
-        e.finished_times.clear()  # the server drains this; nothing does here
+        e.take_finished_times()  # the server drains these; nothing does here
         return rec
 
 

@@ -12,7 +12,8 @@ from dataclasses import asdict
 
 import torch
 
-from dynaspec.engine.llm_engine import LLMEngine, StepTimes
+from dynaspec.engine.llm_engine import LLMEngine
+from dynaspec.engine.step_recorder import StepTimes
 from dynaspec.models.quant_linear import cpu_info
 from dynaspec.sampling_params import SamplingParams
 from dynaspec.spec_decode.cost_profile import synthetic_step
@@ -40,7 +41,7 @@ def run_decode(engine: LLMEngine, batch: int, prompt_len: int, gen_tokens: int) 
         engine.add_request(ids, params)
     while any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values()):
         engine.step()
-    engine.times = StepTimes()
+    engine.recorder.times = StepTimes()
     t0 = time.perf_counter()
     tokens = 0
     while engine.has_unfinished_requests():

@@ -112,7 +112,7 @@ def engine_state(engine: Any) -> dict:
         "scheduler_requests": len(sched.requests) + len(sched.waiting) + len(sched.running),
         "policy_requests": sched.policy.num_cached() if sched.policy is not None else 0,
         "generators": len(runner.generators),
-        "metric_records": len(engine.request_records),
+        "metric_records": engine.recorder.num_tracked(),
         "output_states": len(engine.outputs.states),
         "drafter_requests": prop.num_cached() if prop is not None else 0,
     }

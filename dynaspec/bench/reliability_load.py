@@ -137,7 +137,7 @@ def run_abort(server: LocalServer, num_requests: int, seed: int, concurrency: in
               scale: float = 1.0) -> dict:
     rng = random.Random(seed)
     plans = [_abort_plan(rng, i, server.model_name, scale) for i in range(num_requests)]
-    aborted_before = server.on_engine(lambda e: dict(e.aborts_by_phase))
+    aborted_before = server.on_engine(lambda e: dict(e.recorder.aborts_by_phase))
     t0 = time.monotonic()
 
     async def one(http: Any, body: dict, cut: int | None, delay: float | None) -> dict:
@@ -152,7 +152,7 @@ def run_abort(server: LocalServer, num_requests: int, seed: int, concurrency: in
 
     results = asyncio.run(go())
     leaks = server.leak_report()
-    phases = server.on_engine(lambda e: dict(e.aborts_by_phase))
+    phases = server.on_engine(lambda e: dict(e.recorder.aborts_by_phase))
     aborted = {k: v - aborted_before.get(k, 0) for k, v in sorted(phases.items())}
     failed = [r for r in results if r.get("status") != 200 or "error" in r]
     cut = sum(1 for r in results if r.get("cut"))

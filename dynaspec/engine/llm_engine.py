@@ -11,21 +11,18 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from concurrent.futures import Executor
-from dataclasses import dataclass
 
 from dynaspec.config import EngineConfig
 from dynaspec.engine.builder import EngineParts, build_engine_parts
 from dynaspec.engine.client import EngineState, ModelCard, PoolReport
 from dynaspec.engine.phases import Landed, Launched, StepPhases, drop_ended
-from dynaspec.engine.step_records import request_spec
+from dynaspec.engine.step_recorder import StepRecorder, StepTimes
 from dynaspec.metrics.stats import (
     EngineSnapshot,
     FinishedRequestTimes,
-    GrammarStepStats,
     RequestSpecSummary,
     SpecCounters,
     StepStats,
-    fold_step,
 )
 from dynaspec.outputs import RequestOutput
 from dynaspec.request import Request, RequestStatus
@@ -35,19 +32,6 @@ from dynaspec.spec_decode.step_width import GlobalStepView, StepView
 from dynaspec.step_plan import StepPlan
 
 log = logging.getLogger("dynaspec")
-
-
-@dataclass
-class StepTimes:
-    schedule: float = 0.0
-    prepare: float = 0.0
-    draft: float = 0.0
-    forward: float = 0.0
-    sample: float = 0.0
-    update: float = 0.0
-    steps: int = 0
-    grammar: float = 0.0  # structured output mask work (inside prepare and sample)
-    grammar_steps: int = 0  # steps that masked >= 1 row
 
 
 def check_request(ids: list[int], params: SamplingParams, vocab: int, max_model_len: int,
@@ -90,17 +74,7 @@ class LLMEngine:
         if config.scheduler.async_scheduling:
             from dynaspec.engine.async_loop import AsyncStepLoop
             self.pipeline = AsyncStepLoop(self)
-        self.counters = SpecCounters()
-        # Per request (record, step K) pairs, folded once when asked: folding every step costs.
-        self.request_records: dict[str, list] = {}
-        self.times = StepTimes()
-        self.last_step: StepStats | None = None
-        self._step_taken: StepStats | None = None  # the last one take_step handed out
-        self.execution_steps: Counter = Counter()  # (path, width label) -> steps
-        self.num_prompt_tokens_total = 0
-        self.num_generation_tokens_total = 0
-        self.finished_times: list[FinishedRequestTimes] = []  # take_finished_times drains it
-        self.aborts_by_phase: dict[str, int] = {}  # where aborted requests were (reliability)
+        self.recorder = StepRecorder(self.structured.drain_compile_seconds)
         self._next_id = 0
 
     # ---- requests ------------------------------------------------------------------------
@@ -115,7 +89,7 @@ class LLMEngine:
         req = Request(request_id, ids, params)
         self.scheduler.add_request(req)
         self.outputs.add(req)
-        self.request_records[request_id] = []
+        self.recorder.start(request_id)
         return request_id
 
     def abort_request(self, request_id: str) -> bool:
@@ -123,7 +97,7 @@ class LLMEngine:
         if req is not None:
             phase = ("waiting" if req.status is not RequestStatus.RUNNING else
                      "prefill" if req.num_computed_tokens < req.num_prompt_tokens else "decode")
-            self.aborts_by_phase[phase] = self.aborts_by_phase.get(phase, 0) + 1
+            self.recorder.aborted(phase)
         req = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         self._forget(request_id)
         return req is not None
@@ -131,7 +105,7 @@ class LLMEngine:
     def _forget(self, request_id: str) -> None:
         self.outputs.abort(request_id)
         self._forget_runner_state(request_id)
-        self.request_records.pop(request_id, None)
+        self.recorder.forget(request_id)
 
     def _forget_runner_state(self, request_id: str) -> None:
         # Under async scheduling a step in flight may still use it: the pipeline waits.
@@ -185,7 +159,7 @@ class LLMEngine:
         if landed.error is not None:
             return [self._error_output(req, landed.error) for req in landed.failed]
         drop_ended(landed)
-        self._record(landed)
+        self.recorder.record(landed)
         # A request aborted since the step landed has no output state left: nothing to emit.
         outs = [self._emit(u) for u in landed.updates
                 if u.request.request_id in self.outputs.states]
@@ -200,10 +174,9 @@ class LLMEngine:
         if out.finished:
             out.spec = self.request_spec(req.request_id)
             t = out.timings
-            self.finished_times.append(FinishedRequestTimes(
+            self.recorder.finished(req.request_id, FinishedRequestTimes(
                 t.ttft_s, t.inter_token_s, t.e2e_s, req.num_prompt_tokens, req.num_output_tokens))
             self._forget_runner_state(req.request_id)
-            self.request_records.pop(req.request_id, None)
         if not u.new_token_ids and not out.finished:
             return None
         return out
@@ -214,45 +187,6 @@ class LLMEngine:
                              finished=True, finish_reason="error",
                              error=f"{type(exc).__name__}: {exc}")
 
-    def _record(self, landed: Landed) -> None:
-        sched_out, res, updates = landed.plan, landed.res, landed.updates
-        t_update, num_prompt = landed.update_seconds, landed.num_prompt_tokens
-        t = self.times
-        t.steps += 1
-        t.schedule += sched_out.schedule_seconds
-        t.prepare += res.prepare_seconds
-        t.draft += res.draft_seconds
-        t.forward += res.forward_seconds
-        t.sample += res.sample_seconds
-        t.update += t_update
-        # A request whose drafts were all invalid is an `all_invalid` skip (in the fold).
-        specs = [request_spec(u.result, len(u.new_token_ids)) for u in updates]
-        num_gen = sum(len(u.new_token_ids) for u in updates)
-        self.num_prompt_tokens_total += num_prompt
-        self.num_generation_tokens_total += num_gen
-        batch = res.batch
-        step = StepStats(sched_out.step_k, (*specs, *landed.orphans), res.draft_seconds,
-                         res.forward_seconds + res.sample_seconds, sched_out.schedule_seconds,
-                         num_prompt, num_gen, len(sched_out.preempted_ids),
-                         self._grammar_stats(res),
-                         batch.path if batch else None, batch.width_label if batch else None)
-        self.counters = fold_step(self.counters, step)
-        self.last_step = step
-        if batch is not None:
-            self.execution_steps[(batch.path, batch.width_label)] += 1
-        for spec in specs:
-            records = self.request_records.get(spec.request_id)
-            if records is not None:
-                records.append((spec, sched_out.step_k))
-
-    def _grammar_stats(self, res) -> GrammarStepStats | None:
-        compiled = self.structured.drain_compile_seconds()
-        if not res.grammar_rows and not compiled:
-            return None
-        self.times.grammar += res.grammar_seconds
-        self.times.grammar_steps += res.grammar_rows > 0
-        return GrammarStepStats(res.grammar_seconds, res.grammar_rows, compiled)
-
     # ---- facts for reports ---------------------------------------------------------------
     @property
     def lossless(self) -> bool:
@@ -260,10 +194,9 @@ class LLMEngine:
         return self.config.spec.lossless or not self.plan.speculating
 
     def request_spec(self, request_id: str) -> RequestSpecSummary | None:
-        records = self.request_records.get(request_id)
-        if records is None or self.plan.kind == "off":
+        if self.plan.kind == "off":
             return None
-        return RequestSpecSummary.of(records, self.lossless)
+        return self.recorder.request_spec(request_id, self.lossless)
 
     def pool_report(self) -> PoolReport:
         p = self.parts
@@ -288,7 +221,7 @@ class LLMEngine:
 
     def progress(self) -> int:
         # An async launch returns nothing yet but is work: count it as progress.
-        return self.times.steps * 2 + int(self.step_in_flight)
+        return self.recorder.times.steps * 2 + int(self.step_in_flight)
 
     def failure(self) -> str | None:
         return None  # one process: a failed step fails its requests, never the engine
@@ -309,18 +242,30 @@ class LLMEngine:
                               policy.num_reprobes if policy is not None else 0)
 
     def take_finished_times(self) -> list[FinishedRequestTimes]:
-        times, self.finished_times = self.finished_times, []
-        return times
+        return self.recorder.take_finished_times()
 
     def shutdown(self) -> None:
         """Nothing runs outside this process's step (the DP front end stops its ranks)."""
 
     def take_step(self) -> StepStats | None:
-        step = self.last_step
-        if step is None or step is self._step_taken:
-            return None
-        self._step_taken = step
-        return step
+        return self.recorder.take_step()
+
+    # The recorder's readings, as the engine client protocol names them.
+    @property
+    def counters(self) -> SpecCounters:
+        return self.recorder.counters
+
+    @property
+    def times(self) -> StepTimes:
+        return self.recorder.times
+
+    @property
+    def execution_steps(self) -> Counter:
+        return self.recorder.execution_steps
+
+    @property
+    def last_step(self) -> StepStats | None:
+        return self.recorder.last_step
 
     def generate_sync(self, prompts: list, params: list[SamplingParams]) -> list[RequestOutput]:
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]

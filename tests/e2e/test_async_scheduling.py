@@ -73,8 +73,8 @@ def test_async_equals_sync_batched(tiny_llama_dir, prompts12, spec):
         sync_llm.engine.scheduler.num_preemptions == async_llm.engine.scheduler.num_preemptions == 0
     )
     prompt_total = sum(len(p) for p in prompts12)
-    assert sync_llm.engine.num_prompt_tokens_total == prompt_total
-    assert async_llm.engine.num_prompt_tokens_total == prompt_total
+    assert sync_llm.engine.recorder.num_prompt_tokens_total == prompt_total
+    assert async_llm.engine.recorder.num_prompt_tokens_total == prompt_total
     if spec:
         c = async_llm.engine.counters
         assert c.num_accepted_tokens > 0, "the workload must exercise acceptance"
@@ -213,7 +213,7 @@ def test_1000_aborts_during_in_flight_steps_leak_nothing(tiny_llama_dir, prompts
     eng.check_integrity()
     assert eng.kv.num_free_blocks() == eng.kv.num_blocks, "leaked blocks"
     assert not eng.runner.generators and eng.runner.proposer.num_cached() == 0
-    assert not eng.outputs.states and not eng.request_records
+    assert not eng.outputs.states and not eng.recorder.num_tracked()
     assert eng.counters.check_identities() == []
 
 

@@ -18,7 +18,7 @@ from dynaspec.bench import compare
 from dynaspec.bench.compare import EngineArm, IdentityViolation, RunRecord, build_report, run_pairs
 from dynaspec.bench.stats import latency_summary, paired_ratio, percentile, run_order, t_quantile
 from dynaspec.bench.workloads import WorkItem
-from dynaspec.engine.llm_engine import StepTimes
+from dynaspec.engine.step_recorder import StepTimes
 from dynaspec.metrics.stats import RequestStepSpec, SpecCounters, StepStats, fold_step
 from dynaspec.outputs import RequestOutput, RequestTimings
 from dynaspec.sampling_params import SamplingParams
@@ -178,6 +178,10 @@ class FakeEngine:
     live: dict = field(default_factory=dict)
     max_live: int = 0
     finished_times: list = field(default_factory=list)
+
+    def take_finished_times(self):
+        times, self.finished_times = self.finished_times, []
+        return times
 
     def __post_init__(self):
         self.scheduler = type("S", (), {"num_preemptions": 0})()
