@@ -141,8 +141,7 @@ def run_async_cmd(args: argparse.Namespace) -> int:
             out["results"][f"{mode}/c{c}"] = report
             rows.append((mode, c, report))
         for arm in arms.values():  # free the model before the next mode loads its arms
-            if arm.engine.pipeline is not None:
-                arm.engine.pipeline.close()
+            arm.engine.driver.close()
         del arms
     md = markdown(rows)
     if args.out:

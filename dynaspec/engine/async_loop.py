@@ -56,7 +56,8 @@ from dynaspec.outputs import RequestOutput
 class AsyncStepLoop:
     """The pipelined driver; `step()` is one engine step of it.
 
-    `engine` provides the phases (`schedule`, `launch`, `land`, `emit`) and `runner.forget`."""
+    `engine` provides the phases (`schedule`, `launch`, `land`, `emit`) and
+    `release_runner_state`."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
@@ -79,7 +80,7 @@ class AsyncStepLoop:
     def forget(self, request_id: str) -> None:
         """Drop a finished request's runner state, after the step in flight (it may use it)."""
         if self.inflight is None:
-            self.engine.runner.forget(request_id)
+            self.engine.release_runner_state(request_id)
         else:
             self._forgets.append(request_id)
 
@@ -96,7 +97,7 @@ class AsyncStepLoop:
             launched, self.inflight = self.inflight, None
             self.pending = self.engine.land(launched)
             for rid in self._forgets:
-                self.engine.runner.forget(rid)
+                self.engine.release_runner_state(rid)
             self._forgets.clear()
         if nxt.scheduled:
             self.inflight = self.engine.launch(nxt, self.worker)

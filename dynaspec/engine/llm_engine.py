@@ -17,6 +17,7 @@ from dynaspec.engine.builder import EngineParts, build_engine_parts
 from dynaspec.engine.client import EngineState, ModelCard, PoolReport
 from dynaspec.engine.phases import Landed, Launched, StepPhases, drop_ended
 from dynaspec.engine.step_recorder import StepRecorder, StepTimes
+from dynaspec.engine.sync_driver import SyncDriver
 from dynaspec.metrics.stats import (
     EngineSnapshot,
     FinishedRequestTimes,
@@ -70,10 +71,8 @@ class LLMEngine:
         self.structured = parts.structured
         self.outputs = parts.outputs  # its check_stop is the scheduler's stop-string hook
         self.phases = StepPhases(self.scheduler, self.runner)
-        self.pipeline = None  # --async-scheduling: the step runs as a pipeline (async_loop.py)
-        if config.scheduler.async_scheduling:
-            from dynaspec.engine.async_loop import AsyncStepLoop
-            self.pipeline = AsyncStepLoop(self)
+        # The order of the phases: sync, or pipelined with --async-scheduling (async_loop.py).
+        self.driver = _driver(config)(self)
         self.recorder = StepRecorder(self.structured.drain_compile_seconds)
         self._next_id = 0
 
@@ -108,16 +107,20 @@ class LLMEngine:
         self.recorder.forget(request_id)
 
     def _forget_runner_state(self, request_id: str) -> None:
-        # Under async scheduling a step in flight may still use it: the pipeline waits.
-        (self.pipeline.forget if self.pipeline is not None else self.runner.forget)(request_id)
+        # A pipelined driver's step in flight may still use it: the driver decides when.
+        self.driver.forget(request_id)
+
+    def release_runner_state(self, request_id: str) -> None:
+        """Drop a request's runner state (generator, drafter, grammar) now (drivers call it)."""
+        self.runner.forget(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self.step_in_flight
 
     @property
     def step_in_flight(self) -> bool:
-        """Async scheduling: a step runs or its outputs are not returned yet."""
-        return self.pipeline is not None and self.pipeline.busy
+        """A pipelined driver: a step runs or its outputs are not returned yet."""
+        return self.driver.busy
 
     @property
     def num_running(self) -> int:
@@ -129,14 +132,8 @@ class LLMEngine:
 
     # ---- the step: schedule -> launch -> land -> emit ----------------------------------------
     def step(self) -> list[RequestOutput]:
-        """The synchronous driver (or one call of the async pipeline)."""
-        if self.pipeline is not None:
-            return self.pipeline.step()
-        plan = self.schedule()
-        if not plan.scheduled:
-            return []
-        launched = self.launch(plan)
-        return self.emit(self.land(launched)) if launched is not None else []
+        """One step of the engine's driver."""
+        return self.driver.step()
 
     def step_view(self) -> StepView:
         """The batch the next `schedule` expects (data parallel: what the ranks exchange)."""
@@ -288,3 +285,9 @@ class LLMEngine:
                 "blocks leaked after all requests finished"
             )
 
+
+def _driver(config: EngineConfig):
+    if config.scheduler.async_scheduling:
+        from dynaspec.engine.async_loop import AsyncStepLoop
+        return AsyncStepLoop
+    return SyncDriver

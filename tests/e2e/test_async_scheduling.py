@@ -168,8 +168,8 @@ def test_stop_string_and_abort_while_in_flight_account_drafts(tiny_llama_dir, pr
     streamed = 0
     for _ in range(6):
         streamed += sum(len(o.new_token_ids) for o in eng.step())
-    assert eng.pipeline.inflight is not None
-    inflight = [s.request.request_id for s in eng.pipeline.inflight.plan.scheduled]
+    assert eng.driver.inflight is not None
+    inflight = [s.request.request_id for s in eng.driver.inflight.plan.scheduled]
     victim = inflight[0]
     assert eng.abort_request(victim)
     before = eng.counters
@@ -200,8 +200,8 @@ def test_1000_aborts_during_in_flight_steps_leak_nothing(tiny_llama_dir, prompts
                for i in range(8)]
         for _ in range(1 + round_ % 3):
             kept_out += [o for o in eng.step() if o.request_id == keep]
-        running = {s.request.request_id for s in eng.pipeline.inflight.plan.scheduled} \
-            if eng.pipeline.inflight is not None else set()
+        running = {s.request.request_id for s in eng.driver.inflight.plan.scheduled} \
+            if eng.driver.inflight is not None else set()
         for rid in ids:
             in_flight_aborts += rid in running
             eng.abort_request(rid)

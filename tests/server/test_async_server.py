@@ -20,7 +20,7 @@ def server(live_server_factory):
 
 
 def test_async_server_matches_sync_engine_and_streams(server):
-    assert server.on_engine(lambda e: e.pipeline is not None)
+    assert server.on_engine(lambda e: type(e.driver).__name__ == "AsyncStepLoop")
     ref = LLM(**{**SERVER_ENGINE_KWARGS, **SPEC}).generate(
         PROMPT, SamplingParams(temperature=0, max_tokens=24, stop=[" cherry, apple, banana"]))[0]
     client = server.client()

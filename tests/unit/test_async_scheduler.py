@@ -110,6 +110,9 @@ class Harness:
             self.emitted.setdefault(u.request.request_id, []).extend(u.new_token_ids)
         return []
 
+    def release_runner_state(self, request_id: str) -> None:
+        self.runner.forget(request_id)
+
     def add(self, rid: str, prompt_len: int = 6, **params) -> Request:  # type: ignore[no-untyped-def]
         req = Request(rid, [10 + i for i in range(prompt_len)],
                       SamplingParams(temperature=0, **params))

@@ -1,0 +1,37 @@
+"""SyncDriver: the plain order of an engine's phases, one step at a time.
+
+A driver is an object around the engine's phase protocol (`schedule`, `launch`, `land`, `emit`,
+`release_runner_state`): this one, the pipelined `AsyncStepLoop` (engine/async_loop.py) and the
+data-parallel rank's lockstep loop (dp/rank.py). The engine runs whichever it was given; a
+driver calls only the engine's public phases.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dynaspec.outputs import RequestOutput
+
+
+class SyncDriver:
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    @property
+    def busy(self) -> bool:
+        """Nothing outlives a sync step."""
+        return False
+
+    def forget(self, request_id: str) -> None:
+        self.engine.release_runner_state(request_id)
+
+    def close(self) -> None:
+        """Nothing to stop."""
+
+    def step(self) -> list[RequestOutput]:
+        e = self.engine
+        plan = e.schedule()
+        if not plan.scheduled:
+            return []
+        launched = e.launch(plan)
+        return e.emit(e.land(launched)) if launched is not None else []
