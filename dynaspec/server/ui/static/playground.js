@@ -37,11 +37,15 @@ const DSPlayground = (() => {
       dl.textContent = "";
       addCard(dl, "model", card.id);
       addCard(dl, "max_model_len", card.max_model_len);
-      const plan = ext.spec_plan || {};
-      for (const [k, v] of Object.entries(plan)) addCard(dl, k, v);
-      addCard(dl, "K policy", ext.k_policy ? (ext.k_policy.name || JSON.stringify(ext.k_policy)) : "none");
+      const plan = ext.spec_plan || {}, policy = ext.k_policy || {};
+      addCard(dl, "speculating", plan.speculating ? `yes, K up to ${plan.max_k}` : "no");
+      addCard(dl, "plan", plan.kind);
+      addCard(dl, "verify widths", (plan.widths || []).join(", "));
+      addCard(dl, "K policy", policy.name || "none");
+      if (policy.cost_table) addCard(dl, "cost table", policy.cost_table);
       addCard(dl, "lossless", ext.lossless);
-      if (ext.execution_plan) addCard(dl, "execution", ext.execution_plan.mode || JSON.stringify(ext.execution_plan));
+      if (ext.execution_plan) addCard(dl, "execution", `${ext.execution_plan.mode} (${ext.execution_plan.graph_path})`);
+      $("model-json").textContent = JSON.stringify(card, null, 1);
       dl.dataset.loaded = "1";
     } catch (e) {
       dl.textContent = `could not read /v1/models: ${e.message || e} (an API key may be needed)`;
@@ -97,6 +101,8 @@ const DSPlayground = (() => {
       `length ${mal}, steps by K ${JSON.stringify(spec.steps_by_k)}, skips ` +
       `${JSON.stringify(spec.draft_skips)}${spec.lossless ? "" : " (not lossless)"}`;
     p.dataset.final = "1";
+    p.dataset.drafted = spec.num_draft_tokens;  // for the browser test: the engine's own totals
+    p.dataset.accepted = spec.num_accepted_tokens;
   }
 
   // Server-sent events from a fetch body: yields each `data:` payload.

@@ -35,10 +35,12 @@ const DSSeries = (() => {
     return j >= 0 ? history[j] : null;
   }
 
-  // Increase of `name`/`want` between two snapshots; null across a reset or a missing series.
+  // Increase of `name`/`want` between two snapshots; null across a reset or when b lacks it.
+  // A series the older snapshot lacks had not been touched yet: this server's counters and
+  // buckets appear at their first increment, from 0 (a first request's TTFT is an increase).
   function increase(a, b, name, want) {
-    const va = value(a, name, want), vb = value(b, name, want);
-    if (va == null || vb == null || vb < va) return null;
+    const va = value(a, name, want) || 0, vb = value(b, name, want);
+    if (vb == null || vb < va) return null;
     return vb - va;
   }
 
