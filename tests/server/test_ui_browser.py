@@ -52,7 +52,7 @@ def server(browser, live_server_factory):  # the browser first: a skip starts no
     return live_server_factory(speculator="ngram", num_spec_tokens=4, cost_table=FREE_VERIFY)
 
 
-def test_chat_and_dashboard_in_chromium(browser, server):
+def test_chat_and_dashboard_in_chromium(browser, server, capsys):
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.set_default_timeout(60_000)
     foreign, errors = [], []
@@ -103,7 +103,8 @@ def test_chat_and_dashboard_in_chromium(browser, server):
     assert counts["acceptance"] >= 1 and counts["goodput"] == 2, counts
     dash = SHOTS / "dashboard.png"
     page.screenshot(path=str(dash), full_page=True)
-    print(f"\nscreenshots: {play} {dash} ({time.monotonic() - t0:.1f} s from send)")
+    with capsys.disabled():  # shown without -s too
+        print(f"\nscreenshots: {play} {dash} ({time.monotonic() - t0:.1f} s from send)")
 
     assert not foreign, f"the page fetched from other origins: {foreign}"
     assert not errors, errors
@@ -122,6 +123,47 @@ def test_the_quantile_matches_prometheus(browser, server):
     assert page.evaluate(q, [0.9, buckets]) == pytest.approx(0.2 + 0.2 * (9 - 6) / 4)
     assert page.evaluate(q, [0.99, [[1.0, 1], ["inf", 2]]]) == 1.0  # +Inf: its lower bound
     assert page.evaluate(q, [0.5, [[1.0, 0], ["inf", 0]]]) is None  # nothing observed
+    page.close()
+
+
+def _dp_snapshots() -> list[dict]:
+    """Two /ui/live answers of a two-rank server, 5 s apart (live_stats over DPMetrics)."""
+    from dynaspec.dp.metrics import DPMetrics
+    from dynaspec.metrics.stats import EngineSnapshot, RequestStepSpec, StepStats
+    from dynaspec.server.ui.live import live_stats
+
+    m, out = DPMetrics(2, {"model_name": "m"}, "dynaspec"), []
+    for t in (100.0, 105.0):
+        for rank in (0, 1):
+            for _ in range(1 + rank):  # rank 1 runs twice the steps
+                m.rank_step(rank, StepStats(2, (RequestStepSpec("a", 2, 1, 2, None),),
+                                            num_generation_tokens=2))
+            m.rank_snapshot(rank, EngineSnapshot(1 + rank, 0, 0.1, 1024, 0, 0, 0, 0, 20.0, 18.0,
+                                                 "goodput"))
+        live = live_stats(m, None, {"num_running": 3, "num_waiting": 0, "kv_usage": 0.1,
+                                    "kv_num_blocks": 128, "kv_free_blocks": 100})
+        out.append({**live, "time": t})
+    return out
+
+
+def test_data_parallel_draws_every_rank(browser, server):
+    """Under data parallelism the dashboard draws a line per rank beside the total."""
+    page = browser.new_page()
+    page.goto(server.url + "/ui#dashboard")
+    page.wait_for_function("typeof DSDashboard !== 'undefined'")
+    page.evaluate("""snaps => { DSDashboard.stop(); const h = DSDashboard.history();
+                                h.length = 0; h.push(...snaps); DSDashboard.draw(); }""",
+                  _dp_snapshots())
+    legend = page.inner_text("#chart-tokens .legend")
+    for tag in ("generated (all ranks)", "generated (rank 0)", "generated (rank 1)"):
+        assert tag in legend, legend
+    assert "observed (rank 1)" in page.inner_text("#chart-goodput .legend")
+    assert "2 ranks" in page.inner_text("#ranks-note")
+    # rank 1 generated 4 tokens in the 5 s, rank 0 two: the lines' last values say so.
+    rates = page.evaluate("""() => { const h = DSDashboard.history();
+        return ["0", "1", "all"].map(r => DSSeries.rate(h, "generation_tokens_total",
+                                                         {rank: r}, 10).pop()[1]); }""")
+    assert rates == pytest.approx([2 / 5, 4 / 5, 6 / 5])
     page.close()
 
 
