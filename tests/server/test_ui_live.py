@@ -68,3 +68,19 @@ def test_it_waits_for_the_metrics_lock():
         assert not done.wait(0.2)
     t.join(5)
     assert done.is_set()
+
+
+def test_answered_polls_stay_out_of_the_access_log():
+    import logging
+
+    from dynaspec.server.ui.routes import QuietPolls
+
+    def record(path: str, status: int) -> logging.LogRecord:  # as uvicorn.access logs
+        return logging.LogRecord("uvicorn.access", logging.INFO, "", 0,
+                                 '%s - "%s %s HTTP/%s" %d',
+                                 ("127.0.0.1:5", "GET", path, "1.1", status), None)
+
+    f = QuietPolls()
+    assert not f.filter(record("/ui/live", 200))
+    assert f.filter(record("/ui/live", 404))  # a failing poll is news
+    assert f.filter(record("/v1/models", 200))

@@ -5,6 +5,7 @@ asks for the API key itself (kept in the tab's sessionStorage) and sends it only
 
 from __future__ import annotations
 
+import logging
 from importlib import resources
 from typing import Any
 
@@ -30,9 +31,25 @@ def _assets() -> dict[str, tuple[bytes, str]]:
     return out
 
 
+class QuietPolls(logging.Filter):
+    """Leaves the dashboard's answered polls out of uvicorn's access log: an open page would
+    otherwise write a line a second, burying the requests an operator reads the log for."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (len(args) >= 5 and args[2] == "/ui/live" and args[4] == 200)
+
+
+def _quiet_access_log() -> None:
+    access = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, QuietPolls) for f in access.filters):
+        access.addFilter(QuietPolls())
+
+
 def ui_router(async_engine: Any, error: Any) -> APIRouter:
     """`error(status, message)` builds the API's error exception (api_server.APIError)."""
     assets = _assets()
+    _quiet_access_log()
     router = APIRouter()
     headers = {"Cache-Control": "no-cache", "Content-Security-Policy": _CSP,
                "X-Content-Type-Options": "nosniff"}
