@@ -41,8 +41,10 @@ def _playwright():
 def browser():
     sync_playwright = _playwright()
     with sync_playwright() as p:
-        # --no-sandbox: CI runs as root, where Chromium's sandbox refuses to start.
-        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        # --no-sandbox: CI runs as root, where Chromium's sandbox refuses to start;
+        # --disable-dev-shm-usage: a container's small /dev/shm crashes its renderer.
+        b = p.chromium.launch(executable_path=CHROMIUM,
+                              args=["--no-sandbox", "--disable-dev-shm-usage"])
         yield b
         b.close()
 
