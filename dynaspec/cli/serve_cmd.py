@@ -32,6 +32,9 @@ def register(sub) -> None:  # type: ignore[no-untyped-def]
     p.add_argument("--metrics-prefix", default="dynaspec",
                    help="prefix of the /metrics series names; 'vllm' gives vLLM's names (e.g. "
                    "vllm:num_requests_running) so its Grafana dashboards work unchanged")
+    p.add_argument("--no-ui", action="store_true",
+                   help="do not serve the web page (/ui: playground and live dashboard) nor its "
+                   "JSON (/ui/live)")
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -59,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
         kwargs["num_threads"] = server_threads()
     name = args.served_model_name or kwargs["model"]
     async_engine = build_async_engine(name, metrics_prefix=args.metrics_prefix, **kwargs)
-    app = build_app(async_engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
+    app = build_app(async_engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+                    ui=not args.no_ui)
     # On Ctrl-C / SIGTERM: in-flight requests get --shutdown-timeout seconds to finish, the rest
     # are aborted (streams end with an error event and [DONE]), then the engine thread stops.
     try:

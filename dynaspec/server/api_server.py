@@ -66,10 +66,10 @@ def build_async_engine(served_model_name: str | None = None, metrics_prefix: str
 
 def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              shutdown_drain_s: float = 0.0) -> FastAPI:
+              shutdown_drain_s: float = 0.0, ui: bool = True) -> FastAPI:
     """The FastAPI app. On shutdown (after uvicorn has let open connections finish) requests
     still in flight get up to `shutdown_drain_s` to finish, then are aborted; the engine thread
-    is stopped and joined."""
+    is stopped and joined. `ui`: serve the page at /ui and its JSON at /ui/live (server/ui/)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # type: ignore[no-untyped-def]
@@ -84,6 +84,10 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
     app.include_router(_v1_router(serving, api_key, max_body_bytes))
     app.include_router(_tokenizer_router(serving, api_key, max_body_bytes))
     _add_open_routes(app, async_engine)
+    if ui:
+        from dynaspec.server.ui.routes import ui_router
+
+        app.include_router(ui_router(async_engine, APIError))
     app.state.serving = serving
     app.state.async_engine = async_engine
     return app

@@ -48,6 +48,7 @@ class OutputDelta:
     spec: RequestSpecSummary | None = None  # the final delta's
     timings: RequestTimings | None = None  # the final delta's
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    step: dict | None = None  # the step's K and this request's drafts (want_steps streams only)
 
 
 class RequestStream:
@@ -58,6 +59,7 @@ class RequestStream:
         self.loop = loop
         self.queue: asyncio.Queue[OutputDelta | None] = asyncio.Queue()
         self.finished = False  # set by the consumer once it has read the final delta
+        self.want_steps = False  # deltas carry their step's record (stream_options extension)
         self._logprobs_sent = 0  # engine thread only
 
     async def get(self) -> OutputDelta | None:
@@ -148,12 +150,14 @@ class AsyncEngine:
 
     # ---- API for the event loop ----------------------------------------------------------------
     async def add_request(
-        self, request_id: str, prompt: str | list[int], params: Any
+        self, request_id: str, prompt: str | list[int], params: Any, want_steps: bool = False
     ) -> RequestStream:
-        """Queue a request; raises ValueError (bad prompt/params) or EngineUnavailable."""
+        """Queue a request; raises ValueError (bad prompt/params) or EngineUnavailable.
+        `want_steps`: its deltas carry their step's K and drafts (OutputDelta.step)."""
         if not self._accepting:
             raise EngineUnavailable("the server is shutting down")
         stream = RequestStream(request_id, asyncio.get_running_loop())
+        stream.want_steps = want_steps
 
         def add(engine: Any) -> None:
             engine.add_request(prompt, params, request_id)
@@ -236,6 +240,8 @@ class AsyncEngine:
             return True
         # A prefill chunk or an async launch returns nothing yet but is progress.
         progressed = bool(outs) or self.engine.progress() != before
+        step = self.engine.take_step()  # the step these outputs came from (None under DP)
+        records = _step_records(step, outs, self._streams)
         batches: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outs:
             stream = self._streams.get(out.request_id)
@@ -243,14 +249,15 @@ class AsyncEngine:
                 continue  # aborted by its client meanwhile
             if out.finished:
                 del self._streams[out.request_id]
-            batches.setdefault(stream.loop, []).append((stream, self._delta(out, stream)))
+            delta = self._delta(out, stream, records.get(out.request_id))
+            batches.setdefault(stream.loop, []).append((stream, delta))
         for loop, items in batches.items():
             _post(loop, items)
-        self._observe()
+        self._observe(step)
         return progressed
 
     @staticmethod
-    def _delta(out: Any, stream: RequestStream) -> OutputDelta:
+    def _delta(out: Any, stream: RequestStream, step: dict | None = None) -> OutputDelta:
         new_lp = None
         if out.logprobs is not None:  # cumulative list owned by the engine: copy the new part
             new_lp = list(out.logprobs[stream._logprobs_sent:])
@@ -258,7 +265,7 @@ class AsyncEngine:
         return OutputDelta(out.request_id, out.text, list(out.new_token_ids),
                            len(out.prompt_token_ids), len(out.token_ids), out.finished,
                            out.finish_reason, out.error, new_lp, out.spec, out.timings,
-                           out.num_cached_tokens)
+                           out.num_cached_tokens, step)
 
     def _abort(self, request_id: str, reason: str, error: str | None = None) -> None:
         if self.engine.abort_request(request_id):
@@ -272,8 +279,9 @@ class AsyncEngine:
         delta = OutputDelta(request_id, "", [], 0, 0, True, reason, error)
         _post(stream.loop, [(stream, delta)])
 
-    def _observe(self) -> None:
-        """Feed Prometheus and publish the state; a metrics bug must not stop serving."""
+    def _observe(self, step: Any = None) -> None:
+        """Feed Prometheus and publish the state; a metrics bug must not stop serving.
+        `step`: the record `_step` already took from the engine (take_step hands it out once)."""
         eng = self.engine
         times = eng.take_finished_times()  # drained here, on the thread that steps
         self._publish_state()
@@ -285,7 +293,7 @@ class AsyncEngine:
             if self.metrics is None:
                 return
             with self.metrics_lock:
-                step = eng.take_step()
+                step = step if step is not None else eng.take_step()
                 if step is not None:
                     self.metrics.observe_step(step)
                 self.metrics.observe_snapshot(snap)
@@ -296,6 +304,16 @@ class AsyncEngine:
 
     def _publish_state(self) -> None:
         self.state = {**self.engine.state().to_json(), "num_streams": len(self._streams)}
+
+
+def _step_records(step: Any, outs: list, streams: dict[str, RequestStream]) -> dict[str, dict]:
+    """request id -> its part of `step` as JSON, for the outputs whose stream asked for it."""
+    wanted = {o.request_id for o in outs if (s := streams.get(o.request_id)) and s.want_steps}
+    if step is None or not wanted:
+        return {}
+    return {r.request_id: {"k": step.k, "drafted": r.num_draft_tokens,
+                           "accepted": r.num_accepted_tokens, "tokens": r.num_emitted_tokens}
+            for r in step.requests if r.request_id in wanted}
 
 
 def _post(loop: asyncio.AbstractEventLoop, items: list[tuple[RequestStream, OutputDelta]]) -> None:

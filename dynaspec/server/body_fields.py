@@ -60,4 +60,9 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool | None = False
+    include_spec_steps: bool | None = Field(
+        default=False, description="extension: each chunk carries dynaspec.step, the engine "
+        "step that produced it (k: the step's K or null with speculation off; drafted and "
+        "accepted: this request's valid drafts and accepted drafts; tokens: tokens emitted). "
+        "Absent under data parallelism (the ranks keep their step records)")
 

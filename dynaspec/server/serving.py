@@ -95,7 +95,9 @@ class OpenAIServing:
             if not chat and req.echo else [""] * len(all_ids)
         choices: list[_Choice] = []
         try:
-            await self._start(rid, all_ids, params, n_gen, echo, choices, bool(req.stream))
+            steps = bool(req.stream and req.stream_options and
+                         req.stream_options.include_spec_steps)
+            await self._start(rid, all_ids, params, n_gen, echo, choices, steps)
         except BaseException:
             _abort_all(choices, self.engine)
             raise
@@ -117,12 +119,13 @@ class OpenAIServing:
         return prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(ids)
 
     async def _start(self, rid: str, all_ids: list[list[int]], params: list, n_gen: int,
-                     echo: list[str], choices: list[_Choice], stream: bool) -> None:
-        """Queue every choice; siblings after their first choice's prefill (prefix sharing)."""
+                     echo: list[str], choices: list[_Choice], steps: bool) -> None:
+        """Queue every choice; siblings after their first choice's prefill (prefix sharing).
+        `steps`: each delta carries its step's record (stream_options.include_spec_steps)."""
         single = len(all_ids) == 1 and n_gen == 1
         for p, (ids, sp) in enumerate(zip(all_ids, params)):
             choices.append(await self._add(rid if single else f"{rid}-{p}-0", p * n_gen, p,
-                                           ids, sp, echo[p]))
+                                           ids, sp, echo[p], steps))
         share = [p for p, ids in enumerate(all_ids)
                  if n_gen > 1 and self._share_after and len(ids) >= self._share_after]
         for p in share:  # read (and keep) the first delta: the prompt's blocks are cached now
@@ -131,14 +134,15 @@ class OpenAIServing:
         for p, (ids, sp) in enumerate(zip(all_ids, params)):
             for i in range(1, n_gen):
                 c = await self._add(f"{rid}-{p}-{i}", p * n_gen + i, p, ids,
-                                    choice_params(sp, i), echo[p])
+                                    choice_params(sp, i), echo[p], steps)
                 c.first = False
                 choices.append(c)
         choices.sort(key=lambda c: c.index)
 
-    async def _add(self, rid: str, index: int, p: int, ids: list[int], sp, echo: str) -> _Choice:
+    async def _add(self, rid: str, index: int, p: int, ids: list[int], sp, echo: str,
+                   steps: bool = False) -> _Choice:
         try:
-            stream = await self.engine.add_request(rid, ids, sp)
+            stream = await self.engine.add_request(rid, ids, sp, want_steps=steps)
         except ValueError as exc:
             raise APIError(400, str(exc), "prompt") from None
         except EngineUnavailable as exc:
@@ -244,7 +248,7 @@ class OpenAIServing:
             finish = "tool_calls" if called and finish == "stop" else finish
         else:
             content = ({"content": new_text} if new_text else None) if fmt.chat else new_text
-        if not (content or lp or delta.finished):
+        if not (content or lp or delta.finished or delta.step):  # a step's record is news
             return None
         if fmt.chat and content is None:
             content = {}
@@ -252,6 +256,8 @@ class OpenAIServing:
                           include_usage)
         if delta.finished:
             chunk["dynaspec"] = fmt.extension(delta)
+        if delta.step is not None:
+            chunk.setdefault("dynaspec", {})["step"] = delta.step
         return chunk
 
 

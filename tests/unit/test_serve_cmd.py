@@ -54,3 +54,27 @@ def test_serve_defaults_to_the_server_threads_and_says_so(monkeypatch, caplog):
 def test_an_explicit_thread_count_or_data_parallel_is_left_alone(monkeypatch):
     assert _engine_threads(monkeypatch, ["--model", "default", "--num-threads", "2"]) == 2
     assert _engine_threads(monkeypatch, ["--model", "default", "--data-parallel-size", "2"]) is None
+
+
+@pytest.mark.parametrize("argv, ui", [([], True), (["--no-ui"], False)])
+def test_no_ui_reaches_the_app(monkeypatch, argv, ui):
+    """`serve --no-ui` builds the app without the page (tests/server/test_ui_routes.py checks
+    what such an app serves)."""
+    from dynaspec.cli.main import build_parser
+
+    seen = {}
+
+    class _Engine:
+        engine = None
+
+    def build_app(engine, name, **kw):
+        seen.update(kw)
+        raise _Stop
+
+    monkeypatch.setattr("dynaspec.server.api_server.build_async_engine",
+                        lambda *a, **kw: _Engine())
+    monkeypatch.setattr("dynaspec.server.api_server.build_app", build_app)
+    args = build_parser().parse_args(["serve", "--model", "default", *argv])
+    with pytest.raises(_Stop):
+        serve_cmd.run(args)
+    assert seen["ui"] is ui
