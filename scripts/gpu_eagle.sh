@@ -15,7 +15,7 @@ if [ -z "${DRY_RUN:-}" ] || [ "${DRY_RUN}" = 0 ]; then
   nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>/dev/null || true
   [ -f "$MODEL_GGUF" ] && ls -l "$MODEL_GGUF"
 fi
-timeout -k 5 "$(( ${TOTAL_S:-390} + 20 ))" python -m dynaspec.train.eagle_recipe
+timeout -k 5 "$(( ${TOTAL_S:-375} + 20 ))" python -m dynaspec.train.eagle_recipe
 rc=$?
 echo "eagle recipe exit $rc"
 find "$OUT" -type f -exec ls -l {} \;

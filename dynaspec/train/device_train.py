@@ -41,6 +41,7 @@ class DeviceTrainConfig:
     warmup: int = 40
     seed: int = 0
     log_every: int = 25
+    max_steps: int = 0  # 0: as many as the time allows
 
 
 def draft_vocab(seqs: list[Seq], size: int, vocab: int, always: tuple[int, ...]
@@ -76,7 +77,8 @@ def batches(seqs: list[Seq], tokens: int, seed: int, epoch: int) -> list[list[in
 
 def _inputs(target, seqs: list[Seq], aux: tuple[int, ...], t2d: torch.Tensor):
     """(features [B, T, F], embeddings of token s+1 [B, T, H], labels [B, T]: the draft id of
-    the target's greedy choice for token s+2 on answer rows, IGNORE elsewhere)."""
+    the target's greedy choice for token s+2 on answer rows, IGNORE elsewhere and where that
+    choice is outside the draft vocabulary, answer rows [B, T] bool)."""
     dev = target.device
     B, T = len(seqs), max(len(s.ids) for s in seqs)
     ids = torch.zeros(B, T, dtype=torch.long)
@@ -92,8 +94,9 @@ def _inputs(target, seqs: list[Seq], aux: tuple[int, ...], t2d: torch.Tensor):
     s = torch.arange(T, device=dev)[None, :]
     lens = torch.tensor([len(x.ids) for x in seqs], device=dev)[:, None]
     plen = torch.tensor([x.prompt_len for x in seqs], device=dev)[:, None]
-    lab[(s + 2 < plen) | (s + 2 >= lens)] = IGNORE  # answer tokens only, inside the sequence
-    return f.aux, emb, lab
+    rows = (s + 2 >= plen) & (s + 2 < lens)  # answer tokens only, inside the sequence
+    lab[~rows] = IGNORE
+    return f.aux, emb, lab, rows
 
 
 def pass_outputs(head: EagleHead, feats, emb, lab, passes: int):
@@ -131,17 +134,19 @@ def train(target, head: EagleHead, seqs: list[Seq], cfg: DeviceTrainConfig,
     hist = {"step": [], "seconds": [], "loss": [], "acc": [], "tokens": 0, "epochs": 0.0}
     t0, step, epoch = time.perf_counter(), 0, 0
     amp = torch.autocast(dev.type, dtype=torch.bfloat16)
-    while time.perf_counter() - t0 < cfg.seconds:
+    while cfg.max_steps or time.perf_counter() - t0 < cfg.seconds:
         order = batches(seqs, cfg.tokens_per_step, cfg.seed, epoch)
         for n, idx in enumerate(order):
             frac = (time.perf_counter() - t0) / cfg.seconds
+            if cfg.max_steps:
+                frac = step / cfg.max_steps
             if frac >= 1.0:
                 hist["epochs"] = epoch + n / len(order)
                 break
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, frac, cfg)
             batch = [seqs[i] for i in idx]
-            feats, emb, lab = _inputs(target, batch, aux, t2d)
+            feats, emb, lab, _ = _inputs(target, batch, aux, t2d)
             with amp:
                 res = pass_outputs(head, feats, emb, lab, cfg.passes)
                 loss = sum(0.8**k * F.cross_entropy(lg, lk[m]) for k, (lk, m, lg) in
@@ -175,8 +180,10 @@ def train(target, head: EagleHead, seqs: list[Seq], cfg: DeviceTrainConfig,
 def evaluate(target, head: EagleHead, seqs: list[Seq], passes: int, tokens: int = 65536
              ) -> dict:
     """Per-position acceptance of chained drafting on `seqs`, overall and per prompt kind:
-    rate[j] = chains whose first j+1 drafts are all right / chains, cond[j] = rate[j] /
-    rate[j-1], and the mean accepted drafts per chain of `passes`."""
+    rate[j] = chains whose first j+1 drafts are all right / chains (one chain per answer row; a
+    target token outside the draft vocabulary counts as a miss), cond[j] = rate[j] / rate[j-1],
+    the mean accepted drafts per chain of `passes`, and the share of answer tokens the draft
+    vocabulary holds."""
     dev = target.device
     aux = head.cfg.aux_layers
     t2d = torch.full((head.cfg.vocab_size,), IGNORE, dtype=torch.long, device=dev)
@@ -184,7 +191,7 @@ def evaluate(target, head: EagleHead, seqs: list[Seq], passes: int, tokens: int 
     kinds: dict[str, list] = {}
     for idx in batches(seqs, tokens, 0, 0):
         batch = [seqs[i] for i in idx]
-        feats, emb, lab = _inputs(target, batch, aux, t2d)
+        feats, emb, lab, rows = _inputs(target, batch, aux, t2d)
         with torch.autocast(dev.type, dtype=torch.bfloat16):
             res = pass_outputs(head, feats, emb, lab, passes)
         B, T = lab.shape
@@ -193,8 +200,8 @@ def evaluate(target, head: EagleHead, seqs: list[Seq], passes: int, tokens: int 
             r = torch.zeros(B, T, dtype=torch.bool, device=dev)
             r[m] = lg.argmax(-1) == lk[m]
             ok.append(r)
-        # A chain starting at row p (pass 1 at p) exists where row p is labelled for pass 1.
-        start = lab != IGNORE
+        # A chain starts at every answer row; a token outside the draft vocabulary is a miss.
+        start = rows
         chain = start.clone()
         per_pos = []
         for j in range(passes):
@@ -202,16 +209,18 @@ def evaluate(target, head: EagleHead, seqs: list[Seq], passes: int, tokens: int 
             shifted[:, : T - j] = ok[j][:, j:]
             chain &= shifted
             per_pos.append(chain.sum(1))  # [B]
+        covered = (lab != IGNORE).sum(1)
         for b, s in enumerate(batch):
             kinds.setdefault(s.kind, []).append(
-                [int(start[b].sum())] + [int(x[b]) for x in per_pos])
+                [int(start[b].sum()), int(covered[b])] + [int(x[b]) for x in per_pos])
     out = {}
     for kind, rows in sorted(kinds.items()) + [("all", [r for v in kinds.values() for r in v])]:
         tot = torch.tensor(rows).sum(0).tolist()
         n = max(tot[0], 1)
-        rate = [tot[j + 1] / n for j in range(passes)]
+        rate = [tot[j + 2] / n for j in range(passes)]
         out[kind] = {
             "chains": tot[0],
+            "in_draft_vocab": round(tot[1] / n, 4),
             "rate": [round(r, 4) for r in rate],
             "cond": [round(rate[j] / rate[j - 1], 4) if j and rate[j - 1] else round(rate[j], 4)
                      for j in range(passes)],

@@ -43,7 +43,7 @@ class Recipe:
         self.t0 = time.perf_counter()
         self.dry = env.get("DRY_RUN", "") not in ("", "0")
         self.out = env.get("OUT") or "out/eagle"
-        self.total = float(env.get("TOTAL_S", 60 if self.dry else 390))
+        self.total = float(env.get("TOTAL_S", 60 if self.dry else 375))
         self.gen_end = float(env.get("GEN_END_S", 0.42 * self.total))
         self.train_end = float(env.get("TRAIN_END_S", 0.90 * self.total))
         self.n_prompts = int(env.get("N_PROMPTS", 96 if self.dry else 110_000))
@@ -135,11 +135,24 @@ class Recipe:
                     return sorted(self.answers)
                 t = time.perf_counter()
                 part = chunk[b: b + self.gen_batch]
-                outs = model.generate([ids[i] for i in part], self.answer_tokens, eos)
-                self.answers.update(zip(part, outs))
+                self.answers.update(zip(part, self._answer([ids[i] for i in part], model, eos)))
                 last = time.perf_counter() - t
                 self.log(f"generated {len(self.answers)}/{len(ids)} ({last:.1f}s a batch)")
         return sorted(self.answers)
+
+    def _answer(self, prompts, model, eos) -> list[list[int]]:
+        """model.generate, in halves while the device runs out of memory."""
+        try:
+            return model.generate(prompts, self.answer_tokens, eos)
+        except torch.cuda.OutOfMemoryError:
+            if len(prompts) < 64:
+                raise
+            torch.cuda.empty_cache()
+            self.gen_batch = max(64, len(prompts) // 2)
+            self.report["notes"].append(f"out of memory: generation batch now {self.gen_batch}")
+            half = len(prompts) // 2
+            return self._answer(prompts[:half], model, eos) + self._answer(prompts[half:], model,
+                                                                          eos)
 
     def write_answers(self, ids, kinds, done: list[int], eos) -> int:
         """answers-i.npz: tokens (uint16, prompt + answer, flat), offsets, prompt_lens, kinds;
