@@ -72,15 +72,19 @@ class BatchedLlama:
 
     # -- one layer --------------------------------------------------------------------------
 
-    def _qkv(self, layer: dict, x: torch.Tensor, pos: torch.Tensor):
-        """x [B, S, H], pos [B, S] -> q [B, Hq, S, D], k, v [B, Hkv, S, D] (RoPE applied)."""
+    def _rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """pos [B, S] -> cos, sin [B, S, 1, D/2] in the model dtype (once per forward: a decode
+        step is bound by its kernel launches)."""
+        return self.cos[pos].unsqueeze(2).to(self.dtype), self.sin[pos].unsqueeze(2).to(self.dtype)
+
+    def _qkv(self, layer: dict, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+        """x [B, S, H], rope from _rope -> q [B, Hq, S, D], k, v [B, Hkv, S, D] (RoPE applied)."""
         c = self.cfg
         B, S, _ = x.shape
         D, Hq, Hkv = c.head_dim, c.num_attention_heads, c.num_key_value_heads
         qkv = rms_norm(x, layer["ln1"], c.rms_norm_eps) @ layer["qkv"].T
         q, k, v = qkv.split((Hq * D, Hkv * D, Hkv * D), -1)
-        cos = self.cos[pos].unsqueeze(2).to(x.dtype)  # [B, S, 1, D/2]
-        sin = self.sin[pos].unsqueeze(2).to(x.dtype)
+        cos, sin = rope
 
         def rope(t: torch.Tensor, heads: int) -> torch.Tensor:
             t1, t2 = t.view(B, S, heads, D).chunk(2, -1)
@@ -105,13 +109,13 @@ class BatchedLlama:
         it). The stream entering layer i for each i in aux_layers (the engine's capture), and the
         greedy choice after each position."""
         B, T = ids.shape
-        pos = torch.arange(T, device=ids.device).expand(B, T)
+        rope = self._rope(torch.arange(T, device=ids.device).expand(B, T))
         x = self.embed(ids)  # [B, T, H]
         feats = {}
         for i, layer in enumerate(self.layers):
             if i in aux_layers:
                 feats[i] = x
-            q, k, v = self._qkv(layer, x, pos)
+            q, k, v = self._qkv(layer, x, rope)
             g = self._group()
             a = F.scaled_dot_product_attention(
                 q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), is_causal=True
@@ -148,8 +152,9 @@ class BatchedLlama:
         mask = (causal[None] & valid[:, None, :P]) | torch.eye(P, dtype=torch.bool, device=dev)
         x = self.embed(ids)
         g = self._group()
+        rope = self._rope(pos)
         for layer, K, V in zip(self.layers, kc, vc):
-            q, k, v = self._qkv(layer, x, pos)
+            q, k, v = self._qkv(layer, x, rope)
             K[:, :, :P], V[:, :, :P] = k, v
             a = F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1),
                                                v.repeat_interleave(g, 1), attn_mask=mask[:, None])
@@ -178,8 +183,9 @@ class BatchedLlama:
         B, g = tok.shape[0], self._group()
         x = self.embed(tok)[:, None]  # [B, 1, H]
         mask = valid[:, None, None, : slot + 1]  # [B, 1, 1, slot+1]
+        rope = self._rope(pos[:, None])
         for layer, K, V in zip(self.layers, kc, vc):
-            q, k, v = self._qkv(layer, x, pos[:, None])  # q [B, Hq, 1, D]
+            q, k, v = self._qkv(layer, x, rope)  # q [B, Hq, 1, D]
             K[:, :, slot], V[:, :, slot] = k[:, :, 0], v[:, :, 0]
             qg = q.view(B, c.num_key_value_heads, g, c.head_dim)
             a = F.scaled_dot_product_attention(qg, K[:, :, : slot + 1], V[:, :, : slot + 1],

@@ -49,14 +49,15 @@ class Recipe:
         self.n_prompts = int(env.get("N_PROMPTS", 96 if self.dry else 110_000))
         self.answer_tokens = int(env.get("ANSWER_TOKENS", 12 if self.dry else 112))
         self.prompt_tokens = int(env.get("PROMPT_TOKENS", 320))
-        self.gen_batch = int(env.get("GEN_BATCH", 16 if self.dry else 3072))
+        self.gen_batch = int(env.get("GEN_BATCH", 16 if self.dry else 4096))
         self.tokens_per_step = int(env.get("TRAIN_TOKENS", 2048 if self.dry else 65536))
         self.passes = int(env.get("PASSES", 4))
         self.draft_vocab = int(env.get("DRAFT_VOCAB", 8192))
         self.seed = int(env.get("SEED", 0))
         self.model_path = env.get("MODEL_GGUF", "")
         self.resume = env.get("RESUME", "")
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = torch.device(env.get("DEVICE") or
+                                   ("cuda" if torch.cuda.is_available() else "cpu"))
         os.makedirs(self.out, exist_ok=True)
         self.report: dict = {"config": {k: v for k, v in vars(self).items()
                                         if isinstance(v, (int, float, str, bool))},
@@ -241,6 +242,36 @@ class Recipe:
         seqs = [Seq(ids[i] + self.answers[i], len(ids[i]), kinds[i]) for i in done]
         self.train_and_evaluate(model, seqs, eos)
         self.stage("end", total_s=round(self.now(), 1))
+
+
+def read_answers(folder: str) -> list:
+    """The sequences of the answers-*.npz files a run wrote (device_train.Seq each)."""
+    import glob
+
+    from dynaspec.train.device_train import Seq
+
+    seqs = []
+    for path in sorted(glob.glob(os.path.join(folder, "answers-*.npz"))):
+        z = np.load(path)
+        toks, offs, names = z["tokens"].astype(np.int64), z["offsets"], z["kind_names"]
+        for i, (p, k) in enumerate(zip(z["prompt_lens"], z["kinds"])):
+            seqs.append(Seq(toks[offs[i]: offs[i + 1]].tolist(), int(p), str(names[k])))
+    if not seqs:
+        raise FileNotFoundError(f"no answers-*.npz files in {folder!r}")
+    return seqs
+
+
+def train_from_answers(answers: str, env: dict) -> int:
+    """Train (or, with RESUME, continue) the head on answers an earlier run returned, with the
+    same stages 4-5 (dynaspec train-draft-head --answers DIR --device cuda)."""
+    r = Recipe(env)
+    model, _, eos = r.load()
+    seqs = read_answers(answers)
+    r.stage("answers", sequences=len(seqs), folder=answers)
+    r.train_end = r.now() + float(env.get("TRAIN_S", 170))
+    r.train_and_evaluate(model, seqs, eos)
+    r.stage("end", total_s=round(r.now(), 1))
+    return 0
 
 
 def tiny_random_target(device, dtype, seed: int):
