@@ -2,7 +2,7 @@
 # The EAGLE-3 head for the default model in one call on one GPU (issue 48): the target answers
 # ~10^5 prompts, the head trains on them, held-out acceptance is measured; about 6.5 minutes.
 #   MODEL_GGUF=/root/m/model.gguf OUT=$OUT scripts/gpu_eagle.sh
-#   DRY_RUN=1 OUT=/tmp/eagle-dry scripts/gpu_eagle.sh        # tiny shapes on the CPU, ~1 minute
+#   DRY_RUN=1 OUT=/tmp/eagle-dry scripts/gpu_eagle.sh        # tiny shapes on the CPU, < 3 minutes
 # Writes to $OUT (at most 8 files): report.json (after every stage), answers-{0..3}.npz,
 # head/config.json, head/model-0000{1,2}-of-00002.safetensors. Stages are time-boxed inside
 # (dynaspec/train/eagle_recipe.py); `timeout` is the last resort.

@@ -120,9 +120,11 @@ def lr_at(step: int, frac: float, cfg: DeviceTrainConfig) -> float:
 
 
 def train(target, head: EagleHead, seqs: list[Seq], cfg: DeviceTrainConfig,
-          log=print) -> dict:
+          log=print, probe=None, probe_every: float = 30.0) -> dict:
     """Train until cfg.seconds pass (epochs over `seqs` as time allows); the loss curve and
-    per-pass top-1 accuracy every step. The head is trained in place (fp32 weights)."""
+    per-pass top-1 accuracy every log_every steps. The head is trained in place (fp32 weights).
+    probe(): a dict recorded with the step and tokens seen every probe_every seconds (held-out
+    acceptance against the data seen: the data-size curve)."""
     dev = target.device
     head.to(dev).train()
     head.rope.cos, head.rope.sin = head.rope.cos.to(dev), head.rope.sin.to(dev)
@@ -131,8 +133,10 @@ def train(target, head: EagleHead, seqs: list[Seq], cfg: DeviceTrainConfig,
     t2d[head.draft_to_target] = torch.arange(head.cfg.draft_vocab_size, device=dev)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
-    hist = {"step": [], "seconds": [], "loss": [], "acc": [], "tokens": 0, "epochs": 0.0}
+    hist = {"step": [], "seconds": [], "loss": [], "acc": [], "tokens": 0, "epochs": 0.0,
+            "probes": []}
     t0, step, epoch = time.perf_counter(), 0, 0
+    last_probe = t0
     amp = torch.autocast(dev.type, dtype=torch.bfloat16)
     while cfg.max_steps or time.perf_counter() - t0 < cfg.seconds:
         order = batches(seqs, cfg.tokens_per_step, cfg.seed, epoch)
@@ -157,6 +161,9 @@ def train(target, head: EagleHead, seqs: list[Seq], cfg: DeviceTrainConfig,
             opt.step()
             step += 1
             hist["tokens"] += int(sum(len(s.ids) for s in batch))
+            if probe is not None and time.perf_counter() - last_probe >= probe_every:
+                hist["probes"].append({"step": step, "tokens": hist["tokens"], **probe()})
+                last_probe = time.perf_counter()
             if step % cfg.log_every == 0 or step == 1:
                 accs = [float((lg.argmax(-1) == lk[m]).float().mean()) if lg.shape[0] else 0.0
                         for lk, m, lg in res]

@@ -43,7 +43,7 @@ class Recipe:
         self.t0 = time.perf_counter()
         self.dry = env.get("DRY_RUN", "") not in ("", "0")
         self.out = env.get("OUT") or "out/eagle"
-        self.total = float(env.get("TOTAL_S", 60 if self.dry else 375))
+        self.total = float(env.get("TOTAL_S", 150 if self.dry else 375))
         self.gen_end = float(env.get("GEN_END_S", 0.42 * self.total))
         self.train_end = float(env.get("TRAIN_END_S", 0.90 * self.total))
         self.n_prompts = int(env.get("N_PROMPTS", 96 if self.dry else 110_000))
@@ -121,7 +121,8 @@ class Recipe:
 
     def generate(self, model, ids: list[list[int]], eos: tuple[int, ...]) -> list[int]:
         """Answers for prompts in a seeded order, sorted by length within runs of 8 batches;
-        stops before a batch that would pass the deadline. Returns the answered indices."""
+        stops before a batch that would pass the deadline (the first batch always runs).
+        Returns the answered indices."""
         order = list(range(len(ids)))
         random.Random(self.seed).shuffle(order)
         run = 8 * self.gen_batch
@@ -130,7 +131,7 @@ class Recipe:
         for r in range(0, len(order), run):
             chunk = sorted(order[r: r + run], key=lambda i: len(ids[i]))
             for b in range(0, len(chunk), self.gen_batch):
-                if self.now() + 1.2 * last > self.gen_end:
+                if self.answers and self.now() + 1.2 * last > self.gen_end:
                     self.report["notes"].append(
                         f"generation stopped at its deadline after {len(self.answers)} answers")
                     return sorted(self.answers)
@@ -210,11 +211,17 @@ class Recipe:
         cfg = D.DeviceTrainConfig(seconds=max(1.0, self.train_end - self.now() - eval_s),
                                   tokens_per_step=self.tokens_per_step, passes=self.passes,
                                   seed=self.seed)
-        hist = D.train(model, head, train, cfg, log=self.log)
+        def probe() -> dict:
+            a = D.evaluate(model, head, test[:256], self.passes, self.tokens_per_step)["all"]
+            self.log(f"held-out probe: rate {a['rate']}")
+            return {"rate": a["rate"], "mean_accepted": a["mean_accepted"]}
+
+        hist = D.train(model, head, train, cfg, log=self.log, probe=probe,
+                       probe_every=2.0 if self.dry else 25.0)
         self.stage("train", sequences=len(train), held_out=len(test), steps=hist["steps"],
                    epochs=round(hist["epochs"], 3), tokens=hist["tokens"],
                    draft_vocab=head.cfg.draft_vocab_size, passes=self.passes,
-                   history={k: hist[k] for k in ("step", "seconds", "loss", "acc")})
+                   history={k: hist[k] for k in ("step", "seconds", "loss", "acc", "probes")})
         self.write_head(head)
         acc = D.evaluate(model, head, test, self.passes, self.tokens_per_step)
         self.stage("evaluate", acceptance=acc)

@@ -28,6 +28,9 @@ def summary(rep: dict) -> str:
         t = st["train"]
         lines.append(f"trained {t['steps']} steps, {t['epochs']} epochs, {t['tokens']} tokens; "
                      f"held out {t['held_out']} sequences")
+        for pr in t["history"].get("probes", []):
+            lines.append(f"  probe at step {pr['step']} ({pr['tokens']} tokens seen): held-out "
+                         f"rate {pr['rate']}")
     for kind, a in st.get("evaluate", {}).get("acceptance", {}).items():
         lines.append(f"  {kind:10s} chains {a['chains']:7d} rate {a['rate']} cond {a['cond']} "
                      f"mean accepted {a['mean_accepted']}")

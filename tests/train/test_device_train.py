@@ -34,8 +34,11 @@ def test_training_lowers_the_loss_and_acceptance_is_chained(tiny_llama_dir):
     before = D.evaluate(target, head, seqs, passes=3, tokens=400)
     cfg = D.DeviceTrainConfig(seconds=1e9, max_steps=16, tokens_per_step=160, passes=3,
                               lr=3e-3, warmup=3, log_every=1)
-    hist = D.train(target, head, seqs, cfg, log=lambda m: None)
+    hist = D.train(target, head, seqs, cfg, log=lambda m: None, probe=lambda: {"x": 1},
+                   probe_every=0.0)
     assert hist["steps"] == 16 and hist["epochs"] > 1
+    assert [p["step"] for p in hist["probes"]] == list(range(1, 17))
+    assert hist["probes"][-1]["tokens"] == hist["tokens"] and hist["probes"][0]["x"] == 1
     assert sum(hist["loss"][-5:]) < sum(hist["loss"][:5])
     after = D.evaluate(target, head, seqs, passes=3, tokens=400)
     assert after["all"]["rate"][0] > before["all"]["rate"][0]
