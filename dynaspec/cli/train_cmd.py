@@ -54,10 +54,30 @@ def register(sub) -> None:
         if f.name not in ("model", "out"):
             p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default,
                            help=_HELP.get(f.name, f.name.replace("_", " ")))
+    g = p.add_argument_group(
+        "from a device run's answers (scripts/gpu_eagle.sh): the batched target, time-boxed")
+    g.add_argument("--answers", default="", help="folder of answers-*.npz files; trains on them "
+                   "with the device trainer instead of building a corpus here")
+    g.add_argument("--device", default="", help="cuda or cpu (default: cuda when present)")
+    g.add_argument("--seconds", type=float, default=170.0, help="training time budget")
+    g.add_argument("--resume", default="", help="a head folder to continue training")
     p.set_defaults(func=run)
 
 
+def run_from_answers(args) -> int:
+    from dynaspec.models.loader import resolve_model_path
+    from dynaspec.train.eagle_recipe import train_from_answers
+
+    env = {"OUT": args.out, "MODEL_GGUF": resolve_model_path(args.model)[0],
+           "DEVICE": args.device, "TRAIN_S": str(args.seconds), "RESUME": args.resume,
+           "SEED": str(args.seed), "PASSES": str(args.passes),
+           "DRAFT_VOCAB": str(args.draft_vocab), "TOTAL_S": str(args.seconds + 60)}
+    return train_from_answers(args.answers, env)
+
+
 def run(args) -> int:
+    if args.answers:
+        return run_from_answers(args)
     import torch
     from tqdm import tqdm
 

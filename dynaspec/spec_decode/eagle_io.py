@@ -14,6 +14,7 @@ A head that does not fit the target is refused here, naming the field and both v
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 
@@ -30,6 +31,14 @@ class HeadMismatchError(ValueError):
 
 
 def read_weights(path: str) -> dict[str, torch.Tensor]:
+    shards = sorted(glob.glob(os.path.join(path, "model-*-of-*.safetensors")))
+    if shards and not os.path.isfile(os.path.join(path, WEIGHT_FILES[0])):
+        from safetensors.torch import load_file
+
+        sd: dict[str, torch.Tensor] = {}
+        for s in shards:
+            sd.update(load_file(s))
+        return sd
     for name in WEIGHT_FILES:
         f = os.path.join(path, name)
         if os.path.isfile(f):
@@ -227,3 +236,29 @@ def save_eagle3(
     cfg.update(extra or {})
     with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
         json.dump(cfg, f, indent=2)
+
+
+def shard_safetensors(path: str, max_bytes: int) -> list[str]:
+    """Split a safetensors file into model-0000i-of-0000n.safetensors beside it, each at most
+    about max_bytes of tensor data (whole tensors; read_weights joins them), removing the
+    original; a file already small enough is left as it is. Returns the files."""
+    from safetensors.torch import load_file, save_file
+
+    if os.path.getsize(path) <= max_bytes:
+        return [path]
+    sd = load_file(path)
+    groups: list[dict] = [{}]
+    size = 0
+    for k in sorted(sd, key=lambda k: -sd[k].numel() * sd[k].element_size()):
+        nbytes = sd[k].numel() * sd[k].element_size()
+        if groups[-1] and size + nbytes > max_bytes:
+            groups.append({})
+            size = 0
+        groups[-1][k] = sd[k]
+        size += nbytes
+    folder, n = os.path.dirname(path), len(groups)
+    out = [os.path.join(folder, f"model-{i + 1:05d}-of-{n:05d}.safetensors") for i in range(n)]
+    for g, f in zip(groups, out):
+        save_file(g, f)
+    os.remove(path)
+    return out

@@ -145,10 +145,12 @@ def new_head(model, cfg: TrainConfig, d2t: torch.Tensor) -> EagleHead:
     head = EagleHead(hc)
     head.draft_to_target.copy_(d2t)
     with torch.no_grad():  # start from the target's own output rows and final norm
-        rows = model.embed(d2t).float() if a.tie_word_embeddings else None
+        # (the target may sit on an accelerator: its rows come back to the CPU head)
+        ids = d2t.to(model.norm.device)
+        rows = model.embed(ids).float().cpu() if a.tie_word_embeddings else None
         if rows is not None:
             head.lm_head.weight.copy_(rows)
-        head.norm.copy_(model.norm.float())
+        head.norm.copy_(model.norm.float().cpu())
     return head
 
 
