@@ -19,7 +19,7 @@ case "${1:-}" in
   report) python -m dynaspec.train.eagle_report "$RUN/report.json" docs/eagle_gpu_training.png ;;
   # position-1 acceptance and the share of output tokens from accepted drafts, held-out chat and
   # code-edit prompts, against n-gram and suffix (K fixed at 3, token counts only)
-  accept) python docs/eagle_acceptance.py 16 128 --arms eagle,ngram,suffix \
+  accept) python scripts/experiments/eagle_acceptance.py 16 128 --arms eagle,ngram,suffix \
             --workloads code_edit,chat | tee "$D/acceptance.jsonl" ;;
   # paired speed at concurrency 1, default flags: eagle against plain, n-gram and suffix
   c1) $B --a "--speculator none" --b "--speculator eagle" $C1 --out "$D/c1_none_$WL"
