@@ -120,6 +120,13 @@ def resolve_attention(name: str, device: torch.device):
     from dynaspec.attention.backend import get_backend
 
     if name == "auto":
+        if device.type == "cuda":  # the in-place Triton kernel; eager where Triton is absent
+            from dynaspec.attention.gpu_paged import available as gpu_available
+
+            ok, why = gpu_available(device)
+            if not ok:
+                log.info("attention: eager (the GPU paged kernel is unavailable: %s)", why)
+            return get_backend("gpu_paged" if ok else "eager")
         if device.type != "cpu":
             return get_backend("eager")
         from dynaspec.attention.cpu_paged import available
