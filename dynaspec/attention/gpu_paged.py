@@ -93,14 +93,22 @@ class GpuPagedBackend:
         flat = slots + [x for t in tables for x in t] + list(batch.context_lens) + starts \
             + list(batch.query_lens)
         host = torch.tensor(flat, dtype=torch.long)
-        dev = host.to(batch.device, non_blocking=True) if batch.device.type == "cuda" else host
+        if batch.device.type == "cuda":
+            host = host.pin_memory()
+        dev = host.to(batch.device, non_blocking=True)
         o = T + B * nb
         return GpuPagedMetadata(dev[:T], dev[T:o].view(B, nb), dev[o:o + B],
                                 dev[o + B:o + 2 * B], dev[o + 2 * B:o + 3 * B],
                                 max(batch.query_lens, default=1), bs)
 
     def _build_fixed(self, batch: AttentionBatch) -> GpuPagedMetadata:
-        """Fill the persistent buffers' [:B] rows in place; pad rows attend the scratch block."""
+        tables, ctx = self.fill_fixed(batch)
+        return fixed_metadata(tables, ctx, batch.width, batch.block_size)
+
+    def fill_fixed(self, batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fill the persistent buffers' [:B] rows in place (pad rows attend the scratch block);
+        returns the views (block tables [B, max_blocks], context lengths [B]), whose addresses
+        never change, as a captured graph needs."""
         buf, bs, W, B = batch.buffers, batch.block_size, batch.width, batch.num_reqs_padded
         if len(batch.query_lens) > B or any(q != W for q in batch.query_lens):
             raise ValueError(f"fixed-shape attention ({B} x {W}) got query lengths "
@@ -121,7 +129,7 @@ class GpuPagedBackend:
         dev = host.to(batch.device, non_blocking=True)
         buf.context_lens[:B].copy_(dev[:B])
         buf.block_tables[:B, :need].copy_(dev[B:].view(B, need))
-        return fixed_metadata(buf.block_tables[:B], buf.context_lens[:B], W, bs)
+        return buf.block_tables[:B], buf.context_lens[:B]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 md: GpuPagedMetadata, scale: float, window: int | None = None) -> torch.Tensor:

@@ -115,7 +115,13 @@ def run_decode_cmd(args: argparse.Namespace) -> int:
     run_decode(engine, 1, args.prompt_len, 8)  # warm-up
     results = [run_decode(engine, int(b), c, args.gen_tokens)
                for c in contexts for b in args.batch_sizes.split(",")]
-    bw = measure_read_bandwidth()
+    dev = engine.parts.model.device
+    if dev.type == "cuda":  # HBM, not the host's memory, bounds a GPU step
+        from dynaspec.bench.decode import measure_device_bandwidth
+
+        bw = measure_device_bandwidth(dev)
+    else:
+        bw = measure_read_bandwidth()
     if args.json:
         m = engine.parts.model
         print(
