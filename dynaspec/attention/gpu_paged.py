@@ -114,7 +114,8 @@ class GpuPagedBackend:
             raise ValueError(f"fixed-shape attention ({B} x {W}) got query lengths "
                              f"{list(batch.query_lens)}")
         max_blocks = buf.block_tables.shape[1]
-        need = max((-(-c // bs) for c in batch.context_lens), default=1)
+        # Pad rows (context W) must find the scratch block in every column they read.
+        need = max([-(-c // bs) for c in batch.context_lens] + [-(-W // bs)])
         if need > max_blocks:
             raise ValueError(f"context of {max(batch.context_lens)} tokens needs {need} blocks, "
                              f"the buffers hold {max_blocks}")
