@@ -11,6 +11,5 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 DYNASPEC_
 OUT="${OUT:-/tmp/gpu_check_out}"
 mkdir -p "$OUT"
 BUDGET="${BUDGET:-255}"
-python -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')"
 timeout $((${BUDGET%.*} + 10)) python -m dynaspec.bench.gpu_check run --out "$OUT/gpu_check.json" --budget "$BUDGET"
 echo "report: $OUT/gpu_check.json"
