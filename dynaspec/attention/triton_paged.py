@@ -55,10 +55,10 @@ def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, ctx_ptr, qstart_ptr
     q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [M, BD]
 
     last = tl.minimum(ctx, ctx - qlen + tl.minimum(tile * TOKS + TOKS, qlen))  # keys seen < last
-    first = 0
-    if window > 0:
-        lo = ctx - qlen + tile * TOKS - window + 1  # the tile's first visible key
-        first = tl.maximum(lo, 0) // BLOCK_N * BLOCK_N
+    # With a window, start at the chunk holding the tile's first visible key (branch-free: one
+    # type for `first` whatever the window).
+    lo = tl.maximum(ctx - qlen + tile * TOKS - window + 1, 0) // BLOCK_N * BLOCK_N
+    first = tl.where(window > 0, lo, 0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -72,8 +72,7 @@ def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, ctx_ptr, qstart_ptr
         kt = tl.load(k_ptr + kv_off, mask=k_ok[None, :] & d_ok[:, None], other=0.0)
         s = tl.dot(q, kt, input_precision=PREC) * scale  # [M, N] fp32
         see = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :] & row_ok[:, None]
-        if window > 0:
-            see = see & (k_pos[None, :] > q_pos[:, None] - window)
+        see = see & ((k_pos[None, :] > q_pos[:, None] - window) | (window <= 0))
         s = tl.where(see, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
