@@ -59,6 +59,7 @@ class _Base:
         self.backend = UniformDecodeBackend(pin_blocks=self.path == "cuda_graph")
         self.build_seconds: dict[tuple[int, int], float] = {}
         self.broken: set[tuple[int, int]] = set()
+        self.errors: dict[tuple[int, int], str] = {}  # why each broken shape broke
         self._budget_logged = False
 
     @property
@@ -114,6 +115,7 @@ class _Base:
 
     def fail(self, key: tuple[int, int], exc: BaseException) -> None:
         self.broken.add(key)
+        self.errors[key] = f"{type(exc).__name__}: {exc}"[:500]
         log.error(
             "%s decode shape (requests %d, width %d) failed, running it eager from now on: %s",
             self.path,
