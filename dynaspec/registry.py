@@ -102,11 +102,13 @@ LINEAR_KERNELS = Registry("linear_kernel", [
 ])
 
 ATTENTION_BACKENDS = Registry("attention backend", [
-    Entry("auto", "the in-place CPU kernel when it builds, else eager"),
+    Entry("auto", "the in-place CPU kernel when it builds, else eager; gpu_paged on CUDA"),
     Entry("eager", "gather + SDPA for any batch (the reference)",
           "dynaspec.attention.paged:EagerPagedBackend"),
     Entry("cpu_paged", "the in-place C++ paged kernel (an error if it cannot be built)",
           "dynaspec.attention.cpu_paged:CpuPagedBackend"),
+    Entry("gpu_paged", "the in-place Triton paged kernel on CUDA (decode, verify, prefill)",
+          "dynaspec.attention.gpu_paged:GpuPagedBackend"),
     Entry("uniform", "fixed-shape decode/verify (chosen by the execution plan)",
           "dynaspec.attention.uniform:UniformDecodeBackend", user_choice=False),
 ])

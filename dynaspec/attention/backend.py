@@ -110,4 +110,5 @@ def get_backend(name: str, **kwargs) -> AttentionBackend:
 def backend_names() -> tuple[str, ...]:
     from dynaspec.registry import ATTENTION_BACKENDS
 
-    return tuple(n for n in ("eager", "uniform", "cpu_paged") if n in ATTENTION_BACKENDS)
+    names = ("eager", "uniform", "cpu_paged", "gpu_paged")
+    return tuple(n for n in names if n in ATTENTION_BACKENDS)

@@ -31,6 +31,66 @@ def measure_read_bandwidth(num_bytes: int = 1 << 29, repeats: int = 5) -> float:
     return num_bytes / best
 
 
+def measure_device_bandwidth(device: torch.device, num_bytes: int = 1 << 30,
+                             repeats: int = 5) -> float:
+    """CUDA: bytes/s of a device-to-device copy (bytes read + bytes written), the HBM figure a
+    decode step's weight reads are bounded by. On the CPU: `measure_read_bandwidth`."""
+    if device.type != "cuda":
+        return measure_read_bandwidth()
+    src = torch.empty(num_bytes // 2, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        best = min(best, a.elapsed_time(b) / 1e3)
+    return num_bytes / best
+
+
+def measure_launch_cost(device: torch.device, n: int = 200) -> dict:
+    """Seconds per tiny kernel: launched one by one from Python (eager) and replayed from a
+    CUDA graph. kernels per step x the graph figure is the launch-bound floor of a step."""
+    x = torch.zeros(16, device=device)
+    for _ in range(10):
+        x.add_(1)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        x.add_(1)
+    torch.cuda.synchronize()
+    eager = (time.perf_counter() - t0) / n
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        x.add_(1)
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(g):
+        for _ in range(n):
+            x.add_(1)
+    g.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        g.replay()
+    torch.cuda.synchronize()
+    return {"eager_s": eager, "graph_s": (time.perf_counter() - t0) / (5 * n)}
+
+
+def kernels_per_step(step) -> int:
+    """CUDA kernels one call of `step` launches (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+
+
 def run_decode(engine: LLMEngine, batch: int, prompt_len: int, gen_tokens: int) -> dict:
     """Prefill `batch` prompts, then time only the steps where every request decodes."""
     vocab = engine.parts.vocab_size
@@ -65,12 +125,16 @@ def report(engine: LLMEngine, results: list[dict], bandwidth: float) -> str:
     wbytes = engine.parts.model.weight_bytes_per_step()
     limit_step_s = wbytes / bandwidth
     m = engine.parts.model
+    cuda = m.device.type == "cuda"
+    where = f"GPU: {torch.cuda.get_device_name(m.device)}" if cuda else \
+        f"CPU: {cpu_info().summary()}"
     lines = [
         f"model {engine.parts.model_name}, dtype {m.dtype}, quantization {m.weights.mode}, "
         f"attention {m.attn.name}, {torch.get_num_threads()} threads",
-        f"CPU: {cpu_info().summary()}",
-        f"weights read per step (kernel formats): {wbytes / 1e6:.1f} MB; read bandwidth "
-        f"{bandwidth / 1e9:.1f} GB/s; bandwidth-limited step {limit_step_s * 1e3:.2f} ms",
+        where,
+        f"weights read per step (kernel formats): {wbytes / 1e6:.1f} MB; "
+        f"{'HBM copy' if cuda else 'read'} bandwidth "
+        f"{bandwidth / 1e9:.1f} GB/s; bandwidth-limited step {limit_step_s * 1e3:.3f} ms",
         "| batch | context | tok/s | step ms | limit tok/s | % of limit | schedule | prepare | "
         "forward | sample | update | outside fwd |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",

@@ -28,6 +28,10 @@ def register(sub) -> None:
         "--rounds", type=int, default=5, help="rounds of the --widths sweep (default: 5)"
     )
     d.add_argument("--json", action="store_true")
+    d.add_argument("--peer-hf", default=None, metavar="ARMS",
+                   help="also run HF transformers generate on the same HF folder, same batches "
+                   "and tokens, and print it beside ours: comma-separated arms of "
+                   "static,static_compile (static cache; static cache + its torch.compile)")
     add_engine_args(d)
     d.set_defaults(func=run_decode_cmd)
     a = bsub.add_parser("admission", help="measure compiled vs eager per (batch bucket, width)",
@@ -115,7 +119,13 @@ def run_decode_cmd(args: argparse.Namespace) -> int:
     run_decode(engine, 1, args.prompt_len, 8)  # warm-up
     results = [run_decode(engine, int(b), c, args.gen_tokens)
                for c in contexts for b in args.batch_sizes.split(",")]
-    bw = measure_read_bandwidth()
+    dev = engine.parts.model.device
+    if dev.type == "cuda":  # HBM, not the host's memory, bounds a GPU step
+        from dynaspec.bench.decode import measure_device_bandwidth
+
+        bw = measure_device_bandwidth(dev)
+    else:
+        bw = measure_read_bandwidth()
     if args.json:
         m = engine.parts.model
         print(
@@ -132,4 +142,12 @@ def run_decode_cmd(args: argparse.Namespace) -> int:
         )
     else:
         print(report(engine, results, bw))
+    if getattr(args, "peer_hf", None):
+        from dynaspec.bench.hf_peer import run_peer, side_by_side
+
+        arms = tuple(a for a in args.peer_hf.split(",") if a)
+        peer = run_peer(args.model, str(engine.parts.model.device),
+                        [int(b) for b in args.batch_sizes.split(",")], arms, contexts[0],
+                        args.gen_tokens)
+        print(json.dumps({"peer_hf": peer}) if args.json else side_by_side(results, peer))
     return 0

@@ -120,6 +120,13 @@ def resolve_attention(name: str, device: torch.device):
     from dynaspec.attention.backend import get_backend
 
     if name == "auto":
+        if device.type == "cuda":  # the in-place Triton kernel; eager where Triton is absent
+            from dynaspec.attention.gpu_paged import available as gpu_available
+
+            ok, why = gpu_available(device)
+            if not ok:
+                log.info("attention: eager (the GPU paged kernel is unavailable: %s)", why)
+            return get_backend("gpu_paged" if ok else "eager")
         if device.type != "cpu":
             return get_backend("eager")
         from dynaspec.attention.cpu_paged import available
@@ -249,11 +256,13 @@ def _admission_path(config: EngineConfig) -> str | None:
     return path if ec.admission is not None or os.path.isfile(path) else None
 
 
-def _widths_follow_drafts(config: EngineConfig) -> bool:
+def _widths_follow_drafts(config: EngineConfig, device: torch.device | None = None) -> bool:
     """Every decode step runs eager, verifying only the drafts produced (no fixed-shape path
-    pads rows to the planned width): eager, or auto without an admission table."""
+    pads rows to the planned width): eager, or auto without an admission table (on the CPU;
+    on CUDA auto runs graphs by default)."""
+    cuda = device is not None and device.type == "cuda"
     return config.execution.execution == "eager" or (
-        config.execution.execution == "auto" and _admission_path(config) is None)
+        config.execution.execution == "auto" and _admission_path(config) is None and not cuda)
 
 
 def _execution_plan(config: EngineConfig, plan: SpecPlan, device: torch.device) -> ExecutionPlan:
@@ -320,7 +329,7 @@ def _k_policy(config: EngineConfig, plan: SpecPlan, model: LlamaModel, kv_caches
             name = "table"
     plan = plan_for_policy(plan, name)
     settings = GoodputSettings(synthetic_rates=sc.acceptance_rates if not sc.lossless else (),
-                               widths_follow_drafts=_widths_follow_drafts(config),
+                               widths_follow_drafts=_widths_follow_drafts(config, model.device),
                                whole_cap=proposer.sizes_own_drafts,
                                prices_fallback=proposer.has_fallback)
     # Only widths the plan produces (plus plain decode, K=0): the execution plan's grid,
@@ -335,7 +344,12 @@ def _step_cost_model(config: EngineConfig, model: LlamaModel, kv_caches: list[to
                      num_blocks: int, max_model_len: int,
                      plan: SpecPlan) -> tuple[StepCostModel | None, PolicyInfo]:
     """The injected table, else the checked cached/measured one (spec_decode/cost_profile)."""
-    from dynaspec.spec_decode.cost_profile import model_prober, startup_cost_model
+    from dynaspec.spec_decode.cost_profile import (
+        ProfileSettings,
+        gpu_profile_settings,
+        model_prober,
+        startup_cost_model,
+    )
 
     mc, cc, sc = config.model, config.cache, config.spec
     if sc.cost_table is not None:
@@ -350,8 +364,10 @@ def _step_cost_model(config: EngineConfig, model: LlamaModel, kv_caches: list[to
         # the quantized linear kernel (main's --linear-kernel) changes every step's time
         linear_kernel=mc.linear_kernel, attention=getattr(model.attn, "name", "?"),
         execution=config.execution.execution, kernels=_kernel_build())
-    prober = model_prober(model, kv_caches, cc.block_size, num_blocks)
-    table = startup_cost_model(prober, grid, key, reprofile=sc.reprofile_costs)
+    settings = gpu_profile_settings() if model.device.type == "cuda" else ProfileSettings()
+    prober = model_prober(model, kv_caches, cc.block_size, num_blocks, settings.reps)
+    table = startup_cost_model(prober, grid, key, reprofile=sc.reprofile_costs,
+                               settings=settings)
     if table.model is None:
         log.warning("step cost table refused (%s): the goodput policy is replaced by the plan's "
                     "table for this run; nothing was saved", "; ".join(table.problems[:3]))

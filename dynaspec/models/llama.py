@@ -115,6 +115,13 @@ class LlamaModel(torch.nn.Module):
         keep(self, "norm", t("model.norm.weight"))  # [hidden]
         # The fused small ops run wherever the C++ kernels build (fp32 too: same rounding).
         self.ops = FusedOps(enabled=device.type == "cpu")
+        if device.type == "cuda":  # one Triton kernel per small op (models/gpu_ops.py)
+            try:
+                from dynaspec.models.gpu_ops import TritonFusedOps
+
+                self.ops = TritonFusedOps()
+            except ImportError:  # no Triton: the eager ops
+                pass
         self.layers = torch.nn.ModuleList(self._build_layers(raw, t, sd, plan))
         self.rope = RotaryCache(
             cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_positions, device

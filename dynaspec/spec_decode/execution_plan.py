@@ -8,8 +8,9 @@ Two decisions, kept apart:
   mixed prefill+decode steps and batches above the largest bucket run eager.
 - **performance admission**, measured: under ``--execution auto`` a grid shape runs compiled only
   if the admission table (`dynaspec bench admission`) measured compiled faster than eager for it;
-  an unmeasured shape runs eager (fail closed). ``--execution compiled`` runs every grid shape
-  compiled; ``eager`` runs nothing compiled.
+  an unmeasured shape runs eager on the CPU (fail closed) and CUDA graphs on CUDA (a whole-step
+  graph against hundreds of kernel launches; a measured table still overrides it).
+  ``--execution compiled`` runs every grid shape compiled; ``eager`` runs nothing compiled.
 
 `descriptor()` turns one formed batch into the `BatchDescriptor` the runner executes, before the
 forward: the width is planned here, never measured from the inputs afterwards.
@@ -148,6 +149,10 @@ class ExecutionPlan:
         if self.mode == "compiled":
             return self.graph_path, "--execution compiled"
         entry = self.admission.get(num_reqs_padded, width) if self.admission else None
+        if entry is None and self.graph_path == "cuda_graph":
+            # A whole-step graph replaces hundreds of launches: on CUDA graphs are the default
+            # for every decode/verify shape an admission table does not say otherwise about.
+            return self.graph_path, "unmeasured on CUDA -> graphs (default)"
         if entry is None:
             return "eager", "unmeasured -> eager"
         ratio = f"measured {entry.ratio:.3f} [{entry.ci_low:.3f}, {entry.ci_high:.3f}]"

@@ -13,9 +13,9 @@ recompiles. Inductor's FX-graph and AOT caches are on, so a second launch with t
 and shapes loads the compiled kernels instead of rebuilding them (set TORCHINDUCTOR_CACHE_DIR to
 keep them somewhere durable).
 
-CUDA: one `torch.cuda.CUDAGraph` per shape over the same buffers (block table pinned to its full
-width so every address and shape is fixed). Written against the torch CUDA-graph API; it has not
-run on a GPU here (README says so).
+CUDA: one `torch.cuda.CUDAGraph` per shape over the same buffers, covering the whole step up to
+the logits and their argmax (`CudaGraphDecode`); attention is the in-place Triton kernel, so a
+replay reads each row's own context, not the block table's full width.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import time
 import types
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -58,6 +59,7 @@ class _Base:
         self.backend = UniformDecodeBackend(pin_blocks=self.path == "cuda_graph")
         self.build_seconds: dict[tuple[int, int], float] = {}
         self.broken: set[tuple[int, int]] = set()
+        self.errors: dict[tuple[int, int], str] = {}  # why each broken shape broke
         self._budget_logged = False
 
     @property
@@ -113,6 +115,7 @@ class _Base:
 
     def fail(self, key: tuple[int, int], exc: BaseException) -> None:
         self.broken.add(key)
+        self.errors[key] = f"{type(exc).__name__}: {exc}"[:500]
         log.error(
             "%s decode shape (requests %d, width %d) failed, running it eager from now on: %s",
             self.path,
@@ -167,25 +170,75 @@ class CompiledDecode(_Base):
         return out
 
 
+@dataclass(frozen=True)
+class GraphStepInputs:
+    """What a captured step reads besides the token ids: views of the runner's persistent
+    buffers (fixed addresses), filled in place before each replay."""
+
+    block_tables: torch.Tensor  # [B_pad, max_blocks] long; columns past a row's context unread
+    context_lens: torch.Tensor  # [B_pad] long
+    width: int
+    block_size: int
+
+
+class _GraphInputsFiller:
+    """The runner calls `executor.backend.build_metadata(batch)`: for the CUDA-graph path that
+    only fills the buffers (block table as wide as this step needs, context lengths); the slot
+    mapping and positions are derived inside the graph."""
+
+    name = "gpu_paged"
+
+    def __init__(self, backend) -> None:
+        self.backend = backend
+
+    def build_metadata(self, batch) -> GraphStepInputs:
+        tables, ctx = self.backend.fill_fixed(batch)
+        return GraphStepInputs(tables, ctx, batch.width, batch.block_size)
+
+
 class CudaGraphDecode(_Base):
-    """CUDA: one captured graph per shape; replay after copying inputs into the same buffers."""
+    """CUDA: one FULL graph per (bucket, width) for the whole decode/verify step: positions and
+    slots from the context lengths, the body with in-place paged attention (gpu_paged), the head
+    for every row and each row's argmax. `run` returns (logits [B*W, vocab] float32, argmax
+    [B*W] long): a greedy step then needs one device-to-host copy of the argmax (the runner's
+    `_sample`); other steps sample from the logits outside the graph."""
 
     path = "cuda_graph"
 
-    def __init__(self, model, kv_caches: list[torch.Tensor], budget_s: float) -> None:
+    def __init__(self, model, kv_caches: list[torch.Tensor], budget_s: float,
+                 capture: bool = True) -> None:
         super().__init__(model, kv_caches, budget_s)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, tuple]] = {}
+        from dynaspec.attention.gpu_paged import GpuPagedBackend
+
+        self.capture = capture  # False: run the step uncaptured (CPU tests, interpreter)
+
+        self.attn = GpuPagedBackend()
+        self.backend = _GraphInputsFiller(self.attn)
+        self.graphs: dict[tuple[int, int], tuple] = {}
         self.pool = None
 
-    def run(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, md: DecodeMetadata
-    ) -> torch.Tensor:
+    def _graph_step(self, input_ids: torch.Tensor, block_tables: torch.Tensor,
+                    context_lens: torch.Tensor, width: int, block_size: int):
+        from dynaspec.attention.gpu_paged import fixed_metadata
+
+        md = fixed_metadata(block_tables, context_lens, width, block_size)
+        ar = torch.arange(width, device=context_lens.device)
+        positions = (context_lens[:, None] - width + ar).reshape(-1)  # [B*W]
+        h = self.model.forward_traceable(input_ids, positions, self.kv_caches, md, None,
+                                         self.attn, head=False)  # [B*W, hidden]
+        logits = self.model.head(h)  # [B*W, vocab] float32
+        return logits, logits.argmax(dim=-1)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor | None, md: GraphStepInputs):
         key = (md.context_lens.shape[0], md.width)
-        args = (input_ids, positions, md.slot_mapping, md.block_tables, md.context_lens)
+        args = (input_ids, md.block_tables, md.context_lens)
+        if not self.capture:
+            with torch.inference_mode():
+                return self._graph_step(*args, md.width, md.block_size)
         entry = self.graphs.get(key)
         if entry is None:
             t0 = time.perf_counter()
-            entry = self._capture(args, md.block_size)
+            entry = self._capture(args, md.width, md.block_size)
             self.graphs[key] = entry
             self._built(key, time.perf_counter() - t0)
             return entry[1]  # the warm-up ran this step for real; its output is valid
@@ -197,24 +250,46 @@ class CudaGraphDecode(_Base):
         graph.replay()
         return out
 
-    def _capture(self, args: tuple, block_size: int):
-        with torch.no_grad():
+    def _capture(self, args: tuple, width: int, block_size: int):
+        with torch.inference_mode():
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                warm = self._step(*args, block_size)  # this step, computed for real (KV writes too)
+            with torch.cuda.stream(stream):  # this step for real (KV writes, Triton compiles)
+                warm = self._graph_step(*args, width, block_size)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             # Capture records kernels without running them, so the KV writes are not repeated.
             with torch.cuda.graph(graph, pool=self.pool):
-                out = self._step(*args, block_size)
+                out = self._graph_step(*args, width, block_size)
             self.pool = graph.pool()
-            out.copy_(warm)
+            for o, w in zip(out, warm):
+                o.copy_(w)
         return graph, out, args
 
 
+def greedy_from_argmax(argmax: list[int], draft_token_ids: list[list[int]]) -> list[list[int]]:
+    """The greedy verification rule (`rejection_sampler._greedy`) from each row's argmax, rows
+    laid out request after request (drafts + 1 each): accept drafts while they equal the argmax,
+    then emit the argmax. A -1 pad never equals one."""
+    out, row = [], 0
+    for ids in draft_token_ids:
+        a = 0
+        while a < len(ids) and ids[a] == argmax[row + a]:
+            a += 1
+        out.append(ids[:a] + [argmax[row + a]])
+        row += len(ids) + 1
+    return out
+
+
 def make_executor(model, kv_caches: list[torch.Tensor], device: torch.device, budget_s: float,
-                  num_shapes: int, compile_backend: str = "inductor") -> FixedShapeExecutor:
+                  num_shapes: int, compile_backend: str = "inductor") -> FixedShapeExecutor | None:
     if device.type == "cuda":
+        from dynaspec.attention.gpu_paged import available
+
+        ok, why = available(device)
+        if not ok:  # the runner then runs every step eager (always correct)
+            log.warning("CUDA graphs off: the whole-step graph needs the gpu_paged kernel: %s",
+                        why)
+            return None
         return CudaGraphDecode(model, kv_caches, budget_s)
     return CompiledDecode(model, kv_caches, budget_s, num_shapes, compile_backend)

@@ -36,7 +36,7 @@ from dynaspec.spec_decode.base import Drafts, Proposer
 from dynaspec.spec_decode.eagle import HiddenStates
 from dynaspec.step_plan import BatchDescriptor, StepPlan
 from dynaspec.structured.manager import StructuredOutputManager
-from dynaspec.worker.compiled import FixedShapeExecutor
+from dynaspec.worker.compiled import FixedShapeExecutor, greedy_from_argmax
 from dynaspec.worker.input_buffers import InputBuffers
 
 log = logging.getLogger("dynaspec")
@@ -124,6 +124,7 @@ class ModelRunner:
         self.buffers = buffers
         self.executor = executor
         self.eos_token_ids = eos_token_ids  # min_tokens bans them
+        self._graph_top: torch.Tensor | None = None
 
     def forget(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
@@ -225,6 +226,7 @@ class ModelRunner:
     def run(self, p: PreparedStep) -> RunnerOutput:
         """The target forward and verification of a prepared step."""
         t_run = time.perf_counter()
+        self._graph_top = None  # set by a CUDA-graph step: each row's argmax, on the device
         if self.hidden_sink is not None:
             self.model.aux_hidden = None  # a path that captures nothing leaves it None
         logits, batch, t2 = self._forward(p.inputs, p.batch)  # [R, vocab]
@@ -318,6 +320,8 @@ class ModelRunner:
         W, B, n = batch.width, batch.num_reqs_padded, len(x.query_lens)
         if any(q != W for q in x.query_lens) or n > B:
             raise RuntimeError(f"fixed-shape step ({B} x {W}) got query lengths {x.query_lens}")
+        if ex.path == "cuda_graph":  # the whole step in one graph (worker/compiled.py)
+            return self._forward_graph(x, batch, ex)
         pad_rows = B - n
         ids = x.ids + [0] * (pad_rows * W)
         positions = x.positions + list(range(W)) * pad_rows
@@ -329,6 +333,21 @@ class ModelRunner:
         h = ex.run(ids_v, pos_v, md)  # [B*W, hidden]: every row, real and padded
         rows = torch.tensor(x.logit_rows, dtype=torch.long, device=h.device)
         return self.model.head(h[rows], x.argmax_rows), batch, t2
+
+    def _forward_graph(self, x: StepInputs, batch: BatchDescriptor, ex: FixedShapeExecutor):
+        """CUDA: every real row is a logit row (W per request), so the logits are the first
+        n*W rows of the graph's output; its argmax is kept for a greedy `_sample`."""
+        B, W, n = batch.num_reqs_padded, batch.width, len(x.query_lens)
+        ab = AttentionBatch(x.query_lens, x.context_lens, x.block_tables, self.block_size,
+                            self.device, B, W, self.buffers.attn)
+        md = ex.backend.build_metadata(ab)
+        ids = self.buffers.input_ids[: B * W]  # pad rows keep earlier ids: never sampled
+        host = torch.tensor(x.ids, dtype=torch.long).clamp_(min=0).pin_memory()
+        ids[: n * W].copy_(host, non_blocking=True)
+        t2 = time.perf_counter()
+        logits, top = ex.run(ids, None, md)
+        self._graph_top = top[: n * W]
+        return logits[: n * W], batch, t2
 
     def precompile(self, shapes) -> float:
         """Build the fixed-shape executor for each (padded requests, width) now, with steps made
@@ -360,7 +379,12 @@ class ModelRunner:
         if not sampling:
             return results
         reqs = [out.scheduled[i].request for i, _ in sampling]
-        if any(n for _, n in sampling):
+        if self._graph_top is not None and md.all_greedy and self.synthetic is None \
+                and p.logits_proc is None and p.grammar is None:
+            # Greedy on the CUDA-graph path: the argmax came out of the graph; one copy.
+            tokens = greedy_from_argmax(self._graph_top.tolist(),
+                                        [drafts.get(r.request_id, []) for r in reqs])
+        elif any(n for _, n in sampling):
             dt = [drafts.get(r.request_id, []) for r in reqs]
             dp = [p.draft_probs.get(r.request_id) for r in reqs]
             if self.synthetic is not None:
