@@ -27,6 +27,7 @@ from concurrent.futures import Future
 from dynaspec.dp.messages import RankSpec
 
 PDEATHSIG_ENV = "DYNASPEC_DP_PDEATHSIG"
+PARENT_ENV = "DYNASPEC_DP_PARENT_PID"
 
 
 class _Spawner:
@@ -64,7 +65,7 @@ class RankProcess:
     def __init__(self, spec: RankSpec) -> None:
         self.rank = spec.rank
         env = dict(os.environ)
-        env[PDEATHSIG_ENV] = "1"
+        env[PDEATHSIG_ENV], env[PARENT_ENV] = "1", str(os.getpid())
         # The child imports the same dynaspec as this process, whatever its working directory.
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
@@ -113,7 +114,9 @@ def die_with_parent() -> None:
 
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        if os.getppid() == 1:  # the parent died before prctl took effect
+        # The parent died before prctl took effect (while this interpreter imported torch): the
+        # orphan was re-parented, to init or to a sub-reaper, so compare with the pid it had.
+        if str(os.getppid()) != os.environ.get(PARENT_ENV, str(os.getppid())):
             os._exit(1)
     except (OSError, AttributeError):
         pass

@@ -188,7 +188,13 @@ class RankSupervisor:
         self._closing = self.roster.closing = True
         for rank in list(self.conns):
             self.send(rank, Stop())
+        t0, procs = time.monotonic(), dict(self.procs)
+        for rank in self.roster.starting.keys() & procs.keys():
+            procs[rank].kill()  # still loading its model: it holds no request, nothing to wait for
         reap(self.procs, grace_s)
+        log.info("data parallel: %d local rank(s) stopped in %.1f s (%s)", len(procs),
+                 time.monotonic() - t0, ", ".join(f"rank {r}: exit code {p.exitcode}"
+                                                   for r, p in sorted(procs.items())))
         for conn in list(self.conns.values()):
             conn.close()
         self.conns.clear()
