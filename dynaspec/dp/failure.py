@@ -4,7 +4,8 @@ Runs on the front end's pump thread. Signs of failure: a local rank process exit
 rank's channel closes, a rank reports that it raised (``RankFailed``), a rank reports that its
 step exchange failed in the group the front end last formed (``GroupLost``: it is alive and a
 peer is not), or a serving rank goes quiet for far longer than any step took. A death is
-certain at once (a victim no longer exits); otherwise, after a short settle (``SETTLE_S``) to
+certain at once (a victim no longer exits), as is the one member that did not report when all
+the others did; otherwise, after a short settle (``SETTLE_S``) to
 collect the peers' reports, the culprits are the ranks gone quiet, else the members that did
 not report a failed exchange (stuck inside a step: alive to the OS, silent to their peers).
 The front end then kills the culprits and moves the survivors to a new group (dp/roster.py);
@@ -96,9 +97,11 @@ class FailureWatch:
                   and r not in self.dead and r not in self.reported}
         if silent:
             self._problem()
-        # A death is certain at once (a victim no longer exits); a silence or a peer's report
-        # waits the settle, so every survivor's report is in before the quiet ones are named.
-        if self.first is None or (not self.dead and now - self.first < SETTLE_S):
+        # A death is certain at once (a victim no longer exits), and so is the one member left
+        # quiet when every other has reported; else the settle lets the reports come in.
+        unreported = set(eng.roster.members) - self.reported
+        certain = bool(self.dead) or (bool(self.reported) and len(unreported) <= 1)
+        if self.first is None or (not certain and now - self.first < SETTLE_S):
             return
         timeout = eng.config.parallel.dp_rank_timeout_s
         culprits = dict(self.dead)
