@@ -212,21 +212,25 @@ class RankLoop:
             self._commands(block=False)
             return self.stop_requested
 
+        target = self.groups.pending
         try:
             self.groups.switch(self.agreement, self.engine.scheduler.policy, stop)
         except GroupAbandoned:
             return  # a newer membership (the loop forms it) or stopping
-        except CollectiveError as exc:
-            self._lost(str(exc))
+        except CollectiveError as exc:  # a member never came: the front end names it
+            if self.groups.pending is target:
+                self.groups.pending = None
+            self._lost(str(exc), target.epoch)
             return
         self.conn.send(Joined(self.rank, self.groups.epoch))
         log.info("stepping in group %d: ranks %s", self.groups.epoch,
                  list(self.groups.group.membership.members))
 
-    def _lost(self, reason: str) -> None:
-        epoch = self.groups.epoch
+    def _lost(self, reason: str, epoch: int | None = None) -> None:
+        """The group failed: keep the requests, tell the front end, wait for (or move to
+        at once, when one is pending) the next group."""
+        epoch = self.groups.epoch if epoch is None else epoch
         self.groups.lose()
-        self.groups.pending = None
         log.warning("group %d lost: %s; keeping %d request(s), waiting for a new group", epoch,
                     reason, self.engine.num_running + self.engine.num_waiting)
         _send(self.conn, GroupLost(self.rank, epoch, reason))
