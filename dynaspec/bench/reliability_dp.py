@@ -135,10 +135,11 @@ def _summary(recs: list[dict], t_sig: float | None, health: dict, counts: Any, k
     failed = [r for r in recs if "error" in r]
     unstreamed = [r for r in recs if r.get("at_signal", 0) == 0]
     # The survivor's streams: in flight across the loss (tokens before and after it), done.
-    gaps = [b - a for r in ok if t_sig is not None and r.get("at_signal", 0) > 0
-            and r["times"] and r["times"][-1] > t_sig
-            for a, b in zip(r["times"], r["times"][1:])]
-    longest = max(gaps, default=0.0)
+    pairs = [(b - a, a) for r in ok if t_sig is not None and r.get("at_signal", 0) > 0
+             and r["times"] and r["times"][-1] > t_sig
+             for a, b in zip(r["times"], r["times"][1:])]
+    gaps = [g for g, _ in pairs]
+    longest, longest_at = max(pairs, default=(0.0, t_sig or 0.0))
     gap_bound = GAP_BOUND_S if how == "kill" else timeout_s + GAP_BOUND_S
     full = (health["ok_again_at"] - t_sig) if t_sig is not None and "ok_again_at" in health \
         else None
@@ -165,6 +166,8 @@ def _summary(recs: list[dict], t_sig: float | None, health: dict, counts: Any, k
         "streams_in_flight_at_signal": sum(1 for r in recs if r.get("at_signal", 0) > 0
                                            and r.get("end", 0) > (t_sig or 0)),
         "survivor_longest_gap_s": round(longest, 3),
+        "survivor_longest_gap_began_s_after_signal": round(longest_at - t_sig, 2)
+        if t_sig is not None else None,
         "survivor_gap_p50_s": round(sorted(gaps)[len(gaps) // 2], 4) if gaps else None,
         "signal_to_loss_handled_s": round(loss, 2) if loss is not None else None,
         "signal_to_full_strength_s": round(full, 2) if full is not None else None,
