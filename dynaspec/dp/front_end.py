@@ -81,7 +81,6 @@ class DPEngine:
         self.counters = SpecCounters()
         self.num_rank_steps = 0  # rank steps reported
         self.num_rank_waits = 0  # step() calls that waited on ranks with requests in flight
-        self.last_loss: str | None = None  # the last rank loss, named
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._backlog: list[RequestOutput] = []
         self._replies: dict[int, dict[int, object]] = {}
@@ -275,7 +274,6 @@ class DPEngine:
     def _on_lost(self, rank: int, why: str) -> None:
         """A rank was declared lost (and killed): re-queue what it had not streamed, fail the
         rest with its name and cause (module docstring)."""
-        self.last_loss = why
         self.snapshots.pop(rank, None)
         self.free_blocks.pop(rank, None)
         if self.metrics is not None:
@@ -351,6 +349,10 @@ class DPEngine:
 
     def progress(self) -> int:
         return self.num_rank_steps + self.num_rank_waits
+
+    @property
+    def last_loss(self) -> str | None:
+        return self.roster.last_loss
 
     def failure(self) -> str | None:
         """Why nothing serves (/health: 503), None while any rank does."""

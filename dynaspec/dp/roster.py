@@ -55,6 +55,7 @@ class Roster:
         self.attempts: dict[int, int] = {}
         self.given_up: set[int] = set()
         self.counts = ResilienceCounts()
+        self.last_loss: str | None = None  # "data-parallel rank R <why>", for /health
         self.closing = False
 
     # ---- what the pump saw -------------------------------------------------------------------
@@ -84,6 +85,7 @@ class Roster:
             was_starting = self.starting.pop(rank, None) is not None or rank in self.joining
             self.joining.discard(rank)
             if not was_starting:
+                self.last_loss = f"data-parallel rank {rank} {why}"
                 self.counts.rank_losses += 1
                 self.counts.loss_times.append(now)
                 log.error("data-parallel rank %d %s: %d rank(s) keep serving", rank, why,
