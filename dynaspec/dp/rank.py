@@ -54,7 +54,6 @@ from dynaspec.metrics.stats import EngineSnapshot
 log = logging.getLogger("dynaspec.dp")
 
 IDLE_POLL_S = 1.0
-EXIT_COLLECTIVE = 3
 EXIT_ERROR = 4
 HEARTBEAT_TICKS = 5  # an idle rank reports at least every this many ticks (liveness)
 
