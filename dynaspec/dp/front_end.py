@@ -370,8 +370,10 @@ class DPEngine:
         out: dict = {"status": status, "ranks_serving": serving,
                      "data_parallel_size": self.world_size}
         if status != "ok":
-            out["ranks_starting"] = sorted(self.roster.starting.keys() | self.roster.joining)
-            out["ranks_given_up"] = sorted(self.roster.given_up)
+            # Read on the HTTP thread while the pump writes: copies made in one C call each.
+            out["ranks_starting"] = sorted({*list(self.roster.starting),
+                                            *list(self.roster.joining)})
+            out["ranks_given_up"] = sorted(list(self.roster.given_up))
             out["last_loss"] = self.last_loss
         return out
 
