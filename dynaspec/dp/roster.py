@@ -136,7 +136,8 @@ class Roster:
                       "%d of %d ranks serve", rank, tries, why, len(self.serving),
                       self.world_size)
             return
-        self.retry_at[rank] = now + (BACKOFF_S[min(tries, len(BACKOFF_S) - 1)] if tries else 0.0)
+        self.retry_at[rank] = now + (BACKOFF_S[min(tries - 1, len(BACKOFF_S) - 1)] if tries
+                                     else 0.0)
 
     def _regroup(self, members: tuple[int, ...], agree: bool) -> None:
         self.epoch += 1
