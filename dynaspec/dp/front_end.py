@@ -10,13 +10,8 @@ read), so neither knows how many ranks serve it. Inside:
 - aborts go to the owning rank, which frees the request's blocks at once.
 - the rank processes are the supervisor's (dp/supervisor.py): it reads their reports into this
   engine's inbox, judges failures (dp/failure.py) and replaces lost ranks (dp/roster.py).
-- a lost rank (§7d): the survivors keep stepping their own requests in a new group. Its
-  requests that had streamed nothing are sent again to the least-loaded serving rank (the
-  client sees only the delay); one that had streamed tokens ends with ``finish_reason
-  "error"`` and a message naming the rank and the cause. Not resumed: its tokens are known,
-  but the exact continuation is only the reference path's for greedy requests without stop
-  strings, logprobs or a grammar's state, and a resume that is silently different is worse
-  than a clear error the client can retry.
+- a lost rank (§7d): the survivors keep stepping their own requests in a new group; what
+  becomes of the lost rank's requests is dp/lost_requests.py.
 - requests go only to serving ranks; with none, new requests get a clear error (503).
 """
 
@@ -30,6 +25,7 @@ import time
 from dataclasses import dataclass
 
 from dynaspec.config import EngineConfig
+from dynaspec.dp.lost_requests import PARKED, LostRequests
 from dynaspec.dp.messages import (
     AbortRequest,
     AddRequest,
@@ -57,6 +53,7 @@ from dynaspec.sampling_params import SamplingParams
 from dynaspec.structured.manager import StructuredOutputManager
 
 log = logging.getLogger("dynaspec.dp")
+
 
 
 @dataclass
@@ -90,6 +87,7 @@ class DPEngine:
         self.sup = RankSupervisor(config, self.rdv, self._inbox)
         self.roster = self.sup.roster
         self.resilience = self.roster.counts
+        self.lost = LostRequests(self)
         self.metrics = (DPMetrics(self.world_size, metrics_labels, metrics_prefix, self.roster)
                         if metrics_labels is not None else None)
         try:
@@ -189,9 +187,10 @@ class DPEngine:
         rec = self.records.pop(request_id, None)
         if rec is None:
             return False
-        self.load[rec.rank] -= 1
         self._backlog = [o for o in self._backlog if o.request_id != request_id]
-        self.sup.send(rec.rank, AbortRequest(request_id))
+        if rec.rank != PARKED:  # a parked one is only here
+            self.load[rec.rank] -= 1
+            self.sup.send(rec.rank, AbortRequest(request_id))
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -217,6 +216,8 @@ class DPEngine:
                 self._handle(*self._inbox.get_nowait())
         except queue.Empty:
             pass
+        if self.lost.parked:
+            self.lost.unpark()
         outs, self._backlog = self._backlog, []
         if not outs and self.records:
             # The ranks are mid-step: waiting on them is progress, not a stall. Counted, so a
@@ -236,7 +237,7 @@ class DPEngine:
 
     def _handle(self, kind: str, rank: int, msg: object) -> None:
         if kind == "lost":
-            self._on_lost(rank, str(msg))
+            self.lost.settle(rank, str(msg))
         elif kind != "msg":
             return  # start-up events (_await_ready)
         elif isinstance(msg, TickReport):
@@ -270,33 +271,6 @@ class DPEngine:
             self.metrics.rank_snapshot(rep.rank, rep.snapshot)
             for t in rep.finished_times:
                 self.metrics.rank_finished(rep.rank, t)
-
-    def _on_lost(self, rank: int, why: str) -> None:
-        """A rank was declared lost (and killed): re-queue what it had not streamed, fail the
-        rest with its name and cause (module docstring)."""
-        self.snapshots.pop(rank, None)
-        self.free_blocks.pop(rank, None)
-        if self.metrics is not None:
-            self.metrics.rank_lost(rank)
-        serving = self.roster.serving - {rank}
-        for rid, rec in list(self.records.items()):
-            if rec.rank != rank:
-                continue
-            self.load[rank] -= 1
-            if not rec.token_ids and serving:
-                self.resilience.requeued += 1
-                self._route(rid, self._least_loaded(serving))
-                continue
-            self.resilience.failed += 1
-            del self.records[rid]
-            note = (f"after {len(rec.token_ids)} streamed token(s); not resumed"
-                    if rec.token_ids else "and no data-parallel rank is serving")
-            self._backlog.append(RequestOutput(rid, rec.prompt_ids, rec.token_ids, [],
-                                               finished=True, finish_reason="error",
-                                               error=f"{why} ({note})"))
-        if self.resilience.requeued or self.resilience.failed:
-            log.warning("%s: %d request(s) re-queued, %d failed so far", why,
-                        self.resilience.requeued, self.resilience.failed)
 
     # ---- facts and queries -------------------------------------------------------------------
     def query(self, name: str, timeout_s: float = 60.0) -> list:

@@ -99,6 +99,10 @@ class Roster:
             else:
                 self.members = ()
 
+    def recovering(self) -> bool:
+        """A replacement is starting, joining or due to be retried."""
+        return bool(self.starting or self.joining or self.retry_at)
+
     def regroup_all(self) -> None:
         """Every member lost its exchange but none is dead (a long stall): re-form as is."""
         self._regroup(self.members, agree=False)
