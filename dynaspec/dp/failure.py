@@ -79,6 +79,14 @@ class FailureWatch:
         for r in ranks:
             self.last_heard[r] = now
 
+    def _exits_not_yet_seen(self) -> None:
+        """A peer's report can be read before the pump sees the process exit that caused it:
+        ask the processes, so a death is named as one, not as silence."""
+        for rank, proc in list(self.eng.procs.items()):
+            code = proc.exitcode
+            if code is not None and rank not in self.dead:
+                self.dead[rank] = f"died (exit code {code})"
+
     def _problem(self) -> None:
         if self.first is None:
             self.first = time.monotonic()
@@ -97,6 +105,8 @@ class FailureWatch:
                   and r not in self.dead and r not in self.reported}
         if silent:
             self._problem()
+        if self.first is not None:
+            self._exits_not_yet_seen()
         # A death is certain at once (a victim no longer exits), and so is the one member left
         # quiet when every other has reported; else the settle lets the reports come in.
         unreported = set(eng.roster.members) - self.reported
