@@ -24,6 +24,7 @@ from dynaspec.dp.rank import IDLE_POLL_S
 log = logging.getLogger("dynaspec.dp")
 
 SETTLE_S = 1.0  # after a first sign of failure, how long to gather the peers' reports
+EXIT_GRACE_S = 0.5  # how long a rank its peers lost may take to become waitable after a kill
 
 
 def reap(procs: dict, grace_s: float) -> None:
@@ -79,10 +80,13 @@ class FailureWatch:
         for r in ranks:
             self.last_heard[r] = now
 
-    def _exits_not_yet_seen(self) -> None:
-        """A peer's report can be read before the pump sees the process exit that caused it:
-        ask the processes, so a death is named as one, not as silence."""
+    def _exits_not_yet_seen(self, wait_for: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+        """A peer's report can be read before the process exit that caused it can be: a killed
+        process closes its sockets before it can be waited for. Ask the processes (giving the
+        ranks in ``wait_for`` a moment), so a death is named as one, not as silence."""
         for rank, proc in list(self.eng.procs.items()):
+            if rank in wait_for:
+                proc.join(EXIT_GRACE_S)
             code = proc.exitcode
             if code is not None and rank not in self.dead:
                 self.dead[rank] = f"died (exit code {code})"
@@ -110,6 +114,8 @@ class FailureWatch:
         # A death is certain at once (a victim no longer exits), and so is the one member left
         # quiet when every other has reported; else the settle lets the reports come in.
         unreported = set(eng.roster.members) - self.reported
+        if self.reported and len(unreported) == 1 and not self.dead:
+            self._exits_not_yet_seen(wait_for=unreported)
         certain = bool(self.dead) or (bool(self.reported) and len(unreported) <= 1)
         if self.first is None or (not certain and now - self.first < SETTLE_S):
             return
