@@ -53,13 +53,14 @@ def test_variable_schedule_same_k_on_every_rank_at_different_load(dp2):
     eng = dp2.engine
     start = [len(log) for log in eng.query("decisions")]
     # Rank 0 carries six requests that finish at different times, rank 1 one long one: the
-    # global batch walks down the schedule's buckets while the ranks' own loads differ.
-    for i in range(6):
-        eng.add_request([5 + i, 6, 7, 5 + i, 6, 7], SamplingParams(
-            temperature=0, max_tokens=3 + 8 * i, ignore_eos=True), dp_rank=0)
+    # global batch walks down the schedule's buckets while the ranks' own loads differ. Rank
+    # 1's goes first, so both ranks log from the first tick of the widest batch (K=1) on.
     eng.add_request(
         [9, 10, 11, 9, 10], SamplingParams(temperature=0, max_tokens=80, ignore_eos=True), dp_rank=1
     )
+    for i in range(6):
+        eng.add_request([5 + i, 6, 7, 5 + i, 6, 7], SamplingParams(
+            temperature=0, max_tokens=3 + 8 * i, ignore_eos=True), dp_rank=0)
     finish_all(eng)
     logs = [{t[0]: t for t in log[s:]} for log, s in zip(eng.query("decisions"), start)]
     # Each rank answered the query at its own moment: compare the ticks both had run.
