@@ -1,4 +1,4 @@
-"""`dynaspec bench reliability --scenario {fuzz,overload,abort,soak}`: correctness under load.
+"""`dynaspec bench reliability --scenario {fuzz,overload,abort,soak,rank-kill,rank-stop}`.
 
 Each scenario starts the server in this process on 127.0.0.1 (a free port; no traffic leaves
 the host), drives it over HTTP with bounded loops (a request count and a time limit), and ends
@@ -11,6 +11,9 @@ with the checks it exists for; the exit status is 1 when any check fails.
   between verify steps): 0 leaked blocks and 0 leaked per-request state.
 - soak: fixed concurrency for a duration, mixed lengths, n-gram with a variable schedule:
   0 errors, RSS sampled every 10 s (slope reported), latency percentiles.
+- rank-kill / rank-stop (reliability_dp.py): 2 data-parallel ranks under streaming load, rank 1
+  killed (SIGKILL) or stopped (SIGSTOP) a third of the way in: completed / re-queued / failed,
+  the survivor's longest inter-token gap, the time to full strength (§7d).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import threading
 import time
 from typing import Any
 
-SCENARIOS = ("fuzz", "overload", "abort", "soak")
+SCENARIOS = ("fuzz", "overload", "abort", "soak", "rank-kill", "rank-stop")
 # Engine flags each scenario sets unless given on the command line (a flag left at its global
 # default counts as not given).
 SCENARIO_ENGINE = {
@@ -33,6 +36,11 @@ SCENARIO_ENGINE = {
               "max_num_seqs": 16, "num_kv_blocks": 512, "max_model_len": 2048},
     "soak": {"speculator": "ngram", "k_schedule": "[[1, 8, 4], [9, 32, 2], [33, null, 1]]",
              "num_kv_blocks": 2048, "max_model_len": 2048},
+    "rank-kill": {"data_parallel_size": 2, "speculator": "ngram", "num_spec_tokens": 3,
+                  "num_kv_blocks": 1024, "max_model_len": 1024},
+    # Declared stuck after the timeout: a short one, so the survivors' pause stays short.
+    "rank-stop": {"data_parallel_size": 2, "speculator": "ngram", "num_spec_tokens": 3,
+                  "num_kv_blocks": 1024, "max_model_len": 1024, "dp_rank_timeout_s": 2.0},
 }
 _WORDS = ("the river carries light past the old mill while children count the boats and "
           "a baker sings about bread that rises slowly in the morning heat of summer").split()
@@ -175,9 +183,11 @@ def register(bsub: Any) -> None:
     p.add_argument("--scenario", choices=SCENARIOS, required=True)
     p.add_argument("--requests", type=int, default=None,
                    help="fuzz: least requests reaching the engine (2000); overload: concurrent "
-                        "requests (300); abort: requests aborted (1000)")
+                        "requests (300); abort: requests aborted (1000); rank-kill/rank-stop: "
+                        "streamed requests (240)")
     p.add_argument("--duration", type=float, default=600.0, help="soak: seconds (default 600)")
-    p.add_argument("--concurrency", type=int, default=64, help="soak: concurrent clients")
+    p.add_argument("--concurrency", type=int, default=64,
+                   help="soak, rank-kill, rank-stop: concurrent clients")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     add_engine_args(p)
@@ -209,7 +219,8 @@ def run_scenario(scenario: str, engine_kwargs: dict, requests: int | None = None
     from dynaspec.bench import reliability_load as load
     from dynaspec.bench.reliability_fuzz import run_fuzz
 
-    default_n = {"fuzz": 2000, "overload": 300, "abort": 1000, "soak": 0}[scenario]
+    default_n = {"fuzz": 2000, "overload": 300, "abort": 1000, "soak": 0, "rank-kill": 240,
+                 "rank-stop": 240}[scenario]
     n = default_n if requests is None else requests
     with LocalServer(engine_kwargs) as server:
         if scenario == "fuzz":
@@ -218,6 +229,10 @@ def run_scenario(scenario: str, engine_kwargs: dict, requests: int | None = None
             result = load.run_overload(server, engine_kwargs, n, seed, scale)
         elif scenario == "abort":
             result = load.run_abort(server, n, seed, scale=scale)
+        elif scenario in ("rank-kill", "rank-stop"):
+            from dynaspec.bench.reliability_dp import run_rank_loss
+
+            result = run_rank_loss(server, n, concurrency, seed, scenario.split("-")[1], scale)
         else:
             result = load.run_soak(server, duration_s, concurrency, seed,
                                    sample_every_s=min(10.0, duration_s / 2), scale=scale)

@@ -5,6 +5,8 @@ machine) hosts the rendezvous; each other machine runs `dp-worker` with the same
 and its share of the ranks (`--dp-rank-start R --dp-local-size L`), or with the torchrun-style
 environment `MASTER_ADDR MASTER_PORT WORLD_SIZE RANK` for one rank. `DYNASPEC_DP_SECRET` must
 be the same on every machine. The command exits when its ranks do (the front end stops them).
+A rank of this machine that is lost is not restarted by the front end (it can only start its
+own machine's ranks): the other ranks keep serving without it (§7d).
 """
 
 from __future__ import annotations

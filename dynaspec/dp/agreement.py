@@ -6,8 +6,10 @@ bit) and each rank applies the same pure K decision to the summed view. What the
 
 - the step view: requests in the step, decoding requests, sum and max of their contexts;
 - lockstep control: requests unfinished on the rank (all zero = every rank idles), a stop flag
-  (the ranks leave together, on the same tick, so no collective is left waiting), the rank's
-  last step time (the timeout grows with the longest step any rank has run);
+  (the ranks leave together, on the same tick, so no collective is left waiting), the group
+  the rank was told to move to (all members move after the tick where every row names it: a
+  replacement joins at one step boundary, dp/group.py), the rank's last step time (the timeout
+  grows with the longest step any rank has run);
 - the previous step's observations for the K policy's shared state: its shape and time (the
   goodput cost model and draft cost) and per-position acceptance counts (the engine-wide prior).
   Each rank applies the *gathered* observations, the same ones in the same order, so the state
@@ -27,7 +29,6 @@ only, no forward, since ranks share no collective inside the forward).
 
 from __future__ import annotations
 
-import datetime
 import math
 from collections import deque
 from collections.abc import Callable
@@ -38,8 +39,8 @@ from dynaspec.spec_decode.k_policy import GlobalStepView, StepK, StepView
 
 # Row layout (one float64 per field, then 2 * max_k acceptance counts).
 _FIELDS = ("num_reqs", "num_decoding", "sum_ctx", "max_ctx", "num_unfinished", "stopping",
-           "step_seconds", "obs_ran", "obs_valid", "obs_num_reqs", "obs_ctx", "obs_width",
-           "obs_target_s", "obs_draft_s", "obs_drafted", "obs_emitted")
+           "join_epoch", "step_seconds", "obs_ran", "obs_valid", "obs_num_reqs", "obs_ctx",
+           "obs_width", "obs_target_s", "obs_draft_s", "obs_drafted", "obs_emitted")
 _IX = {name: i for i, name in enumerate(_FIELDS)}
 
 Gather = Callable[[list[float], float], list[list[float]]]  # (row, timeout_s) -> every rank's row
@@ -47,25 +48,6 @@ Gather = Callable[[list[float], float], list[list[float]]]  # (row, timeout_s) -
 
 class CollectiveError(RuntimeError):
     """The step exchange failed or timed out: a peer rank died or stopped answering."""
-
-
-def torch_gather(world_size: int) -> Gather:
-    """All-gather over the default process group on CPU tensors (gloo), with a timeout."""
-    import torch
-    import torch.distributed as dist
-
-    def gather(row: list[float], timeout_s: float) -> list[list[float]]:
-        t = torch.tensor(row, dtype=torch.float64)  # [n]
-        out = [torch.empty_like(t) for _ in range(world_size)]  # world x [n]
-        try:
-            work = dist.all_gather(out, t, async_op=True)
-            work.wait(timeout=datetime.timedelta(seconds=timeout_s))
-        except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError subclasses
-            raise CollectiveError(f"step exchange failed after waiting up to {timeout_s:.1f} s: "
-                                  f"{type(exc).__name__}: {exc}") from exc
-        return [o.tolist() for o in out]
-
-    return gather
 
 
 @dataclass(frozen=True)
@@ -76,6 +58,7 @@ class Tick:
     view: GlobalStepView
     num_unfinished: int  # on all ranks, before this step
     stopping: bool
+    join_epoch: int  # the group every member is ready to move to after this step (0: none)
     longest_step_s: float  # longest step any rank has reported so far
     rows: tuple[tuple[float, ...], ...]
 
@@ -145,6 +128,7 @@ class StepAgreement:
         # Set by the rank loop before a step:
         self.num_unfinished = 0
         self.stopping = False
+        self.join_epoch = 0
         self.step_seconds = 0.0
         self.ran_step = False  # a real step ran since the previous exchange
         self.pending_obs: tuple[float, ...] | None = (
@@ -169,6 +153,7 @@ class StepAgreement:
         row[_IX["max_ctx"]] = max(decoding_ctxs, default=0)
         row[_IX["num_unfinished"]] = self.num_unfinished
         row[_IX["stopping"]] = float(self.stopping)
+        row[_IX["join_epoch"]] = float(self.join_epoch)
         row[_IX["step_seconds"]] = self.step_seconds
         row[_IX["obs_ran"]] = float(self.ran_step)
         if obs is not None:
@@ -189,7 +174,8 @@ class StepAgreement:
         view = _global_view(rows)
         self.longest_step_s = max(self.longest_step_s, *(r[_IX["step_seconds"]] for r in rows))
         return Tick(self.num_ticks, view, total("num_unfinished"),
-                    any(r[_IX["stopping"]] for r in rows), self.longest_step_s,
+                    any(r[_IX["stopping"]] for r in rows),
+                    int(min(r[_IX["join_epoch"]] for r in rows)), self.longest_step_s,
                     tuple(tuple(r) for r in rows))
 
     def shared_step_observation(self, tick: Tick) -> tuple | None:
@@ -295,20 +281,26 @@ class LockstepPolicy:
         return report() if report is not None else (None, None)
 
 
-def share_cost_model(policy, rank: int) -> None:
-    """Start every rank from rank 0's step cost table (each rank profiled or loaded its own)."""
-    import torch.distributed as dist
-
+def share_cost_model(policy, rank: int,
+                     broadcast: Callable[[object], object] | None = None) -> None:
+    """Start every rank from rank 0's step cost table (each rank profiled or loaded its own).
+    ``broadcast(obj)`` returns rank 0's ``obj`` (the group's, dp/group.py; by default
+    torch.distributed's default group)."""
     inner = getattr(policy, "inner", policy)
     cost = getattr(inner, "cost_model", None)
     # Every rank takes part, with or without a table: a rank whose measured table was refused
     # runs the plan's table instead (spec_decode/cost_profile), and must not leave the others
     # waiting in this broadcast.
     payload = [cost.to_json() if rank == 0 and cost is not None else None]
-    dist.broadcast_object_list(payload, src=0)
+    if broadcast is None:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list(payload, src=0)
+    else:
+        payload[0] = broadcast(payload[0])
     table = payload[0]
     if (table is None) != (cost is None):
-        _follow_rank0(policy, inner, table)
+        follow_rank0(policy, inner, table)
         return
     if cost is None:
         return
@@ -320,7 +312,7 @@ def share_cost_model(policy, rank: int) -> None:
     cost.source = f"rank 0 ({table.get('source', 'measured')})"
 
 
-def _follow_rank0(policy, inner, table: dict | None) -> None:
+def follow_rank0(policy, inner, table: dict | None) -> None:
     """One rank's start-up table checks disagreed with rank 0's (spec_decode/cost_profile refuses
     a table that fails them, and the policy falls back to the plan's table): every rank runs
     what rank 0 runs, so the step K stays one decision."""

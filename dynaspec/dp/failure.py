@@ -1,11 +1,16 @@
-"""Failure verdicts for the data-parallel front end, and reaping rank processes.
+"""Failure verdicts for the data-parallel front end, and stopping rank processes (§7d).
 
-Runs on the front end's pump thread. Signs of failure: a local rank process exits (its exit
-code tells a victim, ``EXIT_COLLECTIVE``, from a culprit), a remote rank's channel closes, a rank
-reports that it raised (a culprit), a rank reports that its step exchange failed (a victim:
-it is alive and a peer is not), or a rank goes quiet for far longer than any step took. After a
-short settle (``SETTLE_S``) to collect the peers' reports, the culprits are the ranks that died
-or raised, else the ones that never reported (stuck). Then every rank is stopped.
+Runs on the front end's pump thread. Signs of failure: a local rank process exits, a remote
+rank's channel closes, a rank reports that it raised (``RankFailed``), a rank reports that its
+step exchange failed in the group the front end last formed (``GroupLost``: it is alive and a
+peer is not), or a serving rank goes quiet for far longer than any step took. A death is
+certain at once (a victim no longer exits), as is the one member that did not report when all
+the others did; otherwise, after a short settle (``SETTLE_S``) to
+collect the peers' reports, the culprits are the ranks gone quiet, else the members that did
+not report a failed exchange (stuck inside a step: alive to the OS, silent to their peers).
+The front end then kills the culprits and moves the survivors to a new group (dp/roster.py);
+when every member reported a failed exchange and none is dead (a long stall on a loaded
+machine), they re-form as they are.
 """
 
 from __future__ import annotations
@@ -13,100 +18,121 @@ from __future__ import annotations
 import logging
 import time
 
-from dynaspec.dp.messages import RankFailed, Stop
-from dynaspec.dp.rank import EXIT_COLLECTIVE, IDLE_POLL_S
+from dynaspec.dp.messages import GroupLost, RankFailed
+from dynaspec.dp.rank import IDLE_POLL_S
 
 log = logging.getLogger("dynaspec.dp")
 
 SETTLE_S = 1.0  # after a first sign of failure, how long to gather the peers' reports
+EXIT_GRACE_S = 0.5  # how long a rank its peers lost may take to become waitable after a kill
 
 
-def reap(procs: dict, timeout_s: float) -> None:
-    """Join, then SIGTERM, then SIGKILL (a stopped process only dies by SIGKILL)."""
-    deadline = time.monotonic() + timeout_s
+def reap(procs: dict, grace_s: float) -> None:
+    """Wait up to ``grace_s`` for the processes to leave, then SIGKILL their process groups
+    (a stopped or hung process only dies by SIGKILL; the group takes any child with it)."""
+    deadline = time.monotonic() + grace_s
     for p in procs.values():
         p.join(max(0.0, deadline - time.monotonic()))
-    for sig in ("terminate", "kill"):
-        alive = [p for p in procs.values() if p.is_alive()]
-        for p in alive:
-            getattr(p, sig)()
-        for p in alive:
-            p.join(3.0)
+    for p in procs.values():
+        p.kill()
+    for p in procs.values():
+        p.join(5.0)
     procs.clear()
 
 
 class FailureWatch:
-    """Runs on the pump thread: turns exits, closed channels, peer reports and silence into one
-    verdict naming the failed rank(s), then stops the engine (module docstring)."""
+    """Turns exits, closed channels, peer reports and silence into one verdict naming the
+    failed rank(s) (module docstring); ``declare`` is the front end's action on it."""
 
     def __init__(self, eng) -> None:  # type: ignore[no-untyped-def]
         self.eng = eng
-        self.exited: set[int] = set()
         self.dead: dict[int, str] = {}
-        self.reported: set[int] = set()  # ranks that saw the exchange fail (alive, victims)
+        self.reported: set[int] = set()  # members whose exchange failed (alive, victims)
         self.first: float | None = None
         self.last_heard: dict[int, float] = {}
         self.longest_gap = 0.0
 
     def heard(self, rank: int, msg: object) -> None:
         now = time.monotonic()
-        if rank in self.last_heard:
+        if rank in self.last_heard and rank in self.eng.roster.serving:
             self.longest_gap = max(self.longest_gap, now - self.last_heard[rank])
         self.last_heard[rank] = now
-        if isinstance(msg, RankFailed) and len(self.eng.ready) == self.eng.world_size:
-            if msg.victim:  # its step exchange failed: a peer is the culprit
-                self.reported.add(rank)
-            else:
-                self.dead[rank] = f"failed: {msg.reason}"
+        if isinstance(msg, RankFailed) and not msg.victim:
+            self.dead[rank] = f"failed: {msg.reason}"
+            self._problem()
+        elif isinstance(msg, GroupLost) and msg.epoch == self.eng.roster.epoch:
+            self.reported.add(rank)  # a stale report (a newer group is on its way) is no sign
             self._problem()
 
     def on_exit(self, rank: int, code: int | None) -> None:
-        if code == EXIT_COLLECTIVE:
-            self.reported.add(rank)  # it left because a peer failed: a victim, not the culprit
-        if rank not in self.reported and rank not in self.dead and not self.eng._closing:
+        if not self.eng._closing:
             self.dead[rank] = f"died (exit code {code})"
             self._problem()
 
     def on_eof(self, rank: int) -> None:
-        if rank not in self.reported and not self.eng._closing and rank not in self.procs_local():
+        if not self.eng._closing and rank not in self.eng.procs:
             self.dead[rank] = "closed its control channel (process or machine gone)"
             self._problem()
 
-    def procs_local(self) -> set[int]:
-        return set(self.eng.procs)  # local ranks are judged by their exit, not their channel
+    def restart_clock(self, ranks) -> None:  # type: ignore[no-untyped-def]
+        """A new group is forming: its members are silent meanwhile, by design."""
+        now = time.monotonic()
+        for r in ranks:
+            self.last_heard[r] = now
+
+    def _exits_not_yet_seen(self, wait_for: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+        """A peer's report can be read before the process exit that caused it can be: a killed
+        process closes its sockets before it can be waited for. Ask the processes (giving the
+        ranks in ``wait_for`` a moment), so a death is named as one, not as silence."""
+        for rank, proc in list(self.eng.procs.items()):
+            if rank in wait_for:
+                proc.join(EXIT_GRACE_S)
+            code = proc.exitcode
+            if code is not None and rank not in self.dead:
+                self.dead[rank] = f"died (exit code {code})"
 
     def _problem(self) -> None:
         if self.first is None:
             self.first = time.monotonic()
 
+    def silence_s(self) -> float:
+        pc = self.eng.config.parallel
+        return 2 * (pc.dp_rank_timeout_s + IDLE_POLL_S) + 2 * self.longest_gap
+
     def check(self) -> None:
         eng = self.eng
-        if eng.failure_reason is not None or eng._closing or len(eng.ready) < eng.world_size:
+        if eng._closing or not eng._started:
             return
         now = time.monotonic()
-        pc = eng.config.parallel
-        silence = 2 * (pc.dp_rank_timeout_s + IDLE_POLL_S) + 2 * self.longest_gap
-        for rank, t in self.last_heard.items():
-            if now - t > silence and rank not in self.dead and rank not in self.reported:
-                self._problem()  # nobody reported yet, but this rank went quiet
-        if self.first is None or now - self.first < SETTLE_S:
+        serving = eng.roster.serving
+        silent = {r for r in serving if now - self.last_heard.get(r, now) > self.silence_s()
+                  and r not in self.dead and r not in self.reported}
+        if silent:
+            self._problem()
+        if self.first is not None:
+            self._exits_not_yet_seen()
+        # A death is certain at once (a victim no longer exits), and so is the one member left
+        # quiet when every other has reported; else the settle lets the reports come in.
+        unreported = set(eng.roster.members) - self.reported
+        if self.reported and len(unreported) == 1 and not self.dead:
+            self._exits_not_yet_seen(wait_for=unreported)
+        certain = bool(self.dead) or (bool(self.reported) and len(unreported) <= 1)
+        if self.first is None or (not certain and now - self.first < SETTLE_S):
             return
+        timeout = eng.config.parallel.dp_rank_timeout_s
         culprits = dict(self.dead)
         if not culprits:
-            quiet = sorted(set(range(eng.world_size)) - self.reported)
-            culprits = {r: f"stopped answering (no step within {pc.dp_rank_timeout_s:.1f} s past "
-                           "the longest step)" for r in quiet}
-        if not culprits:
-            culprits = {r: "lost its peers" for r in range(eng.world_size)}
-        eng._culprits = culprits
-        eng.failure_reason = "; ".join(
-            f"data-parallel rank {r} {why}" for r, why in sorted(culprits.items())
-        )
-        log.error(
-            "%s: failing its requests and shutting the data-parallel engine down",
-            eng.failure_reason,
-        )
-        eng._inbox.put(("failure", -1, None))  # wake step() so in-flight requests fail now
-        for rank in list(eng.conns):
-            eng._send(rank, Stop())
-        reap(eng.procs, 2.0)
+            culprits = {r: f"stopped answering (silent for more than {self.silence_s():.1f} s)"
+                        for r in silent}
+        if not culprits and self.reported:
+            culprits = {r: f"stopped answering (no step within {timeout:.1f} s past the longest "
+                           "step)" for r in eng.roster.members if r not in self.reported}
+        self.dead, self.first = {}, None
+        reported, self.reported = self.reported, set()
+        if culprits:
+            eng._declare_lost(culprits)
+        elif reported:
+            log.warning("data-parallel ranks %s all lost their step exchange, none is dead: "
+                        "re-forming their group", sorted(reported))
+            eng.roster.regroup_all()
+        self.restart_clock(eng.roster.members)

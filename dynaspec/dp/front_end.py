@@ -8,14 +8,11 @@ read), so neither knows how many ranks serve it. Inside:
   here as routed and not yet finished, so a burst of adds spreads before any rank reports);
   ties go to the lowest rank. Outputs come back as deltas and are assembled per request.
 - aborts go to the owning rank, which frees the request's blocks at once.
-- a pump thread reads every rank's reports and watches the processes, so a rank that dies is
-  seen even while the engine is idle (/health then fails).
-- failure: a rank that exits, closes its channel, or leaves its peers waiting past the step
-  timeout is named. Peers that hit the failed exchange report it; after a short settle the
-  culprits are the ranks that died, else the ones that never reported (stuck). Every in-flight
-  request then finishes with ``finish_reason "error"`` and a message naming the rank, every
-  rank process is stopped (killed if it does not leave), and new requests get a clear error:
-  the front end shuts the engine down rather than re-forming the process group.
+- the rank processes are the supervisor's (dp/supervisor.py): it reads their reports into this
+  engine's inbox, judges failures (dp/failure.py) and replaces lost ranks (dp/roster.py).
+- a lost rank (§7d): the survivors keep stepping their own requests in a new group; what
+  becomes of the lost rank's requests is dp/lost_requests.py.
+- requests go only to serving ranks; with none, new requests get a clear error (503).
 """
 
 from __future__ import annotations
@@ -24,30 +21,24 @@ import atexit
 import itertools
 import logging
 import queue
-import threading
 import time
 from dataclasses import dataclass
-from multiprocessing.connection import Connection, Listener, wait
 
 from dynaspec.config import EngineConfig
-from dynaspec.dp.failure import FailureWatch, reap
+from dynaspec.dp.lost_requests import PARKED, LostRequests
 from dynaspec.dp.messages import (
     AbortRequest,
     AddRequest,
-    Hello,
     Query,
-    RankFailed,
     RankReady,
     RankSpec,
     Reply,
-    Stop,
     TickReport,
     Wake,
 )
 from dynaspec.dp.metrics import DPMetrics, sum_snapshots
-from dynaspec.dp.process import RankProcess
-from dynaspec.dp.rank import spawn_spec
-from dynaspec.dp.rendezvous import resolve, threads_per_rank
+from dynaspec.dp.rendezvous import resolve
+from dynaspec.dp.supervisor import RankSupervisor
 from dynaspec.engine.client import EngineState, EngineUnavailable, ModelCard, PoolReport
 from dynaspec.engine.llm_engine import check_request
 from dynaspec.metrics.stats import (
@@ -63,12 +54,15 @@ from dynaspec.structured.manager import StructuredOutputManager
 
 log = logging.getLogger("dynaspec.dp")
 
+
+
 @dataclass
 class _Record:
     rank: int
     prompt_ids: list[int]
     token_ids: list[int]
     logprobs: list | None
+    params: SamplingParams
 
 
 class DPEngine:
@@ -77,11 +71,6 @@ class DPEngine:
         pc = config.parallel
         self.config, self.world_size = config, pc.data_parallel_size
         self.rdv = resolve(pc)
-        self.metrics = (DPMetrics(self.world_size, metrics_labels, metrics_prefix)
-                        if metrics_labels is not None else None)
-        self.procs: dict[int, RankProcess] = {}
-        self.conns: dict[int, Connection] = {}
-        self.ready: dict[int, RankReady] = {}
         self.records: dict[str, _Record] = {}
         self.load = [0] * self.world_size
         self.snapshots: dict[int, EngineSnapshot] = {}
@@ -89,18 +78,21 @@ class DPEngine:
         self.counters = SpecCounters()
         self.num_rank_steps = 0  # rank steps reported
         self.num_rank_waits = 0  # step() calls that waited on ranks with requests in flight
-        self.failure_reason: str | None = None  # set by the failure watch
-        self._culprits: dict[int, str] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._backlog: list[RequestOutput] = []
         self._replies: dict[int, dict[int, object]] = {}
         self._qids = itertools.count()
         self._ids = itertools.count()
-        self._send_lock = threading.Lock()
         self._closing = False
-        self._watch = FailureWatch(self)
+        self.sup = RankSupervisor(config, self.rdv, self._inbox)
+        self.roster = self.sup.roster
+        self.resilience = self.roster.counts
+        self.lost = LostRequests(self)
+        self.metrics = (DPMetrics(self.world_size, metrics_labels, metrics_prefix, self.roster)
+                        if metrics_labels is not None else None)
         try:
-            self._start()
+            self.sup.start()
+            self._await_ready(time.monotonic() + RankSpec.start_timeout_s)
         except BaseException:
             self.shutdown()
             raise
@@ -123,110 +115,46 @@ class DPEngine:
             ", ".join(f"rank {r}: pid {i.pid} on {i.host}" for r, i in sorted(self.ready.items())),
         )
 
+    @property
+    def procs(self) -> dict:
+        return self.sup.procs
+
+    @property
+    def ready(self) -> dict[int, RankReady]:
+        return self.sup.ready
+
     # ---- start-up ----------------------------------------------------------------------------
-    def _start(self) -> None:
-        import torch.distributed as dist
-
-        r, pc = self.rdv, self.config.parallel
-        bind = r.master_addr if r.multi_machine else "127.0.0.1"
-        self._store = dist.TCPStore(bind, r.store_port, is_master=True, wait_for_workers=False)
-        self._listener = Listener((bind, r.control_port), authkey=r.authkey)
-        control_port = self._listener.address[1]
-        threading.Thread(target=self._accept, name="dynaspec-dp-accept", daemon=True).start()
-        threading.Thread(target=self._pump, name="dynaspec-dp-pump", daemon=True).start()
-        threads = threads_per_rank(pc, len(r.local_ranks))
-        for rank in r.local_ranks:
-            spec = RankSpec(self.config, rank, self.world_size, bind, self._store.port, bind,
-                            control_port, r.authkey)
-            self.procs[rank] = RankProcess(spawn_spec(spec, threads))
-        if r.multi_machine:
-            log.info("waiting for ranks %s to join at %s:%d (store) / %d (control)",
-                     sorted(set(range(self.world_size)) - set(r.local_ranks)), r.master_addr,
-                     self._store.port, control_port)
-        self._await_ready(time.monotonic() + RankSpec.start_timeout_s)
-
-    def _accept(self) -> None:
-        while not self._closing and len(self.conns) < self.world_size:
-            try:
-                conn = self._listener.accept()
-                hello = conn.recv()
-            except (OSError, EOFError, ValueError):
-                if self._closing:
-                    return
-                continue  # a bad handshake (wrong secret, stray connection): keep listening
-            if not isinstance(hello, Hello) or not 0 <= hello.rank < self.world_size \
-                    or hello.rank in self.conns:
-                conn.close()
-                continue
-            self.conns[hello.rank] = conn
-
     def _await_ready(self, deadline: float) -> None:
-        while len(self.ready) < self.world_size:
+        """Every rank ready (rank 0's tokenizer is needed here) and stepping in group 0."""
+        while not self.sup._started:
             if time.monotonic() > deadline:
-                missing = sorted(set(range(self.world_size)) - set(self.ready))
+                missing = sorted(set(range(self.world_size)) - set(self.roster.serving))
                 raise RuntimeError(f"data-parallel ranks {missing} were not ready in time")
             try:
                 kind, rank, msg = self._inbox.get(timeout=0.5)
             except queue.Empty:
                 continue
             if kind == "msg" and isinstance(msg, RankReady):
-                self.ready[rank] = msg
                 self.free_blocks[rank] = msg.pool.num_blocks
-            elif kind == "msg" and isinstance(msg, TickReport):
+            elif kind == "msg":
                 self._handle(kind, rank, msg)  # a rank already stepping while others get ready
-            elif kind == "msg" and isinstance(msg, RankFailed):
-                raise RuntimeError(f"data-parallel rank {rank} failed to start: {msg.reason}")
+            elif kind == "start-failed":
+                raise RuntimeError(f"data-parallel rank {rank} failed to start: {msg}")
             elif kind in ("exit", "eof"):
                 raise RuntimeError(
                     f"data-parallel rank {rank} exited during start-up "
                     f"({'exit code ' + str(msg) if kind == 'exit' else 'channel closed'})"
                 )
 
-    # ---- the pump thread: reads every rank, watches the processes ------------------------------
-    def _pump(self) -> None:
-        while not self._closing:
-            conns = {c: rank for rank, c in list(self.conns.items())}
-            sentinels = {p.sentinel: rank for rank, p in list(self.procs.items())
-                         if rank not in self._watch.exited and p.sentinel is not None}
-            try:
-                ready = wait([*conns, *sentinels], timeout=0.2) if conns or sentinels else []
-            except OSError:
-                ready = []
-            if not conns and not sentinels:
-                time.sleep(0.05)
-            # Channels first: a peer's "failed" report must be read before its exit is seen.
-            for obj in sorted(ready, key=lambda o: o in sentinels):
-                if obj in sentinels:
-                    rank = sentinels[obj]
-                    if rank in self.conns:
-                        self._read(self.conns[rank], rank)
-                    code = self.procs[rank].exitcode
-                    self._watch.exited.add(rank)
-                    self._watch.on_exit(rank, code)
-                    self._inbox.put(("exit", rank, code))
-                else:
-                    self._read(obj, conns[obj])
-            self._watch.check()
-
-    def _read(self, conn: Connection, rank: int) -> None:
-        try:
-            for _ in range(64):  # bounded, so one chatty rank cannot starve the others
-                if not conn.poll():
-                    return
-                msg = conn.recv()
-                self._watch.heard(rank, msg)
-                self._inbox.put(("msg", rank, msg))
-        except (EOFError, OSError):
-            self.conns.pop(rank, None)
-            self._watch.on_eof(rank)
-            self._inbox.put(("eof", rank, None))
-
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams,
                     request_id: str | None = None, dp_rank: int | None = None) -> str:
         """Validate here (clear errors before anything is routed), then route to a rank."""
-        if self.failure_reason is not None or self._closing:
-            raise EngineUnavailable(self.failure_reason or "the data-parallel engine is shut down")
+        if self._closing:
+            raise EngineUnavailable("the data-parallel engine is shut down")
+        serving = self.roster.serving
+        if not serving:
+            raise EngineUnavailable(self.failure() or "no data-parallel rank is serving")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         check_request(ids, params, self.vocab_size, self.max_model_len, self.lossless,
                       self.structured)
@@ -236,24 +164,33 @@ class DPEngine:
             raise ValueError(f"duplicate request id {request_id!r}")
         if dp_rank is not None and not 0 <= dp_rank < self.world_size:
             raise ValueError(f"dp_rank must be in [0, {self.world_size}), got {dp_rank}")
-        rank = dp_rank if dp_rank is not None else min(range(self.world_size),
-                                                         key=lambda r: (self.load[r], r))
+        if dp_rank is not None and dp_rank not in serving:
+            raise EngineUnavailable(f"data-parallel rank {dp_rank} is not serving")
+        rank = dp_rank if dp_rank is not None else self._least_loaded(serving)
         lp = [] if params.logprobs is not None else None
-        self.records[request_id] = _Record(rank, ids, [], lp)
-        self.load[rank] += 1
-        self._send(rank, AddRequest(request_id, ids, params))
-        for other in range(self.world_size):
-            if other != rank:
-                self._send(other, Wake())
+        self.records[request_id] = _Record(rank, ids, [], lp, params)
+        self._route(request_id, rank)
         return request_id
+
+    def _least_loaded(self, serving) -> int:  # type: ignore[no-untyped-def]
+        return min(sorted(serving), key=lambda r: (self.load[r], r))
+
+    def _route(self, request_id: str, rank: int) -> None:
+        rec = self.records[request_id]
+        rec.rank = rank
+        self.load[rank] += 1
+        self.sup.send(rank, AddRequest(request_id, rec.prompt_ids, rec.params))
+        for other in self.roster.serving - {rank}:
+            self.sup.send(other, Wake())
 
     def abort_request(self, request_id: str) -> bool:
         rec = self.records.pop(request_id, None)
         if rec is None:
             return False
-        self.load[rec.rank] -= 1
         self._backlog = [o for o in self._backlog if o.request_id != request_id]
-        self._send(rec.rank, AbortRequest(request_id))
+        if rec.rank != PARKED:  # a parked one is only here
+            self.load[rec.rank] -= 1
+            self.sup.send(rec.rank, AbortRequest(request_id))
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -269,7 +206,7 @@ class DPEngine:
 
     @property
     def healthy(self) -> bool:
-        return self.failure_reason is None and not self._closing
+        return bool(self.roster.serving) and not self._closing
 
     def step(self, wait_s: float = 0.05) -> list[RequestOutput]:
         """Outputs that arrived from the ranks (waits up to wait_s for the first report)."""
@@ -279,8 +216,8 @@ class DPEngine:
                 self._handle(*self._inbox.get_nowait())
         except queue.Empty:
             pass
-        if self.failure_reason is not None and self.records:
-            self._fail_all()
+        if self.lost.parked:
+            self.lost.unpark()
         outs, self._backlog = self._backlog, []
         if not outs and self.records:
             # The ranks are mid-step: waiting on them is progress, not a stall. Counted, so a
@@ -299,17 +236,21 @@ class DPEngine:
         return [final[i] for i in ids]
 
     def _handle(self, kind: str, rank: int, msg: object) -> None:
-        if kind != "msg":
-            return  # exits and closed channels are the failure watch's business
-        if isinstance(msg, TickReport):
+        if kind == "lost":
+            self.lost.settle(rank, str(msg))
+        elif kind != "msg":
+            return  # start-up events (_await_ready)
+        elif isinstance(msg, TickReport):
             self._on_report(msg)
         elif isinstance(msg, Reply):
             self._replies.setdefault(msg.qid, {})[msg.rank] = msg.value
+        elif isinstance(msg, RankReady):
+            self.free_blocks[rank] = msg.pool.num_blocks
 
     def _on_report(self, rep: TickReport) -> None:
         for o in rep.outputs:
             rec = self.records.get(o.request_id)
-            if rec is None:
+            if rec is None or rec.rank != rep.rank:
                 continue  # aborted meanwhile
             rec.token_ids.extend(o.new_token_ids)
             if rec.logprobs is not None and o.new_logprobs:
@@ -331,57 +272,31 @@ class DPEngine:
             for t in rep.finished_times:
                 self.metrics.rank_finished(rep.rank, t)
 
-    def _fail_all(self) -> None:
-        for rid, rec in list(self.records.items()):
-            why = self._culprits.get(rec.rank)
-            msg = (f"data-parallel rank {rec.rank} {why}" if why is not None else
-                   f"the data-parallel engine shut down: {self.failure_reason}")
-            self._backlog.append(
-                RequestOutput(
-                    rid,
-                    rec.prompt_ids,
-                    rec.token_ids,
-                    [],
-                    finished=True,
-                    finish_reason="error",
-                    error=msg,
-                )
-            )
-        self.records.clear()
-        self.load = [0] * self.world_size
-
-    def _send(self, rank: int, msg: object) -> None:
-        conn = self.conns.get(rank)
-        if conn is None:
-            return
-        try:
-            with self._send_lock:
-                conn.send(msg)
-        except OSError:
-            pass  # the pump sees the closed channel and the failure watch names the rank
-
     # ---- facts and queries -------------------------------------------------------------------
     def query(self, name: str, timeout_s: float = 60.0) -> list:
-        """Ask every rank (``decisions``, ``counters``, ``kv``, ``integrity``, ``pid``); the
-        answers in rank order. Outputs that arrive meanwhile are kept for the next ``step``."""
+        """Ask every serving rank (``decisions``, ``counters``, ``kv``, ``integrity``, ``pid``,
+        ``group``); the answers in rank order, None for a rank not serving. Outputs that arrive
+        meanwhile are kept for the next ``step``."""
         qid = next(self._qids)
-        for rank in range(self.world_size):
-            self._send(rank, Query(qid, name))
+        asked = set(self.roster.serving)
+        if not asked:
+            raise EngineUnavailable(self.failure() or "no data-parallel rank is serving")
+        for rank in asked:
+            self.sup.send(rank, Query(qid, name))
         deadline = time.monotonic() + timeout_s
-        while len(self._replies.get(qid, {})) < self.world_size:
-            if self.failure_reason is not None or time.monotonic() > deadline:
-                raise EngineUnavailable(
-                    self.failure_reason or f"ranks did not answer {name!r} in time"
-                )
+        while not asked <= set(self._replies.get(qid, {})):
+            asked &= self.roster.serving | set(self._replies.get(qid, {}))  # a rank lost meanwhile
+            if time.monotonic() > deadline:
+                raise EngineUnavailable(f"ranks did not answer {name!r} in time")
             try:
                 self._handle(*self._inbox.get(timeout=0.1))
             except queue.Empty:
                 pass
-        answers = self._replies.pop(qid)
-        for r in range(self.world_size):
-            if isinstance(answers[r], Exception):
-                raise answers[r]
-        return [answers[r] for r in range(self.world_size)]
+        answers = self._replies.pop(qid, {})
+        for value in answers.values():
+            if isinstance(value, Exception):
+                raise value
+        return [answers.get(r) if r in asked else None for r in range(self.world_size)]
 
     def pool_report(self) -> PoolReport:
         pools = [r.pool for r in self.ready.values()]
@@ -409,8 +324,32 @@ class DPEngine:
     def progress(self) -> int:
         return self.num_rank_steps + self.num_rank_waits
 
+    @property
+    def last_loss(self) -> str | None:
+        return self.roster.last_loss
+
     def failure(self) -> str | None:
-        return self.failure_reason
+        """Why nothing serves (/health: 503), None while any rank does."""
+        if self._closing:
+            return "the data-parallel engine is shut down"
+        if self.roster.serving:
+            return None
+        return f"no data-parallel rank is serving (last loss: {self.last_loss})" \
+            if self.last_loss else "no data-parallel rank is serving"
+
+    def health(self) -> dict:
+        """/health's detail: ``degraded`` while fewer ranks serve than were asked for."""
+        serving = sorted(self.roster.serving)
+        status = "ok" if len(serving) == self.world_size else "degraded"
+        out: dict = {"status": status, "ranks_serving": serving,
+                     "data_parallel_size": self.world_size}
+        if status != "ok":
+            # Read on the HTTP thread while the pump writes: copies made in one C call each.
+            out["ranks_starting"] = sorted({*list(self.roster.starting),
+                                            *list(self.roster.joining)})
+            out["ranks_given_up"] = sorted(list(self.roster.given_up))
+            out["last_loss"] = self.last_loss
+        return out
 
     def state(self) -> EngineState:
         blocks = sum(r.pool.num_blocks for r in self.ready.values())
@@ -430,22 +369,23 @@ class DPEngine:
     def rank_pids(self) -> dict[int, int]:
         return {r: i.pid for r, i in self.ready.items()}
 
+    def wait_serving(self, ranks: int, timeout_s: float) -> bool:
+        """Step (outputs kept for the next ``step``) until ``ranks`` ranks serve."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.roster.serving) < ranks:
+            if time.monotonic() > deadline:
+                return False
+            self._backlog = self.step(0.05) + self._backlog
+        return True
+
     # ---- shutdown ----------------------------------------------------------------------------
     def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Stop every rank (they leave together on one tick), reap local processes, close."""
+        """Stop every rank (they leave together on one tick), SIGKILL what has not left after a
+        short grace (a rank hung in a step), close. Bounded well under ``timeout_s``."""
         if self._closing and not self.procs:
             return
         self._closing = True
-        for rank in list(self.conns):
-            self._send(rank, Stop())
-        reap(self.procs, timeout_s)
-        for conn in list(self.conns.values()):
-            conn.close()
-        self.conns.clear()
-        listener = getattr(self, "_listener", None)
-        if listener is not None:
-            listener.close()
-        self._store = None
+        self.sup.shutdown(min(timeout_s / 4, 2.0))
         try:
             atexit.unregister(self.shutdown)
         except Exception:  # noqa: BLE001

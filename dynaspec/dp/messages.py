@@ -1,7 +1,8 @@
 """What crosses the control channel between the front end and a rank: dataclasses only.
 
-Front end -> rank: AddRequest, AbortRequest, Query, Wake, Stop.
-Rank -> front end: Hello, RankReady, TickReport once per engine step, Reply, RankFailed.
+Front end -> rank: AddRequest, AbortRequest, Query, Wake, Stop, Regroup.
+Rank -> front end: Hello, RankReady, TickReport once per engine step, Reply, RankFailed,
+GroupLost, Joined.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class RankSpec:
     control_port: int
     authkey: bytes
     start_timeout_s: float = 600.0  # loading weights and profiling on a busy machine
+    joining: bool = False  # a replacement: it waits for a Regroup instead of forming group 0
 
 
 @dataclass
@@ -110,6 +112,17 @@ class Stop:
     """Leave the step loop (every rank leaves on the same tick)."""
 
 
+@dataclass(frozen=True)
+class Regroup:
+    """Move to a new group (dp/group.py). ``agree``: the current group is whole (a replacement
+    joins), so the members move together after the tick where every one of them has this;
+    else a member was lost and the old group cannot complete an exchange: move now."""
+
+    epoch: int
+    members: tuple[int, ...]
+    agree: bool
+
+
 # ---- rank -> front end (besides RankReady and TickReport) ---------------------------------------
 @dataclass(frozen=True)
 class Hello:
@@ -128,3 +141,21 @@ class RankFailed:
     rank: int
     reason: str
     victim: bool  # its step exchange failed: a peer is the culprit, not this rank
+
+
+@dataclass(frozen=True)
+class GroupLost:
+    """This rank's step exchange (or a group's forming) failed: it is alive, keeps its requests,
+    and waits for a Regroup."""
+
+    rank: int
+    epoch: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Joined:
+    """This rank steps in group ``epoch`` from now on."""
+
+    rank: int
+    epoch: int

@@ -5,6 +5,12 @@ Each rank's reports (its steps, snapshots and finished requests) feed that rank'
 ``PrometheusMetrics`` and the ``all`` one, each on its own registry; ``render`` merges the
 families so each metric name appears once. Sum over ranks with ``{rank="all"}`` (or
 ``sum without (rank) (...{rank!="all"})``); never a bare ``sum(...)`` over both.
+
+Losing ranks (§7d), read from the roster's counts when rendered (no rank label):
+``dp_rank_losses_total``, ``dp_rank_replacements_total``, ``dp_requests_requeued_total``
+(a lost rank's requests that had streamed nothing, sent again), ``dp_requests_failed_total``
+(those that had streamed, ended with an error), ``dp_rank_start_given_up_total`` and the gauges
+``dp_ranks_serving`` / ``dp_ranks``.
 """
 
 from __future__ import annotations
@@ -19,7 +25,8 @@ class DPMetrics:
     (the DP engine's `take_step` and `take_finished_times` hand out nothing); the front end
     feeds it each rank's reports."""
 
-    def __init__(self, world_size: int, labels: dict[str, str], prefix: str | None = None) -> None:
+    def __init__(self, world_size: int, labels: dict[str, str], prefix: str | None = None,
+                 roster=None) -> None:  # type: ignore[no-untyped-def]
         from dynaspec.metrics.prometheus import PREFIX, PrometheusMetrics
 
         # Every registry gets the same prefix: `--metrics-prefix vllm` renames the per-rank and
@@ -32,6 +39,12 @@ class DPMetrics:
         self.total = PrometheusMetrics(labels={**labels, "rank": "all"} if world_size > 1
                                        else labels, prefix=prefix)
         self.snapshots: dict[int, EngineSnapshot] = {}
+        self.resilience = None
+        if roster is not None and world_size > 1:
+            from prometheus_client import CollectorRegistry
+
+            self.resilience = CollectorRegistry(auto_describe=False)
+            self.resilience.register(_Resilience(prefix, labels, roster))  # type: ignore[arg-type]
 
     # ---- fed by the front end (its engine thread) --------------------------------------------
     def rank_step(self, rank: int, step: StepStats) -> None:
@@ -53,6 +66,12 @@ class DPMetrics:
                 m.observe_snapshot(snap)
             self.total.observe_snapshot(sum_snapshots(list(self.snapshots.values())))
 
+    def rank_lost(self, rank: int) -> None:
+        """A lost rank's gauges leave the sum (its counters stay: they happened)."""
+        with self.lock:
+            if self.snapshots.pop(rank, None) is not None and self.snapshots:
+                self.total.observe_snapshot(sum_snapshots(list(self.snapshots.values())))
+
     def _rank(self, rank: int) -> list:
         return self.ranks[rank:rank + 1]
 
@@ -67,7 +86,41 @@ class DPMetrics:
         from dynaspec.metrics.prometheus import render_merged
 
         with self.lock:
-            return render_merged([*self.ranks, self.total])
+            body = render_merged([*self.ranks, self.total])
+        if self.resilience is not None:
+            from prometheus_client import generate_latest
+
+            body += generate_latest(self.resilience)
+        return body
+
+
+class _Resilience:
+    """The roster's counts as Prometheus families, read at render time (module docstring)."""
+
+    def __init__(self, prefix: str, labels: dict[str, str], roster) -> None:  # type: ignore[no-untyped-def]
+        self.prefix, self.labels, self.roster = prefix, labels, roster
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        c, names, values = self.roster.counts, list(self.labels), list(self.labels.values())
+        for name, doc, value in (
+            ("dp_rank_losses", "data-parallel ranks lost (died, failed or stuck)", c.rank_losses),
+            ("dp_rank_replacements", "replacement ranks that joined", c.replacements),
+            ("dp_requests_requeued", "a lost rank's requests sent to another rank", c.requeued),
+            ("dp_requests_failed", "a lost rank's requests ended with an error", c.failed),
+            ("dp_rank_start_given_up", "rank slots given up after failed starts", c.given_up),
+        ):
+            fam = CounterMetricFamily(f"{self.prefix}:{name}", doc, labels=names)
+            fam.add_metric(values, value)
+            yield fam
+        for name, doc, value in (
+            ("dp_ranks_serving", "data-parallel ranks serving now", len(self.roster.serving)),
+            ("dp_ranks", "data-parallel ranks asked for", self.roster.world_size),
+        ):
+            fam = GaugeMetricFamily(f"{self.prefix}:{name}", doc, labels=names)
+            fam.add_metric(values, value)
+            yield fam
 
 
 def sum_snapshots(snaps: list[EngineSnapshot]) -> EngineSnapshot:

@@ -1,19 +1,22 @@
 """One data-parallel rank: a process with its own model, KV pool and scheduler (an LLMEngine).
 
-Start-up: connect to the front end's control listener, join the process group (gloo for the
-CPU tensors of the step exchange; ``cpu:gloo,cuda:nccl`` on CUDA so device collectives use
-NCCL), build the engine, start from rank 0's step cost table, report ready.
+Start-up: connect to the front end's control listener and its TCPStore, build the engine,
+report ready. The loop then forms group 0 (all ranks; a replacement waits for the front end's
+Regroup instead): a gloo group on CPU tensors for the step exchange (dp/group.py), whose
+handshake starts every rank from rank 0's step cost table (dp/regroup.py).
 
 The loop, once per engine step on every rank (lockstep):
-  1. run the front end's commands (add, abort, query, stop); when every rank was idle at the
-     last exchange, wait for one (up to ``IDLE_POLL_S``, then tick anyway: a liveness check);
+  1. run the front end's commands (add, abort, query, stop, regroup); when every rank was idle
+     at the last exchange, wait for one (up to ``IDLE_POLL_S``, then tick anyway: liveness);
+     move to a new group when one is due (dp/regroup.py);
   2. the step exchange (dp/agreement.py): the scheduler's step view goes out, the global view
      and the gathered observations come back (``LockstepPolicy.apply_tick``);
   3. the engine's phases: ``schedule(global view) -> launch -> land -> emit``. A rank with no
      work exchanged and runs nothing (the dummy step);
   4. send the front end a ``TickReport`` (new tokens, the step's stats, a snapshot).
 When any rank set the stop flag, every rank leaves after the same exchange. When the exchange
-fails (a peer died or stopped answering), the rank tells the front end and exits with code 3.
+fails (a peer died or stopped answering), the rank keeps its requests (their KV is intact),
+tells the front end (``GroupLost``) and waits for the group of survivors it names (§7d).
 """
 
 from __future__ import annotations
@@ -26,33 +29,31 @@ import time
 from dataclasses import replace
 from multiprocessing.connection import Client, Connection
 
-from dynaspec.dp.agreement import (
-    CollectiveError,
-    LockstepPolicy,
-    StepAgreement,
-    share_cost_model,
-    torch_gather,
-)
+from dynaspec.dp.agreement import CollectiveError, LockstepPolicy, StepAgreement
+from dynaspec.dp.group import GroupAbandoned
 from dynaspec.dp.messages import (
     AbortRequest,
     AddRequest,
+    GroupLost,
     Hello,
+    Joined,
     Query,
     RankFailed,
     RankOutput,
     RankReady,
     RankSpec,
+    Regroup,
     Reply,
     Stop,
     TickReport,
 )
 from dynaspec.dp.process import die_with_parent
+from dynaspec.dp.regroup import GroupSwitch
 from dynaspec.metrics.stats import EngineSnapshot
 
 log = logging.getLogger("dynaspec.dp")
 
 IDLE_POLL_S = 1.0
-EXIT_COLLECTIVE = 3
 EXIT_ERROR = 4
 HEARTBEAT_TICKS = 5  # an idle rank reports at least every this many ticks (liveness)
 
@@ -66,12 +67,10 @@ def rank_main(spec: RankSpec) -> None:
     conn.send(Hello(spec.rank))
     code = 0
     try:
-        engine, agreement = _start(spec)
+        engine, agreement, store = _start(spec)
         conn.send(_ready(spec, engine))
-        code = RankLoop(engine, agreement, conn, spec.rank).run()
-    except CollectiveError as exc:  # a peer failed: this rank is a victim
-        _send(conn, RankFailed(spec.rank, str(exc), victim=True))
-        code = EXIT_COLLECTIVE
+        loop = RankLoop(engine, agreement, conn, spec.rank, GroupSwitch(store, spec))
+        code = loop.run()
     except Exception as exc:  # noqa: BLE001 - this rank failed: the front end names it
         log.exception("rank failed")
         _send(conn, RankFailed(spec.rank, f"{type(exc).__name__}: {exc}", victim=False))
@@ -105,30 +104,26 @@ def _send(conn: Connection, msg: object) -> None:
 
 
 def _start(spec: RankSpec):
+    """The store client, the engine and its step agreement; the group is formed by the loop."""
     import datetime
 
     import torch
     import torch.distributed as dist
 
-    from dynaspec.engine.builder import resolve_device
+    from dynaspec.engine.builder import build_engine_parts, resolve_device
     from dynaspec.engine.llm_engine import LLMEngine
 
     timeout = datetime.timedelta(seconds=spec.start_timeout_s)
     store = dist.TCPStore(spec.store_addr, spec.store_port, is_master=False, timeout=timeout)
-    cuda = resolve_device(spec.config.model.device).type == "cuda"
-    if cuda:
+    if resolve_device(spec.config.model.device).type == "cuda":
         torch.cuda.set_device(spec.rank % torch.cuda.device_count())
-    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", store=store,
-                            rank=spec.rank, world_size=spec.world_size, timeout=timeout)
-    from dynaspec.engine.builder import build_engine_parts
-
     pc = spec.config.parallel
     made: list[StepAgreement] = []
 
     def agreement_for(max_k: int) -> StepAgreement:
-        if not made:
-            made.append(StepAgreement(torch_gather(spec.world_size), spec.rank, spec.world_size,
-                                      max_k, pc.dp_rank_timeout_s, IDLE_POLL_S))
+        if not made:  # the gather is the group's, set when the loop forms one
+            made.append(StepAgreement(_no_group, spec.rank, spec.world_size, max_k,
+                                      pc.dp_rank_timeout_s, IDLE_POLL_S))
         return made[0]
 
     def lockstep(policy):  # type: ignore[no-untyped-def]
@@ -136,11 +131,11 @@ def _start(spec: RankSpec):
 
     engine = _build_engine(spec, store,
                            lambda cfg: LLMEngine(cfg, build_engine_parts(cfg, lockstep)))
-    agreement = agreement_for(engine.plan.max_k)
-    if engine.scheduler.policy is not None:
-        share_cost_model(engine.scheduler.policy, spec.rank)
-    dist.barrier()  # every rank built: the first step exchange starts on an even footing
-    return engine, agreement
+    return engine, agreement_for(engine.plan.max_k), store
+
+
+def _no_group(row: list[float], timeout_s: float) -> list[list[float]]:
+    raise CollectiveError("no group formed yet")
 
 
 def _build_engine(spec: RankSpec, store, make_engine):  # type: ignore[no-untyped-def]
@@ -169,8 +164,10 @@ def _ready(spec: RankSpec, engine) -> RankReady:  # type: ignore[no-untyped-def]
 
 
 class RankLoop:
-    def __init__(self, engine, agreement: StepAgreement, conn: Connection, rank: int) -> None:
+    def __init__(self, engine, agreement: StepAgreement, conn: Connection, rank: int,
+                 groups: GroupSwitch) -> None:
         self.engine, self.agreement, self.conn, self.rank = engine, agreement, conn, rank
+        self.groups = groups
         self.stop_requested = False
         self.logprobs_sent: dict[str, int] = {}
         self.errors: list[RankOutput] = []  # adds the engine refused, reported with the next tick
@@ -178,15 +175,27 @@ class RankLoop:
         self.quiet_ticks = 0
 
     def run(self) -> int:
-        a, eng = self.agreement, self.engine
+        a, eng, groups = self.agreement, self.engine, self.groups
         idle = False
         while True:
-            self._commands(block=idle)
+            self._commands(block=idle or (groups.group is None and not groups.due()))
+            if self.stop_requested and groups.group is None:
+                return 0  # no group to leave with: nobody waits on this rank
+            if groups.due():
+                self._switch()
+                continue
+            if groups.group is None:
+                continue  # lost: waiting for the front end's Regroup, requests kept
             a.exchanged = False
             a.num_unfinished = eng.num_running + eng.num_waiting
             a.stopping = self.stop_requested
+            a.join_epoch = groups.join_epoch
             steps, t0 = eng.times.steps, time.perf_counter()
-            outs = self._step()
+            try:
+                outs = self._step()
+            except CollectiveError as exc:  # a peer died or went silent: keep our requests
+                self._lost(str(exc))
+                continue
             ran = eng.times.steps > steps
             a.step_seconds = time.perf_counter() - t0 if ran else 0.0
             a.ran_step = ran
@@ -194,7 +203,36 @@ class RankLoop:
             tick = a.last
             if tick.stopping:
                 return 0
+            groups.after_tick(tick)
             idle = tick.num_unfinished == 0 and not eng.has_unfinished_requests()
+
+    def _switch(self) -> None:
+        def stop() -> bool:
+            self._commands(block=False)
+            return self.stop_requested
+
+        target = self.groups.pending
+        try:
+            self.groups.switch(self.agreement, self.engine.scheduler.policy, stop)
+        except GroupAbandoned:
+            return  # a newer membership (the loop forms it) or stopping
+        except CollectiveError as exc:  # a member never came: the front end names it
+            if self.groups.pending is target:
+                self.groups.pending = None
+            self._lost(str(exc), target.epoch)
+            return
+        self.conn.send(Joined(self.rank, self.groups.epoch))
+        log.info("stepping in group %d: ranks %s", self.groups.epoch,
+                 list(self.groups.group.membership.members))
+
+    def _lost(self, reason: str, epoch: int | None = None) -> None:
+        """The group failed: keep the requests, tell the front end, wait for (or move to
+        at once, when one is pending) the next group."""
+        epoch = self.groups.epoch if epoch is None else epoch
+        self.groups.lose()
+        log.warning("group %d lost: %s; keeping %d request(s), waiting for a new group", epoch,
+                    reason, self.engine.num_running + self.engine.num_waiting)
+        _send(self.conn, GroupLost(self.rank, epoch, reason))
 
     def _step(self) -> list:
         """One lockstep step: the exchange, then the engine's phases on the agreed view."""
@@ -243,6 +281,8 @@ class RankLoop:
             self.conn.send(Reply(msg.qid, self.rank, value))
         elif isinstance(msg, Stop):
             self.stop_requested = True
+        elif isinstance(msg, Regroup):
+            self.groups.offer(msg)
 
     def _query(self, name: str):  # type: ignore[no-untyped-def]
         eng = self.engine
@@ -258,6 +298,9 @@ class RankLoop:
             return True
         if name == "pid":
             return os.getpid()
+        if name == "group":
+            g = self.groups.group
+            return None if g is None else (g.membership.epoch, g.membership.members)
         raise ValueError(f"unknown query {name!r}")
 
     # ---- reports -----------------------------------------------------------------------------

@@ -251,14 +251,18 @@ def _v1_router(serving: OpenAIServing, api_key: str | None, max_body_bytes: int)
 
 
 def _add_open_routes(app: FastAPI, async_engine: AsyncEngine) -> None:
-    @app.get("/health", responses={503: {"description": "the engine has stopped",
+    @app.get("/health", responses={503: {"description": "the engine has stopped (or no "
+                                                        "data-parallel rank serves)",
                                          "content": {"application/json": {"schema": _OBJECT}}}})
     async def health() -> JSONResponse:
-        failure = async_engine.engine.failure()  # a data-parallel rank is gone
+        failure = async_engine.engine.failure()  # no data-parallel rank serves
         ok = async_engine.alive and failure is None
         status = "ok" if ok else (failure or "engine stopped")
-        return JSONResponse({"status": status, **async_engine.state},
-                            status_code=200 if ok else 503)
+        body = {"status": status, **async_engine.state}
+        ranks = getattr(async_engine.engine, "health", None)  # data parallel: ok or degraded
+        if ranks is not None:
+            body.update(ranks() if ok else {})
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics", response_class=PlainTextResponse,
              responses={404: {"description": "metrics are not enabled", **_ERROR}})

@@ -188,6 +188,11 @@ class AsyncEngine:
             except EngineUnavailable:
                 pass  # the thread ended meanwhile
         await asyncio.to_thread(self._thread.join, 30.0)
+        # Data-parallel ranks stop here, inside the server's shutdown: uvicorn re-raises the
+        # SIGTERM it caught once it returns, so code after `run()` never runs.
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            await asyncio.to_thread(engine.shutdown)
 
     # ---- the engine thread ---------------------------------------------------------------------
     def _run(self) -> None:

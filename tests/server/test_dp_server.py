@@ -1,11 +1,13 @@
 """`dynaspec serve --data-parallel-size 2` end to end on the default model (fp32, goodput policy).
 
-One server for the module; the last test kills a rank and checks /health and new requests.
+One server for the module; the last test kills a rank mid-stream: only its stream ends (an SSE
+error event naming it), /health says degraded, new requests are served, the rank is replaced.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -28,11 +30,12 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time th
 @pytest.fixture(scope="module")
 def server(default_gguf_path):
     s = LiveServer(**DP_KWARGS).start()
-    pids = s.async_engine.engine.rank_pids()
+    pids = set(s.async_engine.engine.rank_pids().values())
     yield s
+    pids |= set(s.async_engine.engine.rank_pids().values())  # the replacement's too
     s.stop()
     s.async_engine.engine.shutdown()
-    assert_processes_gone(pids.values())
+    assert_processes_gone(pids)
 
 
 def _metric(text: str, name: str, rank: str, extra: str = "") -> float:
@@ -106,14 +109,66 @@ def test_client_disconnect_frees_blocks_on_the_owning_rank(server):
     server.on_engine(lambda e: e.check_integrity())
 
 
-def test_health_fails_when_a_rank_is_gone(server):
+async def _two_streams_kill_rank_1(url: str, pid: int) -> tuple[list, dict]:
+    """Two streams (one per rank: least-loaded routing); once both streamed, rank 1 is
+    killed. Each stream's (chunks, error, finish); /health as seen at the error event."""
+    body = {"model": MODEL, "prompt": "Tell me a long story about a dragon", "max_tokens": 120,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    both = [asyncio.Event(), asyncio.Event()]
+    health: dict = {}
+    async with httpx.AsyncClient(timeout=180) as http:
+        async def stream(i: int) -> tuple:
+            chunks, error, finish = 0, None, None
+            async with http.stream("POST", url + "/v1/completions", json=body) as resp:
+                assert resp.status_code == 200
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    obj = json.loads(line[6:])
+                    if "error" in obj:
+                        error = obj["error"]["message"]
+                        health.update((await http.get(url + "/health")).json())
+                        continue
+                    chunks += 1
+                    finish = obj["choices"][0]["finish_reason"] or finish
+                    if chunks == 2:
+                        both[i].set()
+            return chunks, error, finish
+
+        async def kill() -> None:
+            await asyncio.wait_for(asyncio.gather(both[0].wait(), both[1].wait()), 120)
+            os.kill(pid, signal.SIGKILL)
+
+        *results, _ = await asyncio.gather(stream(0), stream(1), kill())
+    return results, health
+
+
+def test_a_lost_rank_ends_only_its_stream_and_is_replaced(server):
     eng = server.async_engine.engine
-    os.kill(eng.rank_pids()[1], signal.SIGKILL)
-    deadline = time.monotonic() + 20
-    while (r := httpx.get(server.url + "/health")).status_code == 200:
-        assert time.monotonic() < deadline, "/health still 200 with a rank gone"
-        time.sleep(0.1)
-    assert r.status_code == 503 and "data-parallel rank 1 died" in r.json()["status"]
+    results, health = asyncio.run(_two_streams_kill_rank_1(server.url, eng.rank_pids()[1]))
+    errors = [r for r in results if r[1] is not None]
+    done = [r for r in results if r[1] is None]
+    assert len(errors) == 1 and len(done) == 1, results
+    assert "data-parallel rank 1 died (exit code -9)" in errors[0][1], errors[0][1]
+    assert done[0][2] == "length", done  # the survivor's stream ran to its end
+    assert health["status"] == "degraded" and health["ranks_serving"] == [0], health
     resp = httpx.post(server.url + "/v1/completions",
-                      json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
-    assert resp.status_code == 503 and "rank 1" in resp.json()["error"]["message"]
+                      json={"model": MODEL, "prompt": "hi", "max_tokens": 2}, timeout=120)
+    assert resp.status_code == 200, resp.text  # served while degraded
+    text = httpx.get(server.url + "/metrics").text
+    assert _metric_plain(text, "dynaspec:dp_rank_losses_total") == 1
+    assert _metric_plain(text, "dynaspec:dp_requests_failed_total") == 1
+    deadline = time.monotonic() + 180
+    while (h := httpx.get(server.url + "/health").json())["status"] != "ok":
+        assert time.monotonic() < deadline, f"rank 1 not replaced: {h}"
+        time.sleep(0.2)
+    assert h["ranks_serving"] == [0, 1]
+    text = httpx.get(server.url + "/metrics").text
+    assert _metric_plain(text, "dynaspec:dp_rank_replacements_total") == 1
+    assert _metric_plain(text, "dynaspec:dp_ranks_serving") == 2
+
+
+def _metric_plain(text: str, name: str) -> float:
+    found = re.findall(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)", text, re.M)
+    assert len(found) == 1, f"{name}: {found}"
+    return float(found[0])
