@@ -300,9 +300,12 @@ class DPEngine:
 
     def pool_report(self) -> PoolReport:
         pools = [r.pool for r in self.ready.values()]
-        return PoolReport(sum(p.num_blocks for p in pools), pools[0].block_size if pools else 0,
-                          sum(p.num_tokens for p in pools),
-                          sum(p.drafter_num_tokens for p in pools))
+        return PoolReport(
+            num_blocks=sum(p.num_blocks for p in pools),
+            block_size=pools[0].block_size if pools else 0,
+            num_tokens=sum(p.num_tokens for p in pools),
+            drafter_num_tokens=sum(p.drafter_num_tokens for p in pools),
+        )
 
     def snapshot(self) -> EngineSnapshot:
         return sum_snapshots(list(self.snapshots.values()))
@@ -314,9 +317,16 @@ class DPEngine:
 
     def model_card(self) -> ModelCard:
         cc = self.config.cache  # the K policies run on the ranks: their cards are per rank
-        return ModelCard(self.max_model_len, self.vocab_size, self.plan.to_json(), None,
-                         self.lossless, self.exec_plan.to_json(), cc.block_size,
-                         cc.enable_prefix_caching)
+        return ModelCard(
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            spec_plan=self.plan.to_json(),
+            k_policy=None,
+            lossless=self.lossless,
+            execution_plan=self.exec_plan.to_json(),
+            block_size=cc.block_size,
+            prefix_caching=cc.enable_prefix_caching,
+        )
 
     def compile_grammar(self, spec) -> None:  # type: ignore[no-untyped-def]
         self.structured.compile(spec)
@@ -354,8 +364,13 @@ class DPEngine:
     def state(self) -> EngineState:
         blocks = sum(r.pool.num_blocks for r in self.ready.values())
         free = sum(self.free_blocks.values())
-        return EngineState(self.num_running, self.num_waiting, blocks, free,
-                           1.0 - free / blocks if blocks else 0.0)
+        return EngineState(
+            num_running=self.num_running,
+            num_waiting=self.num_waiting,
+            kv_num_blocks=blocks,
+            kv_free_blocks=free,
+            kv_usage=1.0 - free / blocks if blocks else 0.0,
+        )
 
     def take_finished_times(self) -> list[FinishedRequestTimes]:
         return []  # fed to the per-rank metrics as reports arrive (_on_report)

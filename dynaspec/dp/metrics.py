@@ -41,10 +41,9 @@ class DPMetrics:
         self.snapshots: dict[int, EngineSnapshot] = {}
         self.resilience = None
         if roster is not None and world_size > 1:
-            from prometheus_client import CollectorRegistry
+            from dynaspec.metrics.prometheus import RosterMetrics
 
-            self.resilience = CollectorRegistry(auto_describe=False)
-            self.resilience.register(_Resilience(prefix, labels, roster))  # type: ignore[arg-type]
+            self.resilience = RosterMetrics(prefix, labels, roster)
 
     # ---- fed by the front end (its engine thread) --------------------------------------------
     def rank_step(self, rank: int, step: StepStats) -> None:
@@ -88,47 +87,21 @@ class DPMetrics:
         with self.lock:
             body = render_merged([*self.ranks, self.total])
         if self.resilience is not None:
-            from prometheus_client import generate_latest
-
-            body += generate_latest(self.resilience)
+            body += self.resilience.render()
         return body
-
-
-class _Resilience:
-    """The roster's counts as Prometheus families, read at render time (module docstring)."""
-
-    def __init__(self, prefix: str, labels: dict[str, str], roster) -> None:  # type: ignore[no-untyped-def]
-        self.prefix, self.labels, self.roster = prefix, labels, roster
-
-    def collect(self):  # type: ignore[no-untyped-def]
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        c, names, values = self.roster.counts, list(self.labels), list(self.labels.values())
-        for name, doc, value in (
-            ("dp_rank_losses", "data-parallel ranks lost (died, failed or stuck)", c.rank_losses),
-            ("dp_rank_replacements", "replacement ranks that joined", c.replacements),
-            ("dp_requests_requeued", "a lost rank's requests sent to another rank", c.requeued),
-            ("dp_requests_failed", "a lost rank's requests ended with an error", c.failed),
-            ("dp_rank_start_given_up", "rank slots given up after failed starts", c.given_up),
-        ):
-            fam = CounterMetricFamily(f"{self.prefix}:{name}", doc, labels=names)
-            fam.add_metric(values, value)
-            yield fam
-        for name, doc, value in (
-            ("dp_ranks_serving", "data-parallel ranks serving now", len(self.roster.serving)),
-            ("dp_ranks", "data-parallel ranks asked for", self.roster.world_size),
-        ):
-            fam = GaugeMetricFamily(f"{self.prefix}:{name}", doc, labels=names)
-            fam.add_metric(values, value)
-            yield fam
 
 
 def sum_snapshots(snaps: list[EngineSnapshot]) -> EngineSnapshot:
     """Counts summed; KV usage pooled over the ranks' blocks; goodput left per rank (None)."""
     tokens = sum(s.kv_pool_tokens_target for s in snaps)
     usage = sum(s.kv_usage * s.kv_pool_tokens_target for s in snaps) / tokens if tokens else 0.0
-    return EngineSnapshot(sum(s.num_running for s in snaps), sum(s.num_waiting for s in snaps),
-                          usage, tokens, sum(s.kv_pool_tokens_drafter for s in snaps),
-                          sum(s.prefix_cache_queries for s in snaps),
-                          sum(s.prefix_cache_hits for s in snaps),
-                          sum(s.num_preemptions_total for s in snaps))
+    return EngineSnapshot(
+        num_running=sum(s.num_running for s in snaps),
+        num_waiting=sum(s.num_waiting for s in snaps),
+        kv_usage=usage,
+        kv_pool_tokens_target=tokens,
+        kv_pool_tokens_drafter=sum(s.kv_pool_tokens_drafter for s in snaps),
+        prefix_cache_queries=sum(s.prefix_cache_queries for s in snaps),
+        prefix_cache_hits=sum(s.prefix_cache_hits for s in snaps),
+        num_preemptions_total=sum(s.num_preemptions_total for s in snaps),
+    )

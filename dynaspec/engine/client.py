@@ -21,7 +21,7 @@ class EngineUnavailable(RuntimeError):
     """The engine is shutting down or has stopped (the API answers 503)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PoolReport:
     """The KV pools the engine sized at start-up (per rank under data parallelism)."""
 
@@ -35,7 +35,7 @@ class PoolReport:
         return asdict(self)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelCard:
     """What `/v1/models` publishes about the engine besides the model's name."""
 
@@ -53,7 +53,7 @@ class ModelCard:
                 "lossless": self.lossless, "execution_plan": self.execution_plan}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EngineState:
     """Queue and pool occupancy at one instant (`/health`)."""
 

@@ -171,8 +171,16 @@ class LLMEngine:
         if out.finished:
             out.spec = self.request_spec(req.request_id)
             t = out.timings
-            self.recorder.finished(req.request_id, FinishedRequestTimes(
-                t.ttft_s, t.inter_token_s, t.e2e_s, req.num_prompt_tokens, req.num_output_tokens))
+            self.recorder.finished(
+                req.request_id,
+                FinishedRequestTimes(
+                    ttft_s=t.ttft_s,
+                    inter_token_s=t.inter_token_s,
+                    e2e_s=t.e2e_s,
+                    num_prompt_tokens=req.num_prompt_tokens,
+                    num_generation_tokens=req.num_output_tokens,
+                ),
+            )
             self._forget_runner_state(req.request_id)
         if not u.new_token_ids and not out.finished:
             return None
@@ -197,9 +205,15 @@ class LLMEngine:
 
     def pool_report(self) -> PoolReport:
         p = self.parts
-        return PoolReport(p.kv.num_blocks, p.kv.block_size, p.kv.num_blocks * p.kv.block_size,
-                          p.drafter_kv_tokens, self.runner.proposer.cache_stats()
-                          if self.runner.proposer is not None else None)
+        return PoolReport(
+            num_blocks=p.kv.num_blocks,
+            block_size=p.kv.block_size,
+            num_tokens=p.kv.num_blocks * p.kv.block_size,
+            drafter_num_tokens=p.drafter_kv_tokens,
+            drafter_cache=self.runner.proposer.cache_stats()
+            if self.runner.proposer is not None
+            else None,
+        )
 
     # ---- the engine client protocol (engine/client.py) -----------------------------------
     @property
@@ -209,9 +223,16 @@ class LLMEngine:
     def model_card(self) -> ModelCard:
         info = self.parts.policy_info
         cc = self.config.cache
-        return ModelCard(self.max_model_len, self.parts.vocab_size, self.plan.to_json(),
-                         info.to_json() if info is not None else None, self.lossless,
-                         self.exec_plan.to_json(), cc.block_size, cc.enable_prefix_caching)
+        return ModelCard(
+            max_model_len=self.max_model_len,
+            vocab_size=self.parts.vocab_size,
+            spec_plan=self.plan.to_json(),
+            k_policy=info.to_json() if info is not None else None,
+            lossless=self.lossless,
+            execution_plan=self.exec_plan.to_json(),
+            block_size=cc.block_size,
+            prefix_caching=cc.enable_prefix_caching,
+        )
 
     def compile_grammar(self, spec) -> None:
         self.structured.compile(spec)
@@ -224,19 +245,32 @@ class LLMEngine:
         return None  # one process: a failed step fails its requests, never the engine
 
     def state(self) -> EngineState:
-        return EngineState(self.num_running, self.num_waiting, self.kv.num_blocks,
-                           self.kv.num_free_blocks(), self.kv.usage())
+        return EngineState(
+            num_running=self.num_running,
+            num_waiting=self.num_waiting,
+            kv_num_blocks=self.kv.num_blocks,
+            kv_free_blocks=self.kv.num_free_blocks(),
+            kv_usage=self.kv.usage(),
+        )
 
     def snapshot(self) -> EngineSnapshot:
         pool, policy = self.pool_report(), self.scheduler.policy
         modelled, observed = policy.goodput_report() if policy is not None else (None, None)
         info = self.parts.policy_info
-        return EngineSnapshot(self.num_running, self.num_waiting, self.kv.usage(),
-                              pool.num_tokens, pool.drafter_num_tokens,
-                              self.kv.prefix_cache_queries, self.kv.prefix_cache_hits,
-                              self.scheduler.num_preemptions, modelled, observed,
-                              info.name if info else None,
-                              policy.num_reprobes if policy is not None else 0)
+        return EngineSnapshot(
+            num_running=self.num_running,
+            num_waiting=self.num_waiting,
+            kv_usage=self.kv.usage(),
+            kv_pool_tokens_target=pool.num_tokens,
+            kv_pool_tokens_drafter=pool.drafter_num_tokens,
+            prefix_cache_queries=self.kv.prefix_cache_queries,
+            prefix_cache_hits=self.kv.prefix_cache_hits,
+            num_preemptions_total=self.scheduler.num_preemptions,
+            modelled_goodput=modelled,
+            observed_goodput=observed,
+            k_policy=info.name if info else None,
+            k_policy_reprobes=policy.num_reprobes if policy is not None else 0,
+        )
 
     def take_finished_times(self) -> list[FinishedRequestTimes]:
         return self.recorder.take_finished_times()

@@ -92,11 +92,19 @@ class StepRecorder:
         self.num_prompt_tokens_total += landed.num_prompt_tokens
         self.num_generation_tokens_total += num_gen
         batch = res.batch
-        step = StepStats(plan.step_k, (*specs, *landed.orphans), res.draft_seconds,
-                         res.forward_seconds + res.sample_seconds, plan.schedule_seconds,
-                         landed.num_prompt_tokens, num_gen, len(plan.preempted_ids),
-                         self._grammar_stats(res),
-                         batch.path if batch else None, batch.width_label if batch else None)
+        step = StepStats(
+            k=plan.step_k,
+            requests=(*specs, *landed.orphans),
+            draft_seconds=res.draft_seconds,
+            verify_seconds=res.forward_seconds + res.sample_seconds,
+            schedule_seconds=plan.schedule_seconds,
+            num_prompt_tokens=landed.num_prompt_tokens,
+            num_generation_tokens=num_gen,
+            num_preemptions=len(plan.preempted_ids),
+            grammar=self._grammar_stats(res),
+            path=batch.path if batch else None,
+            width=batch.width_label if batch else None,
+        )
         self.counters = fold_step(self.counters, step)
         self.last_step = step
         if batch is not None:

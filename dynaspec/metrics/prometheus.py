@@ -55,6 +55,7 @@ from prometheus_client import (  # noqa: E402
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # noqa: E402
 from prometheus_client.exposition import CONTENT_TYPE_LATEST  # noqa: E402
 
 from dynaspec.metrics.stats import (  # noqa: E402 - after the extra check
@@ -290,3 +291,42 @@ def render_merged(instances: list[PrometheusMetrics]) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Fixed())  # type: ignore[arg-type]
     return generate_latest(registry)
+
+
+class RosterMetrics:
+    """`/metrics`' data-parallel loss series (dp/metrics.py's module docstring names them), on a
+    registry of their own, so only this module imports prometheus_client."""
+
+    def __init__(self, prefix: str, labels: dict[str, str], roster) -> None:  # type: ignore[no-untyped-def]
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_RosterCollector(prefix, labels, roster))  # type: ignore[arg-type]
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _RosterCollector:
+    """The data-parallel roster's loss counts as families, read at render time (dp/metrics.py)."""
+
+    def __init__(self, prefix: str, labels: dict[str, str], roster) -> None:  # type: ignore[no-untyped-def]
+        self.prefix, self.labels, self.roster = prefix, labels, roster
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        c, names, values = self.roster.counts, list(self.labels), list(self.labels.values())
+        for name, doc, value in (
+            ("dp_rank_losses", "data-parallel ranks lost (died, failed or stuck)", c.rank_losses),
+            ("dp_rank_replacements", "replacement ranks that joined", c.replacements),
+            ("dp_requests_requeued", "a lost rank's requests sent to another rank", c.requeued),
+            ("dp_requests_failed", "a lost rank's requests ended with an error", c.failed),
+            ("dp_rank_start_given_up", "rank slots given up after failed starts", c.given_up),
+        ):
+            fam = CounterMetricFamily(f"{self.prefix}:{name}", doc, labels=names)
+            fam.add_metric(values, value)
+            yield fam
+        for name, doc, value in (
+            ("dp_ranks_serving", "data-parallel ranks serving now", len(self.roster.serving)),
+            ("dp_ranks", "data-parallel ranks asked for", self.roster.world_size),
+        ):
+            fam = GaugeMetricFamily(f"{self.prefix}:{name}", doc, labels=names)
+            fam.add_metric(values, value)
+            yield fam

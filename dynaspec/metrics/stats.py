@@ -128,7 +128,7 @@ class GrammarStepStats:
     compile_seconds: tuple[float, ...] = ()  # grammars compiled since the previous step
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StepStats:
     """One engine step. `k` is the step's K; `None` when speculation is off."""
 
@@ -158,7 +158,7 @@ class StepStats:
             raise ValueError(f"StepStats: a request appears more than once in one step: {ids}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EngineSnapshot:
     """Engine state at one instant (gauges; the two prefix-cache fields are monotone totals)."""
 
@@ -176,7 +176,7 @@ class EngineSnapshot:
     k_policy_reprobes: int = 0  # goodput: K>0 steps its divergence guard forced, total
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class FinishedRequestTimes:
     """Latencies of one finished request. `ttft_s` is None if it never produced a token."""
 

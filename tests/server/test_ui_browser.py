@@ -138,10 +138,24 @@ def _dp_snapshots() -> list[dict]:
     for t in (100.0, 105.0):
         for rank in (0, 1):
             for _ in range(1 + rank):  # rank 1 runs twice the steps
-                m.rank_step(rank, StepStats(2, (RequestStepSpec("a", 2, 1, 2, None),),
+                m.rank_step(rank, StepStats(k=2, requests=(RequestStepSpec("a", 2, 1, 2, None),),
                                             num_generation_tokens=2))
-            m.rank_snapshot(rank, EngineSnapshot(1 + rank, 0, 0.1, 1024, 0, 0, 0, 0, 20.0, 18.0,
-                                                 "goodput"))
+            m.rank_snapshot(
+                rank,
+                EngineSnapshot(
+                    num_running=1 + rank,
+                    num_waiting=0,
+                    kv_usage=0.1,
+                    kv_pool_tokens_target=1024,
+                    kv_pool_tokens_drafter=0,
+                    prefix_cache_queries=0,
+                    prefix_cache_hits=0,
+                    num_preemptions_total=0,
+                    modelled_goodput=20.0,
+                    observed_goodput=18.0,
+                    k_policy="goodput",
+                ),
+            )
         live = live_stats(m, None, {"num_running": 3, "num_waiting": 0, "kv_usage": 0.1,
                                     "kv_num_blocks": 128, "kv_free_blocks": 100})
         out.append({**live, "time": t})

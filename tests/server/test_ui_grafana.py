@@ -26,14 +26,29 @@ DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "dynasp
 # Label names PromQL itself makes or consumes, not the server's.
 _PROMQL_LABELS = {"le"}
 
-STEP = StepStats(3, (RequestStepSpec("a", 3, 2, 3, None),
+STEP = StepStats(k=3, requests=(RequestStepSpec("a", 3, 2, 3, None),
                      RequestStepSpec("b", 0, 0, 1, "no_match")),
                  draft_seconds=0.01, verify_seconds=0.02, schedule_seconds=0.001,
                  num_prompt_tokens=5, num_generation_tokens=4)
-STEP_K0 = StepStats(0, (RequestStepSpec("a", 0, 0, 1, "schedule_zero"),), num_generation_tokens=1)
-SNAP = EngineSnapshot(2, 1, 0.25, 4096, 0, 10, 4, 0, modelled_goodput=30.0,
-                      observed_goodput=27.5, k_policy="goodput")
-DONE = FinishedRequestTimes(0.05, (0.02, 0.03), 0.1, 5, 3)
+STEP_K0 = StepStats(
+    k=0, requests=(RequestStepSpec("a", 0, 0, 1, "schedule_zero"),), num_generation_tokens=1
+)
+SNAP = EngineSnapshot(
+    num_running=2,
+    num_waiting=1,
+    kv_usage=0.25,
+    kv_pool_tokens_target=4096,
+    kv_pool_tokens_drafter=0,
+    prefix_cache_queries=10,
+    prefix_cache_hits=4,
+    num_preemptions_total=0,
+    modelled_goodput=30.0,
+    observed_goodput=27.5,
+    k_policy="goodput",
+)
+DONE = FinishedRequestTimes(
+    ttft_s=0.05, inter_token_s=(0.02, 0.03), e2e_s=0.1, num_prompt_tokens=5, num_generation_tokens=3
+)
 
 
 def exported(prefix: str, world_size: int) -> dict[str, set[str]]:

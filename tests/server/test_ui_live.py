@@ -14,12 +14,23 @@ from dynaspec.metrics.prometheus import PrometheusMetrics  # noqa: E402
 from dynaspec.metrics.stats import EngineSnapshot, RequestStepSpec, StepStats  # noqa: E402
 from dynaspec.server.ui.live import live_stats  # noqa: E402
 
-STEP = StepStats(2, (RequestStepSpec("a", 2, 1, 2, None),), num_generation_tokens=2)
+STEP = StepStats(k=2, requests=(RequestStepSpec("a", 2, 1, 2, None),), num_generation_tokens=2)
 
 
 def snap(running: int, goodput: float | None = None) -> EngineSnapshot:
-    return EngineSnapshot(running, 0, 0.5, 1024, 0, 0, 0, 0, modelled_goodput=goodput,
-                          observed_goodput=goodput, k_policy="goodput")
+    return EngineSnapshot(
+        num_running=running,
+        num_waiting=0,
+        kv_usage=0.5,
+        kv_pool_tokens_target=1024,
+        kv_pool_tokens_drafter=0,
+        prefix_cache_queries=0,
+        prefix_cache_hits=0,
+        num_preemptions_total=0,
+        modelled_goodput=goodput,
+        observed_goodput=goodput,
+        k_policy="goodput",
+    )
 
 
 def samples(live: dict, name: str) -> dict[tuple, float]:

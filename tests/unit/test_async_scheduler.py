@@ -103,7 +103,7 @@ class Harness:
             raise AssertionError(f"unexpected step failure: {landed.error!r}")
         drop_ended(landed)
         specs = [request_spec(u.result, len(u.new_token_ids)) for u in landed.updates]
-        step = StepStats(landed.plan.step_k, (*specs, *landed.orphans))
+        step = StepStats(k=landed.plan.step_k, requests=(*specs, *landed.orphans))
         self.counters = fold_step(self.counters, step)
         self.steps.append(step)
         for u in landed.updates:

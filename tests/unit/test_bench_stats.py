@@ -213,7 +213,7 @@ class FakeEngine:
             if done:
                 del self.live[rid]
         if self.honest:
-            self.counters = fold_step(self.counters, StepStats(None, tuple(specs)))
+            self.counters = fold_step(self.counters, StepStats(k=None, requests=tuple(specs)))
         self.times.steps += 1
         return outs
 

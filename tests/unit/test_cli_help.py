@@ -83,7 +83,19 @@ def test_metrics_prefix_reaches_data_parallel_metrics(monkeypatch):
 
     dp = DPMetrics(2, {"model_name": "m"}, "vllm")
     for rank in (0, 1):
-        dp.rank_snapshot(rank, EngineSnapshot(1, 0, 0.5, 64, 0, 10, 4, 0))
+        dp.rank_snapshot(
+            rank,
+            EngineSnapshot(
+                num_running=1,
+                num_waiting=0,
+                kv_usage=0.5,
+                kv_pool_tokens_target=64,
+                kv_pool_tokens_drafter=0,
+                prefix_cache_queries=10,
+                prefix_cache_hits=4,
+                num_preemptions_total=0,
+            ),
+        )
     text = dp.render().decode()
     for rank in ("0", "1", "all"):
         assert re.search(rf'^vllm:num_requests_running\{{[^}}]*rank="{rank}"', text, re.M), rank

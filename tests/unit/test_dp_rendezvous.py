@@ -89,10 +89,22 @@ def test_metrics_per_rank_and_summed_in_one_family():
     m = DPMetrics(2, {"model_name": "x"})
     for rank, emitted in ((0, 3), (1, 5)):
         step = StepStats(
-            2, (RequestStepSpec(f"r{rank}", 2, 1, emitted if emitted < 3 else 2, None),)
+            k=2, requests=(RequestStepSpec(f"r{rank}", 2, 1, emitted if emitted < 3 else 2, None),)
         )
         m.rank_step(rank, step)
-        m.rank_snapshot(rank, EngineSnapshot(rank + 1, 0, 0.5 * rank, 100, 0, 10, 5, 0))
+        m.rank_snapshot(
+            rank,
+            EngineSnapshot(
+                num_running=rank + 1,
+                num_waiting=0,
+                kv_usage=0.5 * rank,
+                kv_pool_tokens_target=100,
+                kv_pool_tokens_drafter=0,
+                prefix_cache_queries=10,
+                prefix_cache_hits=5,
+                num_preemptions_total=0,
+            ),
+        )
     text = m.render().decode()
     name = "dynaspec:spec_decode_num_draft_tokens_total"
     assert (_value(text, name, "0"), _value(text, name, "1"), _value(text, name, "all")) == (

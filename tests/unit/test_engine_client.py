@@ -31,7 +31,9 @@ def test_llm_engine_answers_the_protocol(tiny_llama_dir):
     assert isinstance(card, ModelCard) and card.max_model_len == eng.max_model_len
     assert card.block_size == 16 and card.prefix_caching and card.lossless
     assert card.to_json()["spec_plan"]["max_k"] == 2 and card.to_json()["k_policy"] is not None
-    assert eng.state() == EngineState(0, 0, 64, 64, 0.0)
+    assert eng.state() == EngineState(
+        num_running=0, num_waiting=0, kv_num_blocks=64, kv_free_blocks=64, kv_usage=0.0
+    )
     eng.add_request([1, 2, 3, 4], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     before = eng.progress()
     eng.step()

@@ -270,7 +270,22 @@ def test_prometheus_exports_goodput_gauges():
     from dynaspec.metrics.stats import EngineSnapshot
 
     m = PrometheusMetrics()
-    m.observe_snapshot(EngineSnapshot(0, 0, 0.0, 16, 0, 0, 0, 0, 120.5, 98.25, "goodput", 3))
+    m.observe_snapshot(
+        EngineSnapshot(
+            num_running=0,
+            num_waiting=0,
+            kv_usage=0.0,
+            kv_pool_tokens_target=16,
+            kv_pool_tokens_drafter=0,
+            prefix_cache_queries=0,
+            prefix_cache_hits=0,
+            num_preemptions_total=0,
+            modelled_goodput=120.5,
+            observed_goodput=98.25,
+            k_policy="goodput",
+            k_policy_reprobes=3,
+        )
+    )
     text = m.render().decode()
     assert 'dynaspec:k_policy_info{policy="goodput"} 1.0' in text
     assert "dynaspec:k_policy_reprobes 3.0" in text

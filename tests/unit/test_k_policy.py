@@ -251,5 +251,17 @@ def test_every_reason_a_policy_gives_is_a_known_skip_reason():
     assert reasons == {"max_tokens", "max_model_len", "drafter_length", "adaptive", "schedule_zero"}
     assert reasons <= SKIP_REASONS
     specs = tuple(RequestStepSpec(f"r{i}", 0, 0, 1, why) for i, why in enumerate(sorted(reasons)))
-    counters = fold_step(SpecCounters(), StepStats(0, specs, 0.0, 0.0, 0.0, 0, len(specs), 0))
+    counters = fold_step(
+        SpecCounters(),
+        StepStats(
+            k=0,
+            requests=specs,
+            draft_seconds=0.0,
+            verify_seconds=0.0,
+            schedule_seconds=0.0,
+            num_prompt_tokens=0,
+            num_generation_tokens=len(specs),
+            num_preemptions=0,
+        ),
+    )
     assert dict(counters.draft_skips) == {why: 1 for why in reasons}

@@ -29,15 +29,15 @@ def req(rid, d=0, a=0, e=None, skip=None, invalid=None):
 
 
 STEPS = [
-    StepStats(4, (req("a", 4, 3), req("b", skip="drafter_length", e=1),
+    StepStats(k=4, requests=(req("a", 4, 3), req("b", skip="drafter_length", e=1),
                   req("c", 2, 0, invalid={"padding": 2})),
               draft_seconds=0.25, verify_seconds=0.5, schedule_seconds=0.125,
               num_prompt_tokens=7, num_generation_tokens=6),
-    StepStats(0, (req("a", skip="schedule_zero"), req("b", skip="schedule_zero")),
+    StepStats(k=0, requests=(req("a", skip="schedule_zero"), req("b", skip="schedule_zero")),
               verify_seconds=0.25, num_generation_tokens=2, num_preemptions=1),
-    StepStats(2, (req("a", 2, 2, e=1), req("c", 0, 0, e=1, invalid={"grammar": 2})),
+    StepStats(k=2, requests=(req("a", 2, 2, e=1), req("c", 0, 0, e=1, invalid={"grammar": 2})),
               draft_seconds=0.125, num_generation_tokens=2),
-    StepStats(None, (req("a"),), num_prompt_tokens=3, num_generation_tokens=1),
+    StepStats(k=None, requests=(req("a"),), num_prompt_tokens=3, num_generation_tokens=1),
 ]  # fmt: skip
 
 
@@ -102,8 +102,27 @@ def test_exposition_parses_and_equals_the_counters():
 
 def test_vllm_compatible_names_and_types():
     m = observed(STEPS)
-    m.observe_snapshot(EngineSnapshot(1, 0, 0.1, 100, 10, 5, 2, 0))
-    m.observe_finished(FinishedRequestTimes(0.1, (0.01,), 1.0, 3, 2))
+    m.observe_snapshot(
+        EngineSnapshot(
+            num_running=1,
+            num_waiting=0,
+            kv_usage=0.1,
+            kv_pool_tokens_target=100,
+            kv_pool_tokens_drafter=10,
+            prefix_cache_queries=5,
+            prefix_cache_hits=2,
+            num_preemptions_total=0,
+        )
+    )
+    m.observe_finished(
+        FinishedRequestTimes(
+            ttft_s=0.1,
+            inter_token_s=(0.01,),
+            e2e_s=1.0,
+            num_prompt_tokens=3,
+            num_generation_tokens=2,
+        )
+    )
     types = {f.name: f.type for f in text_string_to_metric_families(m.render().decode())}
     counters = [
         "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
@@ -124,7 +143,7 @@ def test_vllm_compatible_names_and_types():
 
 
 def test_speculation_off_step_is_not_a_k0_step():
-    got = parse(observed([StepStats(None, (req("a"),), num_generation_tokens=1)]))
+    got = parse(observed([StepStats(k=None, requests=(req("a"),), num_generation_tokens=1)]))
     assert not any(n == f"{P}spec_decode_steps_total" for n, _ in got)
     assert got[(f"{P}spec_decode_num_drafts_total", ())] == 0.0
     assert got[(f"{P}generation_tokens_total", ())] == 1.0
@@ -132,8 +151,30 @@ def test_speculation_off_step_is_not_a_k0_step():
 
 def test_snapshot_gauges_and_prefix_cache_totals():
     m = PrometheusMetrics()
-    m.observe_snapshot(EngineSnapshot(3, 2, 0.75, 8192, 1024, 100, 40, 0))
-    m.observe_snapshot(EngineSnapshot(1, 0, 0.5, 8192, 1024, 150, 70, 0))
+    m.observe_snapshot(
+        EngineSnapshot(
+            num_running=3,
+            num_waiting=2,
+            kv_usage=0.75,
+            kv_pool_tokens_target=8192,
+            kv_pool_tokens_drafter=1024,
+            prefix_cache_queries=100,
+            prefix_cache_hits=40,
+            num_preemptions_total=0,
+        )
+    )
+    m.observe_snapshot(
+        EngineSnapshot(
+            num_running=1,
+            num_waiting=0,
+            kv_usage=0.5,
+            kv_pool_tokens_target=8192,
+            kv_pool_tokens_drafter=1024,
+            prefix_cache_queries=150,
+            prefix_cache_hits=70,
+            num_preemptions_total=0,
+        )
+    )
     got = parse(m)
     assert got[(f"{P}num_requests_running", ())] == 1.0
     assert got[(f"{P}num_requests_waiting", ())] == 0.0
@@ -142,7 +183,18 @@ def test_snapshot_gauges_and_prefix_cache_totals():
     assert got[(f"{P}kv_pool_size_tokens", (("pool", "drafter"),))] == 1024.0
     assert got[(f"{P}prefix_cache_queries_total", ())] == 150.0
     assert got[(f"{P}prefix_cache_hits_total", ())] == 70.0
-    m.observe_snapshot(EngineSnapshot(0, 0, 0.0, 8192, 0, 10, 4, 0))  # totals restarted
+    m.observe_snapshot(
+        EngineSnapshot(
+            num_running=0,
+            num_waiting=0,
+            kv_usage=0.0,
+            kv_pool_tokens_target=8192,
+            kv_pool_tokens_drafter=0,
+            prefix_cache_queries=10,
+            prefix_cache_hits=4,
+            num_preemptions_total=0,
+        )
+    )  # totals restarted
     got = parse(m)
     assert got[(f"{P}prefix_cache_queries_total", ())] == 160.0
     assert got[(f"{P}prefix_cache_hits_total", ())] == 74.0
@@ -150,8 +202,20 @@ def test_snapshot_gauges_and_prefix_cache_totals():
 
 def test_finished_request_histograms():
     m = PrometheusMetrics()
-    m.observe_finished(FinishedRequestTimes(0.05, (0.02, 0.03, 0.2), 0.4, 12, 4))
-    m.observe_finished(FinishedRequestTimes(None, (), 0.01, 5, 0))  # aborted before a token
+    m.observe_finished(
+        FinishedRequestTimes(
+            ttft_s=0.05,
+            inter_token_s=(0.02, 0.03, 0.2),
+            e2e_s=0.4,
+            num_prompt_tokens=12,
+            num_generation_tokens=4,
+        )
+    )
+    m.observe_finished(
+        FinishedRequestTimes(
+            ttft_s=None, inter_token_s=(), e2e_s=0.01, num_prompt_tokens=5, num_generation_tokens=0
+        )
+    )  # aborted before a token
     got = parse(m)
     assert got[(f"{P}time_to_first_token_seconds_count", ())] == 1.0
     assert got[(f"{P}time_to_first_token_seconds_sum", ())] == pytest.approx(0.05)
@@ -177,7 +241,7 @@ def test_constant_labels_and_private_registry():
 def test_invalid_step_is_rejected_before_any_series_moves():
     m = observed(STEPS[:1])
     before = parse(m)
-    bad = StepStats(None, (req("a", 2, 1),))  # drafts with speculation off
+    bad = StepStats(k=None, requests=(req("a", 2, 1),))  # drafts with speculation off
     with pytest.raises(ValueError):
         m.observe_step(bad)
     assert parse(m) == before
@@ -195,10 +259,14 @@ def test_prometheus_client_is_imported_only_by_the_edge_module():
 
 
 def test_execution_steps_by_path_and_width():
-    steps = [StepStats(3, (req("a", 3, 1),), path="compiled", width="4"),
-             StepStats(3, (req("a", 3, 0),), path="compiled", width="4"),
-             StepStats(3, (req("a", 2, 2), req("b", skip="prefill")), path="eager", width="mixed"),
-             StepStats(None, (req("a"),), num_generation_tokens=1)]  # hand-built: no path
+    steps = [
+        StepStats(k=3, requests=(req("a", 3, 1),), path="compiled", width="4"),
+        StepStats(k=3, requests=(req("a", 3, 0),), path="compiled", width="4"),
+        StepStats(
+            k=3, requests=(req("a", 2, 2), req("b", skip="prefill")), path="eager", width="mixed"
+        ),
+        StepStats(k=None, requests=(req("a"),), num_generation_tokens=1),
+    ]  # hand-built: no path
     got = parse(observed(steps))
     series = {labels: v for (n, labels), v in got.items() if n == f"{P}execution_steps_total"}
     assert series == {(("path", "compiled"), ("width", "4")): 2.0,

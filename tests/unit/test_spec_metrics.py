@@ -36,7 +36,7 @@ def req(rid, d=0, a=0, e=None, skip=None, invalid=None):
 
 
 def step(k, *requests, **kw):
-    return StepStats(k, tuple(requests), **kw)
+    return StepStats(k=k, requests=tuple(requests), **kw)
 
 
 def fold_all(steps, acc=EMPTY):
@@ -243,8 +243,9 @@ def steps(draw, ids=("r0", "r1", "r2", "r3", "r4", "r5")):
     chosen = draw(st.lists(st.sampled_from(ids), unique=True, max_size=len(ids)))
     requests = tuple(draw(request_for(rid, k)) for rid in chosen)
     secs, toks = st.sampled_from([0.0, 0.25, 0.5, 1.0]), st.integers(0, 50)
-    times = (draw(secs), draw(secs), draw(secs))
-    return StepStats(k, requests, *times, draw(toks), draw(toks), draw(st.integers(0, 2)))
+    return StepStats(k=k, requests=requests, draft_seconds=draw(secs), verify_seconds=draw(secs),
+                     schedule_seconds=draw(secs), num_prompt_tokens=draw(toks),
+                     num_generation_tokens=draw(toks), num_preemptions=draw(st.integers(0, 2)))
 
 
 REQUEST_LEVEL = ("num_request_steps", "num_spec_request_steps", "num_drafts", "num_draft_tokens",
