@@ -1,16 +1,21 @@
 """The engine's C++ CPU kernels (csrc/): built at install, loaded at run time, JIT only as a
 fallback.
 
-`pip install` compiles csrc/*.cpp into `dynaspec._cpu_kernels` (setup.py) for the vector ISA the
-installing machine reports, so a first start loads them in well under a second. At load the
-module's build facts (ISA tag, hash of the sources and flags) are checked against this CPU and
-these sources; a mismatch (another machine, edited sources) or a missing module falls back to a
-JIT build with torch's extension tooling into a directory of this install's own (never shared
-with another install or checkout), announced in the log, under a lock that gives up after a
-bounded wait instead of hanging on a lock file a killed process left behind. Without a compiler
-or ninja (`pip install 'dynaspec[cpu-kernels]'`) the kernels are unavailable, `available()` says
-why, and every caller keeps its plain PyTorch path. Built with -ffp-contract=off: no fused
-multiply-adds the eager ops would not do, so the fused ops round exactly like them.
+`pip install` compiles csrc/*.cpp into `dynaspec._cpu_kernels` (setup.py) with the compiler
+flags cpu_features selects from the installing machine's CPU flags, so a first start loads them
+in well under a second. Before that module is imported its build facts (tag, the CPU flags it
+was compiled for, hash of the sources and flags), kept as a string in the file, are read from
+the file: a module built for flags this CPU lacks (a venv or container image copied from another
+machine) is never imported, since any of its code, static initializers included, may use them.
+That, a hash mismatch (edited sources) or a missing module falls back to a JIT build for this
+CPU with torch's extension tooling into a directory of this install's own (never shared with
+another install or checkout), announced in the log, under a lock that gives up after a bounded
+wait instead of hanging on a lock file a killed process left behind. Once loaded, the module is
+told which run-time paths this CPU may take (set_cpu_paths; cpu_features decides, the C++ side
+asks the CPU nothing). Without a compiler or ninja (`pip install 'dynaspec[cpu-kernels]'`) the
+kernels are unavailable, `available()` says why, and every caller keeps its plain PyTorch path.
+Built with -ffp-contract=off: no fused multiply-adds the eager ops would not do, so the fused ops
+round exactly like them.
 """
 
 from __future__ import annotations
@@ -19,9 +24,12 @@ import errno
 import fcntl
 import hashlib
 import importlib
+import importlib.util
 import logging
 import os
 import time
+from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import lru_cache
 
 from dynaspec import cpu_features
@@ -30,8 +38,8 @@ log = logging.getLogger("dynaspec")
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 SOURCES = ("module.cpp", "paged_decode.cpp", "fused_ops.cpp", "int8_gemm.cpp", "layer_stack.cpp",
            "head_step.cpp")
-HEADERS = ("vec_exp.h", "attn_fp32.h", "attn_pairs.h", "attn_prefetch.h", "attn_rows.h",
-           "row_max.h", "int8_quant.h", "int8_tiles.h", "qlinear.h")
+HEADERS = ("cpu_paths.h", "vec_exp.h", "attn_fp32.h", "attn_pairs.h", "attn_prefetch.h",
+           "attn_rows.h", "row_max.h", "int8_quant.h", "int8_tiles.h", "qlinear.h")
 EXT_MODULE = "dynaspec._cpu_kernels"
 BUILD_WAIT_S = float(os.environ.get("DYNASPEC_KERNEL_BUILD_WAIT", "900"))
 
@@ -55,7 +63,8 @@ def isa_flags() -> tuple[str, list[str]]:
 
 def compile_flags(tag: str) -> list[str]:
     return ["-O3", "-ffp-contract=off", "-fopenmp", "-fopenmp-simd", *_options(tag),
-            f"-DDYNASPEC_SRC_HASH=h{source_hash(tag)}", f"-DDYNASPEC_ISA_TAG={tag}"]
+            f"-DDYNASPEC_SRC_HASH=h{source_hash(tag)}", f"-DDYNASPEC_ISA_TAG={tag}",
+            f"-DDYNASPEC_BUILD_FLAGS={','.join(sorted(cpu_features.path('build', tag).flags))}"]
 
 
 def source_hash(tag: str) -> str:
@@ -69,27 +78,86 @@ def source_hash(tag: str) -> str:
     return h.hexdigest()[:16]
 
 
+FACTS_MARK = b"DYNASPEC-BUILD-FACTS:"  # module.cpp's dynaspec_build_facts
+
+
+@dataclass(frozen=True)
+class BuildFacts:
+    tag: str
+    hash: str  # "h" + source_hash(tag)
+    flags: cpu_features.Flags  # the CPU flags its compiler options assume
+
+
+def read_facts(so_path: str) -> BuildFacts | None:
+    """The facts module.cpp stored in a built module's file, read without loading it."""
+    with open(so_path, "rb") as f:
+        data = f.read()
+    at = data.find(FACTS_MARK)
+    if at < 0:
+        return None
+    text = data[at + len(FACTS_MARK): data.find(b";", at)].decode("ascii", "replace")
+    fields = dict(kv.split("=", 1) for kv in text.split() if "=" in kv)
+    if "tag" not in fields or "hash" not in fields:
+        return None
+    return BuildFacts(fields["tag"], fields["hash"],
+                      frozenset(f.strip() for f in fields.get("flags", "").split(",") if f.strip()))
+
+
+def refusal(facts: BuildFacts | None, flags: cpu_features.Flags, tag: str, want_hash: str) -> str:
+    """Why a built module must not be imported on a CPU with these flags ("" where it may be):
+    its build flags, not its tag, decide, so a module from any machine is judged by what it
+    would run here."""
+    if facts is None:
+        return "they record no build facts, so the CPU flags they need are unknown"
+    lacking = sorted(facts.flags - flags)
+    if lacking:
+        return (f"they were built for {facts.tag}, with CPU flags this CPU lacks "
+                f"({', '.join(lacking)}); importing them could end in SIGILL")
+    if facts.tag != tag or facts.hash != want_hash:
+        return (f"they were built as {facts.tag}/{facts.hash}, this CPU and source need "
+                f"{tag}/{want_hash}")
+    return ""
+
+
 def _prebuilt(tag: str):
-    """The module built at install, if it exists and matches this CPU and these sources."""
+    """The module built at install, if it exists and matches this CPU and these sources; judged
+    from its file before it is imported."""
     import torch  # noqa: F401 - loads libc10/libtorch, which the module links against
 
-    try:
-        mod = importlib.import_module(EXT_MODULE)
-    except ImportError as exc:
-        log.info("no CPU kernels built at install (%s)", exc)
+    spec = importlib.util.find_spec(EXT_MODULE)
+    if spec is None or not spec.origin or not os.path.isfile(spec.origin):
+        log.info("no CPU kernels built at install")
         return None
-    built_tag, built_hash = mod.build_info()
-    if built_tag != tag or built_hash != "h" + source_hash(tag):
-        log.info(
-            "the installed CPU kernels were built for %s/%s, this CPU and source need %s/%s: "
-            "rebuilding",
-            built_tag,
-            built_hash,
-            tag,
-            source_hash(tag),
-        )
+    why = refusal(read_facts(spec.origin), selection().flags, tag, "h" + source_hash(tag))
+    if why:
+        log.info("not loading the installed CPU kernels (%s): rebuilding for %s", why, tag)
         return None
+    return importlib.import_module(EXT_MODULE)
+
+
+def _configured(mod, allowed: list[str] | None = None):
+    """mod, told which run-time paths it may take: this CPU's (cpu_features' selection), or a
+    subset of them; int8_gemm runs its preferred allowed path."""
+    allowed = selection().allowed() if allowed is None else allowed
+    gemm = next((p.name for p in cpu_features.KERNELS["int8_gemm"]
+                 if f"int8_gemm.{p.name}" in allowed), "scalar")
+    mod.set_cpu_paths(allowed, gemm)
     return mod
+
+
+@contextmanager
+def paths_without(*names: str):
+    """The loaded kernels with these run-time paths ("kernel.path") withheld, so tests reach the
+    paths a CPU would otherwise not prefer; never one outside this CPU's selection."""
+    mod = extension()
+    allowed = selection().allowed()
+    unknown = [n for n in names if n not in allowed]
+    if unknown:
+        raise cpu_features.PathUnavailable(f"not among this CPU's paths: {', '.join(unknown)}")
+    try:
+        yield _configured(mod, [n for n in allowed if n not in names])
+    finally:
+        _configured(mod)
 
 
 def build_dir(tag: str) -> str:
@@ -169,7 +237,7 @@ def _load():
         return "disabled by DYNASPEC_NO_CPU_KERNELS"
     tag, _ = isa_flags()
     try:
-        return _prebuilt(tag) or _jit(tag)
+        return _configured(_prebuilt(tag) or _jit(tag))
     except Exception as exc:  # no compiler, no ninja, a build error: callers keep plain torch
         lines = str(exc).strip().splitlines()
         return f"{type(exc).__name__}: {lines[-1] if lines else ''}"

@@ -38,8 +38,7 @@ inline void axpy_rows(float* __restrict acc, const float* __restrict p, const fl
 // runs this sequence, so the path keeps row invariance. (The fp32 path it replaces ran one
 // 64-long dependent FMA chain per row and 16 keys, plus a transpose: ~5x the time at batch 32.)
 #define BF16DOT_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
-
-const bool g_bf16dot = cpu_has_avx512bf16();  // vec_exp.h
+// Run only where cpu_paths().attn_bf16 (attention.avx512_bf16, dynaspec/cpu_features.py) allows.
 
 // out lane t = the 16 lanes of a[t] summed as ((b0 + b1) + (b2 + b3)) over 128-bit blocks bk,
 // each block as ((l0 + l2) + (l1 + l3)).

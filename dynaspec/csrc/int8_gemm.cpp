@@ -21,6 +21,7 @@
 
 #include <immintrin.h>
 
+#include "cpu_paths.h"
 #include "int8_quant.h"
 #include "int8_tiles.h"
 #include "vec_exp.h"
@@ -30,7 +31,6 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -144,55 +144,18 @@ AVX512_TARGET void rows_avx512(const Packed& p, const QuantX& qx, int64_t m0, in
 
 enum class Isa { Scalar = 0, Avx2 = 1, AvxVnni = 2, Avx512Vnni = 3 };
 
-// Each path with the CPU flags (as /proc/cpuinfo names them) its code needs: a set, not a rung
-// of a ladder. Zen 4, Ice Lake and Cascade Lake have AVX-512 VNNI without the VEX-encoded
-// AVX-VNNI, so "the best path or anything below it" ran vpdpbusd (VEX) there and died of SIGILL.
-struct PathNeeds {
-  const char* name;
-  std::vector<const char*> flags;
-};
-const PathNeeds kPaths[] = {
-    {"scalar", {}},
-    {"avx2", {"avx2", "fma", "f16c"}},
-    {"avx_vnni", {"avx2", "fma", "f16c", "avx_vnni"}},
-    {"avx512_vnni", {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma"}},
-};
+// The paths dynaspec/cpu_features.py allows (cpu_paths.h), each needing a set of CPU flags, not
+// a rung of a ladder: Zen 4, Ice Lake and Cascade Lake have AVX-512 VNNI without the VEX-encoded
+// AVX-VNNI, and "the best path or anything below it" ran vpdpbusd (VEX) there and died of SIGILL.
+Isa selected_isa() { return static_cast<Isa>(cpu_paths().gemm); }
 
-bool cpu_flag(const std::string& f) {
-  __builtin_cpu_init();
-  if (f == "avx2") return __builtin_cpu_supports("avx2");
-  if (f == "fma") return __builtin_cpu_supports("fma");
-  if (f == "f16c") return __builtin_cpu_supports("f16c");
-  if (f == "avx_vnni") return __builtin_cpu_supports("avxvnni");
-  if (f == "avx512f") return __builtin_cpu_supports("avx512f");
-  if (f == "avx512bw") return __builtin_cpu_supports("avx512bw");
-  if (f == "avx512vl") return __builtin_cpu_supports("avx512vl");
-  if (f == "avx512_vnni") return __builtin_cpu_supports("avx512vnni");
-  return false;
-}
-
-std::string missing_flags(Isa isa) {
-  std::string out;
-  for (const char* f : kPaths[static_cast<int>(isa)].flags)
-    if (!cpu_flag(f)) out += (out.empty() ? "" : ", ") + std::string(f);
-  return out;
-}
-
-Isa detect_isa() {  // the preferred path among those whose every flag is present
-  for (Isa isa : {Isa::Avx512Vnni, Isa::AvxVnni, Isa::Avx2})
-    if (missing_flags(isa).empty()) return isa;
-  return Isa::Scalar;
-}
-
-Isa g_isa = detect_isa();
-
-// A forced path runs only where the CPU has every flag it needs; otherwise a Python error
-// (RuntimeError) names the path and the flags, never a signal.
+// A forced path runs only where it is allowed; otherwise a Python error (RuntimeError) names it,
+// never a signal. (Int8DotLinear refuses it first, naming the CPU flags it lacks.)
 Isa checked_isa(int64_t isa) {
-  if (isa < 0) return g_isa;
+  if (isa < 0) return selected_isa();
   TORCH_CHECK(isa <= static_cast<int64_t>(Isa::Avx512Vnni), "int8_gemm: no path ", isa, " (0-3)");
-  const std::string missing = missing_flags(static_cast<Isa>(isa));
-  TORCH_CHECK(missing.empty(), "int8_gemm: path ", kPaths[isa].name, " needs CPU flags this CPU lacks: ", missing);
+  TORCH_CHECK(cpu_paths().gemm_ok[isa], "int8_gemm: path ", kGemmPaths[isa],
+              " is not one this CPU can run (dynaspec.cpu_features names the flags it needs)");
   return static_cast<Isa>(isa);
 }
 
@@ -222,8 +185,6 @@ AVX512_TARGET inline void store16_bf16(const float* src, c10::BFloat16* dst) {
   bf16x16_store(dst, _mm512_loadu_ps(src));
 }
 
-const bool g_bf16cvt = cpu_has_avx512bf16();
-
 // store16_bf16 for M rows of a tile, through vcvtneps2bf16 (bf16x16_store_cvt: the same bits).
 BF16CVT_TARGET void store_tile_bf16_cvt(const float* acc, int64_t M, c10::BFloat16* y, int64_t N) {
   for (int64_t m = 0; m < M; ++m) bf16x16_store_cvt(y + m * N, _mm512_loadu_ps(acc + m * TILE));
@@ -239,7 +200,7 @@ template <typename T>
 void store_rows(const float* acc, int64_t M, int64_t tile, int64_t N, T* y, bool vec) {
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     if (vec) {
-      if (g_bf16cvt) return store_tile_bf16_cvt(acc, M, y + tile * TILE, N);
+      if (cpu_paths().bf16_cvt) return store_tile_bf16_cvt(acc, M, y + tile * TILE, N);
       for (int64_t m = 0; m < M; ++m) store16_bf16(acc + m * TILE, y + m * N + tile * TILE);
       return;
     }
@@ -269,7 +230,7 @@ BF16CVT_TARGET void store_silu_rows_cvt(const float* g, const float* u, int64_t 
 }
 
 void store_silu_rows(const float* g, const float* u, int64_t M, int64_t tile, int64_t N, c10::BFloat16* y) {
-  if (g_bf16cvt) return store_silu_rows_cvt(g, u, M, tile, N, y);
+  if (cpu_paths().bf16_cvt) return store_silu_rows_cvt(g, u, M, tile, N, y);
   for (int64_t m = 0; m < M; ++m)
     bf16x16_store(y + m * N + tile * TILE, silu_mul16(bf16x16_round(_mm512_loadu_ps(g + m * TILE)),
                                                       bf16x16_round(_mm512_loadu_ps(u + m * TILE))));
@@ -403,14 +364,14 @@ torch::Tensor int8_gemm_silu(torch::Tensor x, torch::Tensor w, torch::Tensor d, 
   TORCH_CHECK(N % 2 == 0, "int8_gemm_silu: N must stack gate and up rows (even)");
   bool fused = false;
 #if defined(__AVX512F__)
-  fused = g_isa == Isa::Avx512Vnni && x.scalar_type() == torch::kBFloat16 && N % (2 * TILE) == 0;
+  fused = selected_isa() == Isa::Avx512Vnni && x.scalar_type() == torch::kBFloat16 && N % (2 * TILE) == 0;
 #endif
   if (!fused) return silu_mul(int8_gemm(x, w, d, mn, N, G, bits, -1));
   const int64_t M = x.size(0);
   Packed p = make_packed(w, d, mn, N, x.size(1), G, bits);
   auto y = torch::empty({M, N / 2}, x.options());
-  if (M > 0) gemm<c10::BFloat16>(x.data_ptr<c10::BFloat16>(), p, M, y.data_ptr<c10::BFloat16>(), g_isa, true);
+  if (M > 0) gemm<c10::BFloat16>(x.data_ptr<c10::BFloat16>(), p, M, y.data_ptr<c10::BFloat16>(), Isa::Avx512Vnni, true);
   return y;
 }
 
-int64_t int8_gemm_isa() { return static_cast<int64_t>(g_isa); }
+int64_t int8_gemm_isa() { return cpu_paths().gemm; }

@@ -1,5 +1,8 @@
 // The Python module: every kernel's binding in one place (the kernels live in their own files).
 #include <torch/extension.h>
+#include <pybind11/stl.h>
+
+#include "cpu_paths.h"
 
 // paged_decode.cpp
 void paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor tables, torch::Tensor ctx,
@@ -30,8 +33,21 @@ int64_t int8_gemm_isa();
 #ifndef DYNASPEC_SRC_HASH
 #define DYNASPEC_SRC_HASH unknown
 #endif
-#define DYNASPEC_STR2(x) #x
-#define DYNASPEC_STR(x) DYNASPEC_STR2(x)
+// Variadic: DYNASPEC_BUILD_FLAGS is a comma-separated list, which a one-argument macro would
+// take as several arguments.
+#define DYNASPEC_STR2(...) #__VA_ARGS__
+#define DYNASPEC_STR(...) DYNASPEC_STR2(__VA_ARGS__)
+
+#ifndef DYNASPEC_BUILD_FLAGS
+#define DYNASPEC_BUILD_FLAGS
+#endif
+
+// The build's facts where cpu_kernels.py reads them from the file without importing it: a module
+// compiled with flags this CPU lacks may run them in any code, its static initializers included,
+// so it is refused before anything of it runs.
+extern "C" __attribute__((used, visibility("default"))) const char dynaspec_build_facts[] =
+    "DYNASPEC-BUILD-FACTS: tag=" DYNASPEC_STR(DYNASPEC_ISA_TAG) " hash=" DYNASPEC_STR(DYNASPEC_SRC_HASH)
+    " flags=" DYNASPEC_STR(DYNASPEC_BUILD_FLAGS) " ;";
 
 // layer_stack.cpp
 void register_layer_stack(pybind11::module& m);
@@ -50,7 +66,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(ISA tag, source hash) this module was built with");
   m.def("int8_gemm", &int8_gemm, "x W^T with W in GGUF groups, x quantized to int8 per 32 (row-invariant)", nogil);
   m.def("int8_gemm_silu", &int8_gemm_silu, "silu_mul(int8_gemm(x, ...)) of a gate|up matrix, fused", nogil);
-  m.def("int8_gemm_isa", &int8_gemm_isa, "0 scalar, 1 AVX2, 2 AVX-VNNI, 3 AVX-512 VNNI");
+  m.def("int8_gemm_isa", &int8_gemm_isa, "the selected int8_gemm path: 0 scalar, 1 AVX2, 2 AVX-VNNI, 3 AVX-512 VNNI");
+  m.def("set_cpu_paths", &set_cpu_paths, "the kernel paths this CPU may run (cpu_features.py), once at load",
+        py::arg("allowed"), py::arg("gemm"));
+  m.def("cpu_paths", &allowed_cpu_paths, "the run-time kernel paths set_cpu_paths allowed");
   m.def("paged_decode", &paged_decode, "paged attention over the KV cache in place, any query length",
         py::arg("q"), py::arg("kv"), py::arg("tables"), py::arg("ctx"), py::arg("qstart"), py::arg("qlen"),
         py::arg("block_size"), py::arg("scale"), py::arg("out"), py::arg("window") = 0, nogil);

@@ -20,6 +20,7 @@
 #include "attn_pairs.h"
 #include "attn_prefetch.h"
 #include "attn_rows.h"
+#include "cpu_paths.h"
 #include "vec_exp.h"
 
 #include <immintrin.h>
@@ -76,7 +77,7 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
   const int64_t* qs = qstart.data_ptr<int64_t>();
   const int64_t* ql = qlen.data_ptr<int64_t>();
   const float sc = static_cast<float>(scale);
-  const bool bf16dot = std::is_same_v<T, c10::BFloat16> && D % 32 == 0 && g_bf16dot;
+  const bool bf16dot = std::is_same_v<T, c10::BFloat16> && D % 32 == 0 && cpu_paths().attn_bf16;
   // Value sums with bf16 probabilities (attn_pairs.h); a pair of keys never straddles a block.
   const bool pairs_pv = bf16dot && VALUE_ROWS_VEC && (D == 64 || D == 128) && block_size % 2 == 0;
   // Work items: (request, first query token of the tile, KV head). Which rows share an item never

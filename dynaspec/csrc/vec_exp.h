@@ -75,14 +75,8 @@ BF16X16_TARGET inline void bf16x16_store(void* p, __m512 v) {
 // The same bits through AVX512-BF16's vcvtneps2bf16: one instruction for bf16x16_bits' seven.
 // It takes subnormal inputs as zero and keeps a NaN's sign and payload, so lanes holding either
 // (fpclass: QNaN 0x01, subnormal 0x20, SNaN 0x80; rare) take the integer path, which rounds
-// them as c10::BFloat16 does. For callers that checked cpu_has_avx512bf16().
+// them as c10::BFloat16 does. For callers allowed bf16_convert.avx512_bf16 (cpu_paths.h).
 #define BF16CVT_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
-
-inline bool cpu_has_avx512bf16() {  // with the AVX-512 parts its users also need
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512dq") &&
-         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
-}
 
 BF16CVT_TARGET inline __m256i bf16x16_pack_cvt(__m512 v) {
   if (_mm512_fpclass_ps_mask(v, 0xA1) == 0) return (__m256i)_mm512_cvtneps_pbh(v);

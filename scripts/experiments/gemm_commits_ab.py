@@ -24,10 +24,20 @@ from dynaspec import cpu_kernels as ck
 from dynaspec.models.int8_dot import Int8DotLinear
 
 BIND = """#include <torch/extension.h>
+#include <pybind11/stl.h>
+#if __has_include("cpu_paths.h")  // since issue 47 Python tells the kernels their paths
+#include "cpu_paths.h"
+#define PATHS_FROM_PYTHON 1
+#endif
 torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor d,
                         c10::optional<torch::Tensor> mn, int64_t N, int64_t G, int64_t bits,
                         int64_t isa);
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("int8_gemm", &int8_gemm); }
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("int8_gemm", &int8_gemm);
+#ifdef PATHS_FROM_PYTHON
+  m.def("set_cpu_paths", &set_cpu_paths);
+#endif
+}
 """
 
 
@@ -45,8 +55,12 @@ def build(commit: str):
         f.write(BIND)
     tag, _ = ck.isa_flags()
     safe = "".join(c if c.isalnum() else "_" for c in commit)
-    return load(name=f"gemm_ab_{safe}", sources=[f"{d}/bind.cpp", f"{d}/int8_gemm.cpp"],
-                extra_cflags=ck.compile_flags(tag), extra_ldflags=["-fopenmp"]).int8_gemm
+    mod = load(name=f"gemm_ab_{safe}", sources=[f"{d}/bind.cpp", f"{d}/int8_gemm.cpp"],
+               extra_cflags=ck.compile_flags(tag), extra_ldflags=["-fopenmp"])
+    if hasattr(mod, "set_cpu_paths"):  # else it would run the scalar reference
+        sel = ck.selection()
+        mod.set_cpu_paths(sel.allowed(), sel.chosen["int8_gemm"])
+    return mod.int8_gemm
 
 
 def main() -> None:

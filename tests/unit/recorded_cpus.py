@@ -1,9 +1,11 @@
 """The "flags" line of /proc/cpuinfo on real CPUs, for the kernel path selection tests.
 
-Each is the line as Linux prints it on that CPU (a cloud VM's guest view where noted: the
-hypervisor passes the vector flags through). They differ where it matters here: AVX-512 VNNI
-without AVX-VNNI (Zen 4, Ice Lake), AVX-VNNI without AVX-512 (Alder Lake), both plus AMX
-(Sapphire Rapids), AVX2 alone (Zen 3), and AVX without AVX2 (Sandy Bridge).
+Written from the flags Linux lists on these CPUs (cloud guests' views, as a hypervisor passes
+the vector flags through); the vector flags follow each CPU's documented ISA, and some unrelated
+flags may differ from a given machine. They differ where it matters here: AVX-512 VNNI without
+AVX-VNNI (Zen 4, Ice Lake), AVX-VNNI without AVX-512 (Alder Lake), AVX-512 without VNNI
+(Skylake-SP), both plus AMX (Sapphire Rapids), AVX2 alone (Zen 3), AVX without AVX2 (Sandy
+Bridge).
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ CPUS: dict[str, str] = {
     "avx512cd sha_ni avx512bw avx512vl xsaveopt xsavec xgetbv1 xsaves wbnoinvd ida arat avx512vbmi "
     "pku ospke avx512_vbmi2 gfni vaes vpclmulqdq avx512_vnni avx512_bitalg tme avx512_vpopcntdq "
     "rdpid md_clear flush_l1d arch_capabilities",
+    # Intel Xeon Platinum 8175M (Skylake-SP): AVX-512 without any VNNI.
+    "skylake_server": _COMMON + " movbe fma avx f16c rdrand abm 3dnowprefetch invpcid_single pti "
+    "fsgsbase tsc_adjust bmi1 hle avx2 smep bmi2 erms invpcid rtm mpx avx512f avx512dq rdseed adx "
+    "smap clflushopt clwb avx512cd avx512bw avx512vl xsaveopt xsavec xgetbv1 xsaves ida arat pku "
+    "ospke",
     # Intel Core i7-12700K (Alder Lake): AVX-VNNI; AVX-512 is fused off.
     "alder_lake": _COMMON + " monitor movbe fma avx f16c rdrand tsc_deadline_timer abm "
     "3dnowprefetch cpuid_fault invpcid_single ssbd ibrs ibpb stibp ibrs_enhanced fsgsbase "

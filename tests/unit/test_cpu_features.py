@@ -17,6 +17,8 @@ EXPECTED = {
              "attention": "avx512_bf16", "exp": "avx512", "row_max": "avx512"},
     "icelake_server": {"build": "avx512", "int8_gemm": "avx512_vnni", "bf16_convert": "avx512",
                        "attention": "avx512", "exp": "avx512", "row_max": "avx512"},
+    "skylake_server": {"build": "avx512", "int8_gemm": "avx2", "bf16_convert": "avx512",
+                       "attention": "avx512", "exp": "avx512", "row_max": "avx512"},
     "alder_lake": {"build": "avx2", "int8_gemm": "avx_vnni", "bf16_convert": "scalar",
                    "attention": "scalar", "exp": "scalar", "row_max": "scalar"},
     "sapphire_rapids": {"build": "avx512", "int8_gemm": "avx512_vnni",
