@@ -50,6 +50,9 @@ class CpuPagedBackend:
         return batch.device.type == "cpu"
 
     def build_metadata(self, batch: AttentionBatch) -> CpuPagedMetadata:
+        if batch.tree_masks is not None and any(m is not None for m in batch.tree_masks):
+            raise NotImplementedError("the cpu_paged kernel has no ancestor mask for token trees "
+                                      "yet: run trees with --attention-backend eager")
         bs, slots, tables, starts = batch.block_size, [], [], []
         pos = 0
         for q, c, table in zip(batch.query_lens, batch.context_lens, batch.block_tables):

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from dynaspec.request import Request
+from dynaspec.spec_decode.tree import DraftTree
 
 # Pending tokens a drafter feeds along with a request's drafts; older ones (a prompt, on the
 # request's first drafts) are its prefill, fed in a pass of their own and timed as setup.
@@ -35,6 +36,9 @@ class Drafts:
     # two apart: one history for both priced the lookup's matches at the head's rate.
     from_fallback: list[bool] | None = None
     fallback_seconds: float = 0.0
+    # Per request, a draft tree (docs/design.md §4c) whose nodes are token_ids[i] in its order,
+    # or None for a chain; None: every draft is a chain. Deterministic drafters only (probs None).
+    trees: list[DraftTree | None] | None = None
 
 
 class Proposer:
