@@ -1,17 +1,18 @@
 """Builds dynaspec's C++ CPU kernels (dynaspec/csrc) when the package is installed.
 
-The kernels are compiled here, once, for the vector ISA this machine reports (the same choice
-`dynaspec.cpu_kernels.isa_flags` makes at run time; the int8 matmul also dispatches per call
-between its scalar/AVX2/AVX-VNNI/AVX-512 paths), so a first start needs no compiler and no JIT
-build. Where no compiler is found the install still succeeds: the engine then builds the
-kernels on first use into a per-install directory, or runs plain PyTorch (see cpu_kernels.py).
+The kernels are compiled here, once, with the compiler flags dynaspec.cpu_features selects from
+this machine's CPU flags (the same choice `dynaspec.cpu_kernels.isa_flags` makes at run time),
+so a first start needs no compiler and no JIT build. Where no compiler is found the install still
+succeeds: the engine then builds the kernels on first use into a per-install directory, or runs
+plain PyTorch (see cpu_kernels.py).
 """
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import os
 import sys
+import types
 
 from setuptools import setup
 
@@ -19,12 +20,20 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _cpu_kernels():
-    """dynaspec/cpu_kernels.py alone: the package's other imports are not in the build env."""
-    spec = importlib.util.spec_from_file_location(
-        "_dynaspec_cpu_kernels", os.path.join(HERE, "dynaspec", "cpu_kernels.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """dynaspec.cpu_kernels (and the pure-Python cpu_features it reads) without running the
+    package's __init__: the package's other imports are not in the build env."""
+    pkg = types.ModuleType("dynaspec")
+    pkg.__path__ = [os.path.join(HERE, "dynaspec")]
+    saved = sys.modules.get("dynaspec")
+    sys.modules["dynaspec"] = pkg
+    try:
+        return importlib.import_module("dynaspec.cpu_kernels")
+    finally:
+        if saved is None:
+            for name in [n for n in sys.modules if n == "dynaspec" or n.startswith("dynaspec.")]:
+                del sys.modules[name]
+        else:
+            sys.modules["dynaspec"] = saved
 
 
 def _extensions():

@@ -24,6 +24,8 @@ import os
 import time
 from functools import lru_cache
 
+from dynaspec import cpu_features
+
 log = logging.getLogger("dynaspec")
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 SOURCES = ("module.cpp", "paged_decode.cpp", "fused_ops.cpp", "int8_gemm.cpp", "layer_stack.cpp",
@@ -31,34 +33,28 @@ SOURCES = ("module.cpp", "paged_decode.cpp", "fused_ops.cpp", "int8_gemm.cpp", "
 HEADERS = ("vec_exp.h", "attn_fp32.h", "attn_pairs.h", "attn_prefetch.h", "attn_rows.h",
            "row_max.h", "int8_quant.h", "int8_tiles.h", "qlinear.h")
 EXT_MODULE = "dynaspec._cpu_kernels"
-_ISA = {
-    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c"],
-    "avx2": ["-mavx2", "-mfma", "-mf16c"],
-    "base": [],
-}
 BUILD_WAIT_S = float(os.environ.get("DYNASPEC_KERNEL_BUILD_WAIT", "900"))
 
 
+@lru_cache(maxsize=1)
+def selection() -> cpu_features.Selection:
+    """The kernel paths for this CPU's flags, chosen once (cpu_features)."""
+    return cpu_features.select(cpu_features.cpu_flags())
+
+
+def _options(tag: str) -> list[str]:
+    build = cpu_features.path("build", tag)
+    return [cpu_features.COMPILER_OPTIONS[f] for f in sorted(build.flags)]
+
+
 def isa_flags() -> tuple[str, list[str]]:
-    """(tag, compiler flags) for the vector ISA this CPU reports."""
-    flags: set[str] = set()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = next(
-                (set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")),
-                set(),
-            )
-    except OSError:
-        pass
-    if {"avx512f", "avx512bw", "avx512vl", "fma", "f16c"} <= flags:
-        return "avx512", _ISA["avx512"]
-    if {"avx2", "fma", "f16c"} <= flags:
-        return "avx2", _ISA["avx2"]
-    return "base", []
+    """(tag, compiler flags) of the build this CPU's flags select."""
+    sel = selection()
+    return sel.chosen["build"], sel.compiler_options()
 
 
 def compile_flags(tag: str) -> list[str]:
-    return ["-O3", "-ffp-contract=off", "-fopenmp", "-fopenmp-simd", *_ISA[tag],
+    return ["-O3", "-ffp-contract=off", "-fopenmp", "-fopenmp-simd", *_options(tag),
             f"-DDYNASPEC_SRC_HASH=h{source_hash(tag)}", f"-DDYNASPEC_ISA_TAG={tag}"]
 
 
@@ -66,7 +62,7 @@ def source_hash(tag: str) -> str:
     """Hash of the kernel sources, the ISA flags and the torch version they build against."""
     import torch
 
-    h = hashlib.sha256(f"{tag}|{' '.join(_ISA[tag])}|{torch.__version__}".encode())
+    h = hashlib.sha256(f"{tag}|{' '.join(_options(tag))}|{torch.__version__}".encode())
     for name in SOURCES + HEADERS:
         with open(os.path.join(_CSRC, name), "rb") as f:
             h.update(f.read())

@@ -30,6 +30,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -143,16 +144,57 @@ AVX512_TARGET void rows_avx512(const Packed& p, const QuantX& qx, int64_t m0, in
 
 enum class Isa { Scalar = 0, Avx2 = 1, AvxVnni = 2, Avx512Vnni = 3 };
 
-Isa detect_isa() {
+// Each path with the CPU flags (as /proc/cpuinfo names them) its code needs: a set, not a rung
+// of a ladder. Zen 4, Ice Lake and Cascade Lake have AVX-512 VNNI without the VEX-encoded
+// AVX-VNNI, so "the best path or anything below it" ran vpdpbusd (VEX) there and died of SIGILL.
+struct PathNeeds {
+  const char* name;
+  std::vector<const char*> flags;
+};
+const PathNeeds kPaths[] = {
+    {"scalar", {}},
+    {"avx2", {"avx2", "fma", "f16c"}},
+    {"avx_vnni", {"avx2", "fma", "f16c", "avx_vnni"}},
+    {"avx512_vnni", {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma"}},
+};
+
+bool cpu_flag(const std::string& f) {
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
-    return Isa::Avx512Vnni;
-  if (__builtin_cpu_supports("avxvnni") && __builtin_cpu_supports("fma")) return Isa::AvxVnni;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::Avx2;
+  if (f == "avx2") return __builtin_cpu_supports("avx2");
+  if (f == "fma") return __builtin_cpu_supports("fma");
+  if (f == "f16c") return __builtin_cpu_supports("f16c");
+  if (f == "avx_vnni") return __builtin_cpu_supports("avxvnni");
+  if (f == "avx512f") return __builtin_cpu_supports("avx512f");
+  if (f == "avx512bw") return __builtin_cpu_supports("avx512bw");
+  if (f == "avx512vl") return __builtin_cpu_supports("avx512vl");
+  if (f == "avx512_vnni") return __builtin_cpu_supports("avx512vnni");
+  return false;
+}
+
+std::string missing_flags(Isa isa) {
+  std::string out;
+  for (const char* f : kPaths[static_cast<int>(isa)].flags)
+    if (!cpu_flag(f)) out += (out.empty() ? "" : ", ") + std::string(f);
+  return out;
+}
+
+Isa detect_isa() {  // the preferred path among those whose every flag is present
+  for (Isa isa : {Isa::Avx512Vnni, Isa::AvxVnni, Isa::Avx2})
+    if (missing_flags(isa).empty()) return isa;
   return Isa::Scalar;
 }
 
 Isa g_isa = detect_isa();
+
+// A forced path runs only where the CPU has every flag it needs; otherwise a Python error
+// (RuntimeError) names the path and the flags, never a signal.
+Isa checked_isa(int64_t isa) {
+  if (isa < 0) return g_isa;
+  TORCH_CHECK(isa <= static_cast<int64_t>(Isa::Avx512Vnni), "int8_gemm: no path ", isa, " (0-3)");
+  const std::string missing = missing_flags(static_cast<Isa>(isa));
+  TORCH_CHECK(missing.empty(), "int8_gemm: path ", kPaths[isa].name, " needs CPU flags this CPU lacks: ", missing);
+  return static_cast<Isa>(isa);
+}
 
 template <int BITS, int G>
 void run_tile(Isa isa, const Packed& p, const QuantX& qx, int64_t m0, int64_t M, int64_t tile, float* acc) {
@@ -329,15 +371,15 @@ Packed make_packed(const torch::Tensor& w, const torch::Tensor& d, const c10::op
 
 }  // namespace
 
-// x: [M, K] bf16 or fp32 contiguous. Returns [M, N] in x's dtype. isa: -1 = best available,
-// 0 = the scalar reference (tests), 1 = AVX2, 2 = AVX-VNNI, 3 = AVX-512 VNNI (capped at what the
-// CPU has).
+// x: [M, K] bf16 or fp32 contiguous. Returns [M, N] in x's dtype. isa: -1 = the selected path,
+// 0 = the scalar reference (tests), 1 = AVX2, 2 = AVX-VNNI, 3 = AVX-512 VNNI (an error where the
+// CPU lacks a flag the path needs).
 torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor d, c10::optional<torch::Tensor> mn,
                         int64_t N, int64_t G, int64_t bits, int64_t isa) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x: a contiguous [M, K] matrix");
   const int64_t M = x.size(0), K = x.size(1);
   Packed p = make_packed(w, d, mn, N, K, G, bits);
-  Isa use = isa < 0 ? g_isa : static_cast<Isa>(std::min<int64_t>(isa, static_cast<int64_t>(g_isa)));
+  const Isa use = checked_isa(isa);
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
   if (x.scalar_type() == torch::kFloat) {

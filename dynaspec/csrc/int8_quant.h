@@ -73,6 +73,14 @@ inline float block_scale(float amax) {
   return d >= FLT_MIN ? d : 0.f;
 }
 
+// q = clamp(rint(v * id), -127, 127) as int32 lanes. A function, not a lambda in its callers:
+// a lambda does not inherit its enclosing function's target attribute, and in a build without
+// -mavx512f (the avx2 tag) GCC then refused to inline the AVX-512 intrinsics into it.
+AVX512_TARGET inline __m512i quant16(__m512 v, __m512 id) {
+  const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(v, id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  return _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, _mm512_set1_ps(-127.f)), _mm512_set1_ps(127.f)));
+}
+
 // One 32-block as the scalar loop below quantizes it (amax, d = amax / 127, q = clamp(rint(v / d))):
 // every step is exact or a single rounding the scalar code also makes, so the bytes are equal.
 template <typename T>
@@ -81,12 +89,7 @@ AVX512_TARGET void quantize_block_avx512(const T* xb, int8_t* qb, int G, float* 
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
   const float dv = block_scale(amax);
   const __m512 id = _mm512_set1_ps(dv > 0.f ? 1.f / dv : 0.f);
-  const __m512 hi = _mm512_set1_ps(127.f), lo = _mm512_set1_ps(-127.f);
-  auto quant = [&](__m512 v) {
-    const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(v, id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    return _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, lo), hi));
-  };
-  const __m512i q0 = quant(v0), q1 = quant(v1);
+  const __m512i q0 = quant16(v0, id), q1 = quant16(v1, id);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtsepi32_epi8(q0));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtsepi32_epi8(q1));
   *d = dv;
@@ -144,21 +147,16 @@ AVX512_TARGET inline void quantize_lanes_bf16(const c10::BFloat16* x, int64_t K,
   dv = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(dv, _mm512_set1_ps(FLT_MIN), _CMP_GE_OQ), dv);  // block_scale
   const __m512 id = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(dv, _mm512_setzero_ps(), _CMP_GT_OQ),
                                         _mm512_set1_ps(1.f), dv);
-  const __m512 hi = _mm512_set1_ps(127.f), lo = _mm512_set1_ps(-127.f);
-  auto quant = [&](__m512 v) {
-    const __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(v, id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    return _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(q, lo), hi));
-  };
   // Within each 128-bit lane, bytes [e0 r0..r3, e1 r0..r3, e2 .., e3 ..] to [r0 e0..e3, r1 ..].
   const __m512i order = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
   const __m512i ones = _mm512_set1_epi8(1);
   __m512i sums[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
   for (int st = 0; st < 8; ++st) {  // elements 4st..4st+3: t[2st] and t[2st + 1]
     const __m512i a = t[2 * st], b = t[2 * st + 1];
-    const __m512i e0 = quant(_mm512_castsi512_ps(_mm512_slli_epi32(a, 16)));
-    const __m512i e1 = quant(_mm512_castsi512_ps(_mm512_and_si512(a, _mm512_set1_epi32(0xFFFF0000u))));
-    const __m512i e2 = quant(_mm512_castsi512_ps(_mm512_slli_epi32(b, 16)));
-    const __m512i e3 = quant(_mm512_castsi512_ps(_mm512_and_si512(b, _mm512_set1_epi32(0xFFFF0000u))));
+    const __m512i e0 = quant16(_mm512_castsi512_ps(_mm512_slli_epi32(a, 16)), id);
+    const __m512i e1 = quant16(_mm512_castsi512_ps(_mm512_and_si512(a, _mm512_set1_epi32(0xFFFF0000u))), id);
+    const __m512i e2 = quant16(_mm512_castsi512_ps(_mm512_slli_epi32(b, 16)), id);
+    const __m512i e3 = quant16(_mm512_castsi512_ps(_mm512_and_si512(b, _mm512_set1_epi32(0xFFFF0000u))), id);
     // |q| <= 127: the saturating packs are exact.
     const __m512i p = _mm512_shuffle_epi8(_mm512_packs_epi16(_mm512_packs_epi32(e0, e1), _mm512_packs_epi32(e2, e3)), order);
     _mm512_mask_storeu_epi32(qo + st * rb, live, p);

@@ -21,6 +21,7 @@ import logging
 
 import torch
 
+from dynaspec import cpu_features, cpu_kernels
 from dynaspec.models.layers import KernelModule, keep
 from dynaspec.models.quant import QuantizedTensor
 
@@ -30,8 +31,6 @@ ISA_NAMES = ("scalar", "avx2", "avx_vnni", "avx512_vnni")
 
 
 def _ext():
-    from dynaspec import cpu_kernels
-
     ok, _ = cpu_kernels.available()
     return cpu_kernels.extension() if ok else None
 
@@ -41,6 +40,18 @@ def supports(w: QuantizedTensor) -> bool:
     n, k = w.shape
     return (w.group_size in (16, 32) and n % TILE == 0 and k % 32 == 0 and w.kind in ("q4", "q8")
             and _ext() is not None)
+
+
+def forced_isa(path: str) -> int:
+    """The kernel's index of a path this CPU can run; PathUnavailable naming the missing flags
+    otherwise (the kernel would refuse it too, but here the error names them before any call)."""
+    cpu_features.require("int8_gemm", path, cpu_kernels.selection().flags)
+    return ISA_NAMES.index(path)
+
+
+def runnable_paths() -> list[str]:
+    """The int8_gemm paths this CPU can run, preferred first."""
+    return [p.name for p in cpu_features.runnable("int8_gemm", cpu_kernels.selection().flags)]
 
 
 def kernel_isa() -> str:
@@ -116,8 +127,10 @@ class Int8DotLinear(KernelModule):
             1 if self.mins is None else 2
         )
 
-    def forward(self, x: torch.Tensor, isa: int = -1) -> torch.Tensor:
-        """x: [M, K] bf16 or fp32 -> [M, N] in x's dtype; isa 0 forces the scalar reference."""
+    def forward(self, x: torch.Tensor, path: str | None = None) -> torch.Tensor:
+        """x: [M, K] bf16 or fp32 -> [M, N] in x's dtype. path: force one of ISA_NAMES ("scalar":
+        the reference the tests compare with); PathUnavailable where this CPU lacks its flags."""
+        isa = -1 if path is None else forced_isa(path)
         y = self._op(x.contiguous(), self.packed, self.scales, self.mins, self.out_features,
                      self.group_size, self.bits, isa)
         return y if self.bias is None else y + self.bias

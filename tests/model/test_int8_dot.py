@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dynaspec import cpu_features, cpu_kernels
 from dynaspec.models import int8_dot
 from dynaspec.models.int8_dot import (
     Int8DotHead,
@@ -19,7 +20,17 @@ from dynaspec.models.quant import QuantizedTensor, quantize_int4
 pytestmark = pytest.mark.skipif(
     int8_dot.kernel_isa() == "unavailable", reason="the C++ kernels are not built"
 )
-ISAS = [0, 1, 2, 3]  # scalar, AVX2, AVX-VNNI, AVX-512 VNNI (capped at what this CPU has)
+# Every vector path, each run only where this CPU has every flag it needs (the rest skip,
+# naming the flags): forcing one the CPU lacks raised SIGILL on Zen 4 (avx_vnni there).
+VECTOR_PATHS = [p.name for p in cpu_features.KERNELS["int8_gemm"] if p.name != "scalar"]
+
+
+def _runnable(path: str) -> str:
+    lacking = cpu_features.missing(cpu_features.path("int8_gemm", path),
+                                   cpu_kernels.selection().flags)
+    if lacking:
+        pytest.skip(f"this CPU lacks {', '.join(lacking)}, which int8_gemm path {path} needs")
+    return path
 
 
 def _weights(kind: str, n: int, k: int, seed: int) -> QuantizedTensor:
@@ -34,15 +45,15 @@ def _weights(kind: str, n: int, k: int, seed: int) -> QuantizedTensor:
     return q
 
 
+@pytest.mark.parametrize("path", VECTOR_PATHS)
 @pytest.mark.parametrize("kind", ["q4", "q8", "q8g16", "q8zero"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_every_isa_path_equals_the_scalar_reference_bit_for_bit(kind, dtype):
+def test_every_isa_path_equals_the_scalar_reference_bit_for_bit(kind, dtype, path):
     w = _weights(kind, 80, 192, seed=1)
     lin = Int8DotLinear(w, None)
     x = torch.randn(21, 192, generator=torch.Generator().manual_seed(2)).to(dtype)
-    ref = lin(x, isa=0)
-    for isa in ISAS[1:]:
-        assert torch.equal(lin(x, isa=isa), ref), isa
+    ref = lin(x, path="scalar")
+    assert torch.equal(lin(x, path=_runnable(path)), ref)
     exact = x.float() @ w.dequantize().t()
     rel = ((ref.float() - exact).abs().max() / exact.abs().max()).item()
     assert rel < 0.03, rel  # int8 activations: ~0.5-1.5% of the largest output here
@@ -67,7 +78,7 @@ def test_activation_blocks_at_their_edges_quantize_as_the_reference(kind):
     x = x.to(torch.bfloat16)
     for m in range(1, 26):
         part = x[m: 2 * m + 1]
-        assert torch.equal(lin(part), lin(part, isa=0)), m
+        assert torch.equal(lin(part), lin(part, path="scalar")), m
 
 
 @pytest.mark.parametrize("kind", ["q4", "q8"])
@@ -93,7 +104,7 @@ def test_bf16_outputs_round_as_the_scalar_reference_down_to_subnormals():
     x[9] = 0.0
     for dtype in (torch.float32, torch.bfloat16):
         xd = x.to(dtype)
-        ref, got = lin(xd, isa=0), lin(xd)
+        ref, got = lin(xd, path="scalar"), lin(xd)
         if dtype == torch.bfloat16:
             assert torch.equal(got.view(torch.int16), ref.view(torch.int16))
             tiny = got.float().abs() < 1.18e-38
@@ -229,16 +240,15 @@ def _fp16_exact(kind: str) -> QuantizedTensor:
     return QuantizedTensor("q8", w.q, d, zero, w.group_size)
 
 
+@pytest.mark.parametrize("path", VECTOR_PATHS)
 @pytest.mark.parametrize("kind", ["q4", "q8", "q8zero"])
-def test_fp16_scales_where_exact_give_the_same_bits_on_every_isa(kind):
+def test_fp16_scales_where_exact_give_the_same_bits_on_every_isa(kind, path):
     w = _fp16_exact(kind)
     lin = Int8DotLinear(w, None)
     assert lin.scales.dtype == torch.float16
     assert lin.mins is None or lin.mins.dtype == torch.float16
     x = torch.randn(13, 128, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
-    ref = lin(x, isa=0)
-    for isa in ISAS[1:]:
-        assert torch.equal(lin(x, isa=isa), ref), isa
+    assert torch.equal(lin(x, path=_runnable(path)), lin(x, path="scalar"))
     # the same values stored as fp32: the kernel widens fp16 exactly, so not one bit moves
     mins = None if lin.mins is None else lin.mins.float()
     as32 = lin._op(x, lin.packed, lin.scales.float(), mins, lin.out_features, lin.group_size,
@@ -251,3 +261,30 @@ def test_scales_that_are_not_fp16_values_stay_fp32():
     assert not torch.equal(w.scale.half().float(), w.scale)
     _, scales, mins, _ = int8_dot.pack(w)
     assert scales.dtype == torch.float32 and mins.dtype == torch.float32
+
+
+ZEN4 = frozenset("avx avx2 fma f16c avx512f avx512dq avx512cd avx512bw avx512vl avx512_vnni "
+                 "avx512_bf16".split())  # AVX-512 VNNI without AVX-VNNI
+
+
+def test_a_forced_path_the_cpu_lacks_is_a_python_error_naming_its_flags(monkeypatch):
+    lin = Int8DotLinear(_weights("q4", 32, 64, seed=13), None)
+    x = torch.randn(3, 64)
+    monkeypatch.setattr(cpu_kernels, "selection", lambda: cpu_features.select(ZEN4))
+    with pytest.raises(cpu_features.PathUnavailable, match="'avx_vnni' needs CPU flags avx_vnni"):
+        lin(x, path="avx_vnni")  # refused before the kernel is called: no SIGILL on Zen 4
+    with pytest.raises(ValueError, match="no path 'avx1024'"):
+        lin(x, path="avx1024")
+
+
+@pytest.mark.parametrize("path", VECTOR_PATHS)
+def test_the_kernel_itself_refuses_a_path_this_cpu_lacks(path):
+    p = cpu_features.path("int8_gemm", path)
+    lacking = cpu_features.missing(p, cpu_kernels.selection().flags)
+    if not lacking:
+        pytest.skip(f"this CPU has every flag int8_gemm path {path} needs")
+    lin = Int8DotLinear(_weights("q4", 32, 64, seed=13), None)
+    match = f"path {path} needs CPU flags this CPU lacks: .*{lacking[-1]}"
+    with pytest.raises(RuntimeError, match=match):
+        lin._op(torch.randn(3, 64), lin.packed, lin.scales, lin.mins, lin.out_features,
+                lin.group_size, lin.bits, int8_dot.ISA_NAMES.index(path))
