@@ -5,6 +5,7 @@ a chain given as a tree runs exactly today's chain path."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from dynaspec import LLM
 from dynaspec.sampling_params import SamplingParams
@@ -130,3 +131,48 @@ def test_a_chain_tree_is_todays_chain(tiny_llama_dir, prompts, baseline):
                      dict(c.steps_by_k))
     assert got["list"] == got["chain_tree"]
     assert got["list"][0] == baseline
+
+
+def _branching_prompts(plain: LLM, n: int = 3) -> list[list[int]]:
+    """Prompts ending in "a b" where "a b t" occurred before with different continuations, t
+    being the token the model emits first: its first drafting step, with "a b t" the longest
+    match, has several continuations to branch on. (The tiny random model's first token hardly
+    depends on the prompt: two rounds find it.)"""
+    g = torch.Generator().manual_seed(15)
+    out = []
+    for _ in range(n):
+        a, b = torch.randint(3, 280, (2,), generator=g).tolist()
+        rs = [torch.randint(3, 280, (4,), generator=g).tolist() for _ in range(3)]
+        first: list[int] = []
+        for _ in range(2):
+            seq = []
+            for i, r in enumerate(rs + rs[:1]):  # a fresh token before each: "a b t" matches
+                seq += [3 + i, a, b, *first, *r]
+            seq += [9, a, b]
+            first = plain.generate([seq], greedy(1, ignore_eos=True))[0].token_ids
+        out.append(seq)
+    return out
+
+
+@pytest.mark.parametrize("speculator", ["ngram", "suffix"])
+def test_tree_drafters_are_greedy_exact(tiny_llama_dir, speculator, check_integrity):
+    plain = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=256)
+    prompts = _branching_prompts(plain)
+    base = [o.token_ids for o in plain.generate(prompts, greedy(MAX_TOKENS, ignore_eos=True))]
+    llm = LLM(model=tiny_llama_dir, dtype="float32", speculator=speculator, num_spec_tokens=8,
+              draft_tree=True, k_policy="table", num_kv_blocks=256, attention_backend="eager")
+    check_integrity(llm.engine)
+    seen = watch_steps(llm)
+    outs = llm.generate(prompts, greedy(MAX_TOKENS, ignore_eos=True))
+    for i, (p, ref, o) in enumerate(zip(prompts, base, outs)):
+        assert_greedy_equal(tiny_llama_dir, p, ref, o.token_ids, f"{speculator} tree {i}")
+    assert llm.engine.counters.num_accepted_tokens > 0
+    assert any(r.num_tree_nodes for _, res in seen for r in res.results), "trees were drafted"
+
+
+def test_draft_tree_refuses_what_it_cannot_carry(tiny_llama_dir):
+    with pytest.raises(ValueError, match="--draft-tree cannot be combined with --async"):
+        LLM(model=tiny_llama_dir, speculator="ngram", num_spec_tokens=4, draft_tree=True,
+            async_scheduling=True)
+    with pytest.raises(ValueError, match="--draft-tree needs --speculator ngram or suffix"):
+        LLM(model=tiny_llama_dir, speculator="none", draft_tree=True)
