@@ -16,6 +16,8 @@ from tests.cost_tables import FREE_VERIFY
 from .conftest import assert_greedy_equal, greedy, random_prompts, watch_steps
 
 MAX_TOKENS = 24
+# The in-place kernel where it builds (its ancestor mask), else the eager reference.
+BACKEND = "auto"
 
 
 class OracleTrees(Proposer):
@@ -79,7 +81,7 @@ def baseline(tiny_llama_dir, prompts):
 
 def _engine(model: str, proposer: Proposer, k: int) -> LLM:
     llm = LLM(model=model, dtype="float32", speculator="ngram", num_spec_tokens=k,
-              cost_table=FREE_VERIFY, num_kv_blocks=256, attention_backend="eager")
+              cost_table=FREE_VERIFY, num_kv_blocks=256, attention_backend=BACKEND)
     llm.engine.runner.proposer = proposer  # a test drafter in the drafter's seat
     return llm
 
@@ -160,7 +162,7 @@ def test_tree_drafters_are_greedy_exact(tiny_llama_dir, speculator, check_integr
     prompts = _branching_prompts(plain)
     base = [o.token_ids for o in plain.generate(prompts, greedy(MAX_TOKENS, ignore_eos=True))]
     llm = LLM(model=tiny_llama_dir, dtype="float32", speculator=speculator, num_spec_tokens=8,
-              draft_tree=True, k_policy="table", num_kv_blocks=256, attention_backend="eager")
+              draft_tree=True, k_policy="table", num_kv_blocks=256, attention_backend=BACKEND)
     check_integrity(llm.engine)
     seen = watch_steps(llm)
     outs = llm.generate(prompts, greedy(MAX_TOKENS, ignore_eos=True))
