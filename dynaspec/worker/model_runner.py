@@ -240,21 +240,8 @@ class ModelRunner:
         """The step's trees that run as trees (worker/tree_step.py); the rest become chains."""
         if not got.trees:
             return {}
-        by_id = {s.request.request_id: s for s in out.scheduled}
-        plain = self.synthetic is None and self.hidden_sink is None
-        eager = not out.batch.fixed_shape
-
-        def allowed(rid: str) -> bool:
-            return tree_step.tree_allowed(by_id[rid].request, eager=eager, plain_verify=plain,
-                                          has_probs=got.probs.get(rid) is not None)
-
-        kept = tree_step.admit(got.trees, drafts, allowed)
-        rows = {}
-        for rid, tree in kept.items():
-            s = by_id[rid]
-            base = s.request.num_computed_tokens + s.num_new_tokens - 1
-            rows[rid] = tree_step.TreeRows(tree, base, tuple(s.block_table))
-        return rows
+        return tree_step.admit(out, got.trees, got.probs, drafts,
+                               plain=self.synthetic is None and self.hidden_sink is None)
 
     def run(self, p: PreparedStep) -> RunnerOutput:
         """The target forward and verification of a prepared step."""
@@ -411,7 +398,11 @@ class ModelRunner:
         reqs = [out.scheduled[i].request for i, _ in sampling]
         paths: dict[str, list[int]] = {}
         if p.trees:
-            tokens = self._verify_with_trees(p, logits, reqs, paths)
+            tokens = tree_step.verify_step(
+                logits, [r.request_id for r in reqs], sampling, md,
+                {rid: t.tree for rid, t in p.trees.items()}, paths,
+                lambda sub, idx, k: self._verify_chains(p, sub, [reqs[i] for i in idx], k,
+                                                        tree_step.subset(md, idx)))
         elif any(n for _, n in sampling):
             tokens = self._verify_chains(p, logits, reqs, [n for _, n in sampling], md)
         else:
@@ -450,30 +441,6 @@ class ModelRunner:
         dp = [p.draft_probs.get(r.request_id) for r in reqs]
         return rejection_sample(logits, num_draft, dt,
                                 dp if any(q is not None for q in dp) else None, md)
-
-    def _verify_with_trees(self, p: PreparedStep, logits: torch.Tensor, reqs: list,
-                           paths: dict[str, list[int]]) -> list[list[int]]:
-        """Trees walked one request at a time (tree_sampler.py); every other request, chain or
-        plain, through the batched chain rule on its own rows."""
-        sampling, md = p.inputs.sampling, p.sampling_md
-        tokens: list[list[int] | None] = [None] * len(reqs)
-        chain_idx, chain_rows, row = [], [], 0
-        for k, (req, (_, n)) in enumerate(zip(reqs, sampling)):
-            rows = p.trees.get(req.request_id)
-            if rows is not None:
-                paths[req.request_id], tokens[k] = tree_step.verify(logits, row, rows.tree, md, k)
-            else:
-                chain_idx.append(k)
-                chain_rows.extend(range(row, row + n + 1))
-            row += n + 1
-        if chain_idx:
-            sub = logits[torch.tensor(chain_rows, dtype=torch.long, device=logits.device)]
-            got = self._verify_chains(p, sub, [reqs[k] for k in chain_idx],
-                                      [sampling[k][1] for k in chain_idx],
-                                      tree_step.subset(md, chain_idx))
-            for k, t in zip(chain_idx, got):
-                tokens[k] = t
-        return tokens  # type: ignore[return-value]
 
 
 def _logprobs(rows: torch.Tensor, tokens: list[int], top_n: int) -> list:

@@ -37,14 +37,19 @@ def tree_allowed(req, *, eager: bool, plain_verify: bool,  # type: ignore[no-unt
             and not sp.processes_logits and sp.logprobs is None)
 
 
-def admit(trees: dict[str, DraftTree], drafts: dict[str, list[int]],  # type: ignore[no-untyped-def]
-          allowed) -> dict[str, DraftTree]:
-    """The trees that run as trees; each other one is replaced in `drafts` by its first root
-    path (a chain, verified by today's rule)."""
+def admit(out, trees: dict[str, DraftTree], probs: dict,  # type: ignore[no-untyped-def]
+          drafts: dict[str, list[int]], plain: bool) -> dict[str, TreeRows]:
+    """The trees of step `out` (a StepPlan) that run as trees, with their rows; each other one
+    is replaced in `drafts` by its first root path (a chain, verified by today's rule).
+    `plain`: strict verification and no hidden-state drafter."""
+    by_id = {s.request.request_id: s for s in out.scheduled}
     kept = {}
     for rid, tree in trees.items():
-        if allowed(rid):
-            kept[rid] = tree
+        s = by_id[rid]
+        if tree_allowed(s.request, eager=not out.batch.fixed_shape, plain_verify=plain,
+                        has_probs=probs.get(rid) is not None):
+            base = s.request.num_computed_tokens + s.num_new_tokens - 1
+            kept[rid] = TreeRows(tree, base, tuple(s.block_table))
         else:
             drafts[rid] = tree.first_path()
     return kept
@@ -76,10 +81,27 @@ def subset(md: SamplingMetadata, idx: list[int]) -> SamplingMetadata:
                             [md.num_logprobs[i] for i in idx])
 
 
-def verify(logits: torch.Tensor, row: int, tree: DraftTree, md: SamplingMetadata, i: int
-           ) -> tuple[list[int], list[int]]:
-    """(accepted path, tokens) of request i (in md), whose rows start at `row` of logits."""
-    return verify_tree(logits[row: row + len(tree) + 1], tree, md, i)
+def verify_step(logits: torch.Tensor, ids: list[str], sampling: list[tuple[int, int]],
+                md: SamplingMetadata, trees: dict[str, DraftTree], paths: dict[str, list[int]],
+                chains) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    """Per sampling request (rows laid out request after request, drafts + 1 each): a tree
+    walked on its own rows (tree_sampler.py, its accepted path into `paths`), every other
+    request through `chains(rows, their indices, their draft counts)`, the batched chain rule."""
+    tokens: list[list[int] | None] = [None] * len(ids)
+    chain_idx, chain_rows, row = [], [], 0
+    for k, (rid, (_, n)) in enumerate(zip(ids, sampling)):
+        tree = trees.get(rid)
+        if tree is not None:
+            paths[rid], tokens[k] = verify_tree(logits[row: row + n + 1], tree, md, k)
+        else:
+            chain_idx.append(k)
+            chain_rows.extend(range(row, row + n + 1))
+        row += n + 1
+    if chain_idx:
+        sub = logits[torch.tensor(chain_rows, dtype=torch.long, device=logits.device)]
+        for k, t in zip(chain_idx, chains(sub, chain_idx, [sampling[k][1] for k in chain_idx])):
+            tokens[k] = t
+    return tokens  # type: ignore[return-value]
 
 
 def move_accepted(kv_caches: list[torch.Tensor], block_size: int,

@@ -57,3 +57,20 @@ def test_kv_moves_put_the_path_at_its_depths():
         for src, dst in kv_moves(path):
             rows[dst] = rows[src]
         assert rows[1:1 + len(path)] == [1 + p for p in path]
+
+
+@pytest.mark.parametrize("speculator,says", [("suffix", "node budget"), ("draft", "refused")])
+def test_schedule_explain_describes_draft_trees(speculator, says):
+    import argparse
+    import io
+    import json
+
+    from dynaspec.cli import schedule_cmd
+
+    for as_json in (False, True):
+        args = argparse.Namespace(speculator=speculator, num_spec_tokens=8, k_schedule="4",
+                                  drafter_max_k=None, json=as_json, draft_tree=True)
+        out, err = io.StringIO(), io.StringIO()
+        assert schedule_cmd.explain(args, out, err) == 0, err.getvalue()
+        text = json.loads(out.getvalue())["draft_tree"] if as_json else out.getvalue()
+        assert says in text
