@@ -185,6 +185,9 @@ class SpecConfig:
     suffix_cache_max_requests: int = opt(10000, "suffix: outputs kept in the global cache, least "
                                          "recently used evicted (0 = off)")
     suffix_cache_max_tokens: int = opt(1_000_000, "suffix: tokens kept in the global cache")
+    # Token trees (docs/design.md §4c): the request's draft budget becomes a node budget.
+    draft_tree: bool = opt(False, "ngram/suffix draft token trees (several continuations, "
+                           "verified in one step) instead of chains")
     rejection_mode: str = opt("strict", "verification", choices=reg.REJECTION_MODES)
     # Per-position conditional rates; the last applies to every later position.
     synthetic_acceptance: str | float | tuple[float, ...] | None = opt(
@@ -365,6 +368,16 @@ class EngineConfig:
             # step before the previous one lands, which that agreement does not cover yet.
             raise ValueError("--async-scheduling cannot be combined with --data-parallel-size > 1 "
                              "or --engine-process")
+        if self.spec.draft_tree:
+            if self.spec.speculator not in ("ngram", "suffix"):
+                raise ValueError(f"--draft-tree needs --speculator ngram or suffix, got "
+                                 f"{self.spec.speculator!r}")
+            # Not carried yet (docs/design.md §4c): trees run on the synchronous single-rank step.
+            if self.scheduler.async_scheduling:
+                raise ValueError("--draft-tree cannot be combined with --async-scheduling yet")
+            if self.parallel.data_parallel_size > 1 or self.parallel.engine_process:
+                raise ValueError("--draft-tree cannot be combined with --data-parallel-size > 1 "
+                                 "or --engine-process yet")
 
     @staticmethod
     def parts() -> dict[str, type]:

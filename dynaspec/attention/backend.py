@@ -72,6 +72,9 @@ class AttentionBatch:
     num_reqs_padded: int | None = None
     width: int | None = None
     buffers: MetadataBuffers | None = None  # where a fixed-shape backend writes its metadata
+    # Token trees (docs/design.md §4c): per request, [q, q] bool over its query rows (True = the
+    # row attends to that row's key), or None for the causal order. None: every row causal.
+    tree_masks: Sequence[torch.Tensor | None] | None = None
 
 
 @runtime_checkable

@@ -32,6 +32,9 @@ class CpuPagedMetadata:
     query_start: torch.Tensor  # [B] long: flat index of each request's first token
     query_lens: torch.Tensor  # [B] long
     block_size: int
+    # Token trees (docs/design.md §4c): [T, W] uint8, row j of a request sees its row k where
+    # set (causal rows for requests without a tree); None: no tree in the step.
+    tree_mask: torch.Tensor | None = None
 
 
 class CpuPagedBackend:
@@ -67,7 +70,7 @@ class CpuPagedBackend:
             return torch.tensor(list(xs), dtype=torch.long, device=dev)
 
         return CpuPagedMetadata(vec(slots), padded, vec(batch.context_lens), vec(starts),
-                                vec(batch.query_lens), bs)
+                                vec(batch.query_lens), bs, _tree_mask(batch, dev))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 md: CpuPagedMetadata, scale: float, window: int | None = None) -> torch.Tensor:
@@ -86,6 +89,22 @@ class CpuPagedBackend:
         q = q.contiguous()
         out = torch.empty_like(q)
         if md.block_tables.shape[0]:
+            if md.tree_mask is not None and window:
+                raise NotImplementedError("token trees are not verified on sliding-window layers")
             self._op(q, kv_cache, md.block_tables, md.context_lens, md.query_start, md.query_lens,
-                     md.block_size, scale, out, window or 0)
+                     md.block_size, scale, out, window or 0, md.tree_mask)
         return out
+
+
+def _tree_mask(batch: AttentionBatch, device: torch.device) -> torch.Tensor | None:
+    """[T, W] uint8 of every request's rows (a tree's visibility, else causal), or None."""
+    masks = batch.tree_masks
+    if masks is None or all(m is None for m in masks):
+        return None
+    W = max(batch.query_lens)
+    out = torch.zeros(sum(batch.query_lens), W, dtype=torch.uint8)
+    row = 0
+    for q, m in zip(batch.query_lens, masks):
+        out[row: row + q, :q] = torch.ones(q, q, dtype=torch.uint8).tril() if m is None else m
+        row += q
+    return out.to(device)

@@ -50,6 +50,7 @@ class LongSeq:
     context_len: int  # tokens in KV after this step's write (computed + query)
     kv_slots: torch.Tensor | None  # [context_len]; None when the query is the whole context
     window_masks: dict = field(default_factory=dict)  # sliding window -> [query_len, context_len]
+    tree_mask: torch.Tensor | None = None  # [query_len, query_len] bool: a tree's rows (§4c)
 
 
 @dataclass
@@ -58,11 +59,16 @@ class AttentionMetadata:
     short: ShortGroup | None
     long: list[LongSeq]
     num_tokens: int
+    has_tree: bool = False  # some request's rows are a draft tree (masks built in)
 
 
 def build_metadata(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
-                   block_size: int, device: torch.device) -> AttentionMetadata:
-    """context_lens[i] = tokens in request i's KV after this step (computed + query)."""
+                   block_size: int, device: torch.device,
+                   tree_masks: list[torch.Tensor | None] | None = None) -> AttentionMetadata:
+    """context_lens[i] = tokens in request i's KV after this step (computed + query);
+    tree_masks[i]: [q, q] bool visibility among request i's query rows (None: causal)."""
+    trees = tree_masks if tree_masks is not None and any(m is not None for m in tree_masks) \
+        else None
     starts, slots_new, short_ids, long = [], [], [], []
     pos = 0
     for i, (q, c) in enumerate(zip(query_lens, context_lens)):
@@ -73,15 +79,16 @@ def build_metadata(query_lens: list[int], context_lens: list[int], block_tables:
         if q <= SHORT_QUERY_MAX:
             short_ids.append(i)
         else:
-            kv = None if q == c else _slots(table, c, block_size, device)
-            long.append(LongSeq(pos, q, c, kv))
+            tree = None if trees is None or trees[i] is None else trees[i].to(device)
+            kv = None if q == c and tree is None else _slots(table, c, block_size, device)
+            long.append(LongSeq(pos, q, c, kv, tree_mask=tree))
         pos += q
     slot_mapping = torch.tensor(slots_new, dtype=torch.long, device=device)
     short = None
     if short_ids:
         short = _build_short(short_ids, starts, query_lens, context_lens, block_tables,
-                             block_size, device)
-    return AttentionMetadata(slot_mapping, short, long, pos)
+                             block_size, device, trees)
+    return AttentionMetadata(slot_mapping, short, long, pos, trees is not None)
 
 
 def _slots(table: list[int], n: int, block_size: int, device: torch.device) -> torch.Tensor:
@@ -98,6 +105,7 @@ def _build_short(
     block_tables: list[list[int]],
     block_size: int,
     device: torch.device,
+    trees: list[torch.Tensor | None] | None = None,
 ) -> ShortGroup:
     qs = [query_lens[i] for i in ids]
     cs = [context_lens[i] for i in ids]
@@ -120,7 +128,12 @@ def _build_short(
         q_len = torch.tensor(qs)[:, None, None]
         q_pos = ctx - q_len + torch.arange(W)[None, :, None]  # absolute position of each query
         k_pos = torch.arange(C)[None, None, :]
-        mask = ((k_pos <= q_pos) & (k_pos < ctx)).unsqueeze(1).to(device)  # [B, 1, W, C]
+        mask = ((k_pos <= q_pos) & (k_pos < ctx)).unsqueeze(1)  # [B, 1, W, C]
+        for j, i in enumerate(ids if trees is not None else ()):
+            if trees[i] is not None:  # a tree's rows see the context and their ancestors only
+                q, c = qs[j], cs[j]
+                mask[j, 0, :q, c - q:c] = trees[i]
+        mask = mask.to(device)
     return ShortGroup(token_index, token_valid, kv_slots.to(device), mask, B, W,
                       starts[ids[0]] if uniform else 0, tuple(cs), tuple(qs))
 
@@ -130,6 +143,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     """q: [T, H, D]; k, v: [T, Hkv, D]; kv_cache: [2, num_slots, Hkv, D]. Returns [T, H, D].
     window: a query at position p sees keys max(0, p - window + 1)..p (None: all up to p). The
     cache keeps every position either way, so prefix caching and rollback are unaffected."""
+    if md.has_tree and window is not None:
+        # Window masks are laid out by row; a tree's rows sit at positions by depth.
+        raise NotImplementedError("token trees are not verified on sliding-window layers")
     kv_cache[0].index_copy_(0, md.slot_mapping, k)
     kv_cache[1].index_copy_(0, md.slot_mapping, v)
     out = torch.empty_like(q)
@@ -158,7 +174,12 @@ def long_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: 
         else:
             ki, vi = kv_cache[0][seq.kv_slots], kv_cache[1][seq.kv_slots]  # [ctx, Hkv, D]
         windowed = window is not None and seq.context_len > window  # else the window hides nothing
-        if windowed:
+        if seq.tree_mask is not None:
+            q_pos = torch.arange(seq.context_len - seq.query_len, seq.context_len, device=q.device)
+            mask = torch.arange(seq.context_len, device=q.device)[None, :] <= q_pos[:, None]
+            mask[:, seq.context_len - seq.query_len:] = seq.tree_mask  # [q, ctx]
+            causal = False
+        elif windowed:
             mask = seq.window_masks.get(window)
             if mask is None:
                 q_pos = torch.arange(
@@ -227,7 +248,8 @@ class EagerPagedBackend:
 
     def build_metadata(self, batch: AttentionBatch) -> AttentionMetadata:
         return build_metadata(list(batch.query_lens), list(batch.context_lens),
-                              [list(t) for t in batch.block_tables], batch.block_size, batch.device)
+                              [list(t) for t in batch.block_tables], batch.block_size, batch.device,
+                              None if batch.tree_masks is None else list(batch.tree_masks))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 md: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:

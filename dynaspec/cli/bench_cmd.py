@@ -47,13 +47,14 @@ def register(sub) -> None:
                    help="output JSON (default: next to a --k-schedule file, else admission.json)")
     add_engine_args(a)
     a.set_defaults(func=run_admission_cmd)
-    from dynaspec.bench import async_cmd, compare_cmd, reliability, served, structured_cmd
+    from dynaspec.bench import async_cmd, census, compare_cmd, reliability, served, structured_cmd
 
     async_cmd.register(bsub)
     served.register(bsub)
     compare_cmd.register(bsub)
     reliability.register(bsub)
     structured_cmd.register(bsub)
+    census.register(bsub)
 
 
 def run_admission_cmd(args: argparse.Namespace) -> int:

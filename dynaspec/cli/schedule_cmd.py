@@ -66,6 +66,8 @@ def register(subparsers) -> None:
                          help="fixed-shape path: torch.compile (cpu) or CUDA graphs (cuda)")
     explain.add_argument("--data-parallel-size", type=int, default=1,
                          help="engine ranks: describe how the plan applies across them")
+    explain.add_argument("--draft-tree", action="store_true",
+                         help="ngram/suffix draft token trees: how K becomes a node budget")
     explain.add_argument("--json", action="store_true", help="print the plan as a JSON object")
     explain.set_defaults(func=run_explain)
 
@@ -101,6 +103,7 @@ def explain(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                     "cost_cache": _cost_cache(policy),
                     "execution": execution_rows_json(plan, ep),
                     "data_parallel": {"size": dp, "text": format_dp(plan, policy, dp)},
+                    "draft_tree": format_tree(args, plan).strip() or None,
                 }
             ),
             file=out,
@@ -110,7 +113,23 @@ def explain(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         if ep is not None:
             out.write(format_execution(plan, ep))
         out.write(format_policy(policy) + format_dp(plan, policy, dp) + "\n")
+        out.write(format_tree(args, plan))
     return 0
+
+
+def format_tree(args: argparse.Namespace, plan: SpecPlan) -> str:
+    """What --draft-tree changes (docs/design.md §4c); '' without it."""
+    if not getattr(args, "draft_tree", False):
+        return ""
+    if args.speculator not in ("ngram", "suffix"):
+        return "draft trees: refused (--draft-tree needs --speculator ngram or suffix)\n"
+    return ("draft trees: on. A request's K is a node budget: its drafter proposes a tree of at "
+            f"most K nodes (K <= {plan.max_k}), verified at width nodes + 1, each node at "
+            "context + depth seeing only its ancestors; one branch of continuations is a chain "
+            "and runs exactly as one. A tree runs as its first path on a fixed-shape (compiled) "
+            "step and for requests with a grammar, logits processing or logprobs. The policy "
+            "prices a tree as a chain of its nodes (its width), learning its acceptance per "
+            "node verified. Refused with --async-scheduling and data parallel.\n")
 
 
 def format_dp(plan: SpecPlan, policy: str | None, dp: int) -> str:

@@ -19,7 +19,8 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor add_rms_norm(torch::Tensor residual, torch::Tensor delta, torch::Tensor w, double eps);
 void rope_inplace(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t head_dim);
 void paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor tables, torch::Tensor ctx, torch::Tensor qstart,
-                  torch::Tensor qlen, int64_t block_size, double scale, torch::Tensor out, int64_t window);
+                  torch::Tensor qlen, int64_t block_size, double scale, torch::Tensor out, int64_t window,
+                  c10::optional<torch::Tensor> tree_mask);
 
 struct Layer {
   QLinear qkv, o, gate_up, down;
@@ -100,7 +101,7 @@ class LayerStack {
       auto v = qkv.narrow(1, (H_ + Hkv_) * D_, Hkv_ * D_).view({T, Hkv_, D_});
       write_kv(kv_caches[i], k, v, slots);
       auto a = torch::empty({T, H_, D_}, qkv.options());  // [T, H, D]
-      paged_decode(q, kv_caches[i], tables, ctx, qstart, qlen, block_size, scale, a, 0);
+      paged_decode(q, kv_caches[i], tables, ctx, qstart, qlen, block_size, scale, a, 0, c10::nullopt);
       h = add_rms_norm(x, L.o(a.view({T, H_ * D_})), L.ln2, eps_);
       delta = L.down(L.gate_up.silu_mul(h));
     }

@@ -61,7 +61,8 @@ constexpr int64_t V_CHUNK = 8;
 template <typename T>
 void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& tables,
          const torch::Tensor& ctx, const torch::Tensor& qstart, const torch::Tensor& qlen,
-         int64_t block_size, double scale, int64_t window, torch::Tensor& out) {
+         int64_t block_size, double scale, int64_t window, torch::Tensor& out,
+         const uint8_t* tm, int64_t tmw) {
   const int64_t B = tables.size(0), NB = tables.size(1);
   const int64_t H = q.size(1), D = q.size(2), Hkv = kv.size(2), G = H / Hkv;
   const int64_t slots = kv.size(1);
@@ -77,9 +78,19 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
   const int64_t* qs = qstart.data_ptr<int64_t>();
   const int64_t* ql = qlen.data_ptr<int64_t>();
   const float sc = static_cast<float>(scale);
+  // Token trees: tm[(qs[b] + j) * tmw + k] says whether request b's row j sees its row k; a
+  // request is a tree where some row does not see every earlier row of its step.
+  std::vector<char> tree(B, 0);
+  bool any_tree = false;
+  for (int64_t b = 0; tm != nullptr && b < B; ++b)
+    for (int64_t j = 0; j < ql[b] && !tree[b]; ++j)
+      for (int64_t k = 0; k <= j && !tree[b]; ++k) tree[b] = !tm[(qs[b] + j) * tmw + k];
+  for (int64_t b = 0; b < B; ++b) any_tree = any_tree || tree[b];
   const bool bf16dot = std::is_same_v<T, c10::BFloat16> && D % 32 == 0 && cpu_paths().attn_bf16;
   // Value sums with bf16 probabilities (attn_pairs.h); a pair of keys never straddles a block.
-  const bool pairs_pv = bf16dot && VALUE_ROWS_VEC && (D == 64 || D == 128) && block_size % 2 == 0;
+  // (Not for a step with a tree: its rows' probabilities are packed by softmax_row_tree.)
+  const bool pairs_pv = bf16dot && VALUE_ROWS_VEC && (D == 64 || D == 128) && block_size % 2 == 0 &&
+                        !any_tree;
   // Work items: (request, first query token of the tile, KV head). Which rows share an item never
   // changes a row's arithmetic, only who converts K/V to fp32. (Splitting a batch-1 decode's Hkv
   // items further by query head measured slower: K/V converted per item outweighed the idle thread.)
@@ -107,7 +118,7 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
     return window > 0 ? std::max<int64_t>(0, pos - window + 1) : int64_t{0};
   };
   auto run_items = [&](auto&& next, auto&& ahead) {
-    std::vector<float> qf, sf, accf, kf(KEY_LANES * D), kt(KEY_LANES * D), vf(block_size * D);
+    std::vector<float> qf, sf, accf, kf(KEY_LANES * D), kt(KEY_LANES * D), vf(block_size * D), packed;
     std::vector<float> part;  // scores_rows_bf16's block sums: [4][R][16], sized when first used
     std::vector<const T*> qptr;
 #if defined(__AVX512F__)
@@ -240,7 +251,11 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
       // Softmax per row over its visible keys [lo, pos]; everything else gets probability 0.
       for (int64_t r = 0; r < R; ++r) {
         const int64_t pos = C - W + j0 + r / G;
-        softmax_row(sf.data() + r * Ct, Ct, first_key(pos), pos);
+        if (tree[b])
+          softmax_row_tree(sf.data() + r * Ct, Ct, first_key(pos), pos, C - W,
+                           tm + (qs[b] + j0 + r / G) * tmw, packed);
+        else
+          softmax_row(sf.data() + r * Ct, Ct, first_key(pos), pos);
       }
       // Pass 2: weighted sum of V, in key order (a zero weight adds exactly nothing), a span of
       // blocks at a time. One group of query rows (a decode step's G heads) reads the bf16 values
@@ -352,9 +367,11 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
 // q: [T, H, D] (heads contiguous within a token); kv: [2, S, Hkv, D]; tables: [B, NB] long; ctx, qstart, qlen: [B] long.
 // Writes rows qstart[b] .. qstart[b] + qlen[b] of out ([T, H, D], same dtype as q).
 // window > 0: a query at position p sees keys max(0, p - window + 1) .. p (sliding window).
+// tree_mask: token trees, [T, W] uint8 over each request's rows (row j sees row k of its step
+// where tree_mask[qstart + j, k]); absent or empty: every step causal.
 void paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor tables, torch::Tensor ctx,
                   torch::Tensor qstart, torch::Tensor qlen, int64_t block_size, double scale,
-                  torch::Tensor out, int64_t window) {
+                  torch::Tensor out, int64_t window, c10::optional<torch::Tensor> tree_mask) {
   // q may be a view of the fused qkv rows (its tokens strided, each token's heads contiguous).
   TORCH_CHECK(q.dim() == 3, "q: [T, H, D] expected");
   TORCH_CHECK(q.is_contiguous() || (q.stride(2) == 1 && q.stride(1) == q.size(2) && q.stride(0) >= q.size(1) * q.size(2)),
@@ -364,7 +381,17 @@ void paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor tables, torch
   TORCH_CHECK(tables.scalar_type() == torch::kLong && ctx.scalar_type() == torch::kLong, "long metadata expected");
   TORCH_CHECK(q.size(1) % kv.size(2) == 0, "query heads must be a multiple of KV heads");
   auto t = tables.contiguous(), c = ctx.contiguous(), s = qstart.contiguous(), l = qlen.contiguous();
+  torch::Tensor m;
+  if (tree_mask.has_value() && tree_mask->numel() > 0) {
+    m = tree_mask->to(torch::kUInt8).contiguous();
+    TORCH_CHECK(m.dim() == 2 && m.size(0) == q.size(0), "tree_mask: [T, W] expected");
+    TORCH_CHECK(window == 0, "token trees are not verified on sliding-window layers");
+    for (int64_t b = 0; b < l.size(0); ++b)
+      TORCH_CHECK(l.data_ptr<int64_t>()[b] <= m.size(1), "tree_mask narrower than a request's rows");
+  }
+  const uint8_t* tm = m.defined() ? m.data_ptr<uint8_t>() : nullptr;
+  const int64_t tmw = m.defined() ? m.size(1) : 0;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
-    run<scalar_t>(q, kv, t, c, s, l, block_size, scale, window, out);
+    run<scalar_t>(q, kv, t, c, s, l, block_size, scale, window, out, tm, tmw);
   });
 }

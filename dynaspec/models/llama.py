@@ -218,6 +218,7 @@ class LlamaModel(torch.nn.Module):
         if (
             self._stack is not None
             and attn.name == "cpu_paged"
+            and getattr(md, "tree_mask", None) is None  # the stack's attention has no tree mask
             and not torch.compiler.is_compiling()
         ):
             T = x.shape[0]  # the same kernels in the same order as the loop below, bit for bit

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from dynaspec.request import Request
+from dynaspec.spec_decode.tree import DraftTree
 
 # Pending tokens a drafter feeds along with a request's drafts; older ones (a prompt, on the
 # request's first drafts) are its prefill, fed in a pass of their own and timed as setup.
@@ -35,6 +36,9 @@ class Drafts:
     # two apart: one history for both priced the lookup's matches at the head's rate.
     from_fallback: list[bool] | None = None
     fallback_seconds: float = 0.0
+    # Per request, a draft tree (docs/design.md §4c) whose nodes are token_ids[i] in its order,
+    # or None for a chain; None: every draft is a chain. Deterministic drafters only (probs None).
+    trees: list[DraftTree | None] | None = None
 
 
 class Proposer:
@@ -111,15 +115,20 @@ class DrafterCacheStats:
 
 
 def deterministic_drafts(requests: Sequence[Request], k_per_request: Sequence[int],
-                         draft_one: Callable[[Request, int], list[int]]) -> Drafts:
+                         draft_one: Callable[[Request, int], list[int] | DraftTree]) -> Drafts:
     """Drafts of a drafter with no probabilities (n-gram, suffix): one `draft_one(request, k)`
-    per request with k > 0; an empty draft is a `no_match` skip, k <= 0 is the caller's skip."""
+    per request with k > 0, a chain or a tree of at most k nodes; an empty draft is a
+    `no_match` skip, k <= 0 is the caller's skip."""
     if len(requests) != len(k_per_request):
         raise ValueError(f"{len(requests)} requests but {len(k_per_request)} k values")
     token_ids: list[list[int]] = []
     skip_reasons: list[str | None] = []
+    trees: list[DraftTree | None] = []
     for request, k in zip(requests, k_per_request):
         draft = draft_one(request, k) if k > 0 else []
-        token_ids.append(draft)
-        skip_reasons.append("no_match" if k > 0 and not draft else None)
-    return Drafts(token_ids=token_ids, probs=None, skip_reasons=skip_reasons)
+        tree = draft if isinstance(draft, DraftTree) else None
+        token_ids.append(list(draft.tokens) if tree is not None else draft)
+        trees.append(tree if tree is not None and not tree.is_chain else None)
+        skip_reasons.append("no_match" if k > 0 and not token_ids[-1] else None)
+    return Drafts(token_ids=token_ids, probs=None, skip_reasons=skip_reasons,
+                  trees=trees if any(t is not None for t in trees) else None)

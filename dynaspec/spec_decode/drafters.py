@@ -49,7 +49,8 @@ def build_ngram(config: EngineConfig, target: DrafterTarget) -> DrafterBuild:
     from dynaspec.spec_decode.ngram import NgramProposer
 
     sc = config.spec
-    return DrafterBuild(NgramProposer(sc.prompt_lookup_min, sc.prompt_lookup_max))
+    return DrafterBuild(NgramProposer(sc.prompt_lookup_min, sc.prompt_lookup_max,
+                                      tree=sc.draft_tree))
 
 
 def build_suffix(config: EngineConfig, target: DrafterTarget) -> DrafterBuild:
@@ -58,7 +59,8 @@ def build_suffix(config: EngineConfig, target: DrafterTarget) -> DrafterBuild:
     sc = config.spec
     prop = SuffixProposer(SuffixParams(sc.suffix_max_depth, sc.suffix_spec_factor,
                                        sc.suffix_min_token_prob),
-                          sc.suffix_cache_max_requests, sc.suffix_cache_max_tokens)
+                          sc.suffix_cache_max_requests, sc.suffix_cache_max_tokens,
+                          tree=sc.draft_tree)
     log.info("suffix drafter: global cache of %d outputs / %d tokens (at most %.1f MiB)",
              sc.suffix_cache_max_requests, sc.suffix_cache_max_tokens,
              memory_bound_bytes(sc.suffix_cache_max_tokens, sc.suffix_cache_max_requests) / 2**20)

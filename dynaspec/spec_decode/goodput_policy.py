@@ -69,6 +69,7 @@ from dynaspec.spec_decode.step_pricing import (
     PricedRow,
     StepPricing,
     one_row_seconds,
+    one_row_seconds_by_cap,
     price_row,
 )
 from dynaspec.spec_decode.step_width import runnable_k
@@ -185,6 +186,7 @@ class GoodputPolicy(TablePolicy):
         super().__init__(plan)
         self.cost_model, self.settings = cost_model, settings
         self.allowed_widths = None if allowed_widths is None else frozenset(allowed_widths)
+        self._runnable_memo: dict[int, int] = {}
         # Slow: a prior, not a tracker. It starts at the prior, worth two observations: seeded
         # by its first observation, one early rejection at a deep position priced that position
         # at ~0 for every request for hundreds of steps (agentic suffix drafts); with the prior
@@ -390,18 +392,26 @@ class GoodputPolicy(TablePolicy):
                 if k == 0 or self.allowed_widths is None or 1 + k in self.allowed_widths]
 
     def _runnable(self, k: int) -> int:
-        return runnable_k(k, self.allowed_widths)
+        if self.allowed_widths is None:
+            return k
+        got = self._runnable_memo.get(k)
+        if got is None:  # a scan of the allowed widths, asked thousands of times a decision
+            got = self._runnable_memo[k] = runnable_k(k, self.allowed_widths)
+        return got
 
     def _pays(self, row: PricedRow, cost) -> bool:
         """Would any k <= the row's cap beat plain decode if every request drafted like it?"""
         plain = 1.0 / cost(1)
-        ks = [row.limit] if self.settings.whole_cap else range(1, row.limit + 1)
         follow = self.settings.widths_follow_drafts
         # the same margin decide() needs to prefer a K over plain, so a row that ties is cut
         # (and re-probed) rather than left following a step that runs K=0 anyway
-        return any((1.0 + row.accepted[min(k, row.limit)])
-                   / one_row_seconds(row, k, cost, self._runnable, follow) > plain * (1 + 1e-9)
-                   for k in ks)
+        if self.settings.whole_cap:
+            k = row.limit
+            return (1.0 + row.accepted[k]) / one_row_seconds(row, k, cost, self._runnable,
+                                                             follow) > plain * (1 + 1e-9)
+        secs = one_row_seconds_by_cap(row, cost, self._runnable, follow)
+        return any((1.0 + row.accepted[k]) / secs[k] > plain * (1 + 1e-9)
+                   for k in range(1, row.limit + 1))
 
     def _stale(self, r: RequestView) -> bool:
         last = self.last_draft_ctx.get(r.request_id)

@@ -26,6 +26,7 @@ import numpy as np
 
 from dynaspec.request import Request
 from dynaspec.spec_decode.base import Drafts, Proposer, deterministic_drafts
+from dynaspec.spec_decode.tree import DraftTree
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 _MIN_CAPACITY = 256
@@ -106,6 +107,76 @@ def _narrow(
     return best_end, best_n
 
 
+# A tree's occurrences: the most recent ones of the longest matching suffix (bounds its cost).
+_TREE_OCCURRENCES = 32
+
+
+def ngram_tree(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> DraftTree | list[int]:
+    """A token tree of at most k nodes from the continuations of the longest matching suffix's
+    occurrences (the most recent _TREE_OCCURRENCES), or [] without a match. A node's weight is
+    the share of occurrences whose continuation passes through it; nodes join by weight (ties:
+    the more recent occurrence), so with one occurrence, or where all agree, it is the chain
+    `ngram_match` drafts. The most recent occurrence's continuation runs on periodically as
+    there (module docstring)."""
+    tokens = np.asarray(tokens)
+    length = tokens.shape[0]
+    if k <= 0 or min_n > max_n or length < min_n + 1:
+        return []
+    best_end = _longest_suffix_match_end(tokens, min_n, max_n)
+    if best_end < 0:
+        return []
+    n = min(max_n, length - 1)
+    last = length - 1
+    cand = np.flatnonzero(tokens[: last] == tokens[last])
+    back = np.arange(n)
+    idx = cand[:, None] - back  # [C, n]
+    run = np.cumprod((idx >= 0) & (tokens[np.maximum(idx, 0)] == tokens[last - back]), axis=1)
+    span = run.sum(axis=1)  # [C] matched length of each candidate
+    ends = cand[span == span[cand == best_end][0]][::-1][:_TREE_OCCURRENCES]  # most recent first
+    conts = [ngram_match(tokens, min_n, max_n, k).tolist()]
+    conts += [tokens[e + 1: min(length, e + 1 + k)].tolist() for e in ends if e != best_end]
+    return _trie_tree([c for c in conts if c], k)
+
+
+def _trie_tree(conts: list[list[int]], k: int) -> DraftTree | list[int]:
+    """The k heaviest nodes of the continuations' trie (weight: continuations through a node;
+    ties: the earlier continuation), depth-first, heavier children first."""
+    if len(conts) == 1:
+        return conts[0][:k]
+    # trie node: (token, parent, weight, first continuation)
+    nodes: dict[tuple[int, int], list[int]] = {}  # (parent id, token) -> [id, weight, first]
+    for ci, c in enumerate(conts):
+        parent = -1
+        for t in c:
+            key = (parent, t)
+            if key not in nodes:
+                nodes[key] = [len(nodes), 0, ci]
+            nodes[key][1] += 1
+            parent = nodes[key][0]
+    info = {v[0]: (p, t, v[1], v[2]) for (p, t), v in nodes.items()}  # id -> (parent, token, w, f)
+    kids: dict[int, list[int]] = {}
+    for i, (p, _, _, _) in info.items():
+        kids.setdefault(p, []).append(i)
+    rank = lambda i: (-info[i][2], info[i][3], i)  # noqa: E731 - heavier, then earlier
+    chosen: set[int] = set()
+    frontier = sorted(kids.get(-1, []), key=rank)
+    while frontier and len(chosen) < k:
+        best = frontier.pop(0)
+        chosen.add(best)
+        frontier = sorted(frontier + kids.get(best, []), key=rank)
+    tokens: list[int] = []
+    parents: list[int] = []
+    stack = [(i, -1) for i in sorted(kids.get(-1, []), key=rank, reverse=True) if i in chosen]
+    while stack:
+        i, parent = stack.pop()
+        tokens.append(info[i][1])
+        parents.append(parent)
+        me = len(tokens) - 1
+        stack.extend((c, me) for c in sorted(kids.get(i, []), key=rank, reverse=True)
+                     if c in chosen)
+    return DraftTree(tuple(tokens), tuple(parents))
+
+
 @dataclass
 class _TokenBuffer:
     """A request's prompt + output tokens as a growing numpy array (capacity doubles)."""
@@ -125,17 +196,20 @@ class NgramProposer(Proposer):
     `forget(request_id)` when a request finishes or is aborted, or its buffer stays alive.
     """
 
-    def __init__(self, min_n: int, max_n: int) -> None:
+    def __init__(self, min_n: int, max_n: int, tree: bool = False) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         self.min_n = min_n
         self.max_n = max_n
+        self.tree = tree  # draft token trees: k is then a node budget (docs/design.md §4c)
         self._buffers: dict[str, _TokenBuffer] = {}
 
     def propose(self, requests: Sequence[Request], k_per_request: Sequence[int]) -> Drafts:
         return deterministic_drafts(requests, k_per_request, self._draft_one)
 
-    def _draft_one(self, request: Request, k: int) -> list[int]:
+    def _draft_one(self, request: Request, k: int) -> list[int] | DraftTree:
+        if self.tree:
+            return ngram_tree(self._tokens(request), self.min_n, self.max_n, k)
         return ngram_match(self._tokens(request), self.min_n, self.max_n, k).tolist()
 
     def forget(self, request_id: str) -> None:

@@ -37,6 +37,7 @@ import numpy as np
 from dynaspec.request import Request
 from dynaspec.spec_decode.base import DrafterCacheStats, Drafts, Proposer, deterministic_drafts
 from dynaspec.spec_decode.suffix_index import SuffixIndex
+from dynaspec.spec_decode.tree import DraftTree
 
 _MIN_COMPACT = 4096  # dead tokens tolerated before a compaction, at least
 # Upper bound on bytes one token slot can cost in a SuffixIndex: int32 array at 2x capacity (8),
@@ -81,6 +82,10 @@ class SuffixDraft:
     token_ids: list[int]
     probs: list[float]
     match_len: int
+    parents: list[int] | None = None  # a token tree's (depth-first); None: a chain
+
+    def as_draft(self) -> list[int] | DraftTree:
+        return self.token_ids if self.parents is None else DraftTree(self.token_ids, self.parents)
 
     @property
     def score(self) -> float:
@@ -89,12 +94,16 @@ class SuffixDraft:
 
 
 def draft_from(index: SuffixIndex, pattern: np.ndarray, k: int, params: SuffixParams,
-               before: int | None = None) -> tuple[SuffixDraft, np.ndarray]:
-    """The draft `index` offers for `pattern` (its tail), and the match's end positions."""
+               before: int | None = None, tree: bool = False) -> tuple[SuffixDraft, np.ndarray]:
+    """The draft `index` offers for `pattern` (its tail), and the match's end positions.
+    tree: a token tree of at most k nodes, as deep as a chain could go (`follow_tree`)."""
     ends, m = index.match(pattern, before)
     n = params.draft_len(k, m) if m else 0
     if n == 0:
         return SuffixDraft([], [], m), ends
+    if tree:
+        tokens, parents, probs = index.follow_tree(ends, k, n, params.min_token_prob)
+        return SuffixDraft(tokens, probs, m, parents), ends
     tokens, probs = index.follow(ends, n, params.min_token_prob)
     return SuffixDraft(tokens, probs, m), ends
 
@@ -138,10 +147,11 @@ class GlobalSuffixCache:
         if self.dead_tokens > max(self.live_tokens, _MIN_COMPACT):
             self._compact()
 
-    def draft(self, pattern: np.ndarray, k: int, params: SuffixParams) -> SuffixDraft:
+    def draft(self, pattern: np.ndarray, k: int, params: SuffixParams,
+              tree: bool = False) -> SuffixDraft:
         if not self.entries:
             return SuffixDraft([], [], 0)
-        found, ends = draft_from(self.index, pattern, k, params)
+        found, ends = draft_from(self.index, pattern, k, params, tree=tree)
         if found.token_ids:
             self._touch(int(ends[-1]))
         return found
@@ -201,8 +211,9 @@ class SuffixProposer(Proposer):
     sizes_own_drafts = True
 
     def __init__(self, params: SuffixParams, max_cached_requests: int = 10000,
-                 max_cached_tokens: int = 1_000_000) -> None:
+                 max_cached_tokens: int = 1_000_000, tree: bool = False) -> None:
         self.params = params
+        self.tree = tree  # draft token trees: k is then a node budget (docs/design.md §4c)
         self.cache = GlobalSuffixCache(max_cached_requests, max_cached_tokens)
         self._states: dict[str, _RequestState] = {}
         self.num_global_drafts = self.num_local_drafts = 0
@@ -210,15 +221,16 @@ class SuffixProposer(Proposer):
     def propose(self, requests: Sequence[Request], k_per_request: Sequence[int]) -> Drafts:
         return deterministic_drafts(requests, k_per_request, self._draft_one)
 
-    def _draft_one(self, request: Request, k: int) -> list[int]:
+    def _draft_one(self, request: Request, k: int) -> list[int] | DraftTree:
         index = self._synced_index(request)
         pattern = index.view()[-self.params.pattern_len(k):]
-        local, _ = draft_from(index, pattern, k, self.params, before=index.length - 1)
+        local, _ = draft_from(index, pattern, k, self.params, before=index.length - 1,
+                              tree=self.tree)
         best = local
         # A global draft scores at most one per token and at most k tokens: a full-length,
         # probability-1 local draft cannot be beaten (ties go local), so skip the lookup.
         if self.cache.enabled and local.score < k - 1e-9:
-            glob = self.cache.draft(pattern, k, self.params)
+            glob = self.cache.draft(pattern, k, self.params, self.tree)
             if glob.score > local.score:
                 best = glob
         if best.token_ids:
@@ -226,7 +238,7 @@ class SuffixProposer(Proposer):
                 self.num_local_drafts += 1
             else:
                 self.num_global_drafts += 1
-        return best.token_ids
+        return best.as_draft()
 
     def forget(self, request_id: str) -> None:
         """The request finished or was aborted: its output joins the global cache."""

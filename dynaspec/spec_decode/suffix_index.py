@@ -20,6 +20,7 @@ numpy). Match lengths start at 2: one shared token is too weak a signal to draft
 
 from __future__ import annotations
 
+import heapq
 import sys
 from collections.abc import Sequence
 
@@ -168,6 +169,50 @@ class SuffixIndex:
             pos = pos[nxt == best] + 1
         return out, probs
 
+    def follow_tree(self, ends: np.ndarray, max_nodes: int, max_depth: int, min_prob: float
+                    ) -> tuple[list[int], list[int], list[float]]:
+        """SuffixDecoding's greedy tree expansion after the occurrences ending at `ends`: every
+        continuation seen is a candidate node, its estimated probability the running product of
+        count(token) / count(all continuations) along its path; the likeliest candidate joins
+        the tree next (its own continuations become candidates) until `max_nodes` nodes, none
+        deeper than `max_depth` or below `min_prob`. Returns (tokens, parents, probabilities),
+        depth-first with the likelier child first; a tree with one child per node is the
+        `follow` chain."""
+        tokens, length = self._tokens, self.length
+        heap: list[tuple[float, int, int, int, int, np.ndarray]] = []
+        order = 0  # tie-break: the earlier candidate (heapq compares the tuple in order)
+
+        def push(pos: np.ndarray, parent: int, prob: float, depth: int) -> None:
+            nonlocal order
+            if depth >= max_depth:
+                return
+            pos = pos[pos < length]
+            nxt = tokens[pos]
+            live = nxt >= 0
+            pos, nxt = pos[live], nxt[live]
+            if nxt.size == 0:
+                return
+            vals, counts = np.unique(nxt, return_counts=True)
+            for v, c in zip(vals.tolist(), counts.tolist()):
+                p = prob * c / nxt.size
+                if p >= min_prob:
+                    heapq.heappush(heap, (-p, order, parent, v, depth, pos[nxt == v] + 1))
+                    order += 1
+
+        push(ends + 1, -1, 1.0, 0)
+        toks: list[int] = []
+        parents: list[int] = []
+        probs: list[float] = []
+        depths: list[int] = []
+        while heap and len(toks) < max_nodes:
+            neg, _, parent, tok, depth, pos = heapq.heappop(heap)
+            toks.append(tok)
+            parents.append(parent)
+            probs.append(-neg)
+            depths.append(depth)
+            push(pos, len(toks) - 1, -neg, depth + 1)
+        return _depth_first(toks, parents, probs)
+
     def nbytes(self) -> int:
         """Bytes held: the arrays exactly, the recent dict as CPython sizes (lists, ints, keys)."""
         recent = sys.getsizeof(self._recent) + sum(
@@ -187,3 +232,23 @@ def _most_frequent(values: np.ndarray) -> tuple[int, float]:
     tied = np.flatnonzero(counts == top)
     best = tied[np.argmin(first_rev[tied])]
     return int(vals[best]), float(top) / values.shape[0]
+
+
+def _depth_first(tokens: list[int], parents: list[int], probs: list[float]
+                 ) -> tuple[list[int], list[int], list[float]]:
+    """Nodes given in any parents-first order, reordered depth-first, likelier children first."""
+    kids: dict[int, list[int]] = {}
+    for i, p in enumerate(parents):
+        kids.setdefault(p, []).append(i)
+    out_t: list[int] = []
+    out_p: list[int] = []
+    out_q: list[float] = []
+    stack = [(c, -1) for c in sorted(kids.get(-1, []), key=lambda c: probs[c])]
+    while stack:
+        node, parent = stack.pop()
+        idx = len(out_t)
+        out_t.append(tokens[node])
+        out_p.append(parent)
+        out_q.append(probs[node])
+        stack.extend((c, idx) for c in sorted(kids.get(node, []), key=lambda c: probs[c]))
+    return out_t, out_p, out_q

@@ -34,10 +34,13 @@ from dynaspec.sample.synthetic import SyntheticVerifier
 from dynaspec.spec_decode import step_width as width
 from dynaspec.spec_decode.base import Drafts, Proposer
 from dynaspec.spec_decode.eagle import HiddenStates
+from dynaspec.spec_decode.tree import DraftTree
 from dynaspec.step_plan import BatchDescriptor, StepPlan
 from dynaspec.structured.manager import StructuredOutputManager
+from dynaspec.worker import tree_step
 from dynaspec.worker.compiled import FixedShapeExecutor, greedy_from_argmax
 from dynaspec.worker.input_buffers import InputBuffers
+from dynaspec.worker.tree_step import TreeRows
 
 log = logging.getLogger("dynaspec")
 
@@ -53,6 +56,7 @@ class StepInputs:
     logit_rows: list[int] = field(default_factory=list)
     sampling: list[tuple[int, int]] = field(default_factory=list)  # (scheduled index, num drafts)
     argmax_rows: torch.Tensor | None = None  # [R] bool: logit rows read only for their argmax
+    tree_masks: list[torch.Tensor | None] | None = None  # per request: its rows' tree visibility
 
 
 def argmax_only_rows(reqs: list, sampling: list[tuple[int, int]]) -> torch.Tensor | None:
@@ -90,6 +94,7 @@ class PreparedStep:
     # A drafter with a fallback: the requests the fallback drafted, and its seconds.
     draft_fallback: frozenset[str] = frozenset()
     draft_fallback_seconds: float = 0.0
+    trees: dict[str, TreeRows] = field(default_factory=dict)  # requests verifying a tree
 
 
 @dataclass
@@ -102,6 +107,7 @@ class _StepDrafts:
     setup_seconds: float = 0.0  # Drafts.setup_seconds
     fallback: frozenset[str] = frozenset()  # requests the fallback drafted
     fallback_seconds: float = 0.0
+    trees: dict[str, DraftTree] = field(default_factory=dict)  # drafts that are a real tree
 
 
 class ModelRunner:
@@ -164,6 +170,12 @@ class ModelRunner:
         fallback = set()
         for j, req in enumerate(reqs):
             d = list(drafts.token_ids[j][: ks[j]])
+            tree = drafts.trees[j] if drafts.trees is not None else None
+            if tree is not None and len(tree):
+                tree = tree.cut(ks[j])  # a node budget, like a chain's cap
+                d = list(tree.tokens)
+                if not tree.is_chain:
+                    got.trees[req.request_id] = tree
             if self.synthetic is not None:
                 d = self.synthetic.cut(d)  # no coin-flip EOS (see SyntheticVerifier)
             if d:
@@ -201,6 +213,7 @@ class ModelRunner:
                 self.proposer.preempt(rid)  # a preempted request must not keep drafter KV blocks
         got = self._draft(out)
         drafts, draft_probs, draft_skips = got.tokens, got.probs, got.skips
+        trees = self._admit_trees(out, got, drafts)
         t1 = time.perf_counter()
         num_real = {rid: len(d) for rid, d in drafts.items()}
         # Structured output: cut grammar-invalid drafts before they are verified (docs/design.md
@@ -211,7 +224,7 @@ class ModelRunner:
         num_valid = {rid: len(d) for rid, d in drafts.items()}
         num_cut = {rid: n - num_valid.get(rid, 0) for rid, n in num_real.items()}
         self._pad(out, drafts, draft_probs)
-        inputs = self._flatten(out, drafts)
+        inputs = self._flatten(out, drafts, trees)
         reqs = [out.scheduled[i].request for i, _ in inputs.sampling]
         inputs.argmax_rows = argmax_only_rows(reqs, inputs.sampling)
         md = SamplingMetadata.from_params([r.sampling_params for r in reqs],
@@ -221,7 +234,15 @@ class ModelRunner:
         proc = LogitsProcessing.build(reqs, inputs.sampling, drafts, self.eos_token_ids)
         return PreparedStep(out, out.batch, inputs, drafts, draft_probs, draft_skips, num_valid,
                             num_cut, grammar, md, proc, t1 - t0, time.perf_counter() - t1,
-                            got.setup_seconds, got.fallback, got.fallback_seconds)
+                            got.setup_seconds, got.fallback, got.fallback_seconds, trees)
+
+    def _admit_trees(self, out: StepPlan, got: _StepDrafts, drafts: dict[str, list[int]]
+                     ) -> dict[str, TreeRows]:
+        """The step's trees that run as trees (worker/tree_step.py); the rest become chains."""
+        if not got.trees:
+            return {}
+        return tree_step.admit(out, got.trees, got.probs, drafts,
+                               plain=self.synthetic is None and self.hidden_sink is None)
 
     def run(self, p: PreparedStep) -> RunnerOutput:
         """The target forward and verification of a prepared step."""
@@ -236,6 +257,10 @@ class ModelRunner:
         if p.logits_proc is not None:
             p.logits_proc.apply(logits)
         results = self._sample(p, logits)
+        if p.trees:
+            tree_step.move_accepted(self.kv_caches, self.block_size, [
+                (p.trees[r.request_id], r.tree_path) for r in results
+                if r.request_id in p.trees and r.tree_path])
         if self.hidden_sink is not None:
             self._observe(p, results)
         if p.grammar is not None:
@@ -271,15 +296,25 @@ class ModelRunner:
             o += q
         self.hidden_sink.observe_hidden(HiddenStates(ids, starts, positions, valid, hidden))
 
-    def _flatten(self, out: StepPlan, drafts: dict[str, list[int]]) -> StepInputs:
+    def _flatten(self, out: StepPlan, drafts: dict[str, list[int]],
+                 trees: dict[str, TreeRows] | None = None) -> StepInputs:
         x = StepInputs()
+        if trees:
+            x.tree_masks = []
         for i, s in enumerate(out.scheduled):
             req, c = s.request, s.request.num_computed_tokens
             d = drafts.get(req.request_id, [])
             toks = req.token_slice(c, c + s.num_new_tokens) + d
             start = len(x.ids)
             x.ids.extend(toks)
-            x.positions.extend(range(c, c + len(toks)))
+            tree = trees.get(req.request_id) if trees else None
+            if tree is None:
+                x.positions.extend(range(c, c + len(toks)))
+            else:  # a tree's nodes sit at their depth past the root (docs/design.md §4c)
+                x.positions.extend(tree_step.positions(c, s.num_new_tokens, tree.tree))
+            if x.tree_masks is not None:
+                x.tree_masks.append(None if tree is None else
+                                    tree_step.visibility(s.num_new_tokens, tree.tree))
             x.query_lens.append(len(toks))
             x.context_lens.append(c + len(toks))
             x.block_tables.append(s.block_table)
@@ -309,7 +344,8 @@ class ModelRunner:
     def _run_eager(self, x: StepInputs, batch: BatchDescriptor):
         attn = self.model.attn
         md = attn.build_metadata(AttentionBatch(x.query_lens, x.context_lens, x.block_tables,
-                                                self.block_size, self.device))
+                                                self.block_size, self.device,
+                                                tree_masks=x.tree_masks))
         ids, pos, rows = self._load(x.ids, x.positions, x.logit_rows)
         t2 = time.perf_counter()
         logits = self.model.forward(ids, pos, self.kv_caches, md, rows, attn,
@@ -372,27 +408,27 @@ class ModelRunner:
         return self.buffers.load(ids, positions, rows)
 
     def _sample(self, p: PreparedStep, logits: torch.Tensor) -> list[RequestResult]:
-        out, sampling, drafts, md = p.out, p.inputs.sampling, p.drafts, p.sampling_md
+        out, sampling, md = p.out, p.inputs.sampling, p.sampling_md
         results = [
             RequestResult(s.request.request_id, [], 0, 0, s.skip_reason) for s in out.scheduled
         ]
         if not sampling:
             return results
         reqs = [out.scheduled[i].request for i, _ in sampling]
+        paths: dict[str, list[int]] = {}
         if self._graph_top is not None and md.all_greedy and self.synthetic is None \
-                and p.logits_proc is None and p.grammar is None:
+                and p.logits_proc is None and p.grammar is None and not p.trees:
             # Greedy on the CUDA-graph path: the argmax came out of the graph; one copy.
             tokens = greedy_from_argmax(self._graph_top.tolist(),
-                                        [drafts.get(r.request_id, []) for r in reqs])
+                                        [p.drafts.get(r.request_id, []) for r in reqs])
+        elif p.trees:
+            tokens = tree_step.verify_step(
+                logits, [r.request_id for r in reqs], sampling, md,
+                {rid: t.tree for rid, t in p.trees.items()}, paths,
+                lambda sub, idx, k: self._verify_chains(p, sub, [reqs[i] for i in idx], k,
+                                                        tree_step.subset(md, idx)))
         elif any(n for _, n in sampling):
-            dt = [drafts.get(r.request_id, []) for r in reqs]
-            dp = [p.draft_probs.get(r.request_id) for r in reqs]
-            if self.synthetic is not None:
-                tokens = self.synthetic(logits, [n for _, n in sampling], dt, md,
-                                        [r.request_id for r in reqs])
-            else:
-                tokens = rejection_sample(logits, [n for _, n in sampling], dt,
-                                          dp if any(q is not None for q in dp) else None, md)
+            tokens = self._verify_chains(p, logits, reqs, [n for _, n in sampling], md)
         else:
             tokens = [[t] for t in self.sampler(logits, md).token_ids.tolist()]
         row = 0
@@ -403,6 +439,9 @@ class ModelRunner:
             valid = p.num_valid.get(rid, 0)
             r.num_draft_tokens, r.num_accepted_tokens = valid, len(toks) - 1
             r.drafts_from_fallback = valid > 0 and rid in p.draft_fallback
+            if rid in p.trees:
+                r.tree_path = paths[rid]
+                r.num_tree_nodes, r.tree_depth = len(p.trees[rid].tree), p.trees[rid].tree.depth
             # Slots cut (by the grammar, or found invalid under async scheduling) are pads on a
             # fixed-shape row and not in the row at all on eager; each counts under its reason.
             r.num_async_invalid_tokens = out.scheduled[i].num_async_invalid
@@ -416,6 +455,16 @@ class ModelRunner:
                 )
             row += n + 1
         return results
+
+
+    def _verify_chains(self, p: PreparedStep, logits: torch.Tensor, reqs: list,
+                       num_draft: list[int], md: SamplingMetadata) -> list[list[int]]:
+        dt = [p.drafts.get(r.request_id, []) for r in reqs]
+        if self.synthetic is not None:
+            return self.synthetic(logits, num_draft, dt, md, [r.request_id for r in reqs])
+        dp = [p.draft_probs.get(r.request_id) for r in reqs]
+        return rejection_sample(logits, num_draft, dt,
+                                dp if any(q is not None for q in dp) else None, md)
 
 
 def _logprobs(rows: torch.Tensor, tokens: list[int], top_n: int) -> list:

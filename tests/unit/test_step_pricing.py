@@ -85,3 +85,18 @@ def test_one_row_seconds_is_the_pricing_of_that_row_alone_bit_for_bit(follow):
         pricing = StepPricing([row], cost, ident, follow)
         for k in range(0, limit + 2):
             assert one_row_seconds(row, k, cost, ident, follow) == pricing.seconds(k)
+
+
+@pytest.mark.parametrize("follow", [True, False])
+def test_seconds_by_cap_equals_one_row_seconds_bit_for_bit(follow):
+    from dynaspec.spec_decode.step_pricing import one_row_seconds_by_cap
+
+    costs = {w: 0.01 + 0.003 * w ** 1.3 for w in range(1, 12)}
+    for survival in ((1.0,) * 6, (0.9, 0.7, 0.7, 0.2, 0.1, 0.0), (0.5, 0.6, 0.1, 0.3, 0.0, 0.0)):
+        row = price_row(lambda i: 0.8 - 0.05 * i, survival, 6, True)
+        for runnable in (lambda k: k,
+                         lambda k: 0 if k == 0 else min(x for x in (2, 4, 6) if x >= k)):
+            got = one_row_seconds_by_cap(row, costs.__getitem__, runnable, follow)
+            want = [one_row_seconds(row, k, costs.__getitem__, runnable, follow)
+                    for k in range(row.limit + 1)]
+            assert got == want

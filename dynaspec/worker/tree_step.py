@@ -1,0 +1,124 @@
+"""The runner's part of a tree step (docs/design.md §4c): which trees run, their rows' positions
+and visibility, their verification, and the move of the accepted path's K/V into place.
+
+A drafter may hand a request a `DraftTree` instead of a chain. The tree runs as a tree only on
+the eager path and only for a request whose rows need nothing per position beyond the target's
+logits (no grammar, no logits processing, no logprobs, no draft probabilities, no hidden-state
+drafter, strict verification); elsewhere its first root path runs as today's chain, which is
+exact too. A tree that is a chain runs as the chain it is, so chains keep today's code path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dynaspec.sample.metadata import SamplingMetadata
+from dynaspec.sample.tree_sampler import verify_tree
+from dynaspec.spec_decode.tree import DraftTree, kv_moves
+
+
+@dataclass(frozen=True)
+class TreeRows:
+    """One request's tree in the step: `base` is the storage position (row index in the
+    request's KV slots) of its root row; node i is stored at base + 1 + i."""
+
+    tree: DraftTree
+    base: int
+    block_table: tuple[int, ...]
+
+
+def tree_allowed(req, *, eager: bool, plain_verify: bool,  # type: ignore[no-untyped-def]
+                 has_probs: bool) -> bool:
+    """Whether `req`'s tree can be verified as a tree this step (module docstring)."""
+    sp = req.sampling_params
+    return (eager and plain_verify and not has_probs and sp.structured_output is None
+            and not sp.processes_logits and sp.logprobs is None)
+
+
+def admit(out, trees: dict[str, DraftTree], probs: dict,  # type: ignore[no-untyped-def]
+          drafts: dict[str, list[int]], plain: bool) -> dict[str, TreeRows]:
+    """The trees of step `out` (a StepPlan) that run as trees, with their rows; each other one
+    is replaced in `drafts` by its first root path (a chain, verified by today's rule).
+    `plain`: strict verification and no hidden-state drafter."""
+    by_id = {s.request.request_id: s for s in out.scheduled}
+    kept = {}
+    for rid, tree in trees.items():
+        s = by_id[rid]
+        if tree_allowed(s.request, eager=not out.batch.fixed_shape, plain_verify=plain,
+                        has_probs=probs.get(rid) is not None):
+            base = s.request.num_computed_tokens + s.num_new_tokens - 1
+            kept[rid] = TreeRows(tree, base, tuple(s.block_table))
+        else:
+            drafts[rid] = tree.first_path()
+    return kept
+
+
+def positions(start: int, num_new: int, tree: DraftTree) -> list[int]:
+    """Positions of a request's rows: its new tokens in order (the last is the tree's root),
+    then node i at the root's position + 1 + depth(i)."""
+    root = start + num_new - 1
+    return list(range(start, root)) + [root + o for o in tree.position_offsets()]
+
+
+def visibility(num_new: int, tree: DraftTree) -> torch.Tensor:
+    """[q, q] bool over all the request's query rows: the new tokens causal, the nodes as the
+    tree says (every row sees the new tokens before the root)."""
+    q = num_new + len(tree)
+    vis = torch.ones(q, q, dtype=torch.bool).tril()
+    vis[num_new - 1:, num_new - 1:] = tree.visibility()
+    return vis
+
+
+def subset(md: SamplingMetadata, idx: list[int]) -> SamplingMetadata:
+    """The metadata of the requests at `idx` (in that order)."""
+    t = torch.tensor(idx, dtype=torch.long)
+    temps = md.temperature[t.to(md.temperature.device)]
+    return SamplingMetadata(temps, md.top_k[t.to(md.top_k.device)],
+                            md.top_p[t.to(md.top_p.device)], md.min_p[t.to(md.min_p.device)],
+                            [md.generators[i] for i in idx], bool((temps == 0).all()),
+                            [md.num_logprobs[i] for i in idx])
+
+
+def verify_step(logits: torch.Tensor, ids: list[str], sampling: list[tuple[int, int]],
+                md: SamplingMetadata, trees: dict[str, DraftTree], paths: dict[str, list[int]],
+                chains) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    """Per sampling request (rows laid out request after request, drafts + 1 each): a tree
+    walked on its own rows (tree_sampler.py, its accepted path into `paths`), every other
+    request through `chains(rows, their indices, their draft counts)`, the batched chain rule."""
+    tokens: list[list[int] | None] = [None] * len(ids)
+    chain_idx, chain_rows, row = [], [], 0
+    for k, (rid, (_, n)) in enumerate(zip(ids, sampling)):
+        tree = trees.get(rid)
+        if tree is not None:
+            paths[rid], tokens[k] = verify_tree(logits[row: row + n + 1], tree, md, k)
+        else:
+            chain_idx.append(k)
+            chain_rows.extend(range(row, row + n + 1))
+        row += n + 1
+    if chain_idx:
+        sub = logits[torch.tensor(chain_rows, dtype=torch.long, device=logits.device)]
+        for k, t in zip(chain_idx, chains(sub, chain_idx, [sampling[k][1] for k in chain_idx])):
+            tokens[k] = t
+    return tokens  # type: ignore[return-value]
+
+
+def move_accepted(kv_caches: list[torch.Tensor], block_size: int,
+                  moves: list[tuple[TreeRows, list[int]]]) -> None:
+    """Copy each accepted path's K/V from the slots its nodes were written at to the slots of
+    rows 1..len(path) past the root, in every layer. Rejected nodes' slots lie past the
+    request's accepted tokens: the next step overwrites them before anything reads them."""
+    src, dst = [], []
+    for rows, path in moves:
+        t, bs = rows.block_table, block_size
+        for a, b in kv_moves(path):
+            pa, pb = rows.base + a, rows.base + b
+            src.append(t[pa // bs] * bs + pa % bs)
+            dst.append(t[pb // bs] * bs + pb % bs)
+    if not src:
+        return
+    s = torch.tensor(src, dtype=torch.long, device=kv_caches[0].device)
+    d = torch.tensor(dst, dtype=torch.long, device=kv_caches[0].device)
+    for kv in kv_caches:  # [2, num_slots, Hkv, D]; the gather copies before the scatter writes
+        kv[:, d] = kv[:, s]
