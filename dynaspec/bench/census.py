@@ -109,7 +109,9 @@ def _predicted(engine, num_reqs: int, ctx: int, width: int) -> float | None:
 def run_census(engine, items, params: Sequence[SamplingParams], concurrency: int,
                tag: str = "census") -> Census:
     """Closed loop over `items` at `concurrency`, one StepSample per engine step."""
-    if engine.pipeline is not None:
+    from dynaspec.engine.sync_driver import SyncDriver
+
+    if not isinstance(engine.driver, SyncDriver):
         raise ValueError("bench census drives the synchronous step; drop --async-scheduling")
     c = Census()
     pending, inflight = list(range(len(items)))[::-1], set()

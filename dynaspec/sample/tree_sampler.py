@@ -1,7 +1,7 @@
 """Lossless verification of a draft tree (docs/design.md §4c).
 
 Rows: the request's n+1 logits rows, row 0 the root (the last accepted token), row 1+i node i
-(`spec_decode/tree.py`). The walk starts at the root and descends one level per accepted node;
+(`draft_tree.py`). The walk starts at the root and descends one level per accepted node;
 at each node the row of that node gives the target's distribution p for the next token.
 
 Greedy: the child whose token equals the argmax of the row's raw logits is accepted (the first
@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import torch
 
+from dynaspec.draft_tree import DraftTree
 from dynaspec.sample.greedy import argmax_rows
 from dynaspec.sample.metadata import SamplingMetadata
 from dynaspec.sample.sampler import inverse_cdf_sample, processed_probs, sample_uniform
-from dynaspec.spec_decode.tree import DraftTree
 
 
 def greedy_tree(argmax: list[int], tree: DraftTree) -> tuple[list[int], int]:

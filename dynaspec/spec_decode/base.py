@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dynaspec.draft_tree import DraftTree
 from dynaspec.request import Request
-from dynaspec.spec_decode.tree import DraftTree
 
 # Pending tokens a drafter feeds along with a request's drafts; older ones (a prompt, on the
 # request's first drafts) are its prefill, fed in a pass of their own and timed as setup.

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dynaspec.draft_tree import DraftTree
 from dynaspec.request import Request
 from dynaspec.spec_decode.base import Drafts, Proposer, deterministic_drafts
-from dynaspec.spec_decode.tree import DraftTree
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 _MIN_CAPACITY = 256

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from dynaspec.attention.backend import AttentionBatch
+from dynaspec.draft_tree import DraftTree
 from dynaspec.models.llama import LlamaModel
 from dynaspec.outputs import RequestResult, RunnerOutput
 from dynaspec.request import Request
@@ -34,7 +35,6 @@ from dynaspec.sample.synthetic import SyntheticVerifier
 from dynaspec.spec_decode import step_width as width
 from dynaspec.spec_decode.base import Drafts, Proposer
 from dynaspec.spec_decode.eagle import HiddenStates
-from dynaspec.spec_decode.tree import DraftTree
 from dynaspec.step_plan import BatchDescriptor, StepPlan
 from dynaspec.structured.manager import StructuredOutputManager
 from dynaspec.worker import tree_step

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
+from dynaspec.draft_tree import DraftTree, kv_moves
 from dynaspec.sample.metadata import SamplingMetadata
 from dynaspec.sample.tree_sampler import verify_tree
-from dynaspec.spec_decode.tree import DraftTree, kv_moves
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import torch
 
 from dynaspec import LLM
 from dynaspec.attention.backend import AttentionBatch
-from dynaspec.spec_decode.tree import DraftTree
+from dynaspec.draft_tree import DraftTree
 from dynaspec.worker import tree_step
 
 from .conftest import last_logits

@@ -29,6 +29,9 @@ class _StubEngine:
     def has_unfinished_requests(self) -> bool:
         return False
 
+    def shutdown(self) -> None:
+        """The engine client protocol's last call (nothing to stop here)."""
+
     def take_finished_times(self) -> list:
         return []
 

@@ -8,7 +8,7 @@ import torch
 
 from dynaspec.attention import cpu_paged
 from dynaspec.attention.backend import AttentionBatch, get_backend
-from dynaspec.spec_decode.tree import DraftTree
+from dynaspec.draft_tree import DraftTree
 from dynaspec.worker.tree_step import visibility
 
 from .test_cpu_paged_attention import _case

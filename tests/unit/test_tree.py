@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dynaspec.spec_decode.tree import DraftTree, kv_moves
+from dynaspec.draft_tree import DraftTree, kv_moves
 
 # root -> a(0) -> c(1), d(2) -> e(3) ; root -> b(4) -> f(5)
 TREE = DraftTree((10, 12, 13, 14, 11, 15), (-1, 0, 0, 2, -1, 4))

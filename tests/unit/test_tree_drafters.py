@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from dynaspec.draft_tree import DraftTree
 from dynaspec.spec_decode.ngram import ngram_match, ngram_tree
 from dynaspec.spec_decode.suffix_index import SuffixIndex
-from dynaspec.spec_decode.tree import DraftTree
 
 
 def test_ngram_tree_branches_where_matches_disagree():

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
+from dynaspec.draft_tree import DraftTree
 from dynaspec.sample.metadata import SamplingMetadata
 from dynaspec.sample.sampler import processed_probs
 from dynaspec.sample.tree_sampler import greedy_tree, random_tree, verify_tree
 from dynaspec.sampling_params import SamplingParams as SP
-from dynaspec.spec_decode.tree import DraftTree
 from tests.unit.test_rejection_sampler import chi_ok
 
 # root -> 0 (token 0) -> {1 (token 1), 2 (token 4)}; root -> 3 (token 2); root -> 4 (token 5)
