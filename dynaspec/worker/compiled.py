@@ -267,20 +267,6 @@ class CudaGraphDecode(_Base):
         return graph, out, args
 
 
-def greedy_from_argmax(argmax: list[int], draft_token_ids: list[list[int]]) -> list[list[int]]:
-    """The greedy verification rule (`rejection_sampler._greedy`) from each row's argmax, rows
-    laid out request after request (drafts + 1 each): accept drafts while they equal the argmax,
-    then emit the argmax. A -1 pad never equals one."""
-    out, row = [], 0
-    for ids in draft_token_ids:
-        a = 0
-        while a < len(ids) and ids[a] == argmax[row + a]:
-            a += 1
-        out.append(ids[:a] + [argmax[row + a]])
-        row += len(ids) + 1
-    return out
-
-
 def make_executor(model, kv_caches: list[torch.Tensor], device: torch.device, budget_s: float,
                   num_shapes: int, compile_backend: str = "inductor") -> FixedShapeExecutor | None:
     if device.type == "cuda":

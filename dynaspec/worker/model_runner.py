@@ -29,7 +29,7 @@ from dynaspec.outputs import RequestResult, RunnerOutput
 from dynaspec.request import Request
 from dynaspec.sample.logits_processor import LogitsProcessing
 from dynaspec.sample.metadata import SamplingMetadata
-from dynaspec.sample.rejection_sampler import rejection_sample
+from dynaspec.sample.rejection_sampler import greedy_from_argmax, rejection_sample
 from dynaspec.sample.sampler import Sampler
 from dynaspec.sample.synthetic import SyntheticVerifier
 from dynaspec.spec_decode import step_width as width
@@ -38,7 +38,7 @@ from dynaspec.spec_decode.eagle import HiddenStates
 from dynaspec.step_plan import BatchDescriptor, StepPlan
 from dynaspec.structured.manager import StructuredOutputManager
 from dynaspec.worker import tree_step
-from dynaspec.worker.compiled import FixedShapeExecutor, greedy_from_argmax
+from dynaspec.worker.compiled import FixedShapeExecutor
 from dynaspec.worker.input_buffers import InputBuffers
 from dynaspec.worker.tree_step import TreeRows
 

@@ -15,7 +15,8 @@ pytest.importorskip("triton", reason="triton is not installed (the GPU image has
 
 from dynaspec import LLM  # noqa: E402
 from dynaspec.attention.backend import AttentionBatch  # noqa: E402
-from dynaspec.worker.compiled import CudaGraphDecode, greedy_from_argmax  # noqa: E402
+from dynaspec.sample.rejection_sampler import greedy_from_argmax  # noqa: E402
+from dynaspec.worker.compiled import CudaGraphDecode  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
