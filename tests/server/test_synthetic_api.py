@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.cost_tables import FREE_VERIFY
 from tests.server.conftest import MODEL
 
 PROMPT = "one two three four five six. one two three four five six. one two three four"
@@ -12,8 +13,11 @@ PROMPT = "one two three four five six. one two three four five six. one two thre
 
 @pytest.fixture(scope="module")
 def server(live_server_factory):
+    # A fixed free-verify table: whether the policy drafts must not depend on this machine's
+    # load (a busy run measured wide steps dear, chose K = 0 and drafted nothing).
     return live_server_factory(speculator="ngram", num_spec_tokens=4, prompt_lookup_min=1,
-                               rejection_mode="synthetic", synthetic_acceptance="0.9,0.5")
+                               rejection_mode="synthetic", synthetic_acceptance="0.9,0.5",
+                               cost_table=FREE_VERIFY)
 
 
 @pytest.fixture(scope="module")
