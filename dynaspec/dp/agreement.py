@@ -34,6 +34,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from dynaspec.draft_tree import TreeWalk
 from dynaspec.spec_decode.acceptance import AcceptanceHistory
 from dynaspec.spec_decode.k_policy import GlobalStepView, StepK, StepView
 
@@ -269,7 +270,7 @@ class LockstepPolicy:
         return self.inner.decide(view)
 
     def observe(self, request_id: str, num_drafted: int, num_accepted: int, ctx: int,
-                cap: int = 0, fallback: bool = False, walk=None) -> None:  # type: ignore[no-untyped-def]
+                cap: int = 0, fallback: bool = False, walk: TreeWalk | None = None) -> None:
         """`walk`: never set under DP (trees are refused there, config.py)."""
         self.inner.observe(request_id, num_drafted, num_accepted, ctx, cap, fallback)
 

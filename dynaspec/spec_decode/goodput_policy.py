@@ -89,7 +89,7 @@ from dynaspec.spec_decode.step_pricing import (
     price_row,
 )
 from dynaspec.spec_decode.step_width import runnable_k
-from dynaspec.spec_decode.tree_pricing import BranchRates, price_tree_row
+from dynaspec.spec_decode.tree_pricing import BranchRates, TreePricer
 
 log = logging.getLogger("dynaspec")
 _MARGIN = 1 + 1e-9  # a K, a shape or drafting at all must beat the alternative by this factor
@@ -264,9 +264,13 @@ class GoodputPolicy(TablePolicy):
         rows, trees = [], set()
         probe_pays = None  # the same for every request: priced once, when first needed
         plain = 1.0 / cost(1)
+        pricer = None
+        if self.settings.drafts_trees and view.global_view is None:
+            lengths = self.tree_lengths if self.tree_lengths.num_updates else FULL_LENGTHS
+            pricer = TreePricer(self.branch_rates, lengths.survival, ceiling)
         for r in view.requests:
             rid, cap = r.request_id, caps[r.request_id][0]
-            row, value, tree = self._shape(r, cap, cost, view.global_view is None)
+            row, value, tree = self._shape(r, cap, cost, pricer)
             if tree:
                 trees.add(rid)
             if cap > 0 and not value > plain * _MARGIN:
@@ -278,17 +282,16 @@ class GoodputPolicy(TablePolicy):
             rows.append(row)
         return rows, fixed, frozenset(trees)
 
-    def _shape(self, r: RequestView, cap: int, cost, may_tree: bool
+    def _shape(self, r: RequestView, cap: int, cost, trees: TreePricer | None
                ) -> tuple[PricedRow, float, bool]:
-        """The request's row as a chain or, where the drafter gives trees and it pays more
-        alone, as a tree of as many nodes; with its goodput alone and whether it is a tree."""
+        """The request's row as a chain or, where the drafter gives trees (`trees`) and it
+        pays more alone, as a tree of as many nodes; with its goodput alone and whether it is
+        a tree."""
         chain = self._row(r, cap)
         value = self._alone(chain, cost) if cap > 0 else 0.0
-        if not (self.settings.drafts_trees and may_tree and cap > 1):
+        if trees is None or cap < 2:
             return chain, value, False
-        lengths = self.tree_lengths if self.tree_lengths.num_updates else FULL_LENGTHS
-        tree = price_tree_row(self._rates(r).rate, self.branch_rates.rate,
-                              lengths.survival(cap), cap, True)
+        tree = trees.row(self._rates(r).rate, cap)
         tree_value = self._alone(tree, cost)
         if tree_value > value * _MARGIN:
             return tree, tree_value, True

@@ -67,37 +67,64 @@ class BranchRates:
         return {f"d{d}b{b}": round(self.rate(d, b), 4) for d, b in sorted(self.reached)}
 
 
-def node_values(rate0: Callable[[int], float], branch: Callable[[int, int], float],
+def node_values(rate0: Sequence[float], branches: Sequence[Sequence[float]],
                 n: int) -> list[float]:
     """The n largest node values a tree can hold, descending (a best-first expansion from the
-    root: a child is worth at most its parent, so the chosen nodes form a tree)."""
+    root: a child is worth at most its parent, so the chosen nodes form a tree). `rate0`[n]:
+    the first child's rate per depth; `branches`[n][MAX_RANK - 1]: ranks 1.. per depth."""
     reach: list[list[float]] = []  # [depth][rank]: P(rank accepted | parent reached)
     for d in range(n):
         miss, row = 1.0, []
-        for b in range(MAX_RANK):
-            p = rate0(d) if b == 0 else branch(d, b)
+        for p in (rate0[d], *branches[d]):
             row.append(miss * p)
             miss *= 1.0 - p
+        row.sort(reverse=True)  # which rank is worth what does not matter, only the values
         reach.append(row)
-    heap = [(-v, 0) for v in reach[0]]  # (-value, depth)
-    heapq.heapify(heap)
+    # Lazy expansion: a popped node brings in its best child and its next sibling (each row is
+    # sorted), so the heap holds at most two entries a node. Entry: (-value, depth, index in
+    # the depth's row, the parent's value).
+    heap = [(-reach[0][0], 0, 0, 1.0)]
     out: list[float] = []
     while heap and len(out) < n:
-        neg, d = heapq.heappop(heap)
+        neg, d, i, parent = heapq.heappop(heap)
         out.append(-neg)
+        if i + 1 < len(reach[d]):
+            heapq.heappush(heap, (-parent * reach[d][i + 1], d, i + 1, parent))
         if d + 1 < n:
-            for v in reach[d + 1]:
-                heapq.heappush(heap, (neg * v, d + 1))
+            heapq.heappush(heap, (neg * reach[d + 1][0], d + 1, 0, -neg))
     return out + [0.0] * (n - len(out))
 
 
-def price_tree_row(rate0: Callable[[int], float], branch: Callable[[int, int], float],
+def price_tree_row(rate0: Sequence[float], branches: Sequence[Sequence[float]],
                    survival: Sequence[float], limit: int, follows: bool) -> PricedRow:
     """A request's row (step_pricing.PricedRow) for a tree of up to `limit` nodes: `survival`
     [limit] is P(the drafter's tree has more than i nodes)."""
-    values = node_values(rate0, branch, limit)
+    values = node_values(rate0, branches, limit)
     accepted, drafted = [0.0], [0.0]
     for i in range(limit):
         accepted.append(accepted[-1] + survival[i] * values[i])
         drafted.append(drafted[-1] + survival[i])
     return PricedRow(follows, limit, tuple(accepted), tuple(drafted), tuple(survival[:limit]))
+
+
+class TreePricer:
+    """Prices tree rows for one decision (and lives only as long): the branch rates and the
+    trees' fill are read once, and requests with the same rates share one row (those without a
+    history of their own all read the engine's)."""
+
+    def __init__(self, rates: BranchRates, survival: Callable[[int], list[float]],
+                 depth: int) -> None:
+        self.branches = [[rates.rate(d, b) for b in range(1, MAX_RANK)] for d in range(depth)]
+        self._survival_of = survival
+        self._survival: dict[int, list[float]] = {}
+        self._rows: dict[tuple, PricedRow] = {}
+
+    def row(self, rate0: Callable[[int], float], limit: int) -> PricedRow:
+        r0 = tuple(rate0(d) for d in range(limit))
+        got = self._rows.get(r0)  # the key's length is the limit
+        if got is None:
+            if limit not in self._survival:
+                self._survival[limit] = self._survival_of(limit)
+            got = self._rows[r0] = price_tree_row(r0, self.branches, self._survival[limit],
+                                                  limit, True)
+        return got

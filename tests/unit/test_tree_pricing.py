@@ -13,7 +13,12 @@ from dynaspec.spec_decode.goodput_policy import GoodputPolicy, GoodputSettings
 from dynaspec.spec_decode.k_policy import RequestView, StepView
 from dynaspec.spec_decode.plan import build_spec_plan
 from dynaspec.spec_decode.step_pricing import price_row
-from dynaspec.spec_decode.tree_pricing import BranchRates, node_values, price_tree_row
+from dynaspec.spec_decode.tree_pricing import (
+    BranchRates,
+    TreePricer,
+    node_values,
+    price_tree_row,
+)
 
 WIDTHS = tuple(range(1, 10))
 
@@ -53,17 +58,43 @@ def test_a_tree_whose_branches_never_win_is_priced_as_the_chain():
     rate0 = lambda d: 0.7 - 0.05 * d  # noqa: E731
     survival = [1.0, 0.9, 0.8, 0.6, 0.5]
     chain = price_row(rate0, survival, 5, True)
-    tree = price_tree_row(rate0, lambda d, b: 0.0, survival, 5, True)
+    tree = price_tree_row([rate0(d) for d in range(5)], [[0.0] * 3] * 5, survival, 5, True)
     assert tree == chain
 
 
 def test_node_values_take_the_best_nodes_of_any_shape():
     # Rank 0 at 0.5 and rank 1 at 0.5 everywhere: the root's two children are worth 0.5 and
     # 0.25; the first child's two children 0.25 and 0.125.
-    vals = node_values(lambda d: 0.5, lambda d, b: 0.5 if b == 1 else 0.0, 4)
+    vals = node_values([0.5] * 4, [[0.5, 0.0, 0.0]] * 4, 4)
     assert vals == pytest.approx([0.5, 0.25, 0.25, 0.125])
     # E[accepted] of a chain of 4 at 0.5: 0.5 + 0.25 + 0.125 + 0.0625 < the tree's 1.125
     assert sum(vals) > sum(0.5 ** (i + 1) for i in range(4))
+
+
+def test_node_values_equal_the_best_of_every_node_enumerated():
+    import itertools
+    import random
+
+    rng = random.Random(3)
+    for _ in range(20):
+        n = rng.randrange(1, 6)
+        rate0 = [rng.random() for _ in range(n)]
+        branches = [[rng.random() * 0.6 for _ in range(3)] for _ in range(n)]
+        reach = []
+        for d in range(n):
+            miss, row = 1.0, []
+            for p in (rate0[d], *branches[d]):
+                row.append(miss * p)
+                miss *= 1.0 - p
+            reach.append(row)
+        every = []
+        for depth in range(1, n + 1):  # every node: its ranks from the root down
+            for ranks in itertools.product(range(4), repeat=depth):
+                v = 1.0
+                for d, b in enumerate(ranks):
+                    v *= reach[d][b]
+                every.append(v)
+        assert node_values(rate0, branches, n) == pytest.approx(sorted(every, reverse=True)[:n])
 
 
 def _policy(branch_prior: float, per_width) -> GoodputPolicy:  # type: ignore[no-untyped-def]
@@ -104,7 +135,7 @@ def test_a_tree_row_is_priced_at_its_width():
     """The step's seconds for a tree come from the cost table at width 1 + nodes, as a chain's."""
     p = _policy(0.6, lambda w: 0.01 * w)
     cost = p.cost_model.widths_priced(1, 100)
-    row = price_tree_row(lambda d: 0.5, p.branch_rates.rate, FULL_LENGTHS.survival(4), 4, True)
+    row = TreePricer(p.branch_rates, FULL_LENGTHS.survival, 4).row(lambda d: 0.5, 4)
     pricing = p._pricing([row], cost)
     assert pricing.seconds(4) == pytest.approx(cost(5)) and pricing.drafted(4) == 4
 
