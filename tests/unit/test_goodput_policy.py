@@ -149,8 +149,12 @@ def test_new_requests_use_the_engine_prior():
     assert q.decide(view(rv("new", 101))).per_request["new"] == 0
 
 
-def test_decide_is_pure():
-    p = GoodputPolicy(build_spec_plan("ngram", 4, None), cost_model(lambda w: 0.01 * (1 + 0.1 * w)))
+@pytest.mark.parametrize("settings", [
+    GoodputSettings(), GoodputSettings(drafts_trees=True), GoodputSettings(prices_fallback=True),
+    GoodputSettings(whole_cap=True, drafts_trees=True)])
+def test_decide_is_pure(settings):
+    p = GoodputPolicy(build_spec_plan("ngram", 4, None), cost_model(lambda w: 0.01 * (1 + 0.1 * w)),
+                      settings)
     feed(p, "a", 4, 2, 100)
     v = view(rv("a", 120), rv("b", 40), num_reqs=3)
     def state():
