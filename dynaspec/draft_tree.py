@@ -107,3 +107,36 @@ def kv_moves(path: list[int]) -> list[tuple[int, int]]:
     1 + path[d] and belongs at row 1 + d. Depth-first order gives path[d] >= d and increasing,
     so moving shallow to deep never overwrites a node still to be moved."""
     return [(1 + p, 1 + d) for d, p in enumerate(path) if p != d]
+
+
+@dataclass(frozen=True)
+class TreeWalk:
+    """What one verified tree says about its drafter's branches (spec_decode/tree_pricing.py):
+    at each depth the walk reached, how many children the reached node offered and the rank
+    (0: the first child) of the one accepted, -1 where none was (the walk ends there)."""
+
+    offered: tuple[int, ...]
+    chosen: tuple[int, ...]
+    first_path: int  # nodes on the tree's first root path: the chain the tree holds
+
+    @property
+    def first_path_accepted(self) -> int:
+        """Of the first path's nodes, those accepted: the walk's leading first-child picks."""
+        n = 0
+        while n < min(len(self.chosen), self.first_path) and self.chosen[n] == 0:
+            n += 1
+        return n
+
+
+def tree_walk(tree: DraftTree, path: list[int]) -> TreeWalk:
+    """The walk that accepted `path` (node indices from the root's child down)."""
+    offered, chosen, node = [], [], -1
+    for d in range(len(path) + 1):
+        kids = tree.children(node)
+        if not kids:
+            break
+        offered.append(len(kids))
+        chosen.append(kids.index(path[d]) if d < len(path) else -1)
+        if d < len(path):
+            node = path[d]
+    return TreeWalk(tuple(offered), tuple(chosen), len(tree.first_path()))

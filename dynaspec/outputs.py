@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from dynaspec.draft_tree import TreeWalk
 from dynaspec.metrics.stats import RequestSpecSummary
 from dynaspec.step_plan import BatchDescriptor
 
@@ -29,6 +30,7 @@ class RequestResult:
     num_tree_nodes: int = 0  # its drafts were a tree of this many nodes (0: a chain)
     tree_depth: int = 0  # ... whose longest root path had this many nodes
     tree_path: list[int] | None = None  # the accepted nodes of its tree (runner-internal)
+    tree_walk: TreeWalk | None = None  # ... and the walk down it, for the K policy
 
 
 @dataclass

@@ -56,6 +56,9 @@ class ScheduledRequest:
     # A drafter with a fallback (lookup first, then a head): the fallback's own cap, <=
     # draft_budget; None, the same cap (a policy that does not price the fallback apart).
     fallback_budget: int | None = None
+    # Draft a tree of up to draft_budget nodes where the drafter can (docs/design.md §4c); False:
+    # the K policy chose a chain for this request this step.
+    draft_tree: bool = True
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,6 +69,7 @@ class StepPlan:
     batch: BatchDescriptor
     preempted_ids: tuple[str, ...] = ()
     schedule_seconds: float = 0.0
+    modelled_goodput: float | None = None  # tokens/s the K decision expected (goodput)
 
     @property
     def num_reqs(self) -> int:

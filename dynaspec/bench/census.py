@@ -52,6 +52,10 @@ class Census:
     draft_request_steps: int = 0
     tree_request_steps: int = 0
     tree_nodes: int = 0
+    tree_accepted: int = 0
+    # The goodput policy's learned per-depth, per-branch acceptance after the run
+    # (spec_decode/tree_pricing.BranchRates.table(): "d<depth>b<rank>" -> rate).
+    branch_rates: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         by_k = Counter("off" if s.k is None else s.k for s in self.samples)
@@ -76,6 +80,7 @@ class Census:
             "draft_request_steps": self.draft_request_steps,
             "drafted_tokens": self.drafted_tokens, "accepted_tokens": self.accepted_tokens,
             "tree_request_steps": self.tree_request_steps, "tree_nodes": self.tree_nodes,
+            "tree_accepted_tokens": self.tree_accepted, "branch_rates": self.branch_rates,
         }
 
 
@@ -138,6 +143,8 @@ def run_census(engine, items, params: Sequence[SamplingParams], concurrency: int
         if res is not None:
             _count_drafts(c, res)
     c.elapsed_s = time.perf_counter() - t0
+    rates = getattr(engine.scheduler.policy, "branch_rates", None)
+    c.branch_rates = rates.table() if rates is not None else {}
     return c
 
 
@@ -164,6 +171,7 @@ def _count_drafts(c: Census, res) -> None:
             if nodes:
                 c.tree_request_steps += 1
                 c.tree_nodes += nodes
+                c.tree_accepted += r.num_accepted_tokens
 
 
 def markdown(report: dict, settings: dict) -> str:
@@ -187,7 +195,9 @@ def markdown(report: dict, settings: dict) -> str:
               f"schedule ms per step (median): {_ms(report['schedule_s_per_step'])}",
               f"drafts: {report['draft_request_steps']} request-steps, "
               f"{report['drafted_tokens']} drafted, {report['accepted_tokens']} accepted; "
-              f"tree request-steps {report['tree_request_steps']} ({report['tree_nodes']} nodes)"]
+              f"tree request-steps {report['tree_request_steps']} ({report['tree_nodes']} nodes, "
+              f"{report['tree_accepted_tokens']} accepted); branch acceptance by depth and rank "
+              f"(goodput policy): {report['branch_rates'] or '-'}"]
     return "\n".join(lines)
 
 

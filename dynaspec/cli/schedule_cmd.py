@@ -123,13 +123,27 @@ def format_tree(args: argparse.Namespace, plan: SpecPlan) -> str:
         return ""
     if args.speculator not in ("ngram", "suffix"):
         return "draft trees: refused (--draft-tree needs --speculator ngram or suffix)\n"
-    return ("draft trees: on. A request's K is a node budget: its drafter proposes a tree of at "
+    text = ("draft trees: on. A request's K is a node budget: its drafter proposes a tree of at "
             f"most K nodes (K <= {plan.max_k}), verified at width nodes + 1, each node at "
             "context + depth seeing only its ancestors; one branch of continuations is a chain "
             "and runs exactly as one. A tree runs as its first path on a fixed-shape (compiled) "
-            "step and for requests with a grammar, logits processing or logprobs. The policy "
-            "prices a tree as a chain of its nodes (its width), learning its acceptance per "
-            "node verified. Refused with --async-scheduling and data parallel.\n")
+            "step and for requests with a grammar, logits processing or logprobs.")
+    policy = resolve_policy_name(getattr(args, "k_policy", "auto"), plan.speculating,
+                                 args.k_schedule is not None)
+    if policy == "goodput":
+        text += (" The goodput policy picks chain, tree or none per request per step: it prices "
+                 "a chain of K drafts and a tree of K nodes, each at its width 1 + drafts from the "
+                 "step cost table, the tree's expected accepted length from per-depth, "
+                 "per-branch acceptance (the first child at depth d at the request's chain rate "
+                 "for position d, the b-th child at the engine-wide rate that it is the accepted "
+                 "one once the earlier ones were rejected, learned from every tree verified), and "
+                 "drafts the shape that pays more, or nothing where neither beats plain decode.")
+    else:
+        text += (f" The {policy} policy does not price shapes: every request with a budget of "
+                 "2 or more nodes drafts a tree where its drafter finds branches.")
+    return (text + " Tree steps are counted in /metrics (spec_decode_tree_steps, "
+            "_num_tree_drafts, _num_tree_nodes, _num_tree_accepted_tokens, "
+            "_tree_acceptance_length). Refused with --async-scheduling and data parallel.\n")
 
 
 def format_dp(plan: SpecPlan, policy: str | None, dp: int) -> str:

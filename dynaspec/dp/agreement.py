@@ -34,13 +34,15 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from dynaspec.draft_tree import TreeWalk
 from dynaspec.spec_decode.acceptance import AcceptanceHistory
 from dynaspec.spec_decode.k_policy import GlobalStepView, StepK, StepView
 
 # Row layout (one float64 per field, then 2 * max_k acceptance counts).
 _FIELDS = ("num_reqs", "num_decoding", "sum_ctx", "max_ctx", "num_unfinished", "stopping",
            "join_epoch", "step_seconds", "obs_ran", "obs_valid", "obs_num_reqs", "obs_ctx",
-           "obs_width", "obs_target_s", "obs_draft_s", "obs_drafted", "obs_emitted")
+           "obs_width", "obs_target_s", "obs_draft_s", "obs_drafted", "obs_emitted",
+           "obs_modelled")
 _IX = {name: i for i, name in enumerate(_FIELDS)}
 
 Gather = Callable[[list[float], float], list[list[float]]]  # (row, timeout_s) -> every rank's row
@@ -132,7 +134,7 @@ class StepAgreement:
         self.step_seconds = 0.0
         self.ran_step = False  # a real step ran since the previous exchange
         self.pending_obs: tuple[float, ...] | None = (
-            None  # (num_reqs, ctx, width, tgt, draft, drafted, emitted)
+            None  # (num_reqs, ctx, width, tgt, draft, drafted, emitted, modelled or -1)
         )
         # (tick, K agreed, global requests, ctx statistic, this rank's requests), for tests/metrics.
         self.decisions: deque[tuple[int, int, int, int, int]] = deque(maxlen=log_size)
@@ -158,7 +160,7 @@ class StepAgreement:
         row[_IX["obs_ran"]] = float(self.ran_step)
         if obs is not None:
             row[_IX["obs_valid"]] = 1.0
-            row[_IX["obs_num_reqs"]:_IX["obs_emitted"] + 1] = list(obs)
+            row[_IX["obs_num_reqs"]:_IX["obs_modelled"] + 1] = list(obs)
         acc = self.shared.take_pending() if self.shared is not None else [0.0] * (2 * self.max_k)
         rows = self.gather(row + acc, self.timeout_s())
         self.pending_obs, self.ran_step, self.exchanged = None, False, True
@@ -182,8 +184,9 @@ class StepAgreement:
         """The previous lockstep step as the cost model should see it, when every rank that
         ran a step ran a pure decode step (else the step's shape is not what the model prices):
         the busiest rank's requests, the request-weighted mean context, the widest verify, the
-        slowest rank's target time (the lockstep pace), and draft time / drafted / emitted
-        summed."""
+        slowest rank's target time (the lockstep pace), draft time / drafted / emitted summed,
+        and the goodput the step's decision modelled (one decision on every rank: the largest
+        reported, None where no rank had one)."""
         ran = [r for r in tick.rows if r[_IX["obs_ran"]]]
         if not ran or not all(r[_IX["obs_valid"]] for r in ran):
             return None
@@ -197,6 +200,7 @@ class StepAgreement:
             sum(r[_IX["obs_draft_s"]] for r in ran),
             int(sum(r[_IX["obs_drafted"]] for r in ran)),
             int(sum(r[_IX["obs_emitted"]] for r in ran)),
+            _modelled(max(r[_IX["obs_modelled"]] for r in ran)),
         )
 
     def shared_acceptance(self, tick: Tick) -> tuple[list[float], list[float]]:
@@ -204,6 +208,10 @@ class StepAgreement:
         reached = [sum(r[base + i] for r in tick.rows) for i in range(k)]
         hits = [sum(r[base + k + i] for r in tick.rows) for i in range(k)]
         return reached, hits
+
+
+def _modelled(value: float) -> float | None:
+    return value if value >= 0 else None
 
 
 def _global_view(rows: list[list[float]]) -> GlobalStepView:
@@ -251,7 +259,7 @@ class LockstepPolicy:
         a = self.agreement
         obs = a.shared_step_observation(tick)
         if obs is not None:
-            self.inner.observe_step(*obs)
+            self.inner.observe_step(*obs[:7], modelled_goodput=obs[7])
         if a.shared is not None:
             a.shared.apply(*a.shared_acceptance(tick))
 
@@ -262,16 +270,19 @@ class LockstepPolicy:
         return self.inner.decide(view)
 
     def observe(self, request_id: str, num_drafted: int, num_accepted: int, ctx: int,
-                cap: int = 0, fallback: bool = False) -> None:
+                cap: int = 0, fallback: bool = False, walk: TreeWalk | None = None) -> None:
+        """`walk`: never set under DP (trees are refused there, config.py)."""
         self.inner.observe(request_id, num_drafted, num_accepted, ctx, cap, fallback)
 
     def observe_step(self, num_reqs: int, ctx: int, width: int, target_seconds: float,
                      draft_seconds: float, num_drafted: int, num_emitted: int,
-                     fallback_seconds: float = 0.0, fallback_drafted: int = 0) -> None:
+                     fallback_seconds: float = 0.0, fallback_drafted: int = 0,
+                     modelled_goodput: float | None = None) -> None:
         """Held back: sent with the next exchange and applied, gathered, on every rank. A
         fallback is not priced apart under DP (the K is agreed from engine-wide state)."""
         self.agreement.pending_obs = (num_reqs, ctx, width, target_seconds, draft_seconds,
-                                      num_drafted, num_emitted)
+                                      num_drafted, num_emitted,
+                                      -1.0 if modelled_goodput is None else modelled_goodput)
 
     def forget(self, request_id: str) -> None:
         self.inner.forget(request_id)

@@ -15,9 +15,9 @@ import copy
 
 from dynaspec.dp.agreement import LockstepPolicy
 
-# GoodputPolicy attributes its DP decision reads (goodput_policy._shared_goodput, the guard).
+# GoodputPolicy attributes its DP decision reads (goodput_policy._shared_rows, the guard).
 SHARED_FIELDS = ("cost_model", "draft_seconds_per_token", "draft_costs", "modelled_goodput",
-                 "observed_goodput", "last_modelled_goodput", "num_decode_steps",
+                 "observed_goodput", "num_decode_steps",
                  "diverged_steps", "last_reprobe_step", "reprobe_pending", "num_reprobes")
 _HISTORY_FIELDS = ("rates", "counts", "num_updates")
 
@@ -47,8 +47,6 @@ def import_state(policy: LockstepPolicy | None, state: dict | None) -> None:
         follow_rank0(policy, policy.inner, cost.to_json() if cost is not None else None)
     for name, value in fields.items():
         setattr(policy.inner, name, copy.deepcopy(value))
-    if hasattr(policy.inner, "_memo"):
-        policy.inner._memo = None
     shared = policy.agreement.shared
     if shared is not None and "acceptance" in state:
         for name, value in state["acceptance"].items():

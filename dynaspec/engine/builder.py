@@ -331,7 +331,9 @@ def _k_policy(config: EngineConfig, plan: SpecPlan, model: LlamaModel, kv_caches
     settings = GoodputSettings(synthetic_rates=sc.acceptance_rates if not sc.lossless else (),
                                widths_follow_drafts=_widths_follow_drafts(config, model.device),
                                whole_cap=proposer.sizes_own_drafts,
-                               prices_fallback=proposer.has_fallback)
+                               prices_fallback=proposer.has_fallback,
+                               # trees run as trees only under strict verification (tree_step)
+                               drafts_trees=proposer.drafts_trees and sc.lossless)
     # Only widths the plan produces (plus plain decode, K=0): the execution plan's grid,
     # metrics and buffers are sized for them, so the policy never steps off it.
     widths = tuple(sorted({1, *plan.widths}))

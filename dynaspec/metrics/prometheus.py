@@ -12,6 +12,10 @@ counters, so the two always agree):
   _steps{k} (k="0" included; steps with speculation off are not counted here),
   _draft_skips{reason}, _invalid_draft_tokens{reason},
   _draft_seconds, _verify_seconds, _scheduler_seconds.
+Token trees (docs/design.md §4c; request-steps whose drafts were a tree verified as one):
+  counters spec_decode_tree_steps (engine steps with >= 1 tree), _num_tree_drafts,
+  _num_tree_nodes (nodes verified), _num_tree_accepted_tokens, and the histogram
+  spec_decode_tree_acceptance_length (1 + drafts accepted, one observation per tree verified).
 K policy: gauge k_policy_goodput_tokens_per_second{kind="modelled"|"observed"} (goodput policy),
   k_policy_info{policy} (1 for the policy that runs), k_policy_reprobes (the divergence guard's
   forced K>0 steps, total).
@@ -98,6 +102,10 @@ _SPEC_SCALARS = {
     "prompt_tokens": "num_prompt_tokens",
     "generation_tokens": "num_generation_tokens",
     "num_preemptions": "num_preemptions",
+    "spec_decode_tree_steps": "num_tree_steps",
+    "spec_decode_num_tree_drafts": "num_tree_drafts",
+    "spec_decode_num_tree_nodes": "num_tree_nodes",
+    "spec_decode_num_tree_accepted_tokens": "num_tree_accepted_tokens",
 }
 # counter suffix -> (label, SpecCounters field) for labelled spec counters.
 _SPEC_LABELLED = {
@@ -123,7 +131,12 @@ _DOCS = {
     "spec_decode_steps": "Engine steps by the K chosen (k=0 included).",
     "spec_decode_draft_skips": "Request-steps without a valid draft, by reason.",
     "spec_decode_invalid_draft_tokens": "Draft tokens excluded as invalid, by reason.",
+    "spec_decode_tree_steps": "Engine steps that verified >= 1 draft token tree.",
+    "spec_decode_num_tree_drafts": "Request-steps whose drafts were a tree verified as one.",
+    "spec_decode_num_tree_nodes": "Draft tree nodes verified.",
+    "spec_decode_num_tree_accepted_tokens": "Draft tree nodes accepted (the accepted path).",
 }
+TREE_LENGTH_BUCKETS = tuple(range(1, 18))  # 1 + accepted: a tree of <= 16 nodes, one per depth
 
 
 class PrometheusMetrics:
@@ -198,6 +211,8 @@ class PrometheusMetrics:
              GRAMMAR_COMPILE_BUCKETS),
             ("structured_output_mask_seconds", "Grammar work per step that masked rows.",
              GRAMMAR_MASK_BUCKETS),
+            ("spec_decode_tree_acceptance_length", "Tokens a verified draft tree gave (1 + its "
+             "accepted path), per tree.", TREE_LENGTH_BUCKETS),
         ]
         self._hist = {
             name: Histogram(p + name, doc, names, buckets=buckets, registry=reg)
@@ -213,6 +228,10 @@ class PrometheusMetrics:
     def observe_step(self, step: StepStats) -> None:
         """Add one engine step. Validates (through the fold) before touching any series."""
         self._add(fold_step(SpecCounters(), step))
+        for r in step.requests:
+            if r.num_tree_nodes:
+                self._child(self._hist["spec_decode_tree_acceptance_length"]).observe(
+                    1 + r.num_accepted_tokens)
         g = step.grammar
         if g is not None:
             for dt in g.compile_seconds:

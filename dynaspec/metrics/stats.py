@@ -8,7 +8,11 @@ a new accumulator (never None, never an exit that drops other requests' counts, 
 - invalid/padded drafts are excluded from `num_draft_tokens`, counted by reason; all invalid is a
   skip (`all_invalid`); accepted (verifier) and emitted (after stop/EOS, vLLM #56101) are apart;
 - d drafted, a accepted adds 1 to `drafted_per_pos[:d]`, `accepted_per_pos[:a]` (conditional
-  per-position rates stay honest as K varies); `steps_by_k` counts k = 0, k=None is "off".
+  per-position rates stay honest as K varies); `steps_by_k` counts k = 0, k=None is "off";
+- a draft that was a token tree verified as one (docs/design.md §4c) also counts in the tree
+  counters: `num_tree_drafts`, its nodes in `num_tree_nodes` (its drafts: a tree's valid draft
+  tokens are its nodes), its accepted path in `num_tree_accepted_tokens`, and engine steps with
+  >= 1 tree in `num_tree_steps` (engine-wide only).
 Derived values with no denominator are None (JSON null), never 0. No prometheus_client here.
 """
 
@@ -83,6 +87,7 @@ class RequestStepSpec:
     num_emitted_tokens: int  # tokens returned this step after stop/EOS/max_tokens truncation
     skip_reason: str | None  # why no valid draft was verified (None when it verified >= 1)
     invalid_draft_tokens: Mapping[str, int] = _NO_COUNTS
+    num_tree_nodes: int = 0  # its drafts were a tree of this many nodes, verified as one (0: not)
 
     def __post_init__(self) -> None:  # built per request per step: plain ints take a fast path
         rid, d, a, e = self.request_id, *self.counts
@@ -105,6 +110,8 @@ class RequestStepSpec:
         d, a, e = self.counts
         if a > d:
             return f"accepted {a} > valid draft tokens {d}"
+        if self.num_tree_nodes not in (0, d):
+            return f"a tree of {self.num_tree_nodes} nodes but {d} valid draft tokens"
         if e > a + 1:
             return f"emitted {e} > accepted {a} + 1 (one recovered/bonus token per step)"
         reason, unknown = self.skip_reason, set(self.invalid_draft_tokens) - INVALID_REASONS
@@ -195,6 +202,7 @@ _INT_FIELDS = (
 _FLOAT_FIELDS = ("draft_seconds", "verify_seconds", "scheduler_seconds")
 _POS_FIELDS = ("accepted_per_pos", "drafted_per_pos")
 _MAP_FIELDS = ("steps_by_k", "draft_skips", "invalid_draft_tokens")
+_TREE_FIELDS = ("num_tree_steps", "num_tree_drafts", "num_tree_nodes", "num_tree_accepted_tokens")
 _DICT_FIELDS = _INT_FIELDS[:8] + _FLOAT_FIELDS  # to_dict() leaves the engine-only ones out
 _STEP_TOTALS = [(n, n) for n in _INT_FIELDS[8:] + _FLOAT_FIELDS[:2]]
 _STEP_TOTALS.append(("scheduler_seconds", "schedule_seconds"))
@@ -225,6 +233,10 @@ class SpecCounters:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     scheduler_seconds: float = 0.0
+    num_tree_steps: int = 0  # engine steps that verified >= 1 token tree (engine-wide only)
+    num_tree_drafts: int = 0  # request-steps whose drafts were a tree verified as one
+    num_tree_nodes: int = 0  # nodes those trees verified (of num_draft_tokens)
+    num_tree_accepted_tokens: int = 0  # drafts their walks accepted (of num_accepted_tokens)
 
     def __post_init__(self) -> None:
         acc, dra = self.accepted_per_pos, self.drafted_per_pos
@@ -269,6 +281,7 @@ class SpecCounters:
         out["acceptance_rate"] = self.acceptance_rate
         out["mean_acceptance_length"] = self.mean_acceptance_length
         out["acceptance_rate_per_pos"] = list(self.acceptance_rate_per_pos)
+        out.update({n: getattr(self, n) for n in _TREE_FIELDS})
         return out
 
     def check_identities(self) -> list[str]:
@@ -283,7 +296,7 @@ def _padded(vec: Iterable[int], width: int) -> tuple[int, ...]:
 
 def _combine(a: SpecCounters, b: SpecCounters, sign: int) -> SpecCounters:
     kw: dict[str, Any] = {}
-    for name in _INT_FIELDS + _FLOAT_FIELDS:
+    for name in _INT_FIELDS + _FLOAT_FIELDS + _TREE_FIELDS:
         kw[name] = getattr(a, name) + sign * getattr(b, name)
     width = max(len(a.drafted_per_pos), len(b.drafted_per_pos))
     for name in _POS_FIELDS:
@@ -299,7 +312,8 @@ class _Builder:
     """Mutable working copy of an accumulator; the folds copy it, add to it, and freeze it."""
 
     def __init__(self, acc: SpecCounters) -> None:
-        self.v: dict[str, Any] = {n: getattr(acc, n) for n in _INT_FIELDS + _FLOAT_FIELDS}
+        self.v: dict[str, Any] = {n: getattr(acc, n)
+                                  for n in _INT_FIELDS + _FLOAT_FIELDS + _TREE_FIELDS}
         self.pos: dict[str, list[int]] = {n: list(getattr(acc, n)) for n in _POS_FIELDS}
         self.maps: dict[str, dict[Any, int]] = {n: dict(getattr(acc, n)) for n in _MAP_FIELDS}
 
@@ -325,6 +339,10 @@ class _Builder:
                 continue
             a = r.num_accepted_tokens
             drafts, dtok, atok = drafts + 1, dtok + d, atok + a
+            if r.num_tree_nodes:
+                self.v["num_tree_drafts"] += 1
+                self.v["num_tree_nodes"] += r.num_tree_nodes
+                self.v["num_tree_accepted_tokens"] += a
             hist_d[d] = hist_d.get(d, 0) + 1
             hist_a[a] = hist_a.get(a, 0) + 1
         for name, x in (("num_request_steps", n_req), ("num_spec_request_steps", n_spec),
@@ -419,6 +437,7 @@ def fold_step(acc: SpecCounters, step: StepStats) -> SpecCounters:
     b = _Builder(acc)
     b.add_requests(step.requests, step.k)
     b.count_step(step.k)
+    b.v["num_tree_steps"] += any(r.num_tree_nodes for r in step.requests)
     for name, step_name in _STEP_TOTALS:
         b.v[name] += getattr(step, step_name)
     return b.build()
@@ -441,6 +460,10 @@ def _check_identities(c: SpecCounters) -> list[str]:
         (c.num_spec_request_steps <= rs, "speculative request-steps > request-steps"),
         (c.num_emitted_tokens <= acc + rs, "emitted > accepted + 1 per request-step"),
         (mal_ok, f"mean_acceptance_length {mal} != 1 + accepted/drafts"),
+        (c.num_tree_drafts <= nd, "tree drafts > drafts"),
+        (c.num_tree_nodes <= dt, "tree nodes > draft tokens"),
+        (c.num_tree_accepted_tokens <= min(acc, c.num_tree_nodes), "tree accepted > nodes"),
+        (c.num_tree_steps <= c.num_steps, "tree steps > steps"),
     ]  # fmt: skip
     return [msg for ok, msg in checks if not ok] + _per_pos_violations(c)
 
@@ -455,5 +478,5 @@ def _per_pos_violations(c: SpecCounters) -> list[str]:
         vec = getattr(c, name)
         if any(x < y for x, y in zip(vec, vec[1:])):
             bad.append(f"{name} increases with position: {list(vec)}")
-    negative = [n for n in _INT_FIELDS + _FLOAT_FIELDS if getattr(c, n) < 0]
+    negative = [n for n in _INT_FIELDS + _FLOAT_FIELDS + _TREE_FIELDS if getattr(c, n) < 0]
     return bad + [f"{n} is negative" for n in negative]

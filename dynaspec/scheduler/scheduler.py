@@ -28,7 +28,7 @@ from dynaspec.spec_decode import step_width as width
 from dynaspec.spec_decode.execution_plan import ExecutionPlan
 from dynaspec.spec_decode.k_policy import KPolicy
 from dynaspec.spec_decode.plan import SpecPlan
-from dynaspec.spec_decode.step_width import GlobalStepView, RequestView, Reserve, StepView
+from dynaspec.spec_decode.step_width import GlobalStepView, RequestView, Reserve, StepK, StepView
 from dynaspec.step_plan import ScheduledRequest, StepPlan
 
 # (request, tokens about to be appended) -> how many of them to keep because a stop string
@@ -127,29 +127,33 @@ class Scheduler:
         t0 = time.perf_counter()
         budget = self.cfg.max_num_batched_tokens
         reserve = width.NO_RESERVE
+        decisions = width.OneStepDecisions(self.policy) if self.policy is not None else None
         if self.plan.speculating:
-            reserve = width.reserve(self.policy, replace(self.step_view(), global_view=global_view))
+            reserve = width.reserve(decisions, replace(self.step_view(), global_view=global_view))
         rows: list[_Row] = []
         preempted: list[str] = []
         budget = self._schedule_running(rows, preempted, budget, reserve)
         if not preempted:
             self._schedule_waiting(rows, budget, reserve)
-        step_k, entries = self._finalize(rows, reserve.k, global_view)
+        decision, entries = self._finalize(rows, reserve.k, global_view, decisions)
         shapes = [width.RowShape(e.num_new_tokens, e.sampling, e.draft_budget, e.num_lookahead)
                   for e in entries]
+        step_k = None if decision is None else decision.k
         return StepPlan(scheduled=tuple(entries), step_k=step_k,
                         num_batched_tokens=sum(e.num_new_tokens for e in entries),
                         batch=width.describe(self.exec_plan, shapes, step_k or 0),
-                        preempted_ids=tuple(preempted), schedule_seconds=time.perf_counter() - t0)
+                        preempted_ids=tuple(preempted), schedule_seconds=time.perf_counter() - t0,
+                        modelled_goodput=None if decision is None else decision.modelled_goodput)
 
-    def _finalize(self, rows: list[_Row], reserved_k: int, global_view: GlobalStepView | None
-                  ) -> tuple[int | None, list[ScheduledRequest]]:
+    def _finalize(self, rows: list[_Row], reserved_k: int, global_view: GlobalStepView | None,
+                  decisions: width.OneStepDecisions | None
+                  ) -> tuple[StepK | None, list[ScheduledRequest]]:
         """Decide K for the batch formed (the verifying batch) and fix every row's cap."""
         decision = None
         if self.plan.speculating:
             views = tuple(self._view(r.request) for r in rows if r.lookahead > 0)
             view = StepView(views, len(rows), global_view)
-            decision = width.decide(self.policy, view, reserved_k)
+            decision = width.decide(decisions, view, reserved_k)
         entries = []
         for r in rows:
             budget, reason, fallback = r.lookahead, r.reason, None
@@ -161,8 +165,9 @@ class Scheduler:
             entries.append(ScheduledRequest(
                 request=r.request, num_new_tokens=r.num_new_tokens, draft_budget=budget,
                 skip_reason=reason, block_table=self.kv.block_table(r.request.request_id),
-                sampling=r.sampling, num_lookahead=r.lookahead, fallback_budget=fallback))
-        return (None if decision is None else decision.k), entries
+                sampling=r.sampling, num_lookahead=r.lookahead, fallback_budget=fallback,
+                draft_tree=decision is None or decision.drafts_tree(r.request.request_id)))
+        return decision, entries
 
     def _schedule_running(self, rows: list[_Row], preempted: list[str], budget: int,
                           reserve: Reserve) -> int:
@@ -265,7 +270,8 @@ class Scheduler:
                     if r.drafts_from_fallback and s.fallback_budget is not None:
                         cap = min(cap, s.fallback_budget)
                     self.policy.observe(req.request_id, r.num_draft_tokens, r.num_accepted_tokens,
-                                        req.num_tokens, cap, fallback=r.drafts_from_fallback)
+                                        req.num_tokens, cap, fallback=r.drafts_from_fallback,
+                                        walk=r.tree_walk)
             else:
                 self.finish_request(req.request_id, status)
             updates.append(StepUpdate(req, emitted, r, status is not None))
@@ -297,7 +303,8 @@ class Scheduler:
                                  sum(r.num_draft_tokens for r in res.results),
                                  sum(len(r.token_ids) for r in res.results),
                                  fallback_seconds=res.draft_fallback_seconds,
-                                 fallback_drafted=sum(r.num_draft_tokens for r in fallback))
+                                 fallback_drafted=sum(r.num_draft_tokens for r in fallback),
+                                 modelled_goodput=out.modelled_goodput)
 
     def _append_checked(
         self, req: Request, tokens: list[int]

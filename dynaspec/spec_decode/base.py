@@ -60,11 +60,16 @@ class Proposer:
     # True when a second drafter drafts where the first finds nothing (lookup_first.py): it then
     # takes a cap of its own per request (`fallback_k`), which the goodput policy prices apart.
     has_fallback: bool = False
+    # True when it can give a token tree under a node budget (ngram/suffix with --draft-tree):
+    # `propose` then takes `trees` (per request: a tree, or a chain), which the K policy
+    # chooses per request per step (docs/design.md §4c).
+    drafts_trees: bool = False
 
     def propose(self, requests: Sequence[Request], k_per_request: Sequence[int],
                 fallback_k: Sequence[int] | None = None) -> Drafts:
         """Drafts of at most k_per_request[i] tokens per request (a drafter with a fallback:
-        fallback_k[i] where the fallback drafts; None, the same caps)."""
+        fallback_k[i] where the fallback drafts; None, the same caps). A drafter that
+        `drafts_trees` also takes `trees=` (per request, True: a tree of at most k_i nodes)."""
         raise NotImplementedError
 
     def forget(self, request_id: str) -> None:
@@ -115,17 +120,19 @@ class DrafterCacheStats:
 
 
 def deterministic_drafts(requests: Sequence[Request], k_per_request: Sequence[int],
-                         draft_one: Callable[[Request, int], list[int] | DraftTree]) -> Drafts:
-    """Drafts of a drafter with no probabilities (n-gram, suffix): one `draft_one(request, k)`
-    per request with k > 0, a chain or a tree of at most k nodes; an empty draft is a
-    `no_match` skip, k <= 0 is the caller's skip."""
-    if len(requests) != len(k_per_request):
-        raise ValueError(f"{len(requests)} requests but {len(k_per_request)} k values")
+                         draft_one: Callable[[Request, int, bool], list[int] | DraftTree],
+                         as_trees: Sequence[bool]) -> Drafts:
+    """Drafts of a drafter with no probabilities (n-gram, suffix): one `draft_one(request, k,
+    tree)` per request with k > 0, a chain or (`as_trees[i]`) a tree of at most k nodes; an empty
+    draft is a `no_match` skip, k <= 0 is the caller's skip."""
+    if not len(requests) == len(k_per_request) == len(as_trees):
+        raise ValueError(f"{len(requests)} requests but {len(k_per_request)} k values and "
+                         f"{len(as_trees)} shapes")
     token_ids: list[list[int]] = []
     skip_reasons: list[str | None] = []
     trees: list[DraftTree | None] = []
-    for request, k in zip(requests, k_per_request):
-        draft = draft_one(request, k) if k > 0 else []
+    for request, k, as_tree in zip(requests, k_per_request, as_trees):
+        draft = draft_one(request, k, as_tree) if k > 0 else []
         tree = draft if isinstance(draft, DraftTree) else None
         token_ids.append(list(draft.tokens) if tree is not None else draft)
         trees.append(tree if tree is not None and not tree.is_chain else None)

@@ -24,7 +24,7 @@ from dynaspec.spec_decode.acceptance import AcceptanceHistory, expected_accepted
 from dynaspec.spec_decode.step_width import RequestView
 
 if TYPE_CHECKING:
-    from dynaspec.spec_decode.goodput_policy import GoodputSettings
+    from dynaspec.spec_decode.goodput_settings import GoodputSettings
 
 
 class FallbackPricer:

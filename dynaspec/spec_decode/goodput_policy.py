@@ -38,6 +38,20 @@ wherever the costs say that acceptance pays, which is what the mode is for.
 The plan's table stays the ceiling (``--num-spec-tokens`` is the maximum, a ``--k-schedule``
 still bounds each bucket); ``allowed_widths`` restricts the choice to widths the execution plan
 can run (None: any width up to the ceiling).
+
+Token trees (docs/design.md §4c): where the drafter can give a tree under a node budget
+(``drafts_trees``), each request is priced twice, as a chain of up to its cap drafts and as a
+tree of up to that many nodes (``tree_pricing.py``: per-depth, per-branch acceptance), and
+drafts the shape that would pay more alone; the step's K is then its node budget, a tree's
+width 1 + nodes, priced from the same cost table. A tree step teaches the request's chain
+history what its first path (the chain it holds) would have, and the engine-wide branch rates
+what its other children did.
+
+``decide`` returns its report in the decision (``StepK.modelled_goodput`` and the goodput of
+every candidate K), so the policy holds no record of its decisions; the scheduler hands the
+modelled value back to ``observe_step`` with the step's timing. One formula
+(``step_pricing.goodput``) prices the step on one rank and under data parallelism, where the
+rows priced are ones every rank builds alike from shared state.
 """
 
 from __future__ import annotations
@@ -45,17 +59,18 @@ from __future__ import annotations
 import logging
 import statistics
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-from dynaspec.spec_decode.acceptance import (
-    FULL_LENGTHS,
-    AcceptanceHistory,
-    DraftLengths,
-    expected_accepted,
-)
+from dynaspec.draft_tree import TreeWalk
+from dynaspec.spec_decode.acceptance import FULL_LENGTHS, AcceptanceHistory, DraftLengths
 from dynaspec.spec_decode.cost_model import StepCostModel
 from dynaspec.spec_decode.fallback_pricing import FallbackPricer
+from dynaspec.spec_decode.goodput_settings import (  # noqa: F401 - GoodputSettings re-exported
+    Deeper,
+    FixedRates,
+    GoodputSettings,
+    ema,
+)
 from dynaspec.spec_decode.k_policy import (
     RequestView,
     StepK,
@@ -68,142 +83,49 @@ from dynaspec.spec_decode.plan import SpecPlan
 from dynaspec.spec_decode.step_pricing import (
     PricedRow,
     StepPricing,
+    goodput,
     one_row_seconds,
     one_row_seconds_by_cap,
     price_row,
 )
 from dynaspec.spec_decode.step_width import runnable_k
+from dynaspec.spec_decode.tree_pricing import BranchRates, TreePricer
 
 log = logging.getLogger("dynaspec")
-
-
-@dataclass(frozen=True)
-class GoodputSettings:
-    prior_rate: float = 0.6  # per-position acceptance assumed before anything is observed
-    probe_rate: float = 0.8  # acceptance at which a probe is judged worth its cost
-    # Once the engine has this much evidence, probes are priced at its rates + the headroom
-    # (a request may do better than the engine's mean; lookups vary far more than that).
-    probe_evidence: int = 32  # the rate's standard error is then <= 0.09, well inside the headroom
-    probe_headroom: float = 0.25
-    probe_interval: int = 16  # tokens without a verified draft before a request is re-probed
-    # The drafter's seconds per drafted token: the median of its last `draft_cost_window`
-    # drafting steps, taken as 0 until `draft_cost_min_samples` exist. An EMA seeded by the first
-    # draft kept its cold outlier for good: an EAGLE head's first draft also feeds it the whole
-    # prompt (4.8 ms a token against ~0.9 steady), after which K stayed 0 and no later draft
-    # could correct it.
-    draft_cost_window: int = 15
-    draft_cost_min_samples: int = 3
-    # Synthetic rejection mode's per-position acceptance (the last repeats); () = strict mode.
-    synthetic_rates: tuple[float, ...] = ()
-    divergence_bound: float = 2.0  # modelled vs observed goodput factor the guard tolerates
-    divergence_steps: int = 32  # ... for this many decode steps in a row before it re-probes
-    reprobe_interval: int = 64  # decode steps between two guard re-probes, at least
-    # A step verifies only the drafts its requests produced (the eager path), so a cap the
-    # drafter does not fill costs less than its full width. False where a fixed-shape path pads
-    # every row to the planned width.
-    widths_follow_drafts: bool = True
-    # The drafter sizes its own drafts (Proposer.sizes_own_drafts): K is 0 or the ceiling.
-    # Measured on agentic suffix drafts at c1: cutting caps to the K the rates favoured ran
-    # 0.81x [0.68, 0.97] of always drafting up to 8, because the long drafts are the sure ones.
-    whole_cap: bool = False
-    # The engine-wide prior counts as this many observations (AcceptanceHistory.prior_weight).
-    engine_prior_weight: float = 2.0
-    # A request's own rates: a running mean from the prior (worth request_prior_weight
-    # observations) that turns into an EMA at request_alpha. A fixed EMA at 0.3 swung with each
-    # draft, and the policy's choices followed the swings: on c1 code edits it ran 0.918x and
-    # 0.924x of always drafting 4 (docs/benchmarks.md, sixth session).
-    request_alpha: float = 0.1
-    request_prior_weight: float = 2.0
-    # The drafter has a fallback (Proposer.has_fallback: lookup first, a head second): its
-    # acceptance, cost and cap are priced apart (fallback_pricing.py).
-    prices_fallback: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("prior_rate", "probe_rate", "probe_headroom"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
-        if any(not 0.0 <= r <= 1.0 for r in self.synthetic_rates):
-            raise ValueError(f"synthetic_rates must be in [0, 1], got {self.synthetic_rates}")
-        if not 1 <= self.draft_cost_min_samples <= self.draft_cost_window:
-            raise ValueError("need 1 <= draft_cost_min_samples <= draft_cost_window, got "
-                             f"{self.draft_cost_min_samples} and {self.draft_cost_window}")
-        if self.probe_interval < 1 or self.probe_evidence < 0:
-            raise ValueError("need probe_interval >= 1 and probe_evidence >= 0, got "
-                             f"{self.probe_interval} and {self.probe_evidence}")
-        if (
-            not self.divergence_bound > 1.0
-            or self.divergence_steps < 1
-            or self.reprobe_interval < 1
-        ):
-            raise ValueError(
-                "need divergence_bound > 1, divergence_steps >= 1, reprobe_interval >= 1"
-            )
-
-    def probe_rates(self, engine: AcceptanceHistory) -> Callable[[int], float]:
-        """rate(position) a probe is priced at: ``probe_rate`` until ``engine`` has
-        ``probe_evidence`` updates, then the engine's own rates plus ``probe_headroom``, never
-        above ``probe_rate``. A request may do better than the engine's mean, so a probe keeps
-        some optimism; none at all where the engine has shown the drafter far below it."""
-        if engine.num_updates < self.probe_evidence:
-            return lambda _i: self.probe_rate
-        return lambda i: min(self.probe_rate, engine.rate(i) + self.probe_headroom)
-
-
-def _ema(old: float | None, new: float, alpha: float = 0.1) -> float:
-    return new if old is None else old + alpha * (new - old)
-
-
-class _FixedRates:
-    """A history-shaped set of fixed per-position conditional rates, the last repeating (the
-    prior before anything is observed; synthetic mode's simulated acceptance)."""
-
-    def __init__(self, *rates: float) -> None:
-        self._rates = rates
-
-    def rate(self, position: int) -> float:
-        return self._rates[min(position, len(self._rates) - 1)]
-
-    def expected_accepted(self, k: int) -> float:
-        return expected_accepted(self.rate, k)
-
-
-class _Deeper:
-    """Rates observed at the first positions, another estimate's below them."""
-
-    def __init__(self, rates: list[float], below) -> None:
-        self._rates, self._below = rates, below
-
-    def rate(self, position: int) -> float:
-        return self._rates[position] if position < len(self._rates) else self._below.rate(position)
+_MARGIN = 1 + 1e-9  # a K, a shape or drafting at all must beat the alternative by this factor
 
 
 class GoodputPolicy(TablePolicy):
     keeps_history = True
 
     def __init__(self, plan: SpecPlan, cost_model: StepCostModel,
-                 settings: GoodputSettings = GoodputSettings(),
+                 settings: GoodputSettings | None = None,
                  allowed_widths: tuple[int, ...] | None = None) -> None:
         super().__init__(plan)
+        settings = settings or GoodputSettings()
         self.cost_model, self.settings = cost_model, settings
         self.allowed_widths = None if allowed_widths is None else frozenset(allowed_widths)
-        self._runnable_memo: dict[int, int] = {}
+        # The K each K runs as, precomputed: a decision asks thousands of times.
+        self._runnable_ks = tuple(runnable_k(k, self.allowed_widths)
+                                  for k in range(plan.max_k + 1))
         # Slow: a prior, not a tracker. It starts at the prior, worth two observations: seeded
         # by its first observation, one early rejection at a deep position priced that position
         # at ~0 for every request for hundreds of steps (agentic suffix drafts); with the prior
         # at full weight, deep positions stayed near it for a whole run (n-gram code edits).
         self.engine_history = AcceptanceHistory(alpha=0.05, prior=settings.prior_rate,
                                                 prior_weight=settings.engine_prior_weight)
-        # How far drafts go under their caps, per request and engine-wide (acceptance.py).
+        # How far drafts go under their caps, per request and engine-wide (acceptance.py); how
+        # far trees fill their node budgets, engine-wide, and how their branches do.
         self.lengths: dict[str, DraftLengths] = {}
         self.engine_lengths = DraftLengths(alpha=0.05)
+        self.tree_lengths = DraftLengths(alpha=0.05)
+        self.branch_rates = BranchRates(settings.branch_prior, settings.branch_prior_weight)
         self.last_draft_ctx: dict[str, int] = {}
         self.draft_seconds_per_token = cost_model.draft_seconds_per_token or 0.0
         self.draft_costs: deque[float] = deque(maxlen=settings.draft_cost_window)
-        self._version = 0  # bumped by every observe*/forget: decide() reads nothing else
-        self._memo: tuple | None = None  # (version and view, decision) of the last decide()
-        # Records for metrics, written by decide() and observe_step(), never read by decide().
-        self.last_modelled_goodput: float | None = None  # tokens/s the last decision expected
-        self.modelled_goodput: float | None = None  # EMAs over decode steps, paired step by step
+        # EMAs over decode steps of the goodput the decisions expected and the steps gave,
+        # paired step by step (observe_step).
+        self.modelled_goodput: float | None = None
         self.observed_goodput: float | None = None
         # The divergence guard's state (module docstring); only observe_step writes it.
         self.num_decode_steps = 0
@@ -212,7 +134,7 @@ class GoodputPolicy(TablePolicy):
         self.reprobe_pending = False
         self.num_reprobes = 0
         self.synthetic = (
-            _FixedRates(*settings.synthetic_rates) if settings.synthetic_rates else None
+            FixedRates(*settings.synthetic_rates) if settings.synthetic_rates else None
         )
         self.fallback = FallbackPricer(settings) if settings.prices_fallback else None
 
@@ -225,11 +147,18 @@ class GoodputPolicy(TablePolicy):
                                  prior_weight=self.settings.request_prior_weight)
 
     def observe(self, request_id: str, num_drafted: int, num_accepted: int, ctx: int,
-                cap: int = 0, fallback: bool = False) -> None:
-        self._version += 1
+                cap: int = 0, fallback: bool = False, walk: TreeWalk | None = None) -> None:
+        """`walk`: the drafts were a tree, verified as one (tree_pricing.py)."""
         if fallback and self.fallback is not None:
             self.fallback.observe(request_id, num_drafted, num_accepted, ctx)
             return
+        if walk is not None:
+            self.branch_rates.update(walk)
+            if 0 < num_drafted <= cap:
+                self.tree_lengths.update(cap, num_drafted)
+            # the chain history learns what the tree's first path would have given as a chain;
+            # how long that path was says nothing of how far a chain draft goes (cap 0)
+            num_drafted, num_accepted, cap = walk.first_path, walk.first_path_accepted, 0
         super().observe(request_id, num_drafted, num_accepted, ctx, cap)
         if num_drafted:
             self.engine_history.update(num_drafted, num_accepted)
@@ -239,7 +168,6 @@ class GoodputPolicy(TablePolicy):
             self.engine_lengths.update(cap, num_drafted)
 
     def forget(self, request_id: str) -> None:
-        self._version += 1
         super().forget(request_id)
         self.last_draft_ctx.pop(request_id, None)
         self.lengths.pop(request_id, None)
@@ -252,17 +180,18 @@ class GoodputPolicy(TablePolicy):
 
     def observe_step(self, num_reqs: int, ctx: int, width: int, target_seconds: float,
                      draft_seconds: float, num_drafted: int, num_emitted: int,
-                     fallback_seconds: float = 0.0, fallback_drafted: int = 0) -> None:
-        self._version += 1
+                     fallback_seconds: float = 0.0, fallback_drafted: int = 0,
+                     modelled_goodput: float | None = None) -> None:
+        """`modelled_goodput`: what the step's decision expected (StepK.modelled_goodput)."""
         if self.fallback is not None:  # the lookup's cost per drafted token without the head's
             self.fallback.observe_cost(fallback_seconds, fallback_drafted)
             draft_seconds -= fallback_seconds
             num_drafted -= fallback_drafted
         self.cost_model.observe(num_reqs, ctx, width, target_seconds)
         seconds = target_seconds + draft_seconds
-        if self.last_modelled_goodput is not None and seconds > 0:
-            self.modelled_goodput = _ema(self.modelled_goodput, self.last_modelled_goodput)
-            self.observed_goodput = _ema(self.observed_goodput, num_emitted / seconds)
+        if modelled_goodput is not None and seconds > 0:
+            self.modelled_goodput = ema(self.modelled_goodput, modelled_goodput)
+            self.observed_goodput = ema(self.observed_goodput, num_emitted / seconds)
             self._guard(width)
         if num_drafted and self.cost_model.draft_seconds_per_token is None:
             self.draft_costs.append(draft_seconds / num_drafted)
@@ -297,65 +226,84 @@ class GoodputPolicy(TablePolicy):
                      "at K=0: re-probing a K>0 step to refresh the wider cells", m, o,
                      self.diverged_steps)
 
-    # ---- the pure decision -------------------------------------------------------------------
+    # ---- the pure decision: reads the state above, writes nothing ------------------------------
     def decide(self, view: StepView) -> StepK:
-        # The reservation and the formed batch usually present the same view within a step, and
-        # nothing was observed in between: price it once (~130 us a decision at batch 1, 2-4% of
-        # a c1 step). Not under DP, where the shared state is also written from outside.
-        key = (self._version, replace(view, planned=False))
-        if view.global_view is None and self._memo is not None and self._memo[0] == key:
-            return self._memo[1]
-        d = self._decide(view)
-        self._memo = (key, d)
-        return d
-
-    def _decide(self, view: StepView) -> StepK:
         ctx, g = view.ctx_stat, view.global_view
         ceiling = self.plan.k_for(view.batch_size, ctx)
         caps = {r.request_id: drafter_gate(*hard_cap(ceiling, r), r) for r in view.requests}
         if ceiling == 0 or not (view.requests if g is None else g.num_decoding):
-            self.last_modelled_goodput = None
             return self._step_k(0, ctx, caps, {}, g is not None)
         # Under DP the lockstep step runs at the busiest rank's pace, so its size prices a width.
         num_reqs = view.num_reqs if g is None else g.max_rank_reqs
         cost = self.cost_model.widths_priced(num_reqs, ctx)
-        fixed: dict[str, int] = {}  # requests whose K does not follow the step's (0 or a probe)
-        rows = []  # each request priced once, for its own check and the step's
-        probe_pays = None  # the same for every request: priced once, when first needed
-        for r in view.requests:
-            rid, cap = r.request_id, caps[r.request_id][0]
-            row = self._row(r, cap)
-            if cap > 0 and not self._pays(row, cost):
-                stale = self._stale(r)
-                if stale and probe_pays is None:
-                    probe_pays = self._pays(self._probe_row(ceiling), cost)
-                fixed[rid] = 1 if stale and probe_pays else 0
-                row = replace(row, follows=False, limit=min(fixed[rid], cap))
-            rows.append(row)
-        pricing = None if g is not None else self._pricing(rows, cost)
+        rows, fixed, trees = self._request_rows(view, caps, ceiling, cost)
+        # One rank prices its own requests; under DP every rank prices the same shared rows.
+        pricing = self._pricing(rows if g is None else self._shared_rows(num_reqs, ceiling), cost)
+        by_k = {k: goodput(pricing, k, self.draft_seconds_per_token)
+                for k in self._candidates(ceiling)}
         best_k, best = 0, -1.0
-        for k in self._candidates(ceiling):
-            value = (self._shared_goodput(num_reqs, k, cost) if pricing is None
-                     else self._goodput(pricing, k))
-            if value > best * (1 + 1e-9):
+        for k, value in by_k.items():
+            if value > best * _MARGIN:
                 best_k, best = k, value
         if best_k == 0 and self.reprobe_pending:
             # the guard's re-probe: one narrow K>0 step
             best_k, fixed = runnable_k(1, self.allowed_widths), {}
-        self.last_modelled_goodput = best
         fallback = {} if self.fallback is None or g is not None else {
             r.request_id: self.fallback.cap(r, caps[r.request_id][0], cost)
             for r in view.requests}
-        return self._step_k(best_k, ctx, caps, fixed, g is not None, fallback)
+        d = self._step_k(best_k, ctx, caps, fixed, g is not None, fallback)
+        return replace(d, modelled_goodput=best, goodput_by_k=by_k,
+                       trees=trees if self.settings.drafts_trees else None)
 
-    def _shared_goodput(self, num_reqs: int, k: int, cost) -> float:
-        """Data parallel: the step's K from state every rank holds identically (the global view,
-        the shared cost table, draft cost and engine-wide acceptance, kept equal by dynaspec/dp),
-        never from this rank's own requests, so every rank picks the same K."""
+    def _request_rows(self, view: StepView, caps: dict, ceiling: int, cost
+                      ) -> tuple[list[PricedRow], dict[str, int], frozenset[str]]:
+        """Each request priced once, in the shape it would draft (chain or tree), for its own
+        check and the step's: its row, the requests whose K does not follow the step's (0, or a
+        one-draft probe), and the requests that draft a tree."""
+        fixed: dict[str, int] = {}
+        rows, trees = [], set()
+        probe_pays = None  # the same for every request: priced once, when first needed
+        plain = 1.0 / cost(1)
+        pricer = None
+        if self.settings.drafts_trees and view.global_view is None:
+            lengths = self.tree_lengths if self.tree_lengths.num_updates else FULL_LENGTHS
+            pricer = TreePricer(self.branch_rates, lengths.survival, ceiling)
+        for r in view.requests:
+            rid, cap = r.request_id, caps[r.request_id][0]
+            row, value, tree = self._shape(r, cap, cost, pricer)
+            if tree:
+                trees.add(rid)
+            if cap > 0 and not value > plain * _MARGIN:
+                stale = self._stale(r)
+                if stale and probe_pays is None:
+                    probe_pays = self._alone(self._probe_row(ceiling), cost) > plain * _MARGIN
+                fixed[rid] = 1 if stale and probe_pays else 0
+                row = replace(row, follows=False, limit=min(fixed[rid], cap))
+            rows.append(row)
+        return rows, fixed, frozenset(trees)
+
+    def _shape(self, r: RequestView, cap: int, cost, trees: TreePricer | None
+               ) -> tuple[PricedRow, float, bool]:
+        """The request's row as a chain or, where the drafter gives trees (`trees`) and it
+        pays more alone, as a tree of as many nodes; with its goodput alone and whether it is
+        a tree."""
+        chain = self._row(r, cap)
+        value = self._alone(chain, cost) if cap > 0 else 0.0
+        if trees is None or cap < 2:
+            return chain, value, False
+        tree = trees.row(self._rates(r).rate, cap)
+        tree_value = self._alone(tree, cost)
+        if tree_value > value * _MARGIN:
+            return tree, tree_value, True
+        return chain, value, False
+
+    def _shared_rows(self, num_reqs: int, ceiling: int) -> list[PricedRow]:
+        """Data parallel: rows from state every rank holds identically (the engine-wide
+        acceptance, kept equal by dynaspec/dp), never from this rank's own requests, so every
+        rank prices the same step and picks the same K."""
         rates = self.synthetic or (self.engine_history if self.engine_history.num_updates
-                                   else _FixedRates(self.settings.prior_rate))
-        tokens = num_reqs * (1.0 + rates.expected_accepted(k))
-        return tokens / (cost(1 + k) + self.draft_seconds_per_token * k * num_reqs)
+                                   else FixedRates(self.settings.prior_rate))
+        return [price_row(rates.rate, FULL_LENGTHS.survival(ceiling), ceiling, True)] * num_reqs
 
     def _rates(self, r: RequestView):
         """The request's own conditional rates where it has observed them, the engine's deeper
@@ -365,10 +313,10 @@ class GoodputPolicy(TablePolicy):
         if self.synthetic is not None:
             return self.synthetic
         prior = (self.engine_history if self.engine_history.num_updates
-                 else _FixedRates(self.settings.prior_rate))
+                 else FixedRates(self.settings.prior_rate))
         h = self.history(r)
         if h is not None and h.num_updates:
-            return _Deeper(h.rates, prior)
+            return Deeper(h.rates, prior)
         return prior
 
     def _lengths(self, r: RequestView) -> DraftLengths:
@@ -377,10 +325,8 @@ class GoodputPolicy(TablePolicy):
             return own.deeper(self.engine_lengths)
         return self.engine_lengths if self.engine_lengths.num_updates else FULL_LENGTHS
 
-    def _row(self, r: RequestView, limit: int, rates=None,
-             lengths: DraftLengths | None = None) -> PricedRow:
-        rates, lengths = rates or self._rates(r), lengths or self._lengths(r)
-        return price_row(rates.rate, lengths.survival(limit), limit, True)
+    def _row(self, r: RequestView, limit: int) -> PricedRow:
+        return price_row(self._rates(r).rate, self._lengths(r).survival(limit), limit, True)
 
     def _pricing(self, rows: list[PricedRow], cost) -> StepPricing:
         return StepPricing(rows, cost, self._runnable, self.settings.widths_follow_drafts)
@@ -392,26 +338,22 @@ class GoodputPolicy(TablePolicy):
                 if k == 0 or self.allowed_widths is None or 1 + k in self.allowed_widths]
 
     def _runnable(self, k: int) -> int:
-        if self.allowed_widths is None:
-            return k
-        got = self._runnable_memo.get(k)
-        if got is None:  # a scan of the allowed widths, asked thousands of times a decision
-            got = self._runnable_memo[k] = runnable_k(k, self.allowed_widths)
-        return got
+        ks = self._runnable_ks
+        return ks[k] if k < len(ks) else runnable_k(k, self.allowed_widths)
 
-    def _pays(self, row: PricedRow, cost) -> bool:
-        """Would any k <= the row's cap beat plain decode if every request drafted like it?"""
-        plain = 1.0 / cost(1)
+    def _alone(self, row: PricedRow, cost) -> float:
+        """The row's best goodput over its caps 1..limit (its limit alone where the drafter
+        sizes its own drafts) if every request drafted like it; compared with plain decode's
+        1 / cost(1) by the same margin decide() needs to prefer a K over plain, so a row that
+        ties is cut (and re-probed) rather than left following a step that runs K=0 anyway."""
         follow = self.settings.widths_follow_drafts
-        # the same margin decide() needs to prefer a K over plain, so a row that ties is cut
-        # (and re-probed) rather than left following a step that runs K=0 anyway
+        if row.limit == 0:
+            return 0.0
         if self.settings.whole_cap:
             k = row.limit
-            return (1.0 + row.accepted[k]) / one_row_seconds(row, k, cost, self._runnable,
-                                                             follow) > plain * (1 + 1e-9)
+            return (1.0 + row.accepted[k]) / one_row_seconds(row, k, cost, self._runnable, follow)
         secs = one_row_seconds_by_cap(row, cost, self._runnable, follow)
-        return any((1.0 + row.accepted[k]) / secs[k] > plain * (1 + 1e-9)
-                   for k in range(1, row.limit + 1))
+        return max((1.0 + row.accepted[k]) / secs[k] for k in range(1, row.limit + 1))
 
     def _stale(self, r: RequestView) -> bool:
         last = self.last_draft_ctx.get(r.request_id)
@@ -421,16 +363,9 @@ class GoodputPolicy(TablePolicy):
         rates = self.settings.probe_rates(self.engine_history)
         return price_row(rates, FULL_LENGTHS.survival(ceiling), ceiling, True)
 
-    def _per_request(self, caps: dict, fixed: dict[str, int], k: int) -> dict[str, int]:
-        return {rid: min(fixed.get(rid, k), cap) for rid, (cap, _) in caps.items()}
-
-    def _goodput(self, pricing: StepPricing, k: int) -> float:
-        seconds = pricing.seconds(k) + self.draft_seconds_per_token * pricing.drafted(k)
-        return pricing.tokens(k) / seconds
-
     def _step_k(self, k: int, ctx: int, caps: dict, fixed: dict[str, int],
                 agreed: bool = False, fallback: dict[str, int] | None = None) -> StepK:
-        per = self._per_request(caps, fixed, k)
+        per = {rid: min(fixed.get(rid, k), cap) for rid, (cap, _) in caps.items()}
         if agreed:  # a probe cannot widen the step the ranks agreed on (K=0: no forward width)
             per = {rid: min(n, k) for rid, n in per.items()}
         # A request may verify as many drafts as either drafter is allowed (its fallback's cap

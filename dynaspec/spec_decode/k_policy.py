@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from dynaspec.draft_tree import TreeWalk
 from dynaspec.spec_decode.acceptance import AcceptanceHistory
 from dynaspec.spec_decode.plan import SpecPlan
 
@@ -45,16 +46,19 @@ from dynaspec.spec_decode.step_width import (  # noqa: F401
 
 
 class KPolicy(Protocol):
-    """``decide`` is pure; the ``observe*``/``forget`` writers run after a step's result."""
+    """``decide`` is pure (it reads the policy's state and the view, returns the decision with
+    its report, and writes nothing); the ``observe*``/``forget`` writers run after a step's
+    result."""
 
     def decide(self, view: StepView) -> StepK: ...
 
     def observe(self, request_id: str, num_drafted: int, num_accepted: int, ctx: int,
-                cap: int = 0, fallback: bool = False) -> None: ...
+                cap: int = 0, fallback: bool = False, walk: TreeWalk | None = None) -> None: ...
 
     def observe_step(self, num_reqs: int, ctx: int, width: int, target_seconds: float,
                      draft_seconds: float, num_drafted: int, num_emitted: int,
-                     fallback_seconds: float = 0.0, fallback_drafted: int = 0) -> None: ...
+                     fallback_seconds: float = 0.0, fallback_drafted: int = 0,
+                     modelled_goodput: float | None = None) -> None: ...
 
     def forget(self, request_id: str) -> None: ...
 
@@ -87,10 +91,12 @@ class TablePolicy:
         return AcceptanceHistory()
 
     def observe(self, request_id: str, num_drafted: int, num_accepted: int, ctx: int,
-                cap: int = 0, fallback: bool = False) -> None:
+                cap: int = 0, fallback: bool = False, walk: TreeWalk | None = None) -> None:
         """A verified step's outcome for one request; `cap` is the drafts it was allowed
         (0: unknown), so a drafter's own stops can be told from the cap's; `fallback`: the
-        drafter's fallback drafted them (kept apart only by a policy that prices it)."""
+        drafter's fallback drafted them (kept apart only by a policy that prices it); `walk`:
+        its drafts were a tree verified as one (learned apart only by a policy that prices
+        trees; here the tree counts as its nodes)."""
         if self.keeps_history and num_drafted:
             if request_id not in self.histories:
                 self.histories[request_id] = self.new_history()
@@ -98,7 +104,8 @@ class TablePolicy:
 
     def observe_step(self, num_reqs: int, ctx: int, width: int, target_seconds: float,
                      draft_seconds: float, num_drafted: int, num_emitted: int,
-                     fallback_seconds: float = 0.0, fallback_drafted: int = 0) -> None:
+                     fallback_seconds: float = 0.0, fallback_drafted: int = 0,
+                     modelled_goodput: float | None = None) -> None:
         """Step timings, for policies with a cost model; the table has none."""
 
     def goodput_report(self) -> tuple[float | None, float | None]:

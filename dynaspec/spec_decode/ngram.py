@@ -202,13 +202,17 @@ class NgramProposer(Proposer):
         self.min_n = min_n
         self.max_n = max_n
         self.tree = tree  # draft token trees: k is then a node budget (docs/design.md §4c)
+        self.drafts_trees = tree
         self._buffers: dict[str, _TokenBuffer] = {}
 
-    def propose(self, requests: Sequence[Request], k_per_request: Sequence[int]) -> Drafts:
-        return deterministic_drafts(requests, k_per_request, self._draft_one)
+    def propose(self, requests: Sequence[Request], k_per_request: Sequence[int],
+                trees: Sequence[bool] | None = None) -> Drafts:
+        """`trees`: per request, a tree (True) or a chain; None: trees where built with them."""
+        shapes = [self.tree] * len(requests) if trees is None else [self.tree and t for t in trees]
+        return deterministic_drafts(requests, k_per_request, self._draft_one, shapes)
 
-    def _draft_one(self, request: Request, k: int) -> list[int] | DraftTree:
-        if self.tree:
+    def _draft_one(self, request: Request, k: int, tree: bool) -> list[int] | DraftTree:
+        if tree:
             return ngram_tree(self._tokens(request), self.min_n, self.max_n, k)
         return ngram_match(self._tokens(request), self.min_n, self.max_n, k).tolist()
 

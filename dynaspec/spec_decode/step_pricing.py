@@ -14,6 +14,9 @@ the plain model: width 1 + K and the rates' own expected_accepted.
 
 Everything is precomputed per request once per decision (O(requests x ceiling)); each candidate
 K then costs O(requests + K).
+
+`goodput` is the one formula both K decisions use: one rank's (its requests' rows) and data
+parallel's (rows every rank prices alike, from shared state: goodput_policy.py).
 """
 
 from __future__ import annotations
@@ -95,6 +98,13 @@ class StepPricing:
         return total
 
 
+def goodput(pricing: StepPricing, k: int, draft_seconds_per_token: float) -> float:
+    """Expected tokens emitted per second of a step whose requests follow K = k:
+    sum_r (1 + E_r[accepted]) / (E[target seconds] + drafting seconds per token * E[drafted])."""
+    seconds = pricing.seconds(k) + draft_seconds_per_token * pricing.drafted(k)
+    return pricing.tokens(k) / seconds
+
+
 def one_row_seconds(row: PricedRow, k: int, cost: Callable[[int], float],
                     runnable: Callable[[int], int], widths_follow_drafts: bool) -> float:
     """StepPricing([row], ...).seconds(k) for one row that follows K, without building the
@@ -111,7 +121,6 @@ def one_row_seconds(row: PricedRow, k: int, cost: Callable[[int], float],
             total += (at_most - below) * cost(1 + runnable(depth))
             below = at_most
     return total
-
 
 
 def one_row_seconds_by_cap(row: PricedRow, cost: Callable[[int], float],

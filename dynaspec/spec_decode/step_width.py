@@ -111,6 +111,16 @@ class StepK:
     # request_id -> the fallback drafter's cap (<= per_request), where the policy prices a
     # drafter's fallback apart (goodput with lookup-first drafting); absent: per_request's.
     fallback: dict[str, int] = field(default_factory=dict)
+    # The policy's report, for metrics and the cost model's pairing (goodput; None elsewhere):
+    # the tokens/s it expected of the K chosen, and of every candidate K it priced.
+    modelled_goodput: float | None = None
+    goodput_by_k: Mapping[int, float] = field(default_factory=dict)
+    # Requests that draft a tree (the policy chose each request's shape); None: the policy does
+    # not choose shapes, a tree-drafting drafter drafts trees (docs/design.md §4c).
+    trees: frozenset[str] | None = None
+
+    def drafts_tree(self, request_id: str) -> bool:
+        return self.trees is None or request_id in self.trees
 
 
 class Decider(Protocol):
@@ -169,6 +179,25 @@ class Reserve:
 NO_RESERVE = Reserve()
 
 
+class OneStepDecisions:
+    """A policy's decisions within one `schedule()`: the reservation and the formed batch
+    usually present the same view, and nothing is observed in between (observations land in
+    `update`), so the view is priced once (~130 us a goodput decision at batch 1, 2-4% of a c1
+    step). Made afresh for every step; the policy itself keeps no memo (its decide is pure)."""
+
+    def __init__(self, policy: Decider) -> None:
+        self.policy = policy
+        self._last: tuple[StepView, StepK] | None = None
+
+    def decide(self, view: StepView) -> StepK:
+        key = replace(view, planned=False)
+        if self._last is not None and self._last[0] == key:
+            return self._last[1]
+        d = self.policy.decide(view)
+        self._last = (key, d)
+        return d
+
+
 def reserve(policy: Decider, view: StepView) -> Reserve:
     """The K decision for the batch this step will most likely form (`view.planned`)."""
     d = policy.decide(replace(view, planned=True))
@@ -206,7 +235,7 @@ def decide(policy: Decider, view: StepView, reserved_k: int) -> StepK:
 def clamp(d: StepK, k: int) -> StepK:
     """The decision with its K lowered to `k` (a K the plan produced for the reservation)."""
     per = {rid: min(c, k) for rid, c in d.per_request.items()}
-    return StepK(k, per, d.reasons, d.ctx_stat)
+    return replace(d, k=k, per_request=per, fallback={})
 
 
 def cap(reserved: int, reason: str | None, d: StepK, request_id: str) -> tuple[int, str | None]:

@@ -214,23 +214,27 @@ class SuffixProposer(Proposer):
                  max_cached_tokens: int = 1_000_000, tree: bool = False) -> None:
         self.params = params
         self.tree = tree  # draft token trees: k is then a node budget (docs/design.md §4c)
+        self.drafts_trees = tree
         self.cache = GlobalSuffixCache(max_cached_requests, max_cached_tokens)
         self._states: dict[str, _RequestState] = {}
         self.num_global_drafts = self.num_local_drafts = 0
 
-    def propose(self, requests: Sequence[Request], k_per_request: Sequence[int]) -> Drafts:
-        return deterministic_drafts(requests, k_per_request, self._draft_one)
+    def propose(self, requests: Sequence[Request], k_per_request: Sequence[int],
+                trees: Sequence[bool] | None = None) -> Drafts:
+        """`trees`: per request, a tree (True) or a chain; None: trees where built with them."""
+        shapes = [self.tree] * len(requests) if trees is None else [self.tree and t for t in trees]
+        return deterministic_drafts(requests, k_per_request, self._draft_one, shapes)
 
-    def _draft_one(self, request: Request, k: int) -> list[int] | DraftTree:
+    def _draft_one(self, request: Request, k: int, tree: bool) -> list[int] | DraftTree:
         index = self._synced_index(request)
         pattern = index.view()[-self.params.pattern_len(k):]
         local, _ = draft_from(index, pattern, k, self.params, before=index.length - 1,
-                              tree=self.tree)
+                              tree=tree)
         best = local
         # A global draft scores at most one per token and at most k tokens: a full-length,
         # probability-1 local draft cannot be beaten (ties go local), so skip the lookup.
         if self.cache.enabled and local.score < k - 1e-9:
-            glob = self.cache.draft(pattern, k, self.params, self.tree)
+            glob = self.cache.draft(pattern, k, self.params, tree)
             if glob.score > local.score:
                 best = glob
         if best.token_ids:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from dynaspec.attention.backend import AttentionBatch
-from dynaspec.draft_tree import DraftTree
+from dynaspec.draft_tree import DraftTree, tree_walk
 from dynaspec.models.llama import LlamaModel
 from dynaspec.outputs import RequestResult, RunnerOutput
 from dynaspec.request import Request
@@ -164,6 +164,8 @@ class ModelRunner:
             fks = [s.draft_budget if s.fallback_budget is None else s.fallback_budget
                    for s in sched]
             drafts: Drafts = self.proposer.propose(reqs, ks, fallback_k=fks)
+        elif self.proposer.drafts_trees:  # the K policy chose each request's shape
+            drafts = self.proposer.propose(reqs, ks, trees=[s.draft_tree for s in sched])
         else:
             drafts = self.proposer.propose(reqs, ks)
         got.setup_seconds, got.fallback_seconds = drafts.setup_seconds, drafts.fallback_seconds
@@ -442,6 +444,7 @@ class ModelRunner:
             if rid in p.trees:
                 r.tree_path = paths[rid]
                 r.num_tree_nodes, r.tree_depth = len(p.trees[rid].tree), p.trees[rid].tree.depth
+                r.tree_walk = tree_walk(p.trees[rid].tree, paths[rid])
             # Slots cut (by the grammar, or found invalid under async scheduling) are pads on a
             # fixed-shape row and not in the row at all on eager; each counts under its reason.
             r.num_async_invalid_tokens = out.scheduled[i].num_async_invalid

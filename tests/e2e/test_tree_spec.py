@@ -172,6 +172,64 @@ def test_tree_drafters_are_greedy_exact(tiny_llama_dir, speculator, check_integr
     assert any(r.num_tree_nodes for _, res in seen for r in res.results), "trees were drafted"
 
 
+def _tree_series(text: str) -> dict[str, float]:
+    """The tree series of a /metrics exposition, by name (their samples summed)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        name = line.split("{")[0].split(" ")[0]
+        if "tree" in name and not line.startswith("#"):
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+@pytest.mark.parametrize("speculator", ["ngram", "suffix"])
+def test_goodput_prices_trees_greedy_exact_and_metrics_show_tree_steps(
+        tiny_llama_dir, speculator, check_integrity):
+    """The default (goodput) policy with --draft-tree: each request drafts the shape that pays
+    (tree_pricing.py); greedy output stays plain decoding's; the policy learns branch rates
+    from the trees it ran; /metrics' tree series exist and move with the tree steps."""
+    pytest.importorskip("prometheus_client")
+    from dynaspec.metrics.prometheus import PrometheusMetrics
+
+    plain = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=256)
+    prompts = _branching_prompts(plain)
+    base = [o.token_ids for o in plain.generate(prompts, greedy(MAX_TOKENS, ignore_eos=True))]
+    llm = LLM(model=tiny_llama_dir, dtype="float32", speculator=speculator, num_spec_tokens=8,
+              draft_tree=True, cost_table=FREE_VERIFY, num_kv_blocks=256,
+              attention_backend=BACKEND)
+    check_integrity(llm.engine)
+    metrics, record = PrometheusMetrics(), llm.engine.recorder.record
+
+    def record_and_export(landed):  # type: ignore[no-untyped-def]
+        step = record(landed)
+        metrics.observe_step(step)  # as the server does with each step the engine took
+        return step
+
+    llm.engine.recorder.record = record_and_export
+    empty = _tree_series(metrics.render().decode())
+    assert set(empty) >= {"dynaspec:spec_decode_tree_steps_total",
+                          "dynaspec:spec_decode_num_tree_nodes_total",
+                          "dynaspec:spec_decode_tree_acceptance_length_count"}
+    assert not any(empty.values())
+    outs = llm.generate(prompts, greedy(MAX_TOKENS, ignore_eos=True))
+    for i, (p, ref, o) in enumerate(zip(prompts, base, outs)):
+        assert_greedy_equal(tiny_llama_dir, p, ref, o.token_ids, f"{speculator} goodput tree {i}")
+    policy = llm.engine.scheduler.policy
+    assert type(policy).__name__ == "GoodputPolicy" and policy.settings.drafts_trees
+    c = llm.engine.counters
+    assert c.num_tree_drafts > 0 and policy.branch_rates.num_updates == c.num_tree_drafts
+    assert not c.check_identities()
+    got = _tree_series(metrics.render().decode())
+    assert got["dynaspec:spec_decode_tree_steps_total"] == c.num_tree_steps > 0
+    assert got["dynaspec:spec_decode_num_tree_drafts_total"] == c.num_tree_drafts
+    assert got["dynaspec:spec_decode_num_tree_nodes_total"] == c.num_tree_nodes > 0
+    assert (got["dynaspec:spec_decode_num_tree_accepted_tokens_total"]
+            == c.num_tree_accepted_tokens)
+    assert got["dynaspec:spec_decode_tree_acceptance_length_count"] == c.num_tree_drafts
+    assert (got["dynaspec:spec_decode_tree_acceptance_length_sum"]
+            == c.num_tree_drafts + c.num_tree_accepted_tokens)
+
+
 def test_draft_tree_refuses_what_it_cannot_carry(tiny_llama_dir):
     with pytest.raises(ValueError, match="--draft-tree cannot be combined with --async"):
         LLM(model=tiny_llama_dir, speculator="ngram", num_spec_tokens=4, draft_tree=True,

@@ -80,7 +80,8 @@ def _run_ranks(make_policy, world: int, steps: int, seed: int):
                         pol.forget(rid)
                 if n and rng.random() < 0.7:
                     pol.observe_step(n, 300, 1 + d.k, rng.uniform(0.001, 0.02), 0.0005 * n,
-                                     sum(d.per_request.values()), n)
+                                     sum(d.per_request.values()), n,
+                                     modelled_goodput=d.modelled_goodput)
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
             group.barrier.abort()
@@ -200,3 +201,45 @@ def test_shared_prior_moves_as_a_single_rank_history_would():
         shared.apply([float(n) for n in reached], [float(h) for h in hits])
         local.update(drafted, accepted)
     assert shared.rates == pytest.approx(local.rates)
+
+
+@pytest.mark.parametrize("learned", [False, True])
+def test_one_rank_and_the_dp_path_price_the_same_view_the_same(learned):
+    """One goodput formula (step_pricing.goodput): a view whose requests carry no history of
+    their own is priced by one rank from the engine-wide state, and under DP from the same
+    state shared by every rank; every candidate K gets the same goodput, so the same K."""
+    plan = build_spec_plan("ngram", 3, None)
+    one = GoodputPolicy(plan, _cost())
+    a = StepAgreement(ThreadGroup(1).gather_for(0), 0, 1, 3, grace_s=1, idle_poll_s=0)
+    dp = LockstepPolicy(GoodputPolicy(plan, _cost()), a)
+    if learned:  # the same engine-wide acceptance on both (a rank learns it from the gather)
+        for drafted, accepted in ((3, 1), (3, 3), (2, 0), (3, 2)):
+            one.observe("old", drafted, accepted, 10)
+            a.shared.update(drafted, accepted)
+            a.shared.apply(*(lambda row: (row[:3], row[3:]))(a.shared.take_pending()))
+        one.forget("old")
+        assert one.engine_history.rates == pytest.approx(a.shared.rates)
+        one.engine_history.rates = list(a.shared.rates)  # the same floats, not just close
+    views = tuple(RequestView(f"r{i}", 100 + 37 * i, 50, 1000) for i in range(4))
+    local = one.decide(StepView(views, 4))
+    tick = a.exchange(4, [v.context_len for v in views])
+    shared = dp.decide(StepView(views, 4, tick.view))
+    assert tick.view.max_rank_reqs == 4 and tick.view.ctx_stat == StepView(views, 4).ctx_stat
+    assert local.goodput_by_k == shared.goodput_by_k and len(local.goodput_by_k) == 4
+    assert (local.k, local.modelled_goodput) == (shared.k, shared.modelled_goodput)
+
+
+def test_the_modelled_goodput_travels_with_the_step_observation():
+    """The decision's report (not a record in the policy) pairs with the step's timing: held
+    back with the observation, gathered, and applied on every rank."""
+    plan = build_spec_plan("ngram", 3, None)
+    a = StepAgreement(ThreadGroup(1).gather_for(0), 0, 1, 3, grace_s=1, idle_poll_s=0)
+    pol = LockstepPolicy(GoodputPolicy(plan, _cost()), a)
+    a.ran_step = True
+    pol.observe_step(2, 300, 3, 0.01, 0.0, 4, 5, modelled_goodput=321.0)
+    pol.apply_tick(a.exchange(2, [300, 300]))
+    assert pol.goodput_report() == (321.0, pytest.approx(500.0))
+    a.exchanged, a.ran_step = False, True
+    pol.observe_step(2, 300, 3, 0.01, 0.0, 4, 5)  # no decision to pair: the EMAs stay
+    pol.apply_tick(a.exchange(2, [300, 300]))
+    assert pol.goodput_report() == (321.0, pytest.approx(500.0))

@@ -4,6 +4,7 @@ re-probe, per-request caps, and purity."""
 from __future__ import annotations
 
 import copy
+import pickle
 
 import pytest
 
@@ -148,8 +149,12 @@ def test_new_requests_use_the_engine_prior():
     assert q.decide(view(rv("new", 101))).per_request["new"] == 0
 
 
-def test_decide_is_pure():
-    p = GoodputPolicy(build_spec_plan("ngram", 4, None), cost_model(lambda w: 0.01 * (1 + 0.1 * w)))
+@pytest.mark.parametrize("settings", [
+    GoodputSettings(), GoodputSettings(drafts_trees=True), GoodputSettings(prices_fallback=True),
+    GoodputSettings(whole_cap=True, drafts_trees=True)])
+def test_decide_is_pure(settings):
+    p = GoodputPolicy(build_spec_plan("ngram", 4, None), cost_model(lambda w: 0.01 * (1 + 0.1 * w)),
+                      settings)
     feed(p, "a", 4, 2, 100)
     v = view(rv("a", 120), rv("b", 40), num_reqs=3)
     def state():
@@ -157,9 +162,12 @@ def test_decide_is_pure():
         return copy.deepcopy((hist, p.engine_history.rates, p.last_draft_ctx, p.cost_model.seconds))
 
     before = state()
+    every = pickle.dumps(vars(p))
     first = p.decide(v)
     assert all(p.decide(v) == first for _ in range(5))
     assert state() == before
+    # Nothing at all is written: no memo, no record of the decision (it is in the StepK).
+    assert pickle.dumps(vars(p)) == every
 
 
 def test_make_policy_auto_is_goodput_and_needs_a_cost_model():
@@ -179,10 +187,11 @@ def test_make_policy_auto_is_goodput_and_needs_a_cost_model():
 def test_modelled_and_observed_goodput_are_paired_per_decode_step():
     p = GoodputPolicy(build_spec_plan("ngram", 4, None), FREE)
     assert p.goodput_report() == (None, None)
-    p.decide(view(rv("a")))
-    p.observe_step(1, 100, 5, 0.02, 0.0, 4, 3)
+    d = p.decide(view(rv("a")))
+    assert d.modelled_goodput == d.goodput_by_k[d.k]  # the decision carries its report
+    p.observe_step(1, 100, 5, 0.02, 0.0, 4, 3, modelled_goodput=d.modelled_goodput)
     modelled, observed = p.goodput_report()
-    assert modelled == pytest.approx(p.last_modelled_goodput) and observed == pytest.approx(150.0)
+    assert modelled == pytest.approx(d.modelled_goodput) and observed == pytest.approx(150.0)
 
 
 SEED_SCHEDULE = ["--num-spec-tokens", "3", "--k-schedule", "[[1,8,5],[9,16,4]]"]
@@ -246,7 +255,8 @@ def test_divergence_guard_reprobes_a_wide_step_at_a_bounded_rate():
         ks.append(d.k)
         # The machine: every step takes 10 ms whatever its width. The EMAs are then pinned 4x
         # apart (> the bound 2), as a poisoned table's would stay while nothing refreshes it.
-        p.observe_step(1, 101, 1 + d.k, 0.01, 0.0, d.k, 1 + d.k)
+        p.observe_step(1, 101, 1 + d.k, 0.01, 0.0, d.k, 1 + d.k,
+                       modelled_goodput=d.modelled_goodput)
         p.modelled_goodput, p.observed_goodput = 100.0, 400.0
     reprobes = [i for i, k in enumerate(ks) if k > 0]
     assert reprobes, "the guard must run a K>0 step when the model keeps choosing K=0"
@@ -259,7 +269,7 @@ def test_divergence_guard_is_off_for_a_fixed_table():
     for _ in range(40):
         d = p.decide(view(rv("a", 101)))
         assert d.k == 0
-        p.observe_step(1, 101, 1, 0.01, 0.0, 0, 1)
+        p.observe_step(1, 101, 1, 0.01, 0.0, 0, 1, modelled_goodput=d.modelled_goodput)
         p.modelled_goodput, p.observed_goodput = 100.0, 400.0
     assert p.num_reprobes == 0
 
@@ -372,22 +382,6 @@ def test_a_cold_first_draft_does_not_price_the_drafter_out_for_good():
 def test_draft_cost_settings_are_checked():
     with pytest.raises(ValueError, match="draft_cost"):
         GoodputSettings(draft_cost_window=2, draft_cost_min_samples=3)
-
-
-def test_a_view_seen_again_with_nothing_observed_reuses_the_decision(monkeypatch):
-    p = GoodputPolicy(build_spec_plan("ngram", 4, None),
-                      cost_model(lambda w: 0.01 * (1 + 0.1 * (w - 1))))
-    feed(p, "a", 4, 4, ctx=100)
-    calls = []
-    inner = p._decide
-    monkeypatch.setattr(p, "_decide", lambda v: calls.append(v) or inner(v))
-    v = view(rv("a"))
-    first = p.decide(v)
-    assert p.decide(StepView(v.requests, v.num_reqs, planned=True)) == first and len(calls) == 1
-    p.decide(view(rv("a", ctx=101)))  # another view: priced
-    assert len(calls) == 2
-    feed(p, "a", 4, 0, ctx=101, times=20)  # observations: priced again, and it changed its mind
-    assert p.decide(view(rv("a", ctx=101))).k < first.k and len(calls) == 3
 
 
 def test_a_fallback_is_priced_apart_from_the_lookup():

@@ -271,3 +271,23 @@ def test_execution_steps_by_path_and_width():
     series = {labels: v for (n, labels), v in got.items() if n == f"{P}execution_steps_total"}
     assert series == {(("path", "compiled"), ("width", "4")): 2.0,
                       (("path", "eager"), ("width", "mixed")): 1.0}
+
+
+def test_tree_steps_fold_and_export():
+    """A request-step whose drafts were a tree: tree counters and the acceptance-length
+    histogram move with it, chains leave them alone, and the identities hold."""
+    tree = RequestStepSpec("t", 6, 2, 3, None, num_tree_nodes=6)
+    steps = [StepStats(k=6, requests=(tree, req("a", 4, 1))),
+             StepStats(k=2, requests=(req("a", 2, 2),))]
+    c = fold_step(fold_step(SpecCounters(), steps[0]), steps[1])
+    assert (c.num_tree_steps, c.num_tree_drafts, c.num_tree_nodes, c.num_tree_accepted_tokens) \
+        == (1, 1, 6, 2)
+    assert c.check_identities() == [] and c.to_dict()["num_tree_nodes"] == 6
+    got = parse(observed(steps))
+    assert got[(P + "spec_decode_tree_steps_total", ())] == 1
+    assert got[(P + "spec_decode_num_tree_nodes_total", ())] == 6
+    assert got[(P + "spec_decode_num_tree_accepted_tokens_total", ())] == 2
+    assert got[(P + "spec_decode_tree_acceptance_length_count", ())] == 1
+    assert got[(P + "spec_decode_tree_acceptance_length_sum", ())] == 3
+    with pytest.raises(ValueError, match="a tree of 5 nodes"):
+        RequestStepSpec("t", 6, 2, 3, None, num_tree_nodes=5)

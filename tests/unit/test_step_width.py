@@ -32,6 +32,25 @@ def test_reserve_and_decide_read_the_policy_once_each_way():
     assert d.k == 2 and d.per_request == {"a": 2}
 
 
+def test_one_step_decisions_price_a_view_seen_again_once():
+    """The reservation and the formed batch usually present the same view within a step: the
+    scheduler's per-step memo asks the (pure) policy once; another view is priced again."""
+    calls = []
+
+    class Counting(TablePolicy):
+        def decide(self, view):  # type: ignore[no-untyped-def]
+            calls.append(view)
+            return super().decide(view)
+
+    memo = width.OneStepDecisions(Counting(build_spec_plan("ngram", 4, None)))
+    views = (_view("a"), _view("b"))
+    res = width.reserve(memo, StepView(views, 2, planned=True))
+    d = width.decide(memo, StepView(views, 2), reserved_k=res.k)
+    assert len(calls) == 1 and d.k == res.k == 4
+    width.decide(memo, StepView(views[:1], 1), reserved_k=res.k)
+    assert len(calls) == 2
+
+
 def test_lookahead_prefill_budget_and_padding():
     res = Reserve({"a": 1}, {}, 3)
     assert width.lookahead(res, "a", decoding=False, budget=99, padding=False) == (0, "prefill")

@@ -51,3 +51,21 @@ def test_suffix_follow_tree_expands_by_estimated_probability():
     # min_prob prunes: at 0.3 the 0.25 branches never join
     toks, parents, _ = idx.follow_tree(ends, 8, 5, 0.3)
     assert 5 not in toks and 6 not in toks
+
+
+def test_a_tree_drafter_gives_the_shape_asked_for_each_request():
+    """The K policy chooses chain or tree per request (`propose(..., trees=)`): a tree-drafting
+    n-gram proposer asked for a chain gives exactly the chain drafter's draft."""
+    from dynaspec.request import Request
+    from dynaspec.sampling_params import SamplingParams
+    from dynaspec.spec_decode.ngram import NgramProposer
+
+    toks = [1, 2, 3, 4, 9, 1, 2, 3, 4, 9, 1, 2, 7, 8, 9, 1, 2]
+    reqs = [Request(f"r{i}", list(toks), SamplingParams(max_tokens=8)) for i in range(2)]
+    tree, chain = NgramProposer(2, 2, tree=True), NgramProposer(2, 2)
+    assert tree.drafts_trees and not chain.drafts_trees
+    got = tree.propose(reqs, [6, 6], trees=[True, False])
+    assert got.trees is not None and got.trees[0] is not None and not got.trees[0].is_chain
+    assert got.trees[1] is None
+    assert got.token_ids[1] == chain.propose(reqs[1:], [6]).token_ids[0]
+    assert tree.propose(reqs, [6, 6]).trees[1] is not None, "unasked: trees, as built"
