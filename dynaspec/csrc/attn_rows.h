@@ -38,7 +38,7 @@ inline void axpy_rows(float* __restrict acc, const float* __restrict p, const fl
 // runs this sequence, so the path keeps row invariance. (The fp32 path it replaces ran one
 // 64-long dependent FMA chain per row and 16 keys, plus a transpose: ~5x the time at batch 32.)
 #define BF16DOT_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
-// Run only where cpu_paths().attn_bf16 (attention.avx512_bf16, dynaspec/cpu_features.py) allows.
+// Run only on the attention.avx512_bf16 path (dynaspec/cpu_features.py), where the CPU has them.
 
 // out lane t = the 16 lanes of a[t] summed as ((b0 + b1) + (b2 + b3)) over 128-bit blocks bk,
 // each block as ((l0 + l2) + (l1 + l3)).
@@ -262,10 +262,11 @@ inline void pv_rows_block(float* const* acc, const float* const* p, const VT* __
 }
 #endif
 
-// acc += sum_t p[t] * v[t] (t < n, in order; fp32 rows of D), registers where D allows.
-inline void accumulate_v(float* acc, const float* p, const float* v, int64_t n, int64_t D) {
+// acc += sum_t p[t] * v[t] (t < n, in order; fp32 rows of D): on the AVX-512 path (v512) in
+// registers by fma where D allows, else acc + p * v as plain loops (the fp32 path's rounding).
+inline void accumulate_v(float* acc, const float* p, const float* v, int64_t n, int64_t D, bool v512) {
 #if defined(__AVX512F__)
-  switch (D) {
+  if (v512) switch (D) {
     case 64: return pv_rows<4>(acc, p, v, D, n);
     case 128: return pv_rows<8>(acc, p, v, D, n);
     case 256: return pv_rows<16>(acc, p, v, D, n);

@@ -20,7 +20,7 @@ torch::Tensor add_rms_norm(torch::Tensor residual, torch::Tensor delta, torch::T
 void rope_inplace(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t head_dim);
 void paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor tables, torch::Tensor ctx, torch::Tensor qstart,
                   torch::Tensor qlen, int64_t block_size, double scale, torch::Tensor out, int64_t window,
-                  c10::optional<torch::Tensor> tree_mask);
+                  c10::optional<torch::Tensor> tree_mask, int64_t path, int64_t numerics_of);
 
 struct Layer {
   QLinear qkv, o, gate_up, down;
@@ -101,7 +101,7 @@ class LayerStack {
       auto v = qkv.narrow(1, (H_ + Hkv_) * D_, Hkv_ * D_).view({T, Hkv_, D_});
       write_kv(kv_caches[i], k, v, slots);
       auto a = torch::empty({T, H_, D_}, qkv.options());  // [T, H, D]
-      paged_decode(q, kv_caches[i], tables, ctx, qstart, qlen, block_size, scale, a, 0, c10::nullopt);
+      paged_decode(q, kv_caches[i], tables, ctx, qstart, qlen, block_size, scale, a, 0, c10::nullopt, -1, -1);
       h = add_rms_norm(x, L.o(a.view({T, H_ * D_})), L.ln2, eps_);
       delta = L.down(L.gate_up.silu_mul(h));
     }

@@ -7,7 +7,8 @@
 // paged_decode.cpp
 void paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor tables, torch::Tensor ctx,
                   torch::Tensor qstart, torch::Tensor qlen, int64_t block_size, double scale,
-                  torch::Tensor out, int64_t window, c10::optional<torch::Tensor> tree_mask);
+                  torch::Tensor out, int64_t window, c10::optional<torch::Tensor> tree_mask, int64_t path,
+                  int64_t numerics_of);
 
 // fused_ops.cpp
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
@@ -73,7 +74,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged attention over the KV cache in place, any query length",
         py::arg("q"), py::arg("kv"), py::arg("tables"), py::arg("ctx"), py::arg("qstart"), py::arg("qlen"),
         py::arg("block_size"), py::arg("scale"), py::arg("out"), py::arg("window") = 0,
-        py::arg("tree_mask") = py::none(), nogil);
+        py::arg("tree_mask") = py::none(), py::arg("path") = -1, py::arg("numerics_of") = -1, nogil);
   m.def("rms_norm", &rms_norm, "w * rms_normalise(x), row-wise", nogil);
   m.def("add_rms_norm", &add_rms_norm, "residual += delta; rms_norm(residual)", nogil);
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a [T, 2*inter] gate|up product", nogil);

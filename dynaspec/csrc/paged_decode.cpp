@@ -11,14 +11,23 @@
 // transposed, V of each block is converted to fp32 once per work item, and softmax and
 // accumulation are in fp32. The next blocks are prefetched (they sit at random places in the
 // pool). Causal within the step: query j of a request with W queries and context C sits at
-// absolute position C - W + j and sees keys 0..C-W+j. Written as plain loops the compiler vectorises for
-// the ISA chosen at build time (the build runs on the machine that runs it).
+// absolute position C - W + j and sees keys 0..C-W+j.
+//
+// Paths (AttnPath, cpu_paths.h; chosen once by dynaspec/cpu_features.py, or forced per call):
+// scalar, the plain-loop reference (attn_reference.h); fp32, the work items as loops the compiler
+// vectorises for the build's ISA, the reference's bits; avx512 (an AVX-512 build), the same with
+// the value sums in registers by fma, the reference's bits with fused value sums; avx512_bf16,
+// bf16 dot-product scores (the reference's bits with its vdpbf16ps emulation) and, for bf16 KV
+// at D = 64 / 128, bf16 probabilities (attn_pairs.h, within a stated bound of the reference).
+// Softmax, key transposes and conversions give the same bits on every path (exact, or the same
+// operations in the same order), so they follow the build rather than the path.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include "attn_fp32.h"
 #include "attn_pairs.h"
 #include "attn_prefetch.h"
+#include "attn_reference.h"
 #include "attn_rows.h"
 #include "cpu_paths.h"
 #include "vec_exp.h"
@@ -49,20 +58,25 @@ constexpr int64_t QUERY_TILE = 32;
 // verify item of 9 rows measured 1.03-1.06x slower transposed, one of 27 0.94x.
 constexpr int64_t MANY_ROWS = 16;
 
-#if defined(__AVX512F__)
-constexpr bool VALUE_ROWS_VEC = true;
-#else
-constexpr bool VALUE_ROWS_VEC = false;
-#endif
-
 // Blocks of values a many-row item converts to fp32 at a time (8 of 16 slots at D = 64: 32 KB, in L1).
 constexpr int64_t V_CHUNK = 8;
+
+// What path p computes for these inputs, as the reference would reproduce it (the AVX-512 paths
+// as they run: in an AVX-512 build).
+template <typename T>
+RowNumerics numerics(AttnPath p, int64_t D, int64_t block_size, bool any_tree) {
+  RowNumerics n;
+  n.bf16_scores = p == AttnPath::Avx512Bf16 && std::is_same_v<T, c10::BFloat16> && D % 32 == 0;
+  n.bf16_probs = n.bf16_scores && (D == 64 || D == 128) && block_size % 2 == 0 && !any_tree;
+  n.fused_pv = p >= AttnPath::Avx512 && (D == 64 || D == 128 || D == 256);
+  return n;
+}
 
 template <typename T>
 void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& tables,
          const torch::Tensor& ctx, const torch::Tensor& qstart, const torch::Tensor& qlen,
          int64_t block_size, double scale, int64_t window, torch::Tensor& out,
-         const uint8_t* tm, int64_t tmw) {
+         const uint8_t* tm, int64_t tmw, AttnPath path, AttnPath numerics_of) {
   const int64_t B = tables.size(0), NB = tables.size(1);
   const int64_t H = q.size(1), D = q.size(2), Hkv = kv.size(2), G = H / Hkv;
   const int64_t slots = kv.size(1);
@@ -86,11 +100,17 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
     for (int64_t j = 0; j < ql[b] && !tree[b]; ++j)
       for (int64_t k = 0; k <= j && !tree[b]; ++k) tree[b] = !tm[(qs[b] + j) * tmw + k];
   for (int64_t b = 0; b < B; ++b) any_tree = any_tree || tree[b];
-  const bool bf16dot = std::is_same_v<T, c10::BFloat16> && D % 32 == 0 && cpu_paths().attn_bf16;
+  if (path == AttnPath::Scalar) {
+    attend_reference(qp, qstride, kp, vp, op, tb, NB, cl, qs, ql, B, H, Hkv, D, block_size, sc, window,
+                     any_tree ? tm : nullptr, tmw, numerics<T>(numerics_of, D, block_size, any_tree));
+    return;
+  }
+  // The AVX-512 intrinsics of the value sums (and the bf16 probabilities) run on the AVX-512 paths.
+  const bool v512 = kAvx512Build && path >= AttnPath::Avx512;
+  const bool bf16dot = std::is_same_v<T, c10::BFloat16> && D % 32 == 0 && path == AttnPath::Avx512Bf16;
   // Value sums with bf16 probabilities (attn_pairs.h); a pair of keys never straddles a block.
   // (Not for a step with a tree: its rows' probabilities are packed by softmax_row_tree.)
-  const bool pairs_pv = bf16dot && VALUE_ROWS_VEC && (D == 64 || D == 128) && block_size % 2 == 0 &&
-                        !any_tree;
+  const bool pairs_pv = bf16dot && v512 && (D == 64 || D == 128) && block_size % 2 == 0 && !any_tree;
   // Work items: (request, first query token of the tile, KV head). Which rows share an item never
   // changes a row's arithmetic, only who converts K/V to fp32. (Splitting a batch-1 decode's Hkv
   // items further by query head measured slower: K/V converted per item outweighed the idle thread.)
@@ -264,7 +284,7 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
       // More rows convert V_CHUNK blocks to fp32 once and run each group of rows over all of their
       // keys with its sums in registers (per block, loading, storing and setting up the groups'
       // sums cost ~a third of the multiply-adds). Each row adds its keys in order: the same bits.
-      const bool vec_rows = VALUE_ROWS_VEC && (D == 64 || D == 128);  // accumulate_v_rows' paths
+      const bool vec_rows = v512 && (D == 64 || D == 128);  // accumulate_v_rows' paths
       const bool direct = std::is_same_v<T, c10::BFloat16> && R <= 4 && vec_rows;
       const int64_t span = R > 4 && vec_rows ? V_CHUNK : 1;
       if (static_cast<int64_t>(vf.size()) < span * block_size * D) vf.resize(span * block_size * D);
@@ -291,9 +311,9 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
             continue;
           }
         }
-        if (accumulate_v_rows(R, acc, prob, seen, vf.data(), D, D)) continue;
+        if (vec_rows && accumulate_v_rows(R, acc, prob, seen, vf.data(), D, D)) continue;
         for (int64_t r = 0; r < R; ++r)
-          if (seen(r) > 0) accumulate_v(acc(r), prob(r), vf.data(), seen(r), D);
+          if (seen(r) > 0) accumulate_v(acc(r), prob(r), vf.data(), seen(r), D, v512);
       }
       for (int64_t j = j0; j < j1; ++j)
         for (int64_t g = 0; g < G; ++g) {
@@ -369,9 +389,20 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
 // window > 0: a query at position p sees keys max(0, p - window + 1) .. p (sliding window).
 // tree_mask: token trees, [T, W] uint8 over each request's rows (row j sees row k of its step
 // where tree_mask[qstart + j, k]); absent or empty: every step causal.
+// path: an AttnPath to force (-1: the selected one); a path set_cpu_paths did not allow is an
+// error (Python refuses it first, naming the missing CPU flags). numerics_of: with path 0 (the
+// reference), the path whose numerics it reproduces (-1: its own).
 void paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor tables, torch::Tensor ctx,
                   torch::Tensor qstart, torch::Tensor qlen, int64_t block_size, double scale,
-                  torch::Tensor out, int64_t window, c10::optional<torch::Tensor> tree_mask) {
+                  torch::Tensor out, int64_t window, c10::optional<torch::Tensor> tree_mask, int64_t path,
+                  int64_t numerics_of) {
+  const CpuPaths& allowed = cpu_paths();
+  if (path < 0) path = allowed.attn;
+  TORCH_CHECK(path <= 3, "paged_decode: no path ", path, " (0-3)");
+  TORCH_CHECK(allowed.attn_ok[path], "paged_decode: path ", kAttnPaths[path], " is not one this CPU can run");
+  TORCH_CHECK(numerics_of < 0 || (path == 0 && numerics_of <= 3),
+              "paged_decode: numerics_of is for the reference (path 0), one of paths 0-3");
+  if (numerics_of < 0) numerics_of = path;
   // q may be a view of the fused qkv rows (its tokens strided, each token's heads contiguous).
   TORCH_CHECK(q.dim() == 3, "q: [T, H, D] expected");
   TORCH_CHECK(q.is_contiguous() || (q.stride(2) == 1 && q.stride(1) == q.size(2) && q.stride(0) >= q.size(1) * q.size(2)),
@@ -392,6 +423,7 @@ void paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor tables, torch
   const uint8_t* tm = m.defined() ? m.data_ptr<uint8_t>() : nullptr;
   const int64_t tmw = m.defined() ? m.size(1) : 0;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
-    run<scalar_t>(q, kv, t, c, s, l, block_size, scale, window, out, tm, tmw);
+    run<scalar_t>(q, kv, t, c, s, l, block_size, scale, window, out, tm, tmw, static_cast<AttnPath>(path),
+                  static_cast<AttnPath>(numerics_of));
   });
 }
