@@ -30,18 +30,22 @@ struct RowNumerics {
 };
 
 // Denormals as vdpbf16ps reads and writes them (DAZ in, FTZ out).
-inline float flush_denormal(float x) { return std::fpclassify(x) == FP_SUBNORMAL ? std::copysign(0.f, x) : x; }
+inline float flush_denormal(float x) {
+  return std::fpclassify(x) == FP_SUBNORMAL ? std::copysign(0.f, x) : x;
+}
 
 // scale * q . k as scores16_bf16 forms it: lane L adds pairs L, L + 16, ... in order, each pair
 // as (odd product, then even), every sum exact-product fma then flushed; the lanes then as
 // reduce16's tree: per 128-bit block (l0 + l2) + (l1 + l3), the blocks (b0 + b1) + (b2 + b3).
-inline float score_bf16_pairs(const c10::BFloat16* q, const c10::BFloat16* k, int64_t D, float scale) {
+inline float score_bf16_pairs(const c10::BFloat16* q, const c10::BFloat16* k, int64_t D,
+                              float scale) {
   float lane[16];
   for (int64_t L = 0; L < 16; ++L) {
     float a = 0.f;
     for (int64_t c = 0; c < D; c += 32) {
       for (int64_t e : {c + 2 * L + 1, c + 2 * L}) {
-        const float x = flush_denormal(static_cast<float>(q[e])), y = flush_denormal(static_cast<float>(k[e]));
+        const float x = flush_denormal(static_cast<float>(q[e])),
+                    y = flush_denormal(static_cast<float>(k[e]));
         a = flush_denormal(std::fma(x, y, a));
       }
     }
@@ -59,7 +63,8 @@ inline float score_bf16_pairs(const c10::BFloat16* q, const c10::BFloat16* k, in
 template <typename T>
 inline float score_fp32(const T* q, const T* k, int64_t D, float scale) {
   float s = 0.f;
-  for (int64_t d = 0; d < D; ++d) s = std::fma(static_cast<float>(q[d]) * scale, static_cast<float>(k[d]), s);
+  for (int64_t d = 0; d < D; ++d)
+    s = std::fma(static_cast<float>(q[d]) * scale, static_cast<float>(k[d]), s);
   return s;
 }
 
@@ -83,9 +88,10 @@ inline void softmax_reference(float* s, int64_t n) {
 // row (token t of request b, head hq) sees keys first_key(pos) .. pos, pos = C - W + j, those of
 // this step only where its tree row says so; out[t, hq] = softmax(scores) . V in key order.
 template <typename T>
-void attend_reference(const T* qp, int64_t qstride, const T* kp, const T* vp, T* op, const int64_t* tb, int64_t NB,
-                      const int64_t* cl, const int64_t* qs, const int64_t* ql, int64_t B, int64_t H, int64_t Hkv,
-                      int64_t D, int64_t block_size, float sc, int64_t window, const uint8_t* tm, int64_t tmw,
+void attend_reference(const T* qp, int64_t qstride, const T* kp, const T* vp, T* op,
+                      const int64_t* tb, int64_t NB, const int64_t* cl, const int64_t* qs,
+                      const int64_t* ql, int64_t B, int64_t H, int64_t Hkv, int64_t D,
+                      int64_t block_size, float sc, int64_t window, const uint8_t* tm, int64_t tmw,
                       RowNumerics num) {
   const int64_t G = H / Hkv;
   std::vector<std::array<int64_t, 2>> rows;  // (request, query token)
@@ -97,7 +103,8 @@ void attend_reference(const T* qp, int64_t qstride, const T* kp, const T* vp, T*
     std::vector<float> s, acc(D);
     for (int64_t r = r0; r < r1; ++r) {
       const auto [b, j] = rows[r / H];
-      const int64_t hq = r % H, h = hq / G, C = cl[b], step0 = C - ql[b], pos = step0 + j, tok = qs[b] + j;
+      const int64_t hq = r % H, h = hq / G, C = cl[b], step0 = C - ql[b], pos = step0 + j,
+                    tok = qs[b] + j;
       const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
       keys.clear();
       for (int64_t k = lo; k <= pos; ++k)

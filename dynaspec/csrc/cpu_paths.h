@@ -16,10 +16,12 @@
 struct CpuPaths {
   int64_t gemm = 0;  // int8_gemm's selected path: an index into kGemmPaths
   bool gemm_ok[4] = {true, false, false, false};  // the int8_gemm paths that may run (or be forced)
-  bool bf16_avx512 = false;  // bf16_convert.avx512: fp32 -> bf16 rounding in integer ops on 16 lanes
-  bool bf16_cvt = false;     // bf16_convert.avx512_bf16: the same bits through vcvtneps2bf16
+  // bf16_convert.avx512: fp32 -> bf16 rounding in integer ops on 16 lanes
+  bool bf16_avx512 = false;
+  bool bf16_cvt = false;  // bf16_convert.avx512_bf16: the same bits through vcvtneps2bf16
   bool attn_ok[4] = {true, true, false, false};  // the attention paths (kAttnPaths) that may run
-  int64_t attn = 1;  // attention's selected path: the last allowed of kAttnPaths (its preference order)
+  // attention's selected path: the last allowed of kAttnPaths (their preference order)
+  int64_t attn = 1;
 };
 
 // One object for the whole module (an inline variable: every translation unit shares it).
@@ -71,14 +73,17 @@ inline void set_cpu_paths(const std::vector<std::string>& allowed, const std::st
       known = true;
     TORCH_CHECK(known, "set_cpu_paths: no kernel path ", name);
   }
-  TORCH_CHECK(build_paths == (kAvx512Build ? 2 : 0),
-              "set_cpu_paths: this build's AVX-512 paths are compiled in, but not all allowed on this CPU");
+  TORCH_CHECK(
+      build_paths == (kAvx512Build ? 2 : 0),
+      "set_cpu_paths: this build's AVX-512 paths are compiled in, but not all allowed on this CPU");
   p.gemm = -1;
   for (int i = 0; i < 4; ++i)
     if (gemm == kGemmPaths[i]) p.gemm = i;
-  TORCH_CHECK(p.gemm >= 0 && p.gemm_ok[p.gemm], "set_cpu_paths: int8_gemm path ", gemm, " is not allowed");
+  TORCH_CHECK(p.gemm >= 0 && p.gemm_ok[p.gemm], "set_cpu_paths: int8_gemm path ", gemm,
+              " is not allowed");
   // The AVX-512 GEMM stores bf16 through these; its flags imply theirs (cpu_features.KERNELS).
-  TORCH_CHECK(!p.gemm_ok[3] || p.bf16_avx512, "set_cpu_paths: int8_gemm.avx512_vnni needs bf16_convert.avx512");
+  TORCH_CHECK(!p.gemm_ok[3] || p.bf16_avx512,
+              "set_cpu_paths: int8_gemm.avx512_vnni needs bf16_convert.avx512");
   TORCH_CHECK(p.attn_ok[0], "set_cpu_paths: attention.scalar (the reference) must be allowed");
   for (int i = 0; i < 4; ++i)
     if (p.attn_ok[i]) p.attn = i;
