@@ -29,6 +29,7 @@
 #include "attn_prefetch.h"
 #include "attn_reference.h"
 #include "attn_rows.h"
+#include "attn_schedule.h"
 #include "cpu_paths.h"
 #include "vec_exp.h"
 
@@ -36,12 +37,9 @@
 
 #include <algorithm>
 #include <array>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <memory>
-#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -130,10 +128,6 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
     for (int64_t j0 = 0; j0 < ql[b]; j0 += tile)
       tiles.push_back({b, j0, std::min(ql[b], j0 + tile)});
   }
-  const int64_t items = static_cast<int64_t>(tiles.size()) * Hkv;
-  // `next()` hands a thread its next item (-1: none left). Which thread runs an item never
-  // changes the item's arithmetic.
-  // `ahead(item)`: the request whose KV to bring into L2 while this item runs (-1: none).
   // Request b's rows of KV head h in block blk of a cache: the first, and how many lie before Ct.
   auto head_rows = [&](const T* cache, int64_t b, int64_t h, int64_t blk, int64_t Ct) {
     return std::make_pair(cache + (tb[b * NB + blk] * block_size * Hkv + h) * D,
@@ -143,9 +137,11 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
   auto first_key = [&](int64_t pos) {
     return window > 0 ? std::max<int64_t>(0, pos - window + 1) : int64_t{0};
   };
+  // One thread's share of the items (attn_schedule.h: `next()` its next item, -1: none left;
+  // `ahead(item)` the request whose KV to bring into L2 while that item runs, -1: none).
   auto run_items = [&](auto&& next, auto&& ahead) {
-    std::vector<float> qf, sf, accf, kf(KEY_LANES * D), kt(KEY_LANES * D), vf(block_size * D),
-        packed;
+    std::vector<float> qf, sf, accf, packed;
+    std::vector<float> kf(KEY_LANES * D), kt(KEY_LANES * D), vf(block_size * D);
     std::vector<float> part;  // scores_rows_bf16's block sums: [4][R][16], sized when first used
     std::vector<const T*> qptr;
 #if defined(__AVX512F__)
@@ -342,78 +338,20 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
         }
     }
   };
-  if (short_queries) {
-    // Decode and verify steps (every request one tile, or two when split): contiguous ranges, so
-    // a thread keeps the same (request, KV head) items from step to step and finds their keys in
-    // its own L2 (handing them out dynamically measured 5-10% slower at batch 1). A thread that
-    // finishes its range takes the rest of the others' items from where they are: the two
-    // vCPUs here do not run at one speed, and contexts differ between ranges. Not for a batch
-    // that splits its items by query tile (a small batch: halves of the same rows).
-    const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(items, at::get_num_threads()));
-    struct alignas(64) Next {
-      std::atomic<int64_t> item{0};
-    };
-    std::unique_ptr<Next[]> next(new Next[workers]);
-    const int64_t ranges = split ? 1 : workers;
-    // Range r: [lo(r), lo(r + 1)), at::parallel_for's split (the first ranges take the remainder).
-    const int64_t per = (items + workers - 1) / workers;
-    auto lo = [&](int64_t r) { return std::min(items, r * per); };
-    at::parallel_for(0, workers, 1, [&](int64_t wb, int64_t we) {
-      for (int64_t w = wb; w < we; ++w) {
-        int64_t k = 0, r = w;
-        auto take = [&]() -> int64_t {  // own range first, then the others'
-          for (; k < ranges; ++k) {
-            r = (w + k) % workers;
-            const int64_t i = lo(r) + next[r].item++;
-            if (i < lo(r + 1)) return i;
-          }
-          return -1;
-        };
-        // The range's next request, while this one runs: its blocks (every head's rows, keys and
-        // values) into L2, a share per item of this request. Not when split (the next item is
-        // the same request).
-        auto ahead = [&](int64_t it) -> int64_t {
-          const int64_t nt = (it / Hkv + 1) * Hkv;
-          return split || nt >= lo(r + 1) ? -1 : tiles[nt / Hkv][0];
-        };
-        run_items(take, ahead);
-      }
-    });
-    return;
-  }
-  // A prefill chunk spans several tiles and its late tiles see the most keys: contiguous halves
-  // gave one thread ~3x the other's work while the other waited. Longest first (rows x keys),
-  // one at a time to whichever thread is free.
-  auto cost = [&](int64_t item) {
-    const auto [b, j0, j1] = tiles[item / Hkv];
-    return (j1 - j0) * (cl[b] - ql[b] + j1);
-  };
-  std::vector<int64_t> order(items);
-  std::iota(order.begin(), order.end(), int64_t{0});
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t a, int64_t c) { return cost(a) > cost(c); });
-  std::atomic<int64_t> next_item{0};
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(items, at::get_num_threads()));
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    run_items(
-        [&] {
-          const int64_t k = next_item++;
-          return k < items ? order[k] : int64_t{-1};
-        },
-        [](int64_t) { return int64_t{-1}; });
-  });
+  schedule_items(tiles, Hkv, short_queries, split, cl, ql, run_items);
 }
 
 }  // namespace
 
-// q: [T, H, D] (heads contiguous within a token); kv: [2, S, Hkv, D]; tables: [B, NB] long; ctx,
-// qstart, qlen: [B] long. Writes rows qstart[b] .. qstart[b] + qlen[b] of out ([T, H, D], same
-// dtype as q). window > 0: a query at position p sees keys max(0, p - window + 1) .. p (sliding
-// window). tree_mask: token trees, [T, W] uint8 over each request's rows (row j sees row k of its
-// step where tree_mask[qstart + j, k]); absent or empty: every step causal. path: an AttnPath to
-// force (-1: the selected one); a path set_cpu_paths did not allow is an error (Python refuses it
-// first, naming the missing CPU flags). numerics_of: with path 0 (the reference), the path whose
-// numerics it reproduces (-1: its own).
+// q: [T, H, D] (heads contiguous within a token); kv: [2, S, Hkv, D]; tables: [B, NB] long;
+// ctx, qstart, qlen: [B] long. Writes rows qstart[b] .. qstart[b] + qlen[b] of out ([T, H, D],
+// same dtype as q).
+// window > 0: a query at position p sees keys max(0, p - window + 1) .. p (sliding window).
+// tree_mask: token trees, [T, W] uint8 over each request's rows (row j sees row k of its step
+// where tree_mask[qstart + j, k]); absent or empty: every step causal.
+// path: an AttnPath to force (-1: the selected one); a path set_cpu_paths did not allow is an
+// error (Python refuses it first, naming the missing CPU flags). numerics_of: with path 0 (the
+// reference), the path whose numerics it reproduces (-1: its own).
 void paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor tables, torch::Tensor ctx,
                   torch::Tensor qstart, torch::Tensor qlen, int64_t block_size, double scale,
                   torch::Tensor out, int64_t window, c10::optional<torch::Tensor> tree_mask,
