@@ -10,7 +10,8 @@ Two kinds of path: `target` paths are compiled into every build behind a functio
 attribute and chosen at run time (the int8 GEMM's tiles, the bf16 conversions, attention's
 bf16 dot products); `build` paths exist only where the whole module was compiled with their
 flags (the AVX-512 attention, fused ops, exp and row max), so they run where the build's flags
-do. The build itself (the compiler's -m flags) is chosen here too, from the same flag sets.
+do (attention's is still switched per call, so a test can run its other paths there too). The
+build itself (the compiler's -m flags) is chosen here too, from the same flag sets.
 
 Pure Python, no torch: setup.py loads it in a bare build environment, and the tests feed it
 recorded flag sets of real CPUs.
@@ -72,12 +73,15 @@ KERNELS: dict[str, tuple[KernelPath, ...]] = {
         ("avx512", ("avx512f", "avx512bw")),
         ("scalar", ()),
     ),
-    # paged attention: bf16 dot products (scores; value sums in pairs where the build is AVX-512
-    # too), else the fp32 AVX-512 rows of an AVX-512 build, else scalar loops.
+    # paged attention (csrc/paged_decode.cpp's AttnPath, in reverse): bf16 dot products (scores;
+    # value sums in pairs where the build is AVX-512 too), else the fp32 rows with AVX-512 value
+    # sums (compiled into an AVX-512 build, switched at run time), else the fp32 rows as loops
+    # the compiler vectorises for the build; scalar is the plain-loop reference, never preferred.
     "attention": _paths(
         "attention",
         ("avx512_bf16", (*_BF16, "fma")),
         ("avx512", _AVX512, True),
+        ("fp32", ()),
         ("scalar", ()),
     ),
     "exp": _paths("exp", ("avx512", _AVX512, True), ("scalar", ())),

@@ -8,6 +8,11 @@ the cache by `dynaspec/csrc/paged_decode.cpp` with a fixed per-row order of oper
 result whatever the width, the chunking or the batch. The kernel is built for the ISA this CPU
 reports (dynaspec/cpu_kernels.py); without it the backend is unavailable (`available()` says
 why) and the engine keeps the eager one.
+
+Its paths (`PATHS`, dynaspec/cpu_features.py's "attention") are chosen once per process; `forward`
+takes `path=` to force one (PathUnavailable naming the CPU flags a path lacks) and, for the
+"scalar" reference, `numerics_of=` to reproduce another path's numerics, so tests run every path
+this CPU has against the reference.
 """
 
 from __future__ import annotations
@@ -16,12 +21,23 @@ from dataclasses import dataclass
 
 import torch
 
-from dynaspec import cpu_kernels
+from dynaspec import cpu_features, cpu_kernels
 from dynaspec.attention.backend import AttentionBatch
+
+# The kernel's AttnPath values (csrc/cpu_paths.h kAttnPaths): a path's index is its number there.
+PATHS = ("scalar", "fp32", "avx512", "avx512_bf16")
 
 
 def available() -> tuple[bool, str]:
     return cpu_kernels.available()
+
+
+def path_index(name: str) -> int:
+    """The kernel's number for path `name`, which this CPU and build must be able to run
+    (PathUnavailable naming the missing flags otherwise; ValueError for an unknown name)."""
+    sel = cpu_kernels.selection()
+    cpu_features.require("attention", name, sel.flags, sel.build.flags)
+    return PATHS.index(name)
 
 
 @dataclass
@@ -73,9 +89,19 @@ class CpuPagedBackend:
                                 vec(batch.query_lens), bs, _tree_mask(batch, dev))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                md: CpuPagedMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+                md: CpuPagedMetadata, scale: float, window: int | None = None,
+                path: str | None = None, numerics_of: str | None = None) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D]; kv_cache: [2, num_slots, Hkv, D]. Returns [T, H, D].
-        window: a query at position p sees keys max(0, p - window + 1) .. p."""
+        window: a query at position p sees keys max(0, p - window + 1) .. p. path: force one of
+        PATHS (None: this CPU's selected one); numerics_of: with path "scalar", the path whose
+        numerics the reference reproduces (it needs no CPU flags of that path)."""
+        forced = -1 if path is None else path_index(path)
+        if numerics_of is not None and path != "scalar":
+            raise ValueError(f"numerics_of={numerics_of!r} is for the scalar reference, "
+                             f"not path={path!r}")
+        like = -1
+        if numerics_of is not None:
+            like = PATHS.index(cpu_features.path("attention", numerics_of).name)  # names the paths
         if (
             k.stride(2) == 1
             and k.stride(1) == k.shape[2]
@@ -92,7 +118,7 @@ class CpuPagedBackend:
             if md.tree_mask is not None and window:
                 raise NotImplementedError("token trees are not verified on sliding-window layers")
             self._op(q, kv_cache, md.block_tables, md.context_lens, md.query_start, md.query_lens,
-                     md.block_size, scale, out, window or 0, md.tree_mask)
+                     md.block_size, scale, out, window or 0, md.tree_mask, forced, like)
         return out
 
 

@@ -22,8 +22,8 @@ inline void to_float(const T* src, float* dst, int64_t n) {
 
 // s[t] = sum_d q[d] * k[t][d] for n <= 16 keys held transposed (kt[d * 16 + t]): the sum runs
 // over d in order in each key's lane, the same for every row and every key.
-inline void scores16(const float* __restrict q, const float* __restrict kt, float* __restrict s, int64_t n,
-                     int64_t D) {
+inline void scores16(const float* __restrict q, const float* __restrict kt, float* __restrict s,
+                     int64_t n, int64_t D) {
   float acc[KEY_LANES] = {0.f};
   for (int64_t d = 0; d < D; ++d) {
     const float qd = q[d];
@@ -55,8 +55,8 @@ inline __m512 load16(const T* p) {
 // The same kt as converting then transpose_keys, straight from the cache: 16 key rows (row t at
 // src + t * stride; rows n.. are zero) go through a 16x16 in-register transpose per 16 dims.
 template <typename T>
-inline void transpose_keys_from(const T* __restrict src, int64_t stride, int64_t n, float* __restrict kt,
-                                int64_t D) {
+inline void transpose_keys_from(const T* __restrict src, int64_t stride, int64_t n,
+                                float* __restrict kt, int64_t D) {
   for (int64_t d0 = 0; d0 < D; d0 += 16) {
     __m512 r[16];
     for (int i = 0; i < 16; ++i) r[i] = i < n ? load16(src + i * stride + d0) : _mm512_setzero_ps();

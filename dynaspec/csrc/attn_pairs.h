@@ -88,7 +88,8 @@ BF16DOT_TARGET inline float exp_row_bf16(const float* srow, int64_t lo, int64_t 
 // acc(r) += pairs [0, np) of src for RB rows sharing each pair's load; p(r): the row's bf16
 // probabilities from the span's first key, read a pair (one int32) at a time.
 template <int NV, int RB, typename Src>
-BF16DOT_TARGET inline void pv_pairs_block(float* const* acc, const c10::BFloat16* const* p, Src&& src, int64_t np) {
+BF16DOT_TARGET inline void pv_pairs_block(float* const* acc, const c10::BFloat16* const* p,
+                                          Src&& src, int64_t np) {
   __m512 a[RB][NV];
   for (int r = 0; r < RB; ++r)
     for (int i = 0; i < NV; ++i) a[r][i] = _mm512_loadu_ps(acc[r] + 16 * i);
@@ -107,8 +108,8 @@ BF16DOT_TARGET inline void pv_pairs_block(float* const* acc, const c10::BFloat16
 
 // RB rows together over the pairs they all see, then each alone over the rest of its own.
 template <int NV, int RB, typename Src>
-BF16DOT_TARGET inline void pv_pairs_group(float* const* acc, const c10::BFloat16* const* p, const int64_t* np,
-                                          Src&& src) {
+BF16DOT_TARGET inline void pv_pairs_group(float* const* acc, const c10::BFloat16* const* p,
+                                          const int64_t* np, Src&& src) {
   int64_t m = np[0];
   for (int i = 1; i < RB; ++i) m = std::min(m, np[i]);
   if (m > 0) pv_pairs_block<NV, RB>(acc, p, src, m);
@@ -124,7 +125,8 @@ BF16DOT_TARGET inline void pv_pairs_group(float* const* acc, const c10::BFloat16
 // its visible keys rounded up to a pair), prob(r) its probabilities from the span's first key,
 // src(j, v) pair j's values. Four rows (D = 64) or two (D = 128) share each pair's load.
 template <int NV, typename Acc, typename Prob, typename Pairs, typename Src>
-BF16DOT_TARGET inline void accumulate_pairs(int64_t R, Acc&& acc, Prob&& prob, Pairs&& pairs, Src&& src) {
+BF16DOT_TARGET inline void accumulate_pairs(int64_t R, Acc&& acc, Prob&& prob, Pairs&& pairs,
+                                            Src&& src) {
   constexpr int64_t RB = NV == 4 ? 4 : 2;
   for (int64_t r = 0; r < R; r += RB) {
     const int64_t k = std::min(RB, R - r);
@@ -133,8 +135,12 @@ BF16DOT_TARGET inline void accumulate_pairs(int64_t R, Acc&& acc, Prob&& prob, P
     int64_t np[RB];
     for (int64_t i = 0; i < k; ++i) a[i] = acc(r + i), p[i] = prob(r + i), np[i] = pairs(r + i);
     switch (k) {
-      case 4: if constexpr (RB >= 4) pv_pairs_group<NV, 4>(a, p, np, src); break;
-      case 3: if constexpr (RB >= 3) pv_pairs_group<NV, 3>(a, p, np, src); break;
+      case 4:
+        if constexpr (RB >= 4) pv_pairs_group<NV, 4>(a, p, np, src);
+        break;
+      case 3:
+        if constexpr (RB >= 3) pv_pairs_group<NV, 3>(a, p, np, src);
+        break;
       case 2: pv_pairs_group<NV, 2>(a, p, np, src); break;
       default: pv_pairs_group<NV, 1>(a, p, np, src); break;
     }
@@ -146,7 +152,8 @@ BF16DOT_TARGET inline void accumulate_pairs(int64_t R, Acc&& acc, Prob&& prob, P
 template <int NV>
 BF16DOT_TARGET inline void store_pairs_row(const float* acc, float inv, c10::BFloat16* dst) {
   const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i hi = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  const __m512i hi =
+      _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   const __m512 s = _mm512_set1_ps(inv);
   for (int c = 0; c < NV / 2; ++c) {
     const __m512 a = _mm512_loadu_ps(acc + 32 * c), b = _mm512_loadu_ps(acc + 32 * c + 16);

@@ -34,13 +34,15 @@ struct NextRequest {
   int64_t blk = 0, line = 0;  // where the next line is: block first + blk, keys then values
   bool values = false;
   template <typename T>
-  NextRequest(const T* kp, const T* vp, const int64_t* tb, int64_t NB, int64_t block_elems, int64_t req,
-              const int64_t* cl, int64_t h, int64_t Hkv, int64_t block_size, int64_t steps) {
+  NextRequest(const T* kp, const T* vp, const int64_t* tb, int64_t NB, int64_t block_elems,
+              int64_t req, const int64_t* cl, int64_t h, int64_t Hkv, int64_t block_size,
+              int64_t steps) {
     if (req < 0 || steps <= 0) return;
     const int64_t nblk = std::min(NB, (cl[req] + block_size - 1) / block_size);
     const int64_t first = h * nblk / Hkv;
     const int64_t blocks = (h + 1) * nblk / Hkv - first;
-    k = reinterpret_cast<const char*>(kp), v = reinterpret_cast<const char*>(vp), table = tb + req * NB + first;
+    k = reinterpret_cast<const char*>(kp), v = reinterpret_cast<const char*>(vp),
+    table = tb + req * NB + first;
     region = block_elems * static_cast<int64_t>(sizeof(T));
     region_lines = region / 64;
     left = blocks * 2 * region_lines;

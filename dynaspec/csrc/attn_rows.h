@@ -38,33 +38,38 @@ inline void axpy_rows(float* __restrict acc, const float* __restrict p, const fl
 // runs this sequence, so the path keeps row invariance. (The fp32 path it replaces ran one
 // 64-long dependent FMA chain per row and 16 keys, plus a transpose: ~5x the time at batch 32.)
 #define BF16DOT_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
-// Run only where cpu_paths().attn_bf16 (attention.avx512_bf16, dynaspec/cpu_features.py) allows.
+// Run only on the attention.avx512_bf16 path (dynaspec/cpu_features.py), where the CPU has them.
 
 // out lane t = the 16 lanes of a[t] summed as ((b0 + b1) + (b2 + b3)) over 128-bit blocks bk,
 // each block as ((l0 + l2) + (l1 + l3)).
 BF16DOT_TARGET inline __m512 reduce16(const __m512* a) {
   __m512 x[8], y[4];
   for (int i = 0; i < 8; ++i)
-    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                         _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
   for (int j = 0; j < 4; ++j) {
     const __m512d u = _mm512_castps_pd(x[2 * j]), w = _mm512_castps_pd(x[2 * j + 1]);
-    y[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(u, w)), _mm512_castpd_ps(_mm512_unpackhi_pd(u, w)));
+    y[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(u, w)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(u, w)));
   }
-  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xDD));
-  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], 0x88), _mm512_shuffle_f32x4(y[2], y[3], 0xDD));
+  const __m512 w0 =
+      _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xDD));
+  const __m512 w1 =
+      _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], 0x88), _mm512_shuffle_f32x4(y[2], y[3], 0xDD));
   return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
 }
 
 // s[t] = scale * q . k_t for the n <= 16 keys at k0 + t * stride (bf16, D % 32 == 0).
-BF16DOT_TARGET void scores16_bf16(const c10::BFloat16* q, const c10::BFloat16* k0, int64_t stride, int64_t n,
-                                  int64_t D, float scale, float* s) {
+BF16DOT_TARGET void scores16_bf16(const c10::BFloat16* q, const c10::BFloat16* k0, int64_t stride,
+                                  int64_t n, int64_t D, float scale, float* s) {
   __m512 a[KEY_LANES];
   for (int64_t t = 0; t < KEY_LANES; ++t) {
     a[t] = _mm512_setzero_ps();
     if (t >= n) continue;
     const c10::BFloat16* k = k0 + t * stride;
     for (int64_t c = 0; c < D; c += 32)
-      a[t] = _mm512_dpbf16_ps(a[t], (__m512bh)_mm512_loadu_si512(q + c), (__m512bh)_mm512_loadu_si512(k + c));
+      a[t] = _mm512_dpbf16_ps(a[t], (__m512bh)_mm512_loadu_si512(q + c),
+                              (__m512bh)_mm512_loadu_si512(k + c));
   }
   const __m512 f = _mm512_mul_ps(reduce16(a), _mm512_set1_ps(scale));
   _mm512_mask_storeu_ps(s, static_cast<__mmask16>((1u << n) - 1u), f);
@@ -75,8 +80,8 @@ BF16DOT_TARGET void scores16_bf16(const c10::BFloat16* q, const c10::BFloat16* k
 // registers and the 16 keys' chains independent. The generic loop ran each key's chain behind
 // a runtime trip count and spilled the sums: ~3x the cycles.
 template <int NC>
-BF16DOT_TARGET void scores16_bf16_full(const c10::BFloat16* q, const c10::BFloat16* k0, int64_t stride,
-                                       float scale, float* s) {
+BF16DOT_TARGET void scores16_bf16_full(const c10::BFloat16* q, const c10::BFloat16* k0,
+                                       int64_t stride, float scale, float* s) {
   __m512bh qv[NC];
   for (int c = 0; c < NC; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
   __m512 a[KEY_LANES];
@@ -84,15 +89,17 @@ BF16DOT_TARGET void scores16_bf16_full(const c10::BFloat16* q, const c10::BFloat
   for (int64_t t = 0; t < KEY_LANES; ++t) {
     const c10::BFloat16* k = k0 + t * stride;
     a[t] = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], (__m512bh)_mm512_loadu_si512(k));
-    for (int c = 1; c < NC; ++c) a[t] = _mm512_dpbf16_ps(a[t], qv[c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
+    for (int c = 1; c < NC; ++c)
+      a[t] = _mm512_dpbf16_ps(a[t], qv[c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
   }
   _mm512_storeu_ps(s, _mm512_mul_ps(reduce16(a), _mm512_set1_ps(scale)));
 }
 
 // s[t] for n <= 16 keys: the fixed-D path where D and n allow (a lane's sum depends on its key
 // alone, so both paths give the same bits), else the generic loop.
-BF16DOT_TARGET inline void scores_bf16(const c10::BFloat16* q, const c10::BFloat16* k0, int64_t stride, int64_t n,
-                                       int64_t D, float scale, float* s) {
+BF16DOT_TARGET inline void scores_bf16(const c10::BFloat16* q, const c10::BFloat16* k0,
+                                       int64_t stride, int64_t n, int64_t D, float scale,
+                                       float* s) {
   if (n == KEY_LANES) {
     switch (D) {
       case 64: return scores16_bf16_full<2>(q, k0, stride, scale, s);
@@ -113,9 +120,12 @@ __attribute__((target("avx512f"))) inline void transpose16x16(const __m512* r, f
   }
   for (int i = 0; i < 16; i += 4) {  // u[i + c]: rows i..i+3, columns {c, c+4, c+8, c+12}
     u[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
-    u[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
-    u[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
-    u[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    u[i + 1] =
+        _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    u[i + 2] = _mm512_castpd_ps(
+        _mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    u[i + 3] = _mm512_castpd_ps(
+        _mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
   }
   for (int c = 0; c < 4; ++c) {
     const __m512 x0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88);  // rows 0-7: cols c, c+8
@@ -139,12 +149,13 @@ __attribute__((target("avx512f"))) inline void transpose16x16(const __m512* r, f
 
 // kt[j * 16 + t] = pair j (elements 2j, 2j + 1) of key t (at k0 + t * stride) for j < D / 2;
 // keys n.. zero.
-BF16DOT_TARGET inline void transpose_key_pairs(const c10::BFloat16* k0, int64_t stride, int64_t n, float* kt,
-                                               int64_t D) {
+BF16DOT_TARGET inline void transpose_key_pairs(const c10::BFloat16* k0, int64_t stride, int64_t n,
+                                               float* kt, int64_t D) {
   for (int64_t j0 = 0; j0 < D / 2; j0 += 16) {
     __m512 r[16];
     for (int64_t i = 0; i < 16; ++i)
-      r[i] = i < n ? _mm512_castsi512_ps(_mm512_loadu_si512(k0 + i * stride + 2 * j0)) : _mm512_setzero_ps();
+      r[i] = i < n ? _mm512_castsi512_ps(_mm512_loadu_si512(k0 + i * stride + 2 * j0))
+                   : _mm512_setzero_ps();
     transpose16x16(r, kt + j0 * 16);
   }
 }
@@ -160,8 +171,8 @@ BF16DOT_TARGET inline __m512 dpbf16_bcast(__m512 acc, __m512bh k, const int32_t*
 // s(r)[t] = scale * q(r) . k_t for R rows and the n <= 16 keys of kt (D = 32 * NC), row r's
 // scores at s0 + r * ld. part: [4][R][16] scratch for the 128-bit blocks' sums.
 template <int NC, typename QRow>
-BF16DOT_TARGET void scores_rows_bf16(const float* kt, int64_t R, QRow&& qrow, float* s0, int64_t ld, int64_t n,
-                                     float scale, float* part) {
+BF16DOT_TARGET void scores_rows_bf16(const float* kt, int64_t R, QRow&& qrow, float* s0, int64_t ld,
+                                     int64_t n, float scale, float* part) {
   const __mmask16 m = static_cast<__mmask16>((1u << n) - 1u);
   if constexpr (NC == 2) {
     // D = 64: two 128-bit blocks a pass (16 key registers), so a row's blocks b0 + b1 wait in
@@ -171,7 +182,8 @@ BF16DOT_TARGET void scores_rows_bf16(const float* kt, int64_t R, QRow&& qrow, fl
       __m512bh kv[2][NC][4];  // pairs 16c + 4bk + l of the 16 keys, bk = 2 * half + i
       for (int i = 0; i < 2; ++i)
         for (int c = 0; c < NC; ++c)
-          for (int l = 0; l < 4; ++l) kv[i][c][l] = (__m512bh)_mm512_loadu_ps(kt + (16 * c + 4 * (2 * half + i) + l) * 16);
+          for (int l = 0; l < 4; ++l)
+            kv[i][c][l] = (__m512bh)_mm512_loadu_ps(kt + (16 * c + 4 * (2 * half + i) + l) * 16);
       for (int64_t r = 0; r < R; ++r) {
         const int32_t* qd = reinterpret_cast<const int32_t*>(qrow(r));  // q's pairs
         __m512 blk[2];
@@ -180,7 +192,8 @@ BF16DOT_TARGET void scores_rows_bf16(const float* kt, int64_t R, QRow&& qrow, fl
           __m512 a[4];
           for (int l = 0; l < 4; ++l) {
             a[l] = dpbf16_bcast(_mm512_setzero_ps(), kv[i][0][l], qd + 4 * bk + l);
-            for (int c = 1; c < NC; ++c) a[l] = dpbf16_bcast(a[l], kv[i][c][l], qd + 16 * c + 4 * bk + l);
+            for (int c = 1; c < NC; ++c)
+              a[l] = dpbf16_bcast(a[l], kv[i][c][l], qd + 16 * c + 4 * bk + l);
           }
           blk[i] = _mm512_add_ps(_mm512_add_ps(a[0], a[2]), _mm512_add_ps(a[1], a[3]));
         }
@@ -198,7 +211,8 @@ BF16DOT_TARGET void scores_rows_bf16(const float* kt, int64_t R, QRow&& qrow, fl
   for (int bk = 0; bk < 4; ++bk) {
     __m512bh kv[NC][4];  // pairs 16c + 4bk + l of the 16 keys
     for (int c = 0; c < NC; ++c)
-      for (int l = 0; l < 4; ++l) kv[c][l] = (__m512bh)_mm512_loadu_ps(kt + (16 * c + 4 * bk + l) * 16);
+      for (int l = 0; l < 4; ++l)
+        kv[c][l] = (__m512bh)_mm512_loadu_ps(kt + (16 * c + 4 * bk + l) * 16);
     for (int64_t r = 0; r < R; ++r) {
       const int32_t* qd = reinterpret_cast<const int32_t*>(qrow(r));  // q's pairs
       __m512 a[4];
@@ -213,8 +227,10 @@ BF16DOT_TARGET void scores_rows_bf16(const float* kt, int64_t R, QRow&& qrow, fl
   for (int64_t r = 0; r < R; ++r) {
     const float* p = part + r * 16;
     const __m512 b01 = _mm512_add_ps(_mm512_loadu_ps(p), _mm512_loadu_ps(p + R * 16));
-    const __m512 b23 = _mm512_add_ps(_mm512_loadu_ps(p + 2 * R * 16), _mm512_loadu_ps(p + 3 * R * 16));
-    _mm512_mask_storeu_ps(s0 + r * ld, m, _mm512_mul_ps(_mm512_add_ps(b01, b23), _mm512_set1_ps(scale)));
+    const __m512 b23 =
+        _mm512_add_ps(_mm512_loadu_ps(p + 2 * R * 16), _mm512_loadu_ps(p + 3 * R * 16));
+    _mm512_mask_storeu_ps(s0 + r * ld, m,
+                          _mm512_mul_ps(_mm512_add_ps(b01, b23), _mm512_set1_ps(scale)));
   }
 }
 
@@ -232,7 +248,8 @@ inline __m512 vload16(const VT* p) {
 // acc[0..16*NV) += p[t] * v[t] for t < n in order (row t at v + t * vs), the sums kept in
 // registers across keys (the plain loop stored them back for every key).
 template <int NV, typename VT>
-inline void pv_rows(float* __restrict acc, const float* __restrict p, const VT* __restrict v, int64_t vs, int64_t n) {
+inline void pv_rows(float* __restrict acc, const float* __restrict p, const VT* __restrict v,
+                    int64_t vs, int64_t n) {
   __m512 a[NV];
   for (int i = 0; i < NV; ++i) a[i] = _mm512_loadu_ps(acc + 16 * i);
   for (int64_t t = 0; t < n; ++t) {
@@ -245,7 +262,8 @@ inline void pv_rows(float* __restrict acc, const float* __restrict p, const VT* 
 // pv_rows for RB rows over the same n values: each value vector is loaded once for all RB rows
 // and the sums stay in registers for the block; every row's sums run in the same order as alone.
 template <int NV, int RB, typename VT>
-inline void pv_rows_block(float* const* acc, const float* const* p, const VT* __restrict v, int64_t vs, int64_t n) {
+inline void pv_rows_block(float* const* acc, const float* const* p, const VT* __restrict v,
+                          int64_t vs, int64_t n) {
   __m512 a[RB][NV];
   for (int r = 0; r < RB; ++r)
     for (int i = 0; i < NV; ++i) a[r][i] = _mm512_loadu_ps(acc[r] + 16 * i);
@@ -262,15 +280,17 @@ inline void pv_rows_block(float* const* acc, const float* const* p, const VT* __
 }
 #endif
 
-// acc += sum_t p[t] * v[t] (t < n, in order; fp32 rows of D), registers where D allows.
-inline void accumulate_v(float* acc, const float* p, const float* v, int64_t n, int64_t D) {
+// acc += sum_t p[t] * v[t] (t < n, in order; fp32 rows of D): on the AVX-512 path (v512) in
+// registers by fma where D allows, else acc + p * v as plain loops (the fp32 path's rounding).
+inline void accumulate_v(float* acc, const float* p, const float* v, int64_t n, int64_t D,
+                         bool v512) {
 #if defined(__AVX512F__)
-  switch (D) {
-    case 64: return pv_rows<4>(acc, p, v, D, n);
-    case 128: return pv_rows<8>(acc, p, v, D, n);
-    case 256: return pv_rows<16>(acc, p, v, D, n);
-    default: break;
-  }
+  if (v512) switch (D) {
+      case 64: return pv_rows<4>(acc, p, v, D, n);
+      case 128: return pv_rows<8>(acc, p, v, D, n);
+      case 256: return pv_rows<16>(acc, p, v, D, n);
+      default: break;
+    }
 #endif
   axpy_rows(acc, p, v, n, D);
 }
@@ -278,7 +298,8 @@ inline void accumulate_v(float* acc, const float* p, const float* v, int64_t n, 
 #if defined(__AVX512F__)
 // RB rows over the values they all see, together; the rest of a longer row alone after them.
 template <int NV, int RB, typename VT>
-inline void pv_group(float* const* a, const float* const* p, const int64_t* seen, const VT* v, int64_t vs) {
+inline void pv_group(float* const* a, const float* const* p, const int64_t* seen, const VT* v,
+                     int64_t vs) {
   int64_t m = seen[0];
   for (int i = 1; i < RB; ++i) m = std::min(m, seen[i]);
   if (m > 0) pv_rows_block<NV, RB>(a, p, v, vs, m);
@@ -294,7 +315,8 @@ inline void pv_group(float* const* a, const float* const* p, const int64_t* seen
 // 15 rows x 512 keys x 3 heads on one core). False: D has no block path (the caller goes row by
 // row).
 template <typename VT, typename Acc, typename Prob, typename Seen>
-inline bool accumulate_v_rows(int64_t R, Acc&& acc, Prob&& prob, Seen&& seen, const VT* v, int64_t vs, int64_t D) {
+inline bool accumulate_v_rows(int64_t R, Acc&& acc, Prob&& prob, Seen&& seen, const VT* v,
+                              int64_t vs, int64_t D) {
 #if defined(__AVX512F__)
   if (D != 64 && D != 128) return false;
   const int64_t rb = D == 64 ? 4 : 2;

@@ -28,7 +28,8 @@ void rms_rows(const T* x, const T* w, T* out, int64_t rows, int64_t n, float eps
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
       T* o = out + r * n;
       for (int64_t i = 0; i < n; ++i)
-        o[i] = static_cast<T>(static_cast<float>(w[i]) * static_cast<float>(static_cast<T>(static_cast<float>(xr[i]) * inv)));
+        o[i] = static_cast<T>(static_cast<float>(w[i]) *
+                              static_cast<float>(static_cast<T>(static_cast<float>(xr[i]) * inv)));
     }
   });
 }
@@ -37,25 +38,30 @@ void rms_rows(const T* x, const T* w, T* out, int64_t rows, int64_t n, float eps
 
 // x: [T, n] contiguous; w: [n]. Returns w * rms_normalise(x).
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
-  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && x.scalar_type() == w.scalar_type(), "rms_norm: bad input");
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && x.scalar_type() == w.scalar_type(),
+              "rms_norm: bad input");
   auto out = torch::empty_like(x);
   const int64_t n = x.size(-1), rows = x.numel() / n;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
-    rms_rows<scalar_t>(x.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, n,
-                       static_cast<float>(eps));
+    rms_rows<scalar_t>(x.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                       rows, n, static_cast<float>(eps));
   });
   return out;
 }
 
 // residual += delta in place (rounded like torch's add), then returns rms_norm(residual, w).
-torch::Tensor add_rms_norm(torch::Tensor residual, torch::Tensor delta, torch::Tensor w, double eps) {
-  TORCH_CHECK(residual.is_contiguous() && delta.is_contiguous() && residual.sizes() == delta.sizes() &&
-                  residual.scalar_type() == delta.scalar_type(), "add_rms_norm: bad input");
+torch::Tensor add_rms_norm(torch::Tensor residual, torch::Tensor delta, torch::Tensor w,
+                           double eps) {
+  TORCH_CHECK(residual.is_contiguous() && delta.is_contiguous() &&
+                  residual.sizes() == delta.sizes() &&
+                  residual.scalar_type() == delta.scalar_type(),
+              "add_rms_norm: bad input");
   const int64_t count = residual.numel();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, residual.scalar_type(), "add", [&] {
     scalar_t* r = residual.data_ptr<scalar_t>();
     const scalar_t* d = delta.data_ptr<scalar_t>();
-    for (int64_t i = 0; i < count; ++i) r[i] = static_cast<scalar_t>(static_cast<float>(r[i]) + static_cast<float>(d[i]));
+    for (int64_t i = 0; i < count; ++i)
+      r[i] = static_cast<scalar_t>(static_cast<float>(r[i]) + static_cast<float>(d[i]));
   });
   return rms_norm(residual, w, eps);
 }
@@ -84,7 +90,8 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
         if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
           if (inter % 16 == 0) {  // the scalar loop below, 16 lanes at a time (the same bits)
             for (int64_t i = 0; i < inter; i += 16) {
-              bf16x16_store(o + r * inter + i, silu_mul16(bf16x16_load(gate + i), bf16x16_load(up + i)));
+              bf16x16_store(o + r * inter + i,
+                            silu_mul16(bf16x16_load(gate + i), bf16x16_load(up + i)));
             }
             continue;
           }
@@ -94,7 +101,8 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
         silu_inplace(buf.data(), inter);
         scalar_t* orow = o + r * inter;
         for (int64_t i = 0; i < inter; ++i)
-          orow[i] = static_cast<scalar_t>(static_cast<float>(static_cast<scalar_t>(buf[i])) * static_cast<float>(up[i]));
+          orow[i] = static_cast<scalar_t>(static_cast<float>(static_cast<scalar_t>(buf[i])) *
+                                          static_cast<float>(up[i]));
       }
     });
   });
@@ -104,9 +112,12 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 // In place on the first `heads` heads of each row of qkv ([T, >= heads * D], row stride
 // qkv.stride(0)): HF rotate-half RoPE, x1' = x1*cos - x2*sin, x2' = x2*cos + x1*sin, with cos/sin
 // [T, D/2] in qkv's dtype; every product and sum is rounded to that dtype as the eager ops do.
-void rope_inplace(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t head_dim) {
-  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && cos.is_contiguous() && sin.is_contiguous(), "rope: bad layout");
-  TORCH_CHECK(qkv.scalar_type() == cos.scalar_type() && qkv.scalar_type() == sin.scalar_type(), "rope: dtype mismatch");
+void rope_inplace(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads,
+                  int64_t head_dim) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && cos.is_contiguous() && sin.is_contiguous(),
+              "rope: bad layout");
+  TORCH_CHECK(qkv.scalar_type() == cos.scalar_type() && qkv.scalar_type() == sin.scalar_type(),
+              "rope: dtype mismatch");
   const int64_t T = qkv.size(0), stride = qkv.stride(0), half = head_dim / 2;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope", [&] {
     using S = scalar_t;
@@ -125,8 +136,10 @@ void rope_inplace(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64
               for (int64_t i = 0; i < half; i += 16) {
                 const __m512 x1 = bf16x16_load(x + i), x2 = bf16x16_load(x + i + half);
                 const __m512 ci = bf16x16_load(c + i), si = bf16x16_load(s + i);
-                const __m512 a = bf16x16_round(_mm512_mul_ps(x1, ci)), b = bf16x16_round(_mm512_mul_ps(x2, si));
-                const __m512 e = bf16x16_round(_mm512_mul_ps(x2, ci)), f = bf16x16_round(_mm512_mul_ps(x1, si));
+                const __m512 a = bf16x16_round(_mm512_mul_ps(x1, ci)),
+                             b = bf16x16_round(_mm512_mul_ps(x2, si));
+                const __m512 e = bf16x16_round(_mm512_mul_ps(x2, ci)),
+                             f = bf16x16_round(_mm512_mul_ps(x1, si));
                 bf16x16_store(x + i, _mm512_sub_ps(a, b));
                 bf16x16_store(x + i + half, _mm512_add_ps(e, f));
               }
@@ -137,8 +150,10 @@ void rope_inplace(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64
           for (int64_t i = 0; i < half; ++i) {
             const float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[i + half]);
             const float ci = static_cast<float>(c[i]), si = static_cast<float>(s[i]);
-            const float a = static_cast<float>(static_cast<S>(x1 * ci)), b = static_cast<float>(static_cast<S>(x2 * si));
-            const float e = static_cast<float>(static_cast<S>(x2 * ci)), f = static_cast<float>(static_cast<S>(x1 * si));
+            const float a = static_cast<float>(static_cast<S>(x1 * ci)),
+                        b = static_cast<float>(static_cast<S>(x2 * si));
+            const float e = static_cast<float>(static_cast<S>(x2 * ci)),
+                        f = static_cast<float>(static_cast<S>(x1 * si));
             x[i] = static_cast<S>(a - b);
             x[i + half] = static_cast<S>(e + f);
           }
@@ -158,12 +173,14 @@ void exact_near_max(torch::Tensor logits, torch::Tensor rows, torch::Tensor x, t
                     torch::Tensor scale, int64_t group, double margin) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat && logits.is_contiguous(),
               "exact_near_max: contiguous float32 [M, N] logits expected");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.is_contiguous() && q.scalar_type() == torch::kChar &&
-                  q.is_contiguous() && scale.scalar_type() == torch::kFloat && scale.is_contiguous(),
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.is_contiguous() &&
+                  q.scalar_type() == torch::kChar && q.is_contiguous() &&
+                  scale.scalar_type() == torch::kFloat && scale.is_contiguous(),
               "exact_near_max: x fp32 [M, K], q int8 [N, K], scale fp32 [N, K/group] expected");
   auto r = rows.to(torch::kLong).contiguous();
   const int64_t A = r.numel(), N = logits.size(1), K = q.size(1), ng = K / group;
-  TORCH_CHECK(q.size(0) == N && x.size(1) == K && scale.size(1) == ng, "exact_near_max: shapes disagree");
+  TORCH_CHECK(q.size(0) == N && x.size(1) == K && scale.size(1) == ng,
+              "exact_near_max: shapes disagree");
   float* lp = logits.data_ptr<float>();
   const int64_t* rp = r.data_ptr<int64_t>();
   const float* xp = x.data_ptr<float>();
@@ -191,7 +208,8 @@ void exact_near_max(torch::Tensor logits, torch::Tensor rows, torch::Tensor x, t
         const float* sr = sp + tok * ng;
         double acc = 0.0;
         for (int64_t k = 0; k < K; ++k)
-          acc += static_cast<double>(static_cast<float>(qr[k]) * sr[k / group]) * static_cast<double>(xr[k]);
+          acc += static_cast<double>(static_cast<float>(qr[k]) * sr[k / group]) *
+                 static_cast<double>(xr[k]);
         y[tok] = static_cast<float>(acc);
       }
     }

@@ -49,9 +49,9 @@ AVX512_TARGET inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int32_t*
 // 16 scales (or minima) from i on as fp32: the conversion from fp16 is exact.
 AVX512_TARGET inline __m512 scales16(const Packed& p, const void* a, int64_t i) {
   if (!p.half) return _mm512_loadu_ps(static_cast<const float*>(a) + i);
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(a) + i)));
+  return _mm512_cvtph_ps(
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(a) + i)));
 }
-
 
 // The weights of step s of a group as 64 unsigned bytes (4-bit: steps s and s + STEPS/2 share
 // bytes, low and high nibbles). Loaded per step rather than held for the group: the registers go
@@ -70,7 +70,8 @@ AVX512_TARGET inline __m512i step_weights(const uint8_t* grp, int s, __m512i lo)
 // unrolled, the first and last too: one rolled loop indexing facc keeps the array in memory, and
 // GCC then stored all RB accumulators every group (measured: 0.92x the 16-row body time unrolled).
 template <int RB, int BITS, int G, bool MN>
-AVX512_TARGET void tile_avx512(const Packed& p, const QuantX& qx, int64_t m0, int64_t tile, float* acc, bool pf) {
+AVX512_TARGET void tile_avx512(const Packed& p, const QuantX& qx, int64_t m0, int64_t tile,
+                               float* acc, bool pf) {
   constexpr int STEPS = G / 4;
   const int64_t ng = p.K / G;
   __m512 facc[RB];
@@ -79,7 +80,7 @@ AVX512_TARGET void tile_avx512(const Packed& p, const QuantX& qx, int64_t m0, in
   const __m512i lo = _mm512_set1_epi8(0x0F);
   // The block's rows interleaved (quantize_blocks): one pointer, a constant offset per row.
   const int32_t* xq = qx.qv + m0 * p.K / 4;  // [K/4][RB]
-  const float* xd = qx.dv + m0 * ng;          // [ng][RB]
+  const float* xd = qx.dv + m0 * ng;         // [ng][RB]
   const float* xs = qx.sv + m0 * ng;
   const int32_t* xsum = qx.sumv + m0 * ng;
   for (int64_t g = 0; g < ng; ++g) {
@@ -94,7 +95,8 @@ AVX512_TARGET void tile_avx512(const Packed& p, const QuantX& qx, int64_t m0, in
     for (int s = 0; s < STEPS; ++s) {
       const __m512i w = step_weights<BITS, G>(grp, s, lo);
 #pragma GCC unroll 16
-      for (int r = 0; r < RB; ++r)  // 4 int8 activations to every lane from memory (a load, not a shuffle)
+      // 4 int8 activations to every lane from memory (a load, not a shuffle)
+      for (int r = 0; r < RB; ++r)
         idot[r] = dpbusd_bcast(idot[r], w, xq + (g * STEPS + s) * RB + r);
     }
     const __m512 dw = scales16(p, p.d, gi * TILE);
@@ -113,16 +115,19 @@ AVX512_TARGET void tile_avx512(const Packed& p, const QuantX& qx, int64_t m0, in
 }
 
 template <int RB, int BITS, int G>
-AVX512_TARGET void tile_avx512(const Packed& p, const QuantX& qx, int64_t m0, int64_t tile, float* acc, bool pf) {
+AVX512_TARGET void tile_avx512(const Packed& p, const QuantX& qx, int64_t m0, int64_t tile,
+                               float* acc, bool pf) {
   if (p.mn) return tile_avx512<RB, BITS, G, true>(p, qx, m0, tile, acc, pf);
   tile_avx512<RB, BITS, G, false>(p, qx, m0, tile, acc, pf);
 }
 
 template <int BITS, int G>
-AVX512_TARGET void rows_avx512(const Packed& p, const QuantX& qx, int64_t m0, int64_t M, int64_t tile, float* acc) {
+AVX512_TARGET void rows_avx512(const Packed& p, const QuantX& qx, int64_t m0, int64_t M,
+                               int64_t tile, float* acc) {
   const bool pf = m0 == 0 && tile + 1 < p.N / TILE;  // later passes find the tile in cache
   int64_t r = 0;
-  for (; r + MAX_RB <= M; r += MAX_RB) tile_avx512<MAX_RB, BITS, G>(p, qx, m0 + r, tile, acc + r * TILE, pf && r == 0);
+  for (; r + MAX_RB <= M; r += MAX_RB)
+    tile_avx512<MAX_RB, BITS, G>(p, qx, m0 + r, tile, acc + r * TILE, pf && r == 0);
   const bool rest_pf = pf && r == 0;
   const int64_t m = m0 + r;
   acc += r * TILE;
@@ -160,19 +165,24 @@ Isa checked_isa(int64_t isa) {
 }
 
 template <int BITS, int G>
-void run_tile(Isa isa, const Packed& p, const QuantX& qx, int64_t m0, int64_t M, int64_t tile, float* acc) {
+void run_tile(Isa isa, const Packed& p, const QuantX& qx, int64_t m0, int64_t M, int64_t tile,
+              float* acc) {
   switch (isa) {
     case Isa::Avx512Vnni: rows_avx512<BITS, G>(p, qx, m0, M, tile, acc); return;
     case Isa::AvxVnni: tile_avxvnni<BITS, G>(p, qx, m0, M, tile, acc); return;
     case Isa::Avx2:
-      if (BITS == 4) { tile_avx2<BITS, G>(p, qx, m0, M, tile, acc); return; }
+      if (BITS == 4) {
+        tile_avx2<BITS, G>(p, qx, m0, M, tile, acc);
+        return;
+      }
       break;
     default: break;
   }
   tile_scalar(p, qx, m0, M, tile, acc);
 }
 
-void dispatch_tile(Isa isa, const Packed& p, const QuantX& qx, int64_t m0, int64_t M, int64_t tile, float* acc) {
+void dispatch_tile(Isa isa, const Packed& p, const QuantX& qx, int64_t m0, int64_t M, int64_t tile,
+                   float* acc) {
   if (p.bits == 4 && p.G == 32) return run_tile<4, 32>(isa, p, qx, m0, M, tile, acc);
   if (p.bits == 4 && p.G == 16) return run_tile<4, 16>(isa, p, qx, m0, M, tile, acc);
   if (p.bits == 8 && p.G == 32) return run_tile<8, 32>(isa, p, qx, m0, M, tile, acc);
@@ -222,18 +232,21 @@ void store_rows(const float* acc, int64_t M, int64_t tile, int64_t N, T* y, bool
 #if defined(__AVX512F__)
 // Output tile `tile` of silu(gate) * up from a gate tile's and its up tile's accumulators: each
 // rounded to bf16 as int8_gemm stores them, then silu_mul16 as silu_mul runs on those stores.
-BF16CVT_TARGET void store_silu_rows_cvt(const float* g, const float* u, int64_t M, int64_t tile, int64_t N,
-                                        c10::BFloat16* y) {
+BF16CVT_TARGET void store_silu_rows_cvt(const float* g, const float* u, int64_t M, int64_t tile,
+                                        int64_t N, c10::BFloat16* y) {
   for (int64_t m = 0; m < M; ++m)
-    bf16x16_store_cvt(y + m * N + tile * TILE, silu_mul16_cvt(bf16x16_round_cvt(_mm512_loadu_ps(g + m * TILE)),
-                                                              bf16x16_round_cvt(_mm512_loadu_ps(u + m * TILE))));
+    bf16x16_store_cvt(y + m * N + tile * TILE,
+                      silu_mul16_cvt(bf16x16_round_cvt(_mm512_loadu_ps(g + m * TILE)),
+                                     bf16x16_round_cvt(_mm512_loadu_ps(u + m * TILE))));
 }
 
-void store_silu_rows(const float* g, const float* u, int64_t M, int64_t tile, int64_t N, c10::BFloat16* y) {
+void store_silu_rows(const float* g, const float* u, int64_t M, int64_t tile, int64_t N,
+                     c10::BFloat16* y) {
   if (cpu_paths().bf16_cvt) return store_silu_rows_cvt(g, u, M, tile, N, y);
   for (int64_t m = 0; m < M; ++m)
-    bf16x16_store(y + m * N + tile * TILE, silu_mul16(bf16x16_round(_mm512_loadu_ps(g + m * TILE)),
-                                                      bf16x16_round(_mm512_loadu_ps(u + m * TILE))));
+    bf16x16_store(y + m * N + tile * TILE,
+                  silu_mul16(bf16x16_round(_mm512_loadu_ps(g + m * TILE)),
+                             bf16x16_round(_mm512_loadu_ps(u + m * TILE))));
 }
 #endif
 
@@ -270,7 +283,8 @@ void gemm(const T* x, const Packed& p, int64_t M, T* y, Isa isa, bool silu = fal
   // register block of rows a unit is a few hundred ns of streaming weights, and taking others'
   // units measured 0.95-1.06x at one row: such calls keep to their own ranges.
   const int64_t per = silu ? 4 : 8;
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (outs + per - 1) / per));
+  const int64_t workers =
+      std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (outs + per - 1) / per));
   struct alignas(64) Next {
     std::atomic<int64_t> unit{0};
   };
@@ -285,7 +299,9 @@ void gemm(const T* x, const Packed& p, int64_t M, T* y, Isa isa, bool silu = fal
         int64_t own = 0;  // a range nobody else takes from needs no shared counter
         // CLAIM units at a time: the locked add waits for the tile's stores to drain, and one
         // per unit was ~1% of a c64 code_edit run.
-        auto claim = [&] { return ranges > 1 ? next[r].unit.fetch_add(CLAIM) : (own += CLAIM) - CLAIM; };
+        auto claim = [&] {
+          return ranges > 1 ? next[r].unit.fetch_add(CLAIM) : (own += CLAIM) - CLAIM;
+        };
         const int64_t units = chunks * nt;
         for (int64_t u0 = claim(); u0 < units; u0 = claim()) {
           for (int64_t u = u0; u < std::min(u0 + CLAIM, units); ++u) {
@@ -296,7 +312,8 @@ void gemm(const T* x, const Packed& p, int64_t M, T* y, Isa isa, bool silu = fal
             if constexpr (std::is_same_v<T, c10::BFloat16>) {
               if (silu) {
                 dispatch_tile(isa, p, qx, m0, rows, tile + outs, acc.data() + chunk);
-                store_silu_rows(acc.data(), acc.data() + chunk, rows, tile, outs * TILE, y + m0 * outs * TILE);
+                store_silu_rows(acc.data(), acc.data() + chunk, rows, tile, outs * TILE,
+                                y + m0 * outs * TILE);
                 continue;
               }
             }
@@ -309,17 +326,19 @@ void gemm(const T* x, const Packed& p, int64_t M, T* y, Isa isa, bool silu = fal
   });
 }
 
-Packed make_packed(const torch::Tensor& w, const torch::Tensor& d, const c10::optional<torch::Tensor>& mn,
-                   int64_t N, int64_t K, int64_t G, int64_t bits) {
+Packed make_packed(const torch::Tensor& w, const torch::Tensor& d,
+                   const c10::optional<torch::Tensor>& mn, int64_t N, int64_t K, int64_t G,
+                   int64_t bits) {
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
   TORCH_CHECK(G == 16 || G == 32, "group size must be 16 or 32");
   TORCH_CHECK(N % TILE == 0 && K % QBLK == 0, "int8 gemm needs N % 16 == 0 and K % 32 == 0");
-  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kUInt8, "packed weights: contiguous uint8");
+  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kUInt8,
+              "packed weights: contiguous uint8");
   const auto st = d.scalar_type();
   TORCH_CHECK(d.is_contiguous() && (st == torch::kFloat || st == torch::kHalf),
               "scales: contiguous float32 or float16");
-  Packed p{w.data_ptr<uint8_t>(), d.data_ptr(), nullptr, N, K, static_cast<int>(G), static_cast<int>(bits),
-           st == torch::kHalf};
+  Packed p{w.data_ptr<uint8_t>(), d.data_ptr(),           nullptr,           N, K,
+           static_cast<int>(G),   static_cast<int>(bits), st == torch::kHalf};
   TORCH_CHECK(w.numel() == (N / TILE) * (K / G) * p.group_bytes(), "packed weight size mismatch");
   TORCH_CHECK(d.numel() == N * (K / G), "scale size mismatch");
   if (mn.has_value()) {
@@ -335,8 +354,9 @@ Packed make_packed(const torch::Tensor& w, const torch::Tensor& d, const c10::op
 // x: [M, K] bf16 or fp32 contiguous. Returns [M, N] in x's dtype. isa: -1 = the selected path,
 // 0 = the scalar reference (tests), 1 = AVX2, 2 = AVX-VNNI, 3 = AVX-512 VNNI (an error where the
 // CPU lacks a flag the path needs).
-torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor d, c10::optional<torch::Tensor> mn,
-                        int64_t N, int64_t G, int64_t bits, int64_t isa) {
+torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor d,
+                        c10::optional<torch::Tensor> mn, int64_t N, int64_t G, int64_t bits,
+                        int64_t isa) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x: a contiguous [M, K] matrix");
   const int64_t M = x.size(0), K = x.size(1);
   Packed p = make_packed(w, d, mn, N, K, G, bits);
@@ -358,19 +378,22 @@ torch::Tensor silu_mul(torch::Tensor gate_up);  // fused_ops.cpp
 // the [M, N] product is never stored: at a 2,048-token prefill it was 12.6 MB a layer written to
 // memory and read back, and the GEMM's stores plus silu_mul's pass were ~8% of a served-like step.
 // Fused where silu_mul's vector path and the AVX-512 GEMM both run; composed otherwise.
-torch::Tensor int8_gemm_silu(torch::Tensor x, torch::Tensor w, torch::Tensor d, c10::optional<torch::Tensor> mn,
-                             int64_t N, int64_t G, int64_t bits) {
+torch::Tensor int8_gemm_silu(torch::Tensor x, torch::Tensor w, torch::Tensor d,
+                             c10::optional<torch::Tensor> mn, int64_t N, int64_t G, int64_t bits) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x: a contiguous [M, K] matrix");
   TORCH_CHECK(N % 2 == 0, "int8_gemm_silu: N must stack gate and up rows (even)");
   bool fused = false;
 #if defined(__AVX512F__)
-  fused = selected_isa() == Isa::Avx512Vnni && x.scalar_type() == torch::kBFloat16 && N % (2 * TILE) == 0;
+  fused = selected_isa() == Isa::Avx512Vnni && x.scalar_type() == torch::kBFloat16 &&
+          N % (2 * TILE) == 0;
 #endif
   if (!fused) return silu_mul(int8_gemm(x, w, d, mn, N, G, bits, -1));
   const int64_t M = x.size(0);
   Packed p = make_packed(w, d, mn, N, x.size(1), G, bits);
   auto y = torch::empty({M, N / 2}, x.options());
-  if (M > 0) gemm<c10::BFloat16>(x.data_ptr<c10::BFloat16>(), p, M, y.data_ptr<c10::BFloat16>(), Isa::Avx512Vnni, true);
+  if (M > 0)
+    gemm<c10::BFloat16>(x.data_ptr<c10::BFloat16>(), p, M, y.data_ptr<c10::BFloat16>(),
+                        Isa::Avx512Vnni, true);
   return y;
 }
 

@@ -77,12 +77,15 @@ inline float block_scale(float amax) {
 // a lambda does not inherit its enclosing function's target attribute, and in a build without
 // -mavx512f (the avx2 tag) GCC then refused to inline the AVX-512 intrinsics into it.
 AVX512_TARGET inline __m512i quant16(__m512 v, __m512 id) {
-  const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(v, id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  return _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, _mm512_set1_ps(-127.f)), _mm512_set1_ps(127.f)));
+  const __m512 r =
+      _mm512_roundscale_ps(_mm512_mul_ps(v, id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  return _mm512_cvtps_epi32(
+      _mm512_min_ps(_mm512_max_ps(r, _mm512_set1_ps(-127.f)), _mm512_set1_ps(127.f)));
 }
 
-// One 32-block as the scalar loop below quantizes it (amax, d = amax / 127, q = clamp(rint(v / d))):
-// every step is exact or a single rounding the scalar code also makes, so the bytes are equal.
+// One 32-block as the scalar loop below quantizes it
+// (amax, d = amax / 127, q = clamp(rint(v / d))): every step is exact or a single rounding the
+// scalar code also makes, so the bytes are equal.
 template <typename T>
 AVX512_TARGET void quantize_block_avx512(const T* xb, int8_t* qb, int G, float* d, int32_t* sum) {
   const __m512 v0 = load16f(xb), v1 = load16f(xb + 16);
@@ -115,8 +118,8 @@ AVX512_TARGET inline void transpose16_epi32(const __m512i* in, __m512i* t) {
     b[i + 3] = _mm512_unpackhi_epi64(a[i + 1], a[i + 3]);
   }
   for (int c = 0; c < 4; ++c) {
-    const __m512i x0 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0x88);   // rows 0-7: dwords c, c+8
-    const __m512i x1 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0xDD);   // rows 0-7: dwords c+4, c+12
+    const __m512i x0 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0x88);  // rows 0-7: dwords c, c+8
+    const __m512i x1 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0xDD);  // rows 0-7: dwords c+4, c+12
     const __m512i y0 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0x88);
     const __m512i y1 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0xDD);
     t[c] = _mm512_shuffle_i32x4(x0, y0, 0x88);
@@ -132,33 +135,41 @@ AVX512_TARGET inline void transpose16_epi32(const __m512i* in, __m512i* t) {
 // d, s, sum: [32 / G][rb]). Row by row, every block ran two horizontal reductions, two scalar
 // divisions in its dependency chain and a store of its bytes read back as dwords for the
 // scatter: ~70 cycles a block, 10% of a prefill step. In lanes nothing is horizontal.
-AVX512_TARGET inline void quantize_lanes_bf16(const c10::BFloat16* x, int64_t K, int64_t rb, int G, int32_t* qo,
-                                              float* d, float* s, int32_t* sum) {
+AVX512_TARGET inline void quantize_lanes_bf16(const c10::BFloat16* x, int64_t K, int64_t rb, int G,
+                                              int32_t* qo, float* d, float* s, int32_t* sum) {
   const __mmask16 live = static_cast<__mmask16>((1u << rb) - 1u);
   __m512i rows[16], t[16];
-  for (int64_t r = 0; r < 16; ++r) rows[r] = r < rb ? _mm512_loadu_si512(x + r * K) : _mm512_setzero_si512();
+  for (int64_t r = 0; r < 16; ++r)
+    rows[r] = r < rb ? _mm512_loadu_si512(x + r * K) : _mm512_setzero_si512();
   transpose16_epi32(rows, t);  // t[j] lane r: elements 2j (low half) and 2j + 1 of row r
-  // |v| of a bf16 orders as its 15 low bits do (finite or inf), so the row's amax is an integer max.
+  // |v| of a bf16 orders as its 15 low bits do (finite or inf), so the row's amax is an
+  // integer max.
   __m512i m = _mm512_and_si512(t[0], _mm512_set1_epi32(0x7FFF7FFF));
-  for (int j = 1; j < 16; ++j) m = _mm512_max_epu16(m, _mm512_and_si512(t[j], _mm512_set1_epi32(0x7FFF7FFF)));
+  for (int j = 1; j < 16; ++j)
+    m = _mm512_max_epu16(m, _mm512_and_si512(t[j], _mm512_set1_epi32(0x7FFF7FFF)));
   m = _mm512_max_epu32(_mm512_and_si512(m, _mm512_set1_epi32(0xFFFF)), _mm512_srli_epi32(m, 16));
   const __m512 amax = _mm512_castsi512_ps(_mm512_slli_epi32(m, 16));
   __m512 dv = _mm512_div_ps(amax, _mm512_set1_ps(127.f));
-  dv = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(dv, _mm512_set1_ps(FLT_MIN), _CMP_GE_OQ), dv);  // block_scale
+  // block_scale
+  dv = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(dv, _mm512_set1_ps(FLT_MIN), _CMP_GE_OQ), dv);
   const __m512 id = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(dv, _mm512_setzero_ps(), _CMP_GT_OQ),
                                         _mm512_set1_ps(1.f), dv);
   // Within each 128-bit lane, bytes [e0 r0..r3, e1 r0..r3, e2 .., e3 ..] to [r0 e0..e3, r1 ..].
-  const __m512i order = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
+  const __m512i order =
+      _mm512_broadcast_i32x4(_mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
   const __m512i ones = _mm512_set1_epi8(1);
   __m512i sums[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
   for (int st = 0; st < 8; ++st) {  // elements 4st..4st+3: t[2st] and t[2st + 1]
     const __m512i a = t[2 * st], b = t[2 * st + 1];
     const __m512i e0 = quant16(_mm512_castsi512_ps(_mm512_slli_epi32(a, 16)), id);
-    const __m512i e1 = quant16(_mm512_castsi512_ps(_mm512_and_si512(a, _mm512_set1_epi32(0xFFFF0000u))), id);
+    const __m512i e1 =
+        quant16(_mm512_castsi512_ps(_mm512_and_si512(a, _mm512_set1_epi32(0xFFFF0000u))), id);
     const __m512i e2 = quant16(_mm512_castsi512_ps(_mm512_slli_epi32(b, 16)), id);
-    const __m512i e3 = quant16(_mm512_castsi512_ps(_mm512_and_si512(b, _mm512_set1_epi32(0xFFFF0000u))), id);
+    const __m512i e3 =
+        quant16(_mm512_castsi512_ps(_mm512_and_si512(b, _mm512_set1_epi32(0xFFFF0000u))), id);
     // |q| <= 127: the saturating packs are exact.
-    const __m512i p = _mm512_shuffle_epi8(_mm512_packs_epi16(_mm512_packs_epi32(e0, e1), _mm512_packs_epi32(e2, e3)), order);
+    const __m512i p = _mm512_shuffle_epi8(
+        _mm512_packs_epi16(_mm512_packs_epi32(e0, e1), _mm512_packs_epi32(e2, e3)), order);
     _mm512_mask_storeu_epi32(qo + st * rb, live, p);
     sums[G == 16 ? st / 4 : 0] = _mm512_dpbusd_epi32(sums[G == 16 ? st / 4 : 0], ones, p);
   }
@@ -207,7 +218,8 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int G, QuantX& out) {
   });
 }
 
-// Row blocks of at least this many rows go through quantize_lanes_bf16 (fewer leave most lanes idle).
+// Row blocks of at least this many rows go through quantize_lanes_bf16 (fewer leave most
+// lanes idle).
 constexpr int64_t LANES_MIN_ROWS = 4;
 
 // The AVX-512 tiles' activations: the same bytes as quantize_rows, written straight into blocks
@@ -233,15 +245,16 @@ void quantize_blocks(const T* x, int64_t M, int64_t K, int G, int64_t RB, QuantX
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
         if (rb >= LANES_MIN_ROWS && rb <= 16) {
           const int64_t at = b0 * ng + kb * (QBLK / G) * rb;
-          quantize_lanes_bf16(x + b0 * K + kb * QBLK, K, rb, G, qo, out.di.data() + at, out.si.data() + at,
-                              out.sumi.data() + at);
+          quantize_lanes_bf16(x + b0 * K + kb * QBLK, K, rb, G, qo, out.di.data() + at,
+                              out.si.data() + at, out.sumi.data() + at);
           continue;
         }
       }
       for (int64_t r = 0; r < rb; ++r) {
         float dv;
         int32_t sum[QBLK / 16];
-        quantize_block_avx512(x + (b0 + r) * K + kb * QBLK, reinterpret_cast<int8_t*>(q), G, &dv, sum);
+        quantize_block_avx512(x + (b0 + r) * K + kb * QBLK, reinterpret_cast<int8_t*>(q), G, &dv,
+                              sum);
         for (int j = 0; j < QBLK / 4; ++j) qo[j * rb + r] = q[j];
         for (int h = 0; h < QBLK / G; ++h) {
           const int64_t at = b0 * ng + (kb * (QBLK / G) + h) * rb + r;
@@ -252,7 +265,8 @@ void quantize_blocks(const T* x, int64_t M, int64_t K, int G, int64_t RB, QuantX
       }
     }
   });
-  out.qv = out.qi.data(), out.dv = out.di.data(), out.sv = out.si.data(), out.sumv = out.sumi.data();
+  out.qv = out.qi.data(), out.dv = out.di.data(), out.sv = out.si.data(),
+  out.sumv = out.sumi.data();
 }
 
 }  // namespace int8q

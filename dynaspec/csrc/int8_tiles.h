@@ -16,27 +16,28 @@
 namespace {
 
 using int8q::QBLK;
-using int8q::QuantX;
 using int8q::quantize_blocks;
 using int8q::quantize_rows;
+using int8q::QuantX;
 
-constexpr int TILE = 16;   // output columns per tile (one zmm of int32 lanes)
+constexpr int TILE = 16;    // output columns per tile (one zmm of int32 lanes)
 constexpr int MAX_RB = 12;  // rows per register block (12 accumulator pairs + 8 other zmm)
 
 struct Packed {
-  const uint8_t* w;      // [N/16][K/G][bytes_per_group]
-  const void* d;         // [N/16][K/G][16] scale per group and column, fp32 or fp16
-  const void* mn;        // [N/16][K/G][16] minimum term per group and column (d's type), or nullptr
+  const uint8_t* w;  // [N/16][K/G][bytes_per_group]
+  const void* d;     // [N/16][K/G][16] scale per group and column, fp32 or fp16
+  const void* mn;    // [N/16][K/G][16] minimum term per group and column (d's type), or nullptr
   int64_t N, K;
-  int G;                 // 16 or 32
-  int bits;              // 4 or 8
+  int G;     // 16 or 32
+  int bits;  // 4 or 8
   // fp16 where every scale and minimum is one exactly (GGUF's Q4_0/Q4_1/Q8_0 store them so):
   // at 4 bits fp32 scales and minima were a third of the bytes a decode step streams.
   bool half = false;
   int64_t group_bytes() const { return bits == 4 ? G * TILE / 2 : G * TILE; }
   float scalar_at(const void* a, int64_t i) const {
     if (!half) return static_cast<const float*>(a)[i];
-    return static_cast<float>(c10::Half(static_cast<const uint16_t*>(a)[i], c10::Half::from_bits()));
+    return static_cast<float>(
+        c10::Half(static_cast<const uint16_t*>(a)[i], c10::Half::from_bits()));
   }
 };
 
@@ -48,7 +49,6 @@ inline uint16_t to_bf16_bits(float f) {  // round to nearest even, as c10::BFloa
   return static_cast<uint16_t>(b >> 16);
 }
 
-
 // The unsigned weight value of (column c, input j) of group g's packed bytes.
 inline int weight_u(const Packed& p, const uint8_t* grp, int c, int j) {
   const int s = j / 4, t = j % 4;
@@ -59,7 +59,8 @@ inline int weight_u(const Packed& p, const uint8_t* grp, int c, int j) {
 }
 
 // Scalar reference: the contract every vector path meets bit for bit.
-void tile_scalar(const Packed& p, const QuantX& qx, int64_t m0, int64_t M, int64_t tile, float* acc /*[M][16]*/) {
+void tile_scalar(const Packed& p, const QuantX& qx, int64_t m0, int64_t M, int64_t tile,
+                 float* acc /*[M][16]*/) {
   const int64_t ng = p.K / p.G;
   for (int64_t m = 0; m < M; ++m)
     for (int c = 0; c < TILE; ++c) acc[m * TILE + c] = 0.f;
@@ -102,57 +103,62 @@ __attribute__((always_inline)) inline void prefetch_group(const Packed& p, int64
 
 AVX2_TARGET inline __m256 scales8(const Packed& p, const void* a, int64_t i) {
   if (!p.half) return _mm256_loadu_ps(static_cast<const float*>(a) + i);
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(a) + i)));
+  return _mm256_cvtph_ps(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(a) + i)));
 }
 #define AVXVNNI_TARGET __attribute__((target("avx2,fma,avxvnni")))
 
 // One tile as two halves of 8 columns. Without VNNI, maddubs adds two u8*s8 products into
 // int16: exact for 4-bit weights (2 * 15 * 127 < 32767) but not for 8-bit ones (u up to 255),
 // which take the scalar loop on such CPUs.
-#define DEFINE_TILE_AVX2(NAME, TARGET, DOT4)                                                              \
-  template <int BITS, int G>                                                                              \
-  __attribute__((target(TARGET))) void NAME(const Packed& p, const QuantX& qx, int64_t m0, int64_t M,     \
-                                            int64_t tile, float* acc) {                                   \
-    constexpr int STEPS = G / 4;                                                                          \
-    const int64_t ng = p.K / G;                                                                           \
-    const __m256i lo = _mm256_set1_epi8(0x0F);                                                            \
-    const bool pf = m0 == 0 && tile + 1 < p.N / TILE; /* as rows_avx512: the first pass only */       \
-    for (int half = 0; half < 2; ++half) {                                                                \
-      for (int64_t r = 0; r < M; ++r) {                                                                   \
-        const int64_t m = m0 + r;                                                                         \
-        __m256 facc = _mm256_setzero_ps();                                                                \
-        for (int64_t g = 0; g < ng; ++g) {                                                                \
-          const int64_t gi = tile * ng + g;                                                               \
-          const uint8_t* grp = p.w + gi * p.group_bytes() + half * 32;                                    \
-          if (half == 0 && r == 0 && pf) prefetch_group(p, gi + ng);                                      \
-          const int32_t* xq = reinterpret_cast<const int32_t*>(qx.q.data() + m * p.K + g * G);            \
-          __m256i idot = _mm256_setzero_si256();                                                          \
-          for (int s = 0; s < STEPS; ++s) {                                                               \
-            __m256i w;                                                                                    \
-            if (BITS == 4) {                                                                              \
-              const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + (s % (STEPS / 2)) * 64)); \
-              w = s < STEPS / 2 ? _mm256_and_si256(v, lo) : _mm256_and_si256(_mm256_srli_epi16(v, 4), lo); \
-            } else {                                                                                      \
-              w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + s * 64));                     \
-            }                                                                                             \
-            const __m256i xb = _mm256_set1_epi32(xq[s]);                                                  \
-            idot = DOT4;                                                                                  \
-          }                                                                                               \
-          if (BITS == 8) idot = _mm256_sub_epi32(idot, _mm256_set1_epi32(128 * qx.sum[m * ng + g]));      \
-          const __m256 scale = _mm256_mul_ps(scales8(p, p.d, gi * TILE + half * 8),                       \
-                                             _mm256_set1_ps(qx.d[m * ng + g]));                           \
-          facc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(idot), scale, facc);                                  \
-          if (p.mn)                                                                                       \
-            facc = _mm256_fmadd_ps(scales8(p, p.mn, gi * TILE + half * 8),                                \
-                                   _mm256_set1_ps(qx.s[m * ng + g]), facc);                               \
-        }                                                                                                 \
-        _mm256_storeu_ps(acc + r * TILE + half * 8, facc);                                                \
-      }                                                                                                   \
-    }                                                                                                     \
+#define DEFINE_TILE_AVX2(NAME, TARGET, DOT4)                                                    \
+  template <int BITS, int G>                                                                    \
+  __attribute__((target(TARGET))) void NAME(const Packed& p, const QuantX& qx, int64_t m0,      \
+                                            int64_t M, int64_t tile, float* acc) {              \
+    constexpr int STEPS = G / 4;                                                                \
+    const int64_t ng = p.K / G;                                                                 \
+    const __m256i lo = _mm256_set1_epi8(0x0F);                                                  \
+    const bool pf = m0 == 0 && tile + 1 < p.N / TILE; /* as rows_avx512: the first pass only */ \
+    for (int half = 0; half < 2; ++half) {                                                      \
+      for (int64_t r = 0; r < M; ++r) {                                                         \
+        const int64_t m = m0 + r;                                                               \
+        __m256 facc = _mm256_setzero_ps();                                                      \
+        for (int64_t g = 0; g < ng; ++g) {                                                      \
+          const int64_t gi = tile * ng + g;                                                     \
+          const uint8_t* grp = p.w + gi * p.group_bytes() + half * 32;                          \
+          if (half == 0 && r == 0 && pf) prefetch_group(p, gi + ng);                            \
+          const int32_t* xq = reinterpret_cast<const int32_t*>(qx.q.data() + m * p.K + g * G);  \
+          __m256i idot = _mm256_setzero_si256();                                                \
+          for (int s = 0; s < STEPS; ++s) {                                                     \
+            __m256i w;                                                                          \
+            if (BITS == 4) {                                                                    \
+              const __m256i v = _mm256_loadu_si256(                                             \
+                  reinterpret_cast<const __m256i*>(grp + (s % (STEPS / 2)) * 64));              \
+              w = s < STEPS / 2 ? _mm256_and_si256(v, lo)                                       \
+                                : _mm256_and_si256(_mm256_srli_epi16(v, 4), lo);                \
+            } else {                                                                            \
+              w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + s * 64));           \
+            }                                                                                   \
+            const __m256i xb = _mm256_set1_epi32(xq[s]);                                        \
+            idot = DOT4;                                                                        \
+          }                                                                                     \
+          if (BITS == 8)                                                                        \
+            idot = _mm256_sub_epi32(idot, _mm256_set1_epi32(128 * qx.sum[m * ng + g]));         \
+          const __m256 scale = _mm256_mul_ps(scales8(p, p.d, gi * TILE + half * 8),             \
+                                             _mm256_set1_ps(qx.d[m * ng + g]));                 \
+          facc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(idot), scale, facc);                        \
+          if (p.mn)                                                                             \
+            facc = _mm256_fmadd_ps(scales8(p, p.mn, gi * TILE + half * 8),                      \
+                                   _mm256_set1_ps(qx.s[m * ng + g]), facc);                     \
+        }                                                                                       \
+        _mm256_storeu_ps(acc + r * TILE + half * 8, facc);                                      \
+      }                                                                                         \
+    }                                                                                           \
   }
 
 DEFINE_TILE_AVX2(tile_avxvnni, "avx2,fma,f16c,avxvnni", _mm256_dpbusd_avx_epi32(idot, w, xb))
 DEFINE_TILE_AVX2(tile_avx2, "avx2,fma,f16c",
-                 _mm256_add_epi32(idot, _mm256_madd_epi16(_mm256_maddubs_epi16(w, xb), _mm256_set1_epi16(1))))
+                 _mm256_add_epi32(idot, _mm256_madd_epi16(_mm256_maddubs_epi16(w, xb),
+                                                          _mm256_set1_epi16(1))))
 
 }  // namespace

@@ -11,15 +11,25 @@
 // transposed, V of each block is converted to fp32 once per work item, and softmax and
 // accumulation are in fp32. The next blocks are prefetched (they sit at random places in the
 // pool). Causal within the step: query j of a request with W queries and context C sits at
-// absolute position C - W + j and sees keys 0..C-W+j. Written as plain loops the compiler vectorises for
-// the ISA chosen at build time (the build runs on the machine that runs it).
+// absolute position C - W + j and sees keys 0..C-W+j.
+//
+// Paths (AttnPath, cpu_paths.h; chosen once by dynaspec/cpu_features.py, or forced per call):
+// scalar, the plain-loop reference (attn_reference.h); fp32, the work items as loops the compiler
+// vectorises for the build's ISA, the reference's bits; avx512 (an AVX-512 build), the same with
+// the value sums in registers by fma, the reference's bits with fused value sums; avx512_bf16,
+// bf16 dot-product scores (the reference's bits with its vdpbf16ps emulation) and, for bf16 KV
+// at D = 64 / 128, bf16 probabilities (attn_pairs.h, within a stated bound of the reference).
+// Softmax, key transposes and conversions give the same bits on every path (exact, or the same
+// operations in the same order), so they follow the build rather than the path.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include "attn_fp32.h"
 #include "attn_pairs.h"
 #include "attn_prefetch.h"
+#include "attn_reference.h"
 #include "attn_rows.h"
+#include "attn_schedule.h"
 #include "cpu_paths.h"
 #include "vec_exp.h"
 
@@ -27,12 +37,9 @@
 
 #include <algorithm>
 #include <array>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <memory>
-#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -49,20 +56,26 @@ constexpr int64_t QUERY_TILE = 32;
 // verify item of 9 rows measured 1.03-1.06x slower transposed, one of 27 0.94x.
 constexpr int64_t MANY_ROWS = 16;
 
-#if defined(__AVX512F__)
-constexpr bool VALUE_ROWS_VEC = true;
-#else
-constexpr bool VALUE_ROWS_VEC = false;
-#endif
-
-// Blocks of values a many-row item converts to fp32 at a time (8 of 16 slots at D = 64: 32 KB, in L1).
+// Blocks of values a many-row item converts to fp32 at a time (8 of 16 slots at D = 64:
+// 32 KB, in L1).
 constexpr int64_t V_CHUNK = 8;
+
+// What path p computes for these inputs, as the reference would reproduce it (the AVX-512 paths
+// as they run: in an AVX-512 build).
+template <typename T>
+RowNumerics numerics(AttnPath p, int64_t D, int64_t block_size, bool any_tree) {
+  RowNumerics n;
+  n.bf16_scores = p == AttnPath::Avx512Bf16 && std::is_same_v<T, c10::BFloat16> && D % 32 == 0;
+  n.bf16_probs = n.bf16_scores && (D == 64 || D == 128) && block_size % 2 == 0 && !any_tree;
+  n.fused_pv = p >= AttnPath::Avx512 && (D == 64 || D == 128 || D == 256);
+  return n;
+}
 
 template <typename T>
 void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& tables,
          const torch::Tensor& ctx, const torch::Tensor& qstart, const torch::Tensor& qlen,
-         int64_t block_size, double scale, int64_t window, torch::Tensor& out,
-         const uint8_t* tm, int64_t tmw) {
+         int64_t block_size, double scale, int64_t window, torch::Tensor& out, const uint8_t* tm,
+         int64_t tmw, AttnPath path, AttnPath numerics_of) {
   const int64_t B = tables.size(0), NB = tables.size(1);
   const int64_t H = q.size(1), D = q.size(2), Hkv = kv.size(2), G = H / Hkv;
   const int64_t slots = kv.size(1);
@@ -86,14 +99,24 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
     for (int64_t j = 0; j < ql[b] && !tree[b]; ++j)
       for (int64_t k = 0; k <= j && !tree[b]; ++k) tree[b] = !tm[(qs[b] + j) * tmw + k];
   for (int64_t b = 0; b < B; ++b) any_tree = any_tree || tree[b];
-  const bool bf16dot = std::is_same_v<T, c10::BFloat16> && D % 32 == 0 && cpu_paths().attn_bf16;
+  if (path == AttnPath::Scalar) {
+    attend_reference(qp, qstride, kp, vp, op, tb, NB, cl, qs, ql, B, H, Hkv, D, block_size, sc,
+                     window, any_tree ? tm : nullptr, tmw,
+                     numerics<T>(numerics_of, D, block_size, any_tree));
+    return;
+  }
+  // The AVX-512 intrinsics of the value sums (and the bf16 probabilities) run on the AVX-512 paths.
+  const bool v512 = kAvx512Build && path >= AttnPath::Avx512;
+  const bool bf16dot =
+      std::is_same_v<T, c10::BFloat16> && D % 32 == 0 && path == AttnPath::Avx512Bf16;
   // Value sums with bf16 probabilities (attn_pairs.h); a pair of keys never straddles a block.
   // (Not for a step with a tree: its rows' probabilities are packed by softmax_row_tree.)
-  const bool pairs_pv = bf16dot && VALUE_ROWS_VEC && (D == 64 || D == 128) && block_size % 2 == 0 &&
-                        !any_tree;
+  const bool pairs_pv =
+      bf16dot && v512 && (D == 64 || D == 128) && block_size % 2 == 0 && !any_tree;
   // Work items: (request, first query token of the tile, KV head). Which rows share an item never
   // changes a row's arithmetic, only who converts K/V to fp32. (Splitting a batch-1 decode's Hkv
-  // items further by query head measured slower: K/V converted per item outweighed the idle thread.)
+  // items further by query head measured slower: K/V converted per item outweighed the
+  // idle thread.)
   std::vector<std::array<int64_t, 3>> tiles;  // (request, first query token, end token)
   // A small verify step (batch 1: 3 KV heads on 2 threads) left one thread twice the other's
   // rows; its queries then split in two tiles, so each thread gets half of every head's rows.
@@ -102,12 +125,9 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
   const bool split = short_queries && B * Hkv < 2 * at::get_num_threads();
   for (int64_t b = 0; b < B; ++b) {
     const int64_t tile = split && ql[b] > 1 ? (ql[b] + 1) / 2 : QUERY_TILE;
-    for (int64_t j0 = 0; j0 < ql[b]; j0 += tile) tiles.push_back({b, j0, std::min(ql[b], j0 + tile)});
+    for (int64_t j0 = 0; j0 < ql[b]; j0 += tile)
+      tiles.push_back({b, j0, std::min(ql[b], j0 + tile)});
   }
-  const int64_t items = static_cast<int64_t>(tiles.size()) * Hkv;
-  // `next()` hands a thread its next item (-1: none left). Which thread runs an item never
-  // changes the item's arithmetic.
-  // `ahead(item)`: the request whose KV to bring into L2 while this item runs (-1: none).
   // Request b's rows of KV head h in block blk of a cache: the first, and how many lie before Ct.
   auto head_rows = [&](const T* cache, int64_t b, int64_t h, int64_t blk, int64_t Ct) {
     return std::make_pair(cache + (tb[b * NB + blk] * block_size * Hkv + h) * D,
@@ -117,8 +137,11 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
   auto first_key = [&](int64_t pos) {
     return window > 0 ? std::max<int64_t>(0, pos - window + 1) : int64_t{0};
   };
+  // One thread's share of the items (attn_schedule.h: `next()` its next item, -1: none left;
+  // `ahead(item)` the request whose KV to bring into L2 while that item runs, -1: none).
   auto run_items = [&](auto&& next, auto&& ahead) {
-    std::vector<float> qf, sf, accf, kf(KEY_LANES * D), kt(KEY_LANES * D), vf(block_size * D), packed;
+    std::vector<float> qf, sf, accf, packed;
+    std::vector<float> kf(KEY_LANES * D), kt(KEY_LANES * D), vf(block_size * D);
     std::vector<float> part;  // scores_rows_bf16's block sums: [4][R][16], sized when first used
     std::vector<const T*> qptr;
 #if defined(__AVX512F__)
@@ -128,8 +151,8 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
     // Pass 2 and the output of an item with bf16 probabilities (attn_pairs.h): a decode's few
     // rows take the value pairs straight from the cache, more rows from V_CHUNK blocks
     // interleaved once for them all. Every row gets the same operations either way.
-    auto values_in_pairs = [&](auto nv, int64_t b, int64_t h, int64_t j0, int64_t R, int64_t Ct, int64_t last,
-                               auto& pre) {
+    auto values_in_pairs = [&](auto nv, int64_t b, int64_t h, int64_t j0, int64_t R, int64_t Ct,
+                               int64_t last, auto& pre) {
       constexpr int NV = decltype(nv)::value;
       const int64_t first = cl[b] - ql[b] + j0;  // the item's first token's position
       const int64_t ne = Ct + (Ct & 1), rs = Hkv * D;
@@ -163,7 +186,9 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
           }
         }
         auto prob = [&](int64_t r) { return pb.data() + r * ne + k0; };
-        auto pairs = [&](int64_t r) { return (std::max<int64_t>(0, std::min(n, first + r / G + 1 - k0)) + 1) / 2; };
+        auto pairs = [&](int64_t r) {
+          return (std::max<int64_t>(0, std::min(n, first + r / G + 1 - k0)) + 1) / 2;
+        };
         if (direct) {
           const T* v = head_rows(vp, b, h, c0, Ct).first;
           accumulate_pairs<NV>(R, acc, prob, pairs, [&](int64_t j, __m512i* x) {
@@ -171,7 +196,8 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
           });
         } else {
           accumulate_pairs<NV>(R, acc, prob, pairs, [&](int64_t j, __m512i* x) {
-            for (int i = 0; i < NV; ++i) x[i] = _mm512_loadu_si512(vpairs.data() + (j * NV + i) * 16);
+            for (int i = 0; i < NV; ++i)
+              x[i] = _mm512_loadu_si512(vpairs.data() + (j * NV + i) * 16);
           });
         }
       }
@@ -183,15 +209,16 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
       const auto [b, j0, j1] = tiles[item / Hkv];
       const int64_t h = item % Hkv;
       const int64_t W = ql[b], C = cl[b];
-      const int64_t R = (j1 - j0) * G;       // query rows: (token j, head g)
-      const int64_t Ct = C - W + j1;         // keys the tile's last row sees
+      const int64_t R = (j1 - j0) * G;  // query rows: (token j, head g)
+      const int64_t Ct = C - W + j1;    // keys the tile's last row sees
       // Not zeroed: pass 1 writes every key of every row and softmax_row then every probability.
       if (static_cast<int64_t>(sf.size()) < R * Ct) sf.resize(R * Ct);
       accf.assign(R * D, 0.f);
       // Query row r is (token j0 + r / G, head h * G + r % G): its address computed once per item
       // (the divisions cost as much as a row's scores for a key group).
       qptr.resize(R);
-      for (int64_t r = 0; r < R; ++r) qptr[r] = qp + (qs[b] + j0 + r / G) * qstride + (h * G + r % G) * D;
+      for (int64_t r = 0; r < R; ++r)
+        qptr[r] = qp + (qs[b] + j0 + r / G) * qstride + (h * G + r % G) * D;
       auto qrow = [&](int64_t r) { return qptr[r]; };
       if (!bf16dot) {
         qf.assign(R * D, 0.f);
@@ -201,9 +228,12 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
       const int64_t nblk = (Ct + block_size - 1) / block_size;
       const int64_t last = std::min(nblk, NB) - 1;
       // One step() per block of each pass.
-      NextRequest pre(kp, vp, tb, NB, block_size * Hkv * D, ahead(item), cl, h, Hkv, block_size, 2 * (last + 1));
+      NextRequest pre(kp, vp, tb, NB, block_size * Hkv * D, ahead(item), cl, h, Hkv, block_size,
+                      2 * (last + 1));
       // Pass 1: scores, 16 keys at a time. Keys past a row's position are masked below.
-      auto block_rows = [&](const T* cache, int64_t blk) { return head_rows(cache, b, h, blk, Ct); };
+      auto block_rows = [&](const T* cache, int64_t blk) {
+        return head_rows(cache, b, h, blk, Ct);
+      };
       for (int64_t blk = 0; blk <= last; ++blk) {
         const int64_t base = tb[b * NB + blk] * block_size;
         const int64_t n_blk = std::min(block_size, Ct - blk * block_size);
@@ -224,13 +254,15 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
           if constexpr (std::is_same_v<T, c10::BFloat16>) {
             if (bf16dot) {
               if (R >= MANY_ROWS && (D == 64 || D == 128)) {
-                if (static_cast<int64_t>(part.size()) < 4 * R * KEY_LANES) part.resize(4 * R * KEY_LANES);
+                if (static_cast<int64_t>(part.size()) < 4 * R * KEY_LANES)
+                  part.resize(4 * R * KEY_LANES);
                 transpose_key_pairs(keys, Hkv * D, n, kt.data(), D);
                 if (D == 64) scores_rows_bf16<2>(kt.data(), R, qrow, s0, Ct, n, sc, part.data());
                 else scores_rows_bf16<4>(kt.data(), R, qrow, s0, Ct, n, sc, part.data());
                 continue;
               }
-              for (int64_t r = 0; r < R; ++r) scores_bf16(qrow(r), keys, Hkv * D, n, D, sc, s0 + r * Ct);
+              for (int64_t r = 0; r < R; ++r)
+                scores_bf16(qrow(r), keys, Hkv * D, n, D, sc, s0 + r * Ct);
               continue;
             }
           }
@@ -242,7 +274,8 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
 #if defined(__AVX512F__)
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
         if (pairs_pv) {
-          if (D == 64) values_in_pairs(std::integral_constant<int, 4>{}, b, h, j0, R, Ct, last, pre);
+          if (D == 64)
+            values_in_pairs(std::integral_constant<int, 4>{}, b, h, j0, R, Ct, last, pre);
           else values_in_pairs(std::integral_constant<int, 8>{}, b, h, j0, R, Ct, last, pre);
           continue;
         }
@@ -254,8 +287,7 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
         if (tree[b])
           softmax_row_tree(sf.data() + r * Ct, Ct, first_key(pos), pos, C - W,
                            tm + (qs[b] + j0 + r / G) * tmw, packed);
-        else
-          softmax_row(sf.data() + r * Ct, Ct, first_key(pos), pos);
+        else softmax_row(sf.data() + r * Ct, Ct, first_key(pos), pos);
       }
       // Pass 2: weighted sum of V, in key order (a zero weight adds exactly nothing), a span of
       // blocks at a time. One group of query rows (a decode step's G heads) reads the bf16 values
@@ -264,7 +296,7 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
       // More rows convert V_CHUNK blocks to fp32 once and run each group of rows over all of their
       // keys with its sums in registers (per block, loading, storing and setting up the groups'
       // sums cost ~a third of the multiply-adds). Each row adds its keys in order: the same bits.
-      const bool vec_rows = VALUE_ROWS_VEC && (D == 64 || D == 128);  // accumulate_v_rows' paths
+      const bool vec_rows = v512 && (D == 64 || D == 128);  // accumulate_v_rows' paths
       const bool direct = std::is_same_v<T, c10::BFloat16> && R <= 4 && vec_rows;
       const int64_t span = R > 4 && vec_rows ? V_CHUNK : 1;
       if (static_cast<int64_t>(vf.size()) < span * block_size * D) vf.resize(span * block_size * D);
@@ -283,17 +315,20 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
           for (int64_t t = 0; t < std::min(block_size, Ct - blk * block_size); ++t)
             row_to_float(vrows + t * Hkv * D, dst + t * D, D);
         }
-        auto seen = [&](int64_t r) { return std::max<int64_t>(0, std::min(n, C - W + j0 + r / G + 1 - k0)); };
+        auto seen = [&](int64_t r) {
+          return std::max<int64_t>(0, std::min(n, C - W + j0 + r / G + 1 - k0));
+        };
         auto prob = [&](int64_t r) { return sf.data() + r * Ct + k0; };
         if constexpr (std::is_same_v<T, c10::BFloat16>) {
           if (direct) {  // span 1: block c0's values in the cache
-            accumulate_v_rows(R, acc, prob, seen, vp + (tb[b * NB + c0] * block_size * Hkv + h) * D, Hkv * D, D);
+            accumulate_v_rows(R, acc, prob, seen, vp + (tb[b * NB + c0] * block_size * Hkv + h) * D,
+                              Hkv * D, D);
             continue;
           }
         }
-        if (accumulate_v_rows(R, acc, prob, seen, vf.data(), D, D)) continue;
+        if (vec_rows && accumulate_v_rows(R, acc, prob, seen, vf.data(), D, D)) continue;
         for (int64_t r = 0; r < R; ++r)
-          if (seen(r) > 0) accumulate_v(acc(r), prob(r), vf.data(), seen(r), D);
+          if (seen(r) > 0) accumulate_v(acc(r), prob(r), vf.data(), seen(r), D, v512);
       }
       for (int64_t j = j0; j < j1; ++j)
         for (int64_t g = 0; g < G; ++g) {
@@ -303,95 +338,58 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
         }
     }
   };
-  if (short_queries) {
-    // Decode and verify steps (every request one tile, or two when split): contiguous ranges, so
-    // a thread keeps the same (request, KV head) items from step to step and finds their keys in
-    // its own L2 (handing them out dynamically measured 5-10% slower at batch 1). A thread that
-    // finishes its range takes the rest of the others' items from where they are: the two
-    // vCPUs here do not run at one speed, and contexts differ between ranges. Not for a batch
-    // that splits its items by query tile (a small batch: halves of the same rows).
-    const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(items, at::get_num_threads()));
-    struct alignas(64) Next {
-      std::atomic<int64_t> item{0};
-    };
-    std::unique_ptr<Next[]> next(new Next[workers]);
-    const int64_t ranges = split ? 1 : workers;
-    // Range r: [lo(r), lo(r + 1)), at::parallel_for's split (the first ranges take the remainder).
-    const int64_t per = (items + workers - 1) / workers;
-    auto lo = [&](int64_t r) { return std::min(items, r * per); };
-    at::parallel_for(0, workers, 1, [&](int64_t wb, int64_t we) {
-      for (int64_t w = wb; w < we; ++w) {
-        int64_t k = 0, r = w;
-        auto take = [&]() -> int64_t {  // own range first, then the others'
-          for (; k < ranges; ++k) {
-            r = (w + k) % workers;
-            const int64_t i = lo(r) + next[r].item++;
-            if (i < lo(r + 1)) return i;
-          }
-          return -1;
-        };
-        // The range's next request, while this one runs: its blocks (every head's rows, keys and
-        // values) into L2, a share per item of this request. Not when split (the next item is
-        // the same request).
-        auto ahead = [&](int64_t it) -> int64_t {
-          const int64_t nt = (it / Hkv + 1) * Hkv;
-          return split || nt >= lo(r + 1) ? -1 : tiles[nt / Hkv][0];
-        };
-        run_items(take, ahead);
-      }
-    });
-    return;
-  }
-  // A prefill chunk spans several tiles and its late tiles see the most keys: contiguous halves
-  // gave one thread ~3x the other's work while the other waited. Longest first (rows x keys),
-  // one at a time to whichever thread is free.
-  auto cost = [&](int64_t item) {
-    const auto [b, j0, j1] = tiles[item / Hkv];
-    return (j1 - j0) * (cl[b] - ql[b] + j1);
-  };
-  std::vector<int64_t> order(items);
-  std::iota(order.begin(), order.end(), int64_t{0});
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t c) { return cost(a) > cost(c); });
-  std::atomic<int64_t> next_item{0};
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(items, at::get_num_threads()));
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    run_items([&] {
-      const int64_t k = next_item++;
-      return k < items ? order[k] : int64_t{-1};
-    }, [](int64_t) { return int64_t{-1}; });
-  });
+  schedule_items(tiles, Hkv, short_queries, split, cl, ql, run_items);
 }
 
 }  // namespace
 
-// q: [T, H, D] (heads contiguous within a token); kv: [2, S, Hkv, D]; tables: [B, NB] long; ctx, qstart, qlen: [B] long.
-// Writes rows qstart[b] .. qstart[b] + qlen[b] of out ([T, H, D], same dtype as q).
+// q: [T, H, D] (heads contiguous within a token); kv: [2, S, Hkv, D]; tables: [B, NB] long;
+// ctx, qstart, qlen: [B] long. Writes rows qstart[b] .. qstart[b] + qlen[b] of out ([T, H, D],
+// same dtype as q).
 // window > 0: a query at position p sees keys max(0, p - window + 1) .. p (sliding window).
 // tree_mask: token trees, [T, W] uint8 over each request's rows (row j sees row k of its step
 // where tree_mask[qstart + j, k]); absent or empty: every step causal.
+// path: an AttnPath to force (-1: the selected one); a path set_cpu_paths did not allow is an
+// error (Python refuses it first, naming the missing CPU flags). numerics_of: with path 0 (the
+// reference), the path whose numerics it reproduces (-1: its own).
 void paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor tables, torch::Tensor ctx,
                   torch::Tensor qstart, torch::Tensor qlen, int64_t block_size, double scale,
-                  torch::Tensor out, int64_t window, c10::optional<torch::Tensor> tree_mask) {
+                  torch::Tensor out, int64_t window, c10::optional<torch::Tensor> tree_mask,
+                  int64_t path, int64_t numerics_of) {
+  const CpuPaths& allowed = cpu_paths();
+  if (path < 0) path = allowed.attn;
+  TORCH_CHECK(path <= 3, "paged_decode: no path ", path, " (0-3)");
+  TORCH_CHECK(allowed.attn_ok[path], "paged_decode: path ", kAttnPaths[path],
+              " is not one this CPU can run");
+  TORCH_CHECK(numerics_of < 0 || (path == 0 && numerics_of <= 3),
+              "paged_decode: numerics_of is for the reference (path 0), one of paths 0-3");
+  if (numerics_of < 0) numerics_of = path;
   // q may be a view of the fused qkv rows (its tokens strided, each token's heads contiguous).
   TORCH_CHECK(q.dim() == 3, "q: [T, H, D] expected");
-  TORCH_CHECK(q.is_contiguous() || (q.stride(2) == 1 && q.stride(1) == q.size(2) && q.stride(0) >= q.size(1) * q.size(2)),
+  TORCH_CHECK(q.is_contiguous() || (q.stride(2) == 1 && q.stride(1) == q.size(2) &&
+                                    q.stride(0) >= q.size(1) * q.size(2)),
               "q: each token's heads must be contiguous ([T, H, D], any token stride)");
   TORCH_CHECK(kv.is_contiguous() && out.is_contiguous(), "contiguous kv and out expected");
-  TORCH_CHECK(q.scalar_type() == kv.scalar_type() && q.scalar_type() == out.scalar_type(), "dtype mismatch");
-  TORCH_CHECK(tables.scalar_type() == torch::kLong && ctx.scalar_type() == torch::kLong, "long metadata expected");
+  TORCH_CHECK(q.scalar_type() == kv.scalar_type() && q.scalar_type() == out.scalar_type(),
+              "dtype mismatch");
+  TORCH_CHECK(tables.scalar_type() == torch::kLong && ctx.scalar_type() == torch::kLong,
+              "long metadata expected");
   TORCH_CHECK(q.size(1) % kv.size(2) == 0, "query heads must be a multiple of KV heads");
-  auto t = tables.contiguous(), c = ctx.contiguous(), s = qstart.contiguous(), l = qlen.contiguous();
+  auto t = tables.contiguous(), c = ctx.contiguous(), s = qstart.contiguous(),
+       l = qlen.contiguous();
   torch::Tensor m;
   if (tree_mask.has_value() && tree_mask->numel() > 0) {
     m = tree_mask->to(torch::kUInt8).contiguous();
     TORCH_CHECK(m.dim() == 2 && m.size(0) == q.size(0), "tree_mask: [T, W] expected");
     TORCH_CHECK(window == 0, "token trees are not verified on sliding-window layers");
     for (int64_t b = 0; b < l.size(0); ++b)
-      TORCH_CHECK(l.data_ptr<int64_t>()[b] <= m.size(1), "tree_mask narrower than a request's rows");
+      TORCH_CHECK(l.data_ptr<int64_t>()[b] <= m.size(1),
+                  "tree_mask narrower than a request's rows");
   }
   const uint8_t* tm = m.defined() ? m.data_ptr<uint8_t>() : nullptr;
   const int64_t tmw = m.defined() ? m.size(1) : 0;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
-    run<scalar_t>(q, kv, t, c, s, l, block_size, scale, window, out, tm, tmw);
+    run<scalar_t>(q, kv, t, c, s, l, block_size, scale, window, out, tm, tmw,
+                  static_cast<AttnPath>(path), static_cast<AttnPath>(numerics_of));
   });
 }

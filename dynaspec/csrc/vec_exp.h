@@ -41,8 +41,8 @@ inline __m512 exp16(__m512 x) {
   p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
   p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
   p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), _mm512_set1_ps(1.f));
-  const __m512i bits = _mm512_slli_epi32(
-      _mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+  const __m512i bits =
+      _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
 #endif
@@ -57,11 +57,13 @@ BF16X16_TARGET inline __m512 bf16x16_load(const void* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-BF16X16_TARGET inline __m512i bf16x16_bits(__m512 v) {  // the bf16 bits in the low half of each lane
+// The bf16 bits in the low half of each lane.
+BF16X16_TARGET inline __m512i bf16x16_bits(__m512 v) {
   __m512i b = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
   b = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  return _mm512_mask_mov_epi32(b, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_mask_mov_epi32(b, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                               _mm512_set1_epi32(0x7FC0));
 }
 
 BF16X16_TARGET inline __m512 bf16x16_round(__m512 v) {  // float(bf16(v))
@@ -96,11 +98,14 @@ BF16CVT_TARGET inline void bf16x16_store_cvt(void* p, __m512 v) {
 // bf16, then the product (the caller's store rounds it). silu_mul and the gate|up GEMM's fused
 // epilogue both call this, so the two give the same bits.
 inline __m512 silu16(__m512 gate) {  // silu, before its rounding to bf16
-  const __m512 neg = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(gate), _mm512_set1_epi32(INT32_MIN)));
+  const __m512 neg = _mm512_castsi512_ps(
+      _mm512_xor_si512(_mm512_castps_si512(gate), _mm512_set1_epi32(INT32_MIN)));
   return _mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(neg)));
 }
 
-inline __m512 silu_mul16(__m512 gate, __m512 up) { return _mm512_mul_ps(bf16x16_round(silu16(gate)), up); }
+inline __m512 silu_mul16(__m512 gate, __m512 up) {
+  return _mm512_mul_ps(bf16x16_round(silu16(gate)), up);
+}
 
 BF16CVT_TARGET inline __m512 silu_mul16_cvt(__m512 gate, __m512 up) {  // the same bits
   return _mm512_mul_ps(bf16x16_round_cvt(silu16(gate)), up);

@@ -12,7 +12,7 @@ from tests.unit.recorded_cpus import CPUS, cpuinfo
 # What each recorded CPU runs: build tag, then one path per kernel.
 EXPECTED = {
     "zen3": {"build": "avx2", "int8_gemm": "avx2", "bf16_convert": "scalar",
-             "attention": "scalar", "exp": "scalar", "row_max": "scalar"},
+             "attention": "fp32", "exp": "scalar", "row_max": "scalar"},
     "zen4": {"build": "avx512", "int8_gemm": "avx512_vnni", "bf16_convert": "avx512_bf16",
              "attention": "avx512_bf16", "exp": "avx512", "row_max": "avx512"},
     "icelake_server": {"build": "avx512", "int8_gemm": "avx512_vnni", "bf16_convert": "avx512",
@@ -20,12 +20,12 @@ EXPECTED = {
     "skylake_server": {"build": "avx512", "int8_gemm": "avx2", "bf16_convert": "avx512",
                        "attention": "avx512", "exp": "avx512", "row_max": "avx512"},
     "alder_lake": {"build": "avx2", "int8_gemm": "avx_vnni", "bf16_convert": "scalar",
-                   "attention": "scalar", "exp": "scalar", "row_max": "scalar"},
+                   "attention": "fp32", "exp": "scalar", "row_max": "scalar"},
     "sapphire_rapids": {"build": "avx512", "int8_gemm": "avx512_vnni",
                         "bf16_convert": "avx512_bf16", "attention": "avx512_bf16",
                         "exp": "avx512", "row_max": "avx512"},
     "sandy_bridge": {"build": "base", "int8_gemm": "scalar", "bf16_convert": "scalar",
-                     "attention": "scalar", "exp": "scalar", "row_max": "scalar"},
+                     "attention": "fp32", "exp": "scalar", "row_max": "scalar"},
 }
 
 

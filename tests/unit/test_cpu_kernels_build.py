@@ -116,9 +116,10 @@ def test_the_loaded_module_records_its_facts_and_takes_only_this_cpus_paths():
     tag = sel.chosen["build"]
     assert cpu_kernels.read_facts(ext.__file__) == cpu_kernels.BuildFacts(
         tag, "h" + cpu_kernels.source_hash(tag), sel.build.flags)
-    # the paths the C++ side switches at run time: every int8_gemm path, the others' vector ones
+    # the paths the C++ side switches at run time: every int8_gemm and attention path (the
+    # attention's AVX-512 rows too, where compiled in), the others' vector ones
     runtime = {f"{k}.{p.name}" for k, paths in cpu_features.KERNELS.items() for p in paths
-               if k != "build" and not p.build and (p.flags or k == "int8_gemm")}
+               if k in ("int8_gemm", "attention") or (k != "build" and not p.build and p.flags)}
     assert set(ext.cpu_paths()) == runtime & set(sel.allowed())
     assert int8_dot.ISA_NAMES[ext.int8_gemm_isa()] == sel.chosen["int8_gemm"]
     with pytest.raises(RuntimeError, match="no kernel path int8_gemm.amx"):
