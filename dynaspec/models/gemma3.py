@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from dynaspec.attention.backend import AttentionBackend
 from dynaspec.attention.paged import EagerPagedBackend
 from dynaspec.config import ModelArchConfig
-from dynaspec.models.layers import FusedOps, RotaryCache, keep, rms_norm
+from dynaspec.models.layers import RotaryCache, SmallOps, keep, rms_norm
 from dynaspec.models.llama import LlamaModel
 from dynaspec.models.quant import cat_rows
 from dynaspec.models.quant_linear import WeightPlan, make_linear
@@ -29,8 +29,16 @@ log = logging.getLogger("dynaspec")
 
 
 class Gemma3Layer(torch.nn.Module):
+    # Registered by keep(): (input, post-attention, pre-MLP, post-MLP) norms [hidden] and the
+    # q|k norm [H + Hkv, D].
+    ln_in: torch.Tensor
+    ln_post_attn: torch.Tensor
+    ln_pre_mlp: torch.Tensor
+    ln_post_mlp: torch.Tensor
+    qk_norm: torch.Tensor
+
     def __init__(
-        self, w: dict, cfg: ModelArchConfig, plan: WeightPlan, ops: FusedOps, i: int
+        self, w: dict, cfg: ModelArchConfig, plan: WeightPlan, ops: SmallOps, i: int
     ) -> None:
         super().__init__()
         self.ops = ops
@@ -59,7 +67,7 @@ class Gemma3Layer(torch.nn.Module):
         self,
         x: torch.Tensor,
         delta: torch.Tensor | None,
-        rope: tuple,
+        rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: torch.Tensor,
         md,
         attn: AttentionBackend,
@@ -159,13 +167,16 @@ class Gemma3Model(LlamaModel):
                           kv_caches: list[torch.Tensor], md, logits_indices: torch.Tensor | None,
                           attn: AttentionBackend, head: bool = True) -> torch.Tensor:
         x = self.embed(input_ids) * self.embed_scale  # [T, hidden]
-        ropes = {None: self.rope.lookup(positions, self.dtype)}
+        ropes: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {
+            None: self.rope.lookup(positions, self.dtype)
+        }
         if any(layer.local for layer in self.layers):
             ropes["local"] = self.rope_local.lookup(positions, self.dtype)
-        delta = None
+        delta: torch.Tensor | None = None
         for layer, kv in zip(self.layers, kv_caches):
             rope = ropes["local" if layer.local else None]
             x, delta = layer(x, delta, rope, kv, md, attn)
+        assert delta is not None  # a model has layers
         if logits_indices is not None:  # None: every token's logits (the fixed-shape path)
             x, delta = x[logits_indices], delta[logits_indices]
         h = self.ops.rms_norm(

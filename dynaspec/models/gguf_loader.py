@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from functools import lru_cache
+from typing import cast
 
 import gguf
 import numpy as np
@@ -121,7 +122,8 @@ class _PlainArrayReader(gguf.GGUFReader):
     makes the tensor views faster to dequantize too. Nothing is copied.
     """
 
-    @property
+    # The base declares an np.memmap attribute; this is a plain ndarray view of that mapping.
+    @property  # type: ignore[override]
     def data(self) -> np.ndarray:
         return self._plain_data
 
@@ -133,11 +135,11 @@ class _PlainArrayReader(gguf.GGUFReader):
 class _Metadata:
     """Typed access to GGUF key/values, with errors that name the file and the key."""
 
-    def __init__(self, reader, path: str) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, reader, path: str) -> None:
         self._fields = reader.fields
         self.path = path
 
-    def get(self, key: str, default: object = _REQUIRED):  # type: ignore[no-untyped-def]
+    def get(self, key: str, default: object = _REQUIRED):
         field = self._fields.get(key)
         if field is None:
             if default is _REQUIRED:
@@ -149,7 +151,7 @@ class _Metadata:
             raise ModelLoadError(f"{self.path}: cannot read GGUF metadata {key!r}: {exc}") from exc
 
 
-def arch_from_gguf(meta: _Metadata, reader) -> ModelArchConfig:  # type: ignore[no-untyped-def]
+def arch_from_gguf(meta: _Metadata, reader) -> ModelArchConfig:
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
@@ -237,7 +239,7 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     return None
 
 
-def _read_tensors(reader, arch: ModelArchConfig, path: str, keep_quantized: bool) -> dict:  # type: ignore[no-untyped-def]
+def _read_tensors(reader, arch: ModelArchConfig, path: str, keep_quantized: bool) -> dict:
     out: dict[str, torch.Tensor | QuantizedTensor] = {}
     dequantized: set[str] = set()
     for tensor in progress(reader.tensors, len(reader.tensors), "loading weights"):
@@ -245,6 +247,7 @@ def _read_tensors(reader, arch: ModelArchConfig, path: str, keep_quantized: bool
         if name is None:  # e.g. rope_freqs or tensors of other heads: not part of this model
             continue
         kind = tensor.tensor_type.name
+        weight: torch.Tensor | QuantizedTensor
         if keep_quantized and kind in KEPT_QUANTIZED and len(tensor.shape) == 2:
             weight = _quantized(tensor, path)
         else:
@@ -271,17 +274,17 @@ def _unpermute(
     return unpermute_qk(weight, heads)
 
 
-def _quantized(tensor, path: str) -> QuantizedTensor:  # type: ignore[no-untyped-def]
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # [N, K]
+def _quantized(tensor, path: str) -> QuantizedTensor:
+    k, n = (int(d) for d in tensor.shape.tolist())  # GGUF lists [K, N]; called for 2-D only
     try:
-        return from_gguf_blocks(np.asarray(tensor.data), tensor.tensor_type.name, shape)
+        return from_gguf_blocks(np.asarray(tensor.data), tensor.tensor_type.name, (n, k))
     except ValueError as exc:  # a short read of a truncated file shows up as a reshape error
         raise ModelLoadError(
             f"{path}: cannot read tensor {tensor.name!r} (corrupt or truncated?): {exc}"
         ) from exc
 
 
-def _dequantize(tensor, path: str) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def _dequantize(tensor, path: str) -> torch.Tensor:
     kind = tensor.tensor_type
     try:
         values = quants.dequantize(tensor.data, kind)
@@ -368,7 +371,7 @@ def gguf_tokenizer(meta: _Metadata) -> tuple[Tokenizer, tuple[int, ...]]:
     return tokenizer, eos_ids
 
 
-def _build_bpe(tokens: list[str], types: list[int], merges: list[str], pre: str, path: str):  # type: ignore[no-untyped-def]
+def _build_bpe(tokens: list[str], types: list[int], merges: list[str], pre: str, path: str):
     from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
     from tokenizers import Tokenizer as BackendTokenizer
 
@@ -381,7 +384,8 @@ def _build_bpe(tokens: list[str], types: list[int], merges: list[str], pre: str,
     alphabet = set(pre_tokenizers.ByteLevel.alphabet())
     spelled = [t if set(t) <= alphabet else _byte_level_spelling(t) for t in tokens]
     vocab = {t: i for i, t in enumerate(spelled)}
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    # "left right"; a merge without a space is malformed and BPE rejects it
+    pairs = cast(list[tuple[str, str]], [tuple(m.split(" ", 1)) for m in merges])
     backend = BackendTokenizer(
         models.BPE(
             vocab=vocab,

@@ -23,7 +23,7 @@ def spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list
     llama.cpp looks pieces up by text alone, whatever their type, so every token counts as a
     merge result except byte tokens (their text, e.g. '<0x41>', is never in a text's symbols).
     """
-    ids = {}
+    ids: dict[str, int] = {}
     for i, t in enumerate(tokens):
         ids.setdefault(t, i)  # a repeated piece: llama.cpp's text->id map keeps the first
     ranked = []
@@ -40,7 +40,7 @@ def spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list
 
 
 def build_spm(tokens: list[str], scores: list[float], types: list[int], add_space_prefix: bool,
-              unk_id: int | None, path: str):  # type: ignore[no-untyped-def]
+              unk_id: int | None, path: str):
     from tokenizers import AddedToken, decoders, models, normalizers
     from tokenizers import Tokenizer as BackendTokenizer
 
@@ -54,7 +54,7 @@ def build_spm(tokens: list[str], scores: list[float], types: list[int], add_spac
     unk = tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else None
     backend = BackendTokenizer(models.BPE(vocab=vocab, merges=spm_merges(tokens, scores, types),
                                           unk_token=unk, fuse_unk=True, byte_fallback=True))
-    steps = [normalizers.Replace(" ", SPACE)]
+    steps: list[normalizers.Normalizer] = [normalizers.Replace(" ", SPACE)]
     if add_space_prefix:
         steps.insert(0, normalizers.Prepend(" "))
     backend.normalizer = normalizers.Sequence(steps)

@@ -6,6 +6,7 @@ import glob
 import json
 import os
 from contextlib import ExitStack
+from typing import Literal, overload
 
 import torch
 from safetensors import safe_open
@@ -57,6 +58,10 @@ def load_hf_folder(path: str) -> LoadedModel:
     return LoadedModel(arch, state_dict, tokenizer, eos_ids, path)
 
 
+@overload
+def _read_json(path: str, required: Literal[True]) -> dict: ...
+@overload
+def _read_json(path: str, required: bool) -> dict | None: ...
 def _read_json(path: str, required: bool) -> dict | None:
     if not os.path.exists(path):
         if required:
@@ -78,7 +83,11 @@ def _read_json(path: str, required: bool) -> dict | None:
 def _as_id_list(value: object) -> list[int]:
     if value is None:
         return []
-    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+    if isinstance(value, list):
+        return [int(v) for v in value]
+    if not isinstance(value, (int, float, str)):  # JSON dicts: int() would reject them too
+        raise TypeError(f"eos_token_id must be an integer or a list of them, not {value!r}")
+    return [int(value)]
 
 
 def arch_from_hf_config(config: dict, source: str) -> ModelArchConfig:
@@ -245,7 +254,7 @@ def _read_safetensors(files: list[str]) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _open_safetensors(file: str):  # type: ignore[no-untyped-def]
+def _open_safetensors(file: str):
     try:
         return safe_open(file, framework="pt", device="cpu")
     except Exception as exc:  # SafetensorError / OSError for a bad header or a truncated file

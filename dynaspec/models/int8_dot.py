@@ -18,6 +18,7 @@ int32) exactly, with their zero as the minimum term.
 from __future__ import annotations
 
 import logging
+from typing import TypeGuard
 
 import torch
 
@@ -81,9 +82,11 @@ def pack(w: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor |
     n, k = w.shape
     g = w.group_size
     steps = g // 4
+    mn: torch.Tensor | None
     if w.kind == "q4":
         u, bits = w.q.to(torch.uint8), 4
         # zero - 8 * scale in float64: Q4_1's zero was m + 8d in float32, so this recovers m.
+        assert w.zero is not None  # q4 always has its minimum terms
         mn = (w.zero.double() - 8.0 * w.scale.double()).float()
     else:
         u, bits = (w.q.to(torch.int16) + 128).to(torch.uint8), 8
@@ -106,6 +109,11 @@ def pack(w: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor |
 
 class Int8DotLinear(KernelModule):
     """y = x W^T (+ b) through int8_gemm for any number of rows."""
+
+    packed: torch.Tensor  # registered buffers, see __init__
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+    bias: torch.Tensor | None
 
     def __init__(
         self, w: QuantizedTensor, bias: torch.Tensor | None, keep_source: bool = False
@@ -211,7 +219,7 @@ class Int8DotHead(KernelModule):
         return logits
 
 
-def _exact_table(t: object) -> bool:
+def _exact_table(t: object) -> TypeGuard[QuantizedTensor]:
     """Whether exact_near_max can recompute rows from t: int8 values with fp32 group scales and
     no minimum (Q8_0), as loaded."""
     return (isinstance(t, QuantizedTensor) and t.kind == "q8" and t.zero is None

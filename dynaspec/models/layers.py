@@ -3,9 +3,27 @@
 from __future__ import annotations
 
 import math
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
+
+
+class SmallOps(Protocol):
+    """A decoder layer's small ops: `FusedOps` (C++ on the CPU, or eager) or
+    `dynaspec.models.gpu_ops.TritonFusedOps` (CUDA)."""
+
+    ext: Any  # the C++ extension with its LayerStack, or None
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+    def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def rope_qk(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+                head_dim: int) -> torch.Tensor: ...
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
 
 
 class FusedOps:
@@ -14,7 +32,7 @@ class FusedOps:
     the kernels are not built. A batch-1 step ran ~2,500 small ops; each fused call replaces 3-8."""
 
     def __init__(self, enabled: bool) -> None:
-        self.ext = None
+        self.ext: Any = None
         if enabled:
             from dynaspec import cpu_kernels
 
@@ -22,21 +40,24 @@ class FusedOps:
 
     # Under torch.compile the eager forms are traced and fused by inductor: a pybind call would
     # break the graph (the compiled path then falls back to eager).
-    def _off(self) -> bool:
-        return self.ext is None or torch.compiler.is_compiling()
+    def _kernels(self) -> Any:
+        """The extension, or None where the eager forms run."""
+        return None if self.ext is None or torch.compiler.is_compiling() else self.ext
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        if self._off() or not x.is_contiguous():
+        ext = self._kernels()
+        if ext is None or not x.is_contiguous():
             return rms_norm(x, weight, eps)
-        return self.ext.rms_norm(x, weight, eps)
+        return ext.rms_norm(x, weight, eps)
 
     def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + delta, rms_norm(x + delta)); x is updated in place on the fused path."""
-        if self._off() or not (x.is_contiguous() and delta.is_contiguous()):
+        ext = self._kernels()
+        if ext is None or not (x.is_contiguous() and delta.is_contiguous()):
             x = x + delta
             return x, rms_norm(x, weight, eps)
-        return x, self.ext.add_rms_norm(x, delta, weight, eps)
+        return x, ext.add_rms_norm(x, delta, weight, eps)
 
     def rope_qk(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
                 head_dim: int) -> torch.Tensor:
@@ -44,15 +65,17 @@ class FusedOps:
         [T, 1, D/2]. Returns q|k rotated as [T, heads, D] (a view of qkv on the fused path)."""
         T = qkv.shape[0]
         qk = qkv[:, : heads * head_dim]
-        if self._off() or qkv.stride(1) != 1:
+        ext = self._kernels()
+        if ext is None or qkv.stride(1) != 1:
             return apply_rope(qk.reshape(T, heads, head_dim), cos, sin)
-        self.ext.rope_inplace(qkv, cos.reshape(T, -1), sin.reshape(T, -1), heads, head_dim)
+        ext.rope_inplace(qkv, cos.reshape(T, -1), sin.reshape(T, -1), heads, head_dim)
         return qk.view(T, heads, head_dim)
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if self._off() or not gate_up.is_contiguous():
+        ext = self._kernels()
+        if ext is None or not gate_up.is_contiguous():
             return silu_and_mul(gate_up)
-        return self.ext.silu_mul(gate_up)
+        return ext.silu_mul(gate_up)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -157,6 +180,11 @@ class Linear(KernelModule):
     """y = x W^T + b. On the CPU in bf16 the weight is prepacked for oneDNN once at load time:
     measured here, 2-3x faster than aten's bf16 GEMV at decode sizes, with bit-identical output."""
 
+    # Registered by keep(): exactly one of packed (the oneDNN layout) and weight is set.
+    bias: torch.Tensor | None
+    packed: torch.Tensor | None
+    weight: torch.Tensor | None
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
@@ -174,6 +202,7 @@ class Linear(KernelModule):
     def nbytes(self) -> int:
         """Bytes of weight one matmul streams."""
         w = self.packed if self.packed is not None else self.weight
+        assert w is not None
         return self.out_features * self.in_features * w.element_size()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -183,4 +212,5 @@ class Linear(KernelModule):
                 # it stays the same oneDNN call and the code around it is still fused.
                 return _mkldnn_linear_op(x, self.packed, self.bias, self.out_features)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        assert self.weight is not None
         return F.linear(x, self.weight, self.bias)

@@ -7,6 +7,8 @@ three matmuls plus the attention: fewer, larger ops is what pays on the CPU at b
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from dynaspec.attention.backend import AttentionBackend
@@ -14,7 +16,7 @@ from dynaspec.attention.paged import EagerPagedBackend
 from dynaspec.config import ModelArchConfig
 from dynaspec.models import huge_pages
 from dynaspec.models.int8_dot import Int8DotHead, Int8DotLinear, output_head
-from dynaspec.models.layers import FusedOps, RotaryCache, apply_rope, keep, rms_norm
+from dynaspec.models.layers import FusedOps, RotaryCache, SmallOps, apply_rope, keep, rms_norm
 from dynaspec.models.quant import cat_rows
 from dynaspec.models.quant_linear import WeightPlan, make_embedding, make_linear, make_lm_head
 from dynaspec.models.weight_arena import place_weights
@@ -23,7 +25,12 @@ SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 
 class DecoderLayer(torch.nn.Module):
-    def __init__(self, w: dict, cfg: ModelArchConfig, plan: WeightPlan, ops: FusedOps) -> None:
+    ln1: torch.Tensor  # [hidden], registered by keep()
+    ln2: torch.Tensor
+    q_norm: torch.Tensor | None  # [D]; both or neither (Qwen3)
+    k_norm: torch.Tensor | None
+
+    def __init__(self, w: dict, cfg: ModelArchConfig, plan: WeightPlan, ops: SmallOps) -> None:
         super().__init__()
         self.ops = ops
         self.qkv = make_linear(w["qkv"], w.get("qkv_bias"), plan)  # [(H + 2*Hkv) * D, hidden]
@@ -56,6 +63,7 @@ class DecoderLayer(torch.nn.Module):
         qkv = self.qkv(h)  # [T, (H + 2*Hkv) * D]
         v = qkv[:, (self.H + self.Hkv) * self.D:].view(T, self.Hkv, self.D)
         if self.q_norm is not None:
+            assert self.k_norm is not None
             qk = qkv[:, : (self.H + self.Hkv) * self.D].view(T, self.H + self.Hkv, self.D)
             qk = torch.cat((rms_norm(qk[:, : self.H], self.q_norm, self.eps),
                             rms_norm(qk[:, self.H:], self.k_norm, self.eps)), dim=1)
@@ -77,7 +85,8 @@ class LlamaModel(torch.nn.Module):
     device and dtype given here, so the model is not meant to be moved with `.to()` after load.
     """
 
-    ARCHITECTURES = SUPPORTED_ARCHITECTURES  # what this class runs; a subclass names its own
+    ARCHITECTURES: tuple[str, ...] = SUPPORTED_ARCHITECTURES  # a subclass names its own
+    norm: torch.Tensor  # [hidden], registered by keep()
 
     def __init__(
         self,
@@ -114,7 +123,7 @@ class LlamaModel(torch.nn.Module):
         )  # [vocab, hidden]
         keep(self, "norm", t("model.norm.weight"))  # [hidden]
         # The fused small ops run wherever the C++ kernels build (fp32 too: same rounding).
-        self.ops = FusedOps(enabled=device.type == "cpu")
+        self.ops: SmallOps = FusedOps(enabled=device.type == "cpu")
         if device.type == "cuda":  # one Triton kernel per small op (models/gpu_ops.py)
             try:
                 from dynaspec.models.gpu_ops import TritonFusedOps
@@ -170,10 +179,11 @@ class LlamaModel(torch.nn.Module):
     def weight_bytes_per_step(self) -> int:
         """Bytes of weights one decode forward reads, in the kernels' formats (quantized bytes
         where weights are quantized): the bandwidth floor of a decode step."""
-        n = self.lm_head.nbytes
+        # The kernel modules (layers.KernelModule subclasses), each with its nbytes.
+        mats: list[Any] = [self.lm_head]
         for layer in self.layers:
-            n += layer.qkv.nbytes + layer.o.nbytes + layer.gate_up.nbytes + layer.down.nbytes
-        return n
+            mats += (layer.qkv, layer.o, layer.gate_up, layer.down)
+        return sum(m.nbytes for m in mats)
 
     def allocate_kv(self, num_slots: int) -> list[torch.Tensor]:
         c = self.cfg
@@ -274,7 +284,7 @@ def layer_stack(model: LlamaModel):
         or model.dtype not in (torch.bfloat16, torch.float32)
     ):
         return None
-    layers = []
+    layers: list[object] = []
     for layer in model.layers:
         if type(layer) is not DecoderLayer:  # another architecture's layer (Gemma-3): its own loop
             return None

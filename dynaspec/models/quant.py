@@ -52,6 +52,7 @@ class QuantizedTensor:
         if self.kind == "q8":
             w = self.q.float() * s
             return w if self.zero is None else w + self.zero.repeat_interleave(g, dim=1)
+        assert self.zero is not None  # q4 always has its minimum terms
         return (self.q.float() - 8.0) * s + self.zero.repeat_interleave(g, dim=1)
 
     def rows(self, index: torch.Tensor) -> QuantizedTensor:
@@ -112,8 +113,11 @@ def from_gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) ->
     nbytes, per_block = GGUF_BLOCKS[type_name]
     blocks = np.ascontiguousarray(raw).reshape(n, k // per_block, nbytes)  # [N, blocks, bytes]
     kind, q, scale, zero, group = _UNPACK[type_name](blocks)
-    as_t = lambda a: None if a is None else torch.from_numpy(np.ascontiguousarray(a).reshape(n, -1))  # noqa: E731
-    return QuantizedTensor(kind, as_t(q), as_t(scale.astype(np.float32)), as_t(zero), group)
+    def as_t(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a).reshape(n, -1))
+
+    return QuantizedTensor(kind, as_t(q), as_t(scale.astype(np.float32)),
+                           None if zero is None else as_t(zero), group)
 
 
 def _f16(b: np.ndarray) -> np.ndarray:

@@ -55,7 +55,7 @@ class CpuInfo:
 
 @lru_cache(maxsize=1)
 def cpu_info() -> CpuInfo:
-    model, flags = "unknown", set()
+    model, flags = "unknown", set[str]()
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
@@ -97,6 +97,10 @@ def resolve_quantization(mode: str, device: torch.device, dtype: torch.dtype) ->
 class Int4Linear(KernelModule):
     """y = x W^T (+ b) with W int4, one bf16 scale and zero point per 32 weights along K."""
 
+    packed: torch.Tensor  # registered buffers, see __init__
+    scales_and_zeros: torch.Tensor
+    bias: torch.Tensor | None
+
     def __init__(self, w: QuantizedTensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = w.shape
@@ -105,6 +109,7 @@ class Int4Linear(KernelModule):
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
             w.q.to(torch.int32).contiguous(), 1))
         # [K / group, N, 2]: (scale, zero) in the activation dtype, as the kernel expects them.
+        assert w.zero is not None  # q4 always has its zero points
         self.register_buffer(
             "scales_and_zeros",
             torch.stack([w.scale.t(), w.zero.t()], dim=-1).to(torch.bfloat16).contiguous(),
@@ -119,6 +124,11 @@ class Int4Linear(KernelModule):
 
 class Int8Linear(KernelModule):
     """y = x W^T (+ b) with W int8 and one bf16 scale per output channel."""
+
+    q: torch.Tensor  # registered buffers, see __init__
+    scale_f32: torch.Tensor
+    scales: torch.Tensor
+    bias: torch.Tensor | None
 
     def __init__(self, w: QuantizedTensor, bias: torch.Tensor | None) -> None:
         if w.kind != "q8" or w.group_size != w.shape[1]:
@@ -172,6 +182,8 @@ class QuantLinear(KernelModule):
 
 
 class DenseEmbedding(KernelModule):
+    weight: torch.Tensor  # registered by keep()
+
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
         keep(self, "weight", weight)  # [vocab, hidden]
@@ -247,8 +259,8 @@ def make_linear(w: QuantizedTensor | torch.Tensor, bias: torch.Tensor | None, pl
     if bias is not None:
         bias = bias.to(device=plan.device, dtype=plan.dtype)
     if not plan.quantized:
-        dense = w.dequantize() if isinstance(w, QuantizedTensor) else w
-        return Linear(dense.to(device=plan.device, dtype=plan.dtype).contiguous(), bias)
+        full = w.dequantize() if isinstance(w, QuantizedTensor) else w
+        return Linear(full.to(device=plan.device, dtype=plan.dtype).contiguous(), bias)
     if not isinstance(w, QuantizedTensor):
         if plan.mode == "auto":
             return Linear(w.to(device=plan.device, dtype=plan.dtype).contiguous(), bias)
@@ -310,7 +322,9 @@ def make_embedding(w: QuantizedTensor | torch.Tensor, plan: WeightPlan, tied: bo
         return QuantEmbedding(w, plan.dtype), (make_lm_head(w, plan) if tied else None)
     head = _int8_head(w, plan)
     if isinstance(head, Int8DotLinear):
+        assert head.source is not None  # _int8_head keeps the groups (keep_source=True)
         return QuantEmbedding(head.source, plan.dtype), (head if tied else None)
+    assert isinstance(head.kernel, Int8Linear)  # _int8_head's per-channel int8 table
     return Int8Embedding(head.kernel, plan.dtype), (head if tied else None)
 
 

@@ -125,7 +125,7 @@ class Tokenizer:
         if not self.chat_template:
             raise ChatTemplateError("this model has no chat template; send a plain prompt instead")
         template = _compile_template(self.chat_template)
-        variables = dict(self._template_vars)
+        variables: dict[str, object] = dict(self._template_vars)
         variables.update(bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         variables.update(kwargs)
         return template.render(
@@ -156,14 +156,14 @@ class _GenerationTag(Extension):
 
     tags = {"generation"}
 
-    def parse(self, parser):  # type: ignore[no-untyped-def]
+    def parse(self, parser):
         lineno = next(parser.stream).lineno
         body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
         return nodes.Scope(body, lineno=lineno)
 
 
 @lru_cache(maxsize=16)
-def _compile_template(source: str):  # type: ignore[no-untyped-def]
+def _compile_template(source: str):
     # trim_blocks/lstrip_blocks and the helpers below are what HF templates are written against.
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols]
