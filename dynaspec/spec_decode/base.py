@@ -46,8 +46,12 @@ class Proposer:
     optional capabilities it may declare by overriding the defaults below, so the engine asks
     instead of probing attributes."""
 
-    # The most tokens it can draft per step (a draft model's context margin); None = no limit.
-    k_limit: int | None = None
+    @property
+    def k_limit(self) -> int | None:
+        """The most tokens it can draft per step (a draft model's context margin); None = no
+        limit."""
+        return None
+
     # True when it drafts under the request's grammar (the engine then hands it the manager).
     uses_grammar: bool = False
     # True when it drafts from the target's hidden states (EAGLE): the builder attaches the
@@ -65,11 +69,13 @@ class Proposer:
     # chooses per request per step (docs/design.md §4c).
     drafts_trees: bool = False
 
-    def propose(self, requests: Sequence[Request], k_per_request: Sequence[int],
-                fallback_k: Sequence[int] | None = None) -> Drafts:
-        """Drafts of at most k_per_request[i] tokens per request (a drafter with a fallback:
-        fallback_k[i] where the fallback drafts; None, the same caps). A drafter that
-        `drafts_trees` also takes `trees=` (per request, True: a tree of at most k_i nodes)."""
+    def propose(self, requests: Sequence[Request], k_per_request: Sequence[int], *,
+                fallback_k: Sequence[int] | None = None,
+                trees: Sequence[bool] | None = None) -> Drafts:
+        """Drafts of at most k_per_request[i] tokens per request. A drafter that `has_fallback`
+        reads fallback_k[i] where the fallback drafts (None: the same caps); one that
+        `drafts_trees` reads `trees` (per request, True: a tree of at most k_i nodes). The
+        engine passes them only to drafters that declare them; others ignore them."""
         raise NotImplementedError
 
     def forget(self, request_id: str) -> None:
@@ -93,10 +99,10 @@ class Proposer:
     def reset_cache(self) -> None:
         """Empty the cross-request cache, if it keeps one."""
 
-    def attach(self, model) -> None:  # type: ignore[no-untyped-def]
+    def attach(self, model) -> None:
         """Bind the target model (drafters that read its hidden states)."""
 
-    def observe_hidden(self, hs) -> None:  # type: ignore[no-untyped-def]
+    def observe_hidden(self, hs) -> None:
         """The hidden states of a step's verified tokens (spec_decode/eagle.HiddenStates)."""
 
 
@@ -134,7 +140,7 @@ def deterministic_drafts(requests: Sequence[Request], k_per_request: Sequence[in
     for request, k, as_tree in zip(requests, k_per_request, as_trees):
         draft = draft_one(request, k, as_tree) if k > 0 else []
         tree = draft if isinstance(draft, DraftTree) else None
-        token_ids.append(list(draft.tokens) if tree is not None else draft)
+        token_ids.append(list(draft.tokens) if isinstance(draft, DraftTree) else draft)
         trees.append(tree if tree is not None and not tree.is_chain else None)
         skip_reasons.append("no_match" if k > 0 and not token_ids[-1] else None)
     return Drafts(token_ids=token_ids, probs=None, skip_reasons=skip_reasons,

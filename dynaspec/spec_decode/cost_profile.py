@@ -177,7 +177,7 @@ def startup_cost_model(prober: Prober, grid: CostGrid, key: str, reprofile: bool
             "step cost table in %s refused, re-measuring: %s", path, "; ".join(problems[:3])
         )
         cached = {}
-    problems: list[str] = []
+    problems = []
     for attempt in range(2):
         fresh = _measure(prober, [x for x in essential_shapes(grid) if x not in cached])
         model, problems = _checked(grid, {**cached, **fresh}, "measured at start-up", prober,

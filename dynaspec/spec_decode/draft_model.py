@@ -33,7 +33,7 @@ class _DraftSeq:
     num_computed_tokens: int = 0  # positions of the drafter's KV holding verified tokens
     fed: list[int] = field(default_factory=list)  # drafts fed at positions [base, base+len)
     base: int = 0
-    generator: torch.Generator | None = None
+    generator: torch.Generator = field(kw_only=True)  # the request's draft sampling stream
 
 
 def draft_k_limit(path: str) -> int:
@@ -54,7 +54,7 @@ class DraftModelProposer(Proposer):
     uses_grammar = True
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, max_len: int,
-                 seed: int = 0, grammar=None) -> None:  # type: ignore[no-untyped-def]
+                 seed: int = 0, grammar=None) -> None:
         self.model, self.block_size, self.max_len = model, block_size, max_len
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
         self.kv_caches = model.allocate_kv(num_blocks * block_size)
@@ -76,7 +76,7 @@ class DraftModelProposer(Proposer):
         path: str,
         config,
         target_vocab: int,
-        device: torch.device,  # type: ignore[no-untyped-def]
+        device: torch.device,
         dtype: torch.dtype,
         grammar=None,
     ) -> DraftModelProposer:
@@ -117,7 +117,9 @@ class DraftModelProposer(Proposer):
             n = pos + 1
         return min(n, req.num_tokens - 1)  # always feed >= 1 token to get the next logits
 
-    def propose(self, requests: Sequence[Request], k_per_request: Sequence[int]) -> Drafts:
+    def propose(self, requests: Sequence[Request], k_per_request: Sequence[int], *,
+                fallback_k: Sequence[int] | None = None,
+                trees: Sequence[bool] | None = None) -> Drafts:
         try:
             return self._propose(requests, k_per_request)
         finally:
@@ -127,15 +129,15 @@ class DraftModelProposer(Proposer):
     @torch.inference_mode()
     def _propose(self, requests: Sequence[Request], k_per_request: Sequence[int]) -> Drafts:
         active = [(r, k) for r, k in zip(requests, k_per_request) if k > 0]
-        out_tokens = {r.request_id: [] for r, _ in active}
+        out_tokens: dict[str, list[int]] = {r.request_id: [] for r, _ in active}
         out_probs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r, _ in active}
         seqs, feeds = [], []
         for r, _k in active:
             seq = self.seqs.get(r.request_id)
             if seq is None:
-                seq = self.seqs[r.request_id] = _DraftSeq(r.request_id)
-                seq.generator = torch.Generator(device=self.model.device).manual_seed(
+                gen = torch.Generator(device=self.model.device).manual_seed(
                     (r.sampling_params.seed or self.seed) * 7919 + 1)
+                seq = self.seqs[r.request_id] = _DraftSeq(r.request_id, generator=gen)
             seq.num_computed_tokens = self._catch_up_start(seq, r)
             seq.base, seq.fed = r.num_tokens, []
             feeds.append(r.token_slice(seq.num_computed_tokens, r.num_tokens))
@@ -220,7 +222,8 @@ class DraftModelProposer(Proposer):
         md_s = SamplingMetadata.from_params([r.sampling_params for r in reqs],
                                             [s.generator for s in seqs], self.model.device)
         q = processed_probs(logits, md_s, torch.arange(len(reqs), device=self.model.device))
-        toks, probs = [], []
+        toks: list[int] = []
+        probs: list[torch.Tensor | None] = []
         for j, (s, g) in enumerate(zip(seqs, greedy)):
             if g:
                 toks.append(int(logits[j].argmax()))

@@ -70,6 +70,7 @@ def build_suffix(config: EngineConfig, target: DrafterTarget) -> DrafterBuild:
 def build_draft_model(config: EngineConfig, target: DrafterTarget) -> DrafterBuild:
     from dynaspec.spec_decode.draft_model import DraftModelProposer
 
+    assert config.spec.draft_model is not None  # EngineConfig requires it for "draft"
     prop = DraftModelProposer.load(config.spec.draft_model, config, target.arch.vocab_size,
                                    target.device, target.dtype, target.grammar)
     return DrafterBuild(prop, prop.num_kv_tokens, prop.max_len)

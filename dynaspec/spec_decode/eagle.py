@@ -19,13 +19,17 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from dynaspec.request import Request
 from dynaspec.spec_decode.base import FRESH_TOKENS, Drafts, Proposer
-from dynaspec.spec_decode.eagle_head import EagleHead
+from dynaspec.spec_decode.eagle_head import EagleHead, HeadLayer
+
+if TYPE_CHECKING:
+    from dynaspec.models.llama import LlamaModel
 
 HEADS_DIR = os.path.join(os.path.dirname(__file__), "heads")
 DEFAULT_HEAD = os.path.join(HEADS_DIR, "smollm2-135m-instruct")
@@ -91,7 +95,7 @@ class _HeadSeq:
         """Store k, v [n, Hkv, D] at rows at..at+n of layer li (growing the buffer); returns the
         keys and values of rows 0..at+n."""
         end = at + k.shape[0]
-        self.reserve(li, at, end, tuple(k.shape[1:]))
+        self.reserve(li, at, end, (k.shape[1], k.shape[2]))
         self.keys[li][at:end] = k
         self.vals[li][at:end] = v
         return self.keys[li][:end], self.vals[li][:end]
@@ -117,7 +121,7 @@ class EagleProposer(Proposer):
         self.step = step
         self._draft_tables_: tuple[torch.Tensor, torch.Tensor] | None = None
         self.embed_table = embed_table  # the head's own [vocab, H], or None: the target's
-        self.model = None  # the target, attached by the builder once it is loaded
+        self.model: LlamaModel | None = None  # the target, attached by the builder
         self.seqs: dict[str, _HeadSeq] = {}
 
     @property
@@ -157,14 +161,18 @@ class EagleProposer(Proposer):
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.embed_table is not None:
             return self.embed_table[ids]
+        assert self.model is not None  # attach() comes before any drafting
         return self.model.embed(ids).float()  # [n, H]
 
     def _logits(self, out: torch.Tensor) -> torch.Tensor:
         if self.head.lm_head is not None:
             return self.head.logits(out)
+        assert self.model is not None  # attach() comes before any drafting
         return self.model.lm_head(out.to(self.model.dtype)).float()  # eagle1: the target's head
 
-    def propose(self, requests: Sequence[Request], k_per_request: Sequence[int]) -> Drafts:
+    def propose(self, requests: Sequence[Request], k_per_request: Sequence[int], *,
+                fallback_k: Sequence[int] | None = None,
+                trees: Sequence[bool] | None = None) -> Drafts:
         if len(requests) != len(k_per_request):
             raise ValueError(f"{len(requests)} requests but {len(k_per_request)} k values")
         ready = []  # (index, state, tokens of the pairs to feed, k)
@@ -235,7 +243,7 @@ class EagleProposer(Proposer):
         out = out[last]  # [B, H] the output at each request's newest pair
         pos = pos[last]
         kmax = max(ks)
-        drafts = [[] for _ in ready]
+        drafts: list[list[int]] = [[] for _ in ready]
         alive = list(range(len(ready)))
         for j in range(kmax):
             ids = head.draft_to_target[self._logits(out).argmax(-1)]  # [b] target ids
@@ -306,6 +314,7 @@ class EagleProposer(Proposer):
         chain_at, kept in the scratch rows after the KV."""
         cos, sin = self.head.rope.lookup(pos, h.dtype)  # [N, 1, D/2]
         for li, layer in enumerate(self.head.layers):
+            assert isinstance(layer, HeadLayer)
             q, k, v = layer.qkv(h, emb, cos, sin)  # [N, Hq|Hkv, D]
             outs, o = [], 0
             for st, n in zip(states, sizes):

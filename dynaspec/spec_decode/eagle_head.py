@@ -94,7 +94,9 @@ class HeadLayer(nn.Module):
 
     def qkv(self, h: torch.Tensor, emb: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor):
         """h, emb: [..., H]; cos/sin: [..., 1, D/2]. Returns q [..., Hq, D], k, v [..., Hkv, D]."""
-        if self.wide:
+        if self.wide:  # eagle3: both norms exist and the embedding is given
+            assert emb is not None and self.input_layernorm is not None
+            assert self.hidden_norm is not None
             x = torch.cat(
                 (
                     rms_norm(emb, self.input_layernorm, self.eps),
@@ -127,6 +129,8 @@ class HeadLayer(nn.Module):
 
 
 class EagleHead(nn.Module):
+    draft_to_target: torch.Tensor  # a registered buffer, see __init__
+
     def __init__(self, c: HeadConfig) -> None:
         super().__init__()
         self.cfg = c
@@ -155,11 +159,13 @@ class EagleHead(nn.Module):
         token embeddings [..., H], concatenated embedding first as published)."""
         if self.cfg.kind == "eagle3":
             return self.fc(features)
+        assert emb is not None  # eagle1 reads the token embeddings
         return self.fc(torch.cat((emb, features), -1))
 
     def logits(self, out: torch.Tensor, target_head=None) -> torch.Tensor:
         """Draft-vocabulary logits [..., draft_vocab] from layer outputs [..., H]."""
         if self.lm_head is not None:
+            assert self.norm is not None  # eagle3 has both
             return self.lm_head(rms_norm(out, self.norm, self.cfg.rms_norm_eps))
         return target_head(out.to(target_head_dtype(target_head))).float()
 
@@ -178,11 +184,14 @@ class EagleHead(nn.Module):
         Returns [B, T, H] per pass; row s of pass k predicts token s+2 (rows s < k-1 are unused).
         """
         layer = self.layers[0]
+        assert isinstance(layer, HeadLayer)
         B, T, _ = emb.shape
         pos = torch.arange(T, device=emb.device)
         cos, sin = self.rope.lookup(pos, emb.dtype)  # [T, 1, D/2]
         h = self.fuse(features, emb)
-        keys, vals, outs = [], [], []
+        keys: list[torch.Tensor] = []
+        vals: list[torch.Tensor] = []
+        outs: list[torch.Tensor] = []
         s = pos[:, None]
         j = torch.arange(T, device=emb.device)[None, :]
         for k in range(1, passes + 1):
@@ -226,6 +235,7 @@ def drafting_form(head: EagleHead) -> EagleHead:
 
     fast = copy.deepcopy(head)
     for layer in fast.layers:
+        assert isinstance(layer, HeadLayer)
         layer.fuse_projections()
     for mod in list(fast.modules()):
         for name, child in list(mod.named_children()):
@@ -248,15 +258,21 @@ def compiled_step(head: EagleHead):
             or len(head.layers) != 1:
         return None
     layer = head.layers[0]
+    assert isinstance(layer, HeadLayer)
     lins = [head.fc, layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj,
             head.lm_head]
-    kern = [m.lin if isinstance(m, _RowsLinear) else None for m in lins]
-    if not all(isinstance(k, Int8DotLinear) and k.bias is None for k in kern):
-        return None
+    kern: list[Int8DotLinear] = []
+    for m in lins:
+        k = m.lin if isinstance(m, _RowsLinear) else None
+        if not (isinstance(k, Int8DotLinear) and k.bias is None):
+            return None
+        kern.append(k)
     q = [ext.QLinear(k.packed, k.scales, k.mins, k.out_features, k.group_size, k.bits)
          for k in kern]
-    norms = [t.detach().float().contiguous() for t in
-             (layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm, head.norm)]
+    vecs = (layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm, head.norm)
+    norms = [t.detach().float().contiguous() for t in vecs if t is not None]
+    if len(norms) != len(vecs):  # eagle3 has all four
+        return None
     c = head.cfg
     return ext.HeadStep(*q, *norms, head.draft_to_target.long().contiguous(),
                         c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps)

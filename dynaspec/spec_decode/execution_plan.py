@@ -95,7 +95,8 @@ class AdmissionTable:
 def bucket_ks(plan: SpecPlan, buckets: tuple[int, ...]) -> list[tuple[int, tuple[int, int], int]]:
     """(bucket, (first, last) requests it covers, K) for every K the plan's table gives in a
     bucket's batch range (any context range)."""
-    out, prev = [], 0
+    out: list[tuple[int, tuple[int, int], int]] = []
+    prev = 0
     for b in buckets:
         ks = sorted({r[4] for r in plan.table if r[0] <= b and (r[1] is None or r[1] > prev)})
         out.extend((b, (prev + 1, b), k) for k in ks)
@@ -165,7 +166,7 @@ class ExecutionPlan:
         if width is not None and width != 1 and width not in self.widths:
             raise ValueError(f"step width {width} is not one the plan produces {self.widths}")
         bucket = self.bucket_for(num_reqs) if width is not None else None
-        if bucket is None or (bucket, width) not in self.shapes:
+        if bucket is None or width is None or (bucket, width) not in self.shapes:
             return BatchDescriptor("eager", num_reqs, width, num_tokens)
         path, _ = self.path_for(bucket, width)
         if path == "eager":

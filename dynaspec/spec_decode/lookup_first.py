@@ -32,17 +32,18 @@ class LookupFirstProposer(Proposer):
         self.lookup, self.head = lookup, head
 
     @property
-    def k_limit(self) -> int | None:  # type: ignore[override]
+    def k_limit(self) -> int | None:
         return self.head.k_limit
 
-    def attach(self, model) -> None:  # type: ignore[no-untyped-def]
+    def attach(self, model) -> None:
         self.head.attach(model)
 
-    def observe_hidden(self, hs) -> None:  # type: ignore[no-untyped-def]
+    def observe_hidden(self, hs) -> None:
         self.head.observe_hidden(hs)
 
-    def propose(self, requests: Sequence[Request], k_per_request: Sequence[int],
-                fallback_k: Sequence[int] | None = None) -> Drafts:
+    def propose(self, requests: Sequence[Request], k_per_request: Sequence[int], *,
+                fallback_k: Sequence[int] | None = None,
+                trees: Sequence[bool] | None = None) -> Drafts:
         head_k = k_per_request if fallback_k is None else fallback_k
         if len(head_k) != len(requests):
             raise ValueError(f"{len(requests)} requests but {len(head_k)} fallback k values")
@@ -74,7 +75,7 @@ class LookupFirstProposer(Proposer):
     def num_cached(self) -> int:
         return self.lookup.num_cached() + self.head.num_cached()
 
-    def cache_stats(self):  # type: ignore[no-untyped-def]
+    def cache_stats(self):
         return self.lookup.cache_stats()  # the suffix drafter's global cache, if it is the lookup
 
     def reset_cache(self) -> None:

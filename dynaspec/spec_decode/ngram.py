@@ -205,7 +205,8 @@ class NgramProposer(Proposer):
         self.drafts_trees = tree
         self._buffers: dict[str, _TokenBuffer] = {}
 
-    def propose(self, requests: Sequence[Request], k_per_request: Sequence[int],
+    def propose(self, requests: Sequence[Request], k_per_request: Sequence[int], *,
+                fallback_k: Sequence[int] | None = None,
                 trees: Sequence[bool] | None = None) -> Drafts:
         """`trees`: per request, a tree (True) or a chain; None: trees where built with them."""
         shapes = [self.tree] * len(requests) if trees is None else [self.tree and t for t in trees]

@@ -171,6 +171,7 @@ def build_spec_plan(
     table, clamped = _clamp(parsed, ceiling, why)
     ks = {row[4] for row in table}
     notes = list(parsed.notes)
+    widths: tuple[int, ...]
     if ks == {0}:
         kind, max_k, widths = "always_zero", 0, (1,)
         notes.append("every entry resolves to K=0: drafter not loaded, no-speculation path")

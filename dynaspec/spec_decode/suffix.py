@@ -85,7 +85,9 @@ class SuffixDraft:
     parents: list[int] | None = None  # a token tree's (depth-first); None: a chain
 
     def as_draft(self) -> list[int] | DraftTree:
-        return self.token_ids if self.parents is None else DraftTree(self.token_ids, self.parents)
+        if self.parents is None:
+            return self.token_ids
+        return DraftTree(tuple(self.token_ids), tuple(self.parents))
 
     @property
     def score(self) -> float:
@@ -171,7 +173,7 @@ class GlobalSuffixCache:
         i = bisect.bisect_right(self._starts, position) - 1
         rid = self._ids[i] if i >= 0 else None
         span = self.entries.get(rid) if rid is not None else None
-        if span is not None and span[0] <= position < span[1]:
+        if rid is not None and span is not None and span[0] <= position < span[1]:
             self.entries.move_to_end(rid)
 
     def _evict(self, request_id: str) -> None:
@@ -219,7 +221,8 @@ class SuffixProposer(Proposer):
         self._states: dict[str, _RequestState] = {}
         self.num_global_drafts = self.num_local_drafts = 0
 
-    def propose(self, requests: Sequence[Request], k_per_request: Sequence[int],
+    def propose(self, requests: Sequence[Request], k_per_request: Sequence[int], *,
+                fallback_k: Sequence[int] | None = None,
                 trees: Sequence[bool] | None = None) -> Drafts:
         """`trees`: per request, a tree (True) or a chain; None: trees where built with them."""
         shapes = [self.tree] * len(requests) if trees is None else [self.tree and t for t in trees]
