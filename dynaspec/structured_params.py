@@ -16,6 +16,11 @@ from typing import Any
 FORMS = ("json", "json_object", "regex", "grammar", "choice")
 
 
+def schema_text(schema: dict | str) -> str:
+    """A JSON schema as the text `StructuredOutputParams.json` holds (a dict serialized)."""
+    return schema if isinstance(schema, str) else json.dumps(schema, ensure_ascii=False)
+
+
 @dataclass(frozen=True)
 class StructuredOutputParams:
     json: str | None = None  # JSON schema text (a dict is accepted and serialized)

@@ -72,7 +72,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
     is stopped and joined. `ui`: serve the page at /ui and its JSON at /ui/live (server/ui/)."""
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI):  # type: ignore[no-untyped-def]
+    async def lifespan(app: FastAPI):
         yield
         await async_engine.shutdown(shutdown_drain_s)
 
@@ -123,8 +123,8 @@ _OBJECT = {"type": "object"}
 def _body_doc(model: type, streams: bool = True) -> dict:
     """The route's OpenAPI extras: the request body, the JSON (or, with `"stream": true`,
     server-sent events) answer and the OpenAI error responses."""
-    ok = {"application/json": {"schema": {"type": "object", "required": ["id", "object",
-                                                                         "choices", "usage"]}}}
+    ok: dict[str, dict] = {"application/json": {"schema": {
+        "type": "object", "required": ["id", "object", "choices", "usage"]}}}
     if streams:
         # Schemathesis checks each event as {"event", "data", ...}; data is one JSON chunk.
         ok["text/event-stream"] = {"schema": {"type": "object", "required": ["data"],
@@ -197,7 +197,7 @@ def _too_large(size: int, limit: int) -> APIError:
                     "request_too_large")
 
 
-def _authorizer(api_key: str | None):  # type: ignore[no-untyped-def]
+def _authorizer(api_key: str | None):
     def authorize(request: Request) -> None:
         if api_key is None:
             return

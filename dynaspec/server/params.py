@@ -59,12 +59,14 @@ def base_params(req: Req, num_prompt: int, ctx: int, vocab: int, tok,
         raise APIError(400, f"{where} has {num_prompt} tokens but the model's context length "
                        f"is {ctx}, which leaves no room to generate", where,
                        "context_length_exceeded")
-    limit = req.token_limit if chat else req.max_tokens
+    limit = req.token_limit if isinstance(req, ChatCompletionRequest) else req.max_tokens
     if limit is not None and limit > room:
-        name = "max_completion_tokens" if chat and req.max_completion_tokens else "max_tokens"
+        name = "max_completion_tokens" if isinstance(req, ChatCompletionRequest) \
+            and req.max_completion_tokens else "max_tokens"
         raise APIError(400, f"{name} {limit} + {num_prompt} prompt tokens exceed the model's "
                        f"context length {ctx}", name, "context_length_exceeded")
-    logprobs = ((req.top_logprobs or 0) if req.logprobs else None) if chat else req.logprobs
+    logprobs = ((req.top_logprobs or 0) if req.logprobs else None) \
+        if isinstance(req, ChatCompletionRequest) else req.logprobs
     if logprobs_floor is not None and logprobs is None:
         logprobs = logprobs_floor  # best_of ranks by them; the response leaves them out
     max_tokens = limit or room

@@ -18,7 +18,7 @@ from pydantic import ConfigDict, Field, WithJsonSchema, field_validator
 from dynaspec.server.body_fields import (  # noqa: F401
     MAX_PROMPTS,
     MAX_TOP_LOGPROBS,
-    IntIn,
+    WHOLE,
     PromptField,
     StopField,
     StreamOptions,
@@ -39,9 +39,16 @@ from dynaspec.server.chat_body import (  # noqa: F401
 )
 from dynaspec.server.errors import APIError, parse_body, validation_error  # noqa: F401
 from dynaspec.server.structured_body import JsonSchemaFormat, ResponseFormat, StructuredOutputsBody  # noqa: F401
-from dynaspec.structured_params import StructuredOutputParams
+from dynaspec.structured_params import StructuredOutputParams, schema_text
 
 MAX_N = 16  # choices per prompt; each is a sequence in the engine
+# Bounded integers (see body_fields.WHOLE).
+_TopK = Annotated[int, Field(ge=-1, le=2**31 - 1), WHOLE]
+_Seed = Annotated[int, Field(ge=-(2**63), lt=2**64), WHOLE]
+_NonNegative = Annotated[int, Field(ge=0), WHOLE]
+_Positive = Annotated[int, Field(ge=1), WHOLE]
+_NumChoices = Annotated[int, Field(ge=1, le=MAX_N), WHOLE]
+_TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), WHOLE]
 
 # Rules between fields, in the published schema as well as in the checks (unsupported(),
 # structured_output()), so a body the schema calls valid is not refused for them.
@@ -52,11 +59,11 @@ _GIVEN = {"structured_outputs": {"required": ["structured_outputs"],
           "response_format": {"required": ["response_format"],
                               "properties": {"response_format": _GRAMMAR_FORMAT}}}
 # response_format (other than text) and structured_outputs: one grammar at most.
-_ONE_GRAMMAR = {"not": {"allOf": list(_GIVEN.values())}}
+_ONE_GRAMMAR: dict[str, Any] = {"not": {"allOf": list(_GIVEN.values())}}
 # tool_choice auto/required/{named} needs tools; a forced call is the grammar, so no other.
 _FORCING = {"required": ["tool_choice"], "properties": {"tool_choice": {
     "anyOf": [{"const": "required"}, {"type": "object"}]}}}
-_TOOL_RULES = [
+_TOOL_RULES: list[dict[str, Any]] = [
     {"if": {"required": ["tool_choice"], "properties": {"tool_choice": {
         "anyOf": [{"enum": ["auto", "required"]}, {"type": "object"}]}}},
      "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}},
@@ -70,17 +77,17 @@ class _Common(_Strict):
     model: str
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: IntIn(ge=-1, le=2**31 - 1) | None = Field(default=None)  # extension (vLLM's)
+    top_k: _TopK | None = Field(default=None)  # extension (vLLM's)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)  # extension
-    seed: IntIn(ge=-(2**63), lt=2**64) | None = Field(
+    seed: _Seed | None = Field(
         default=None, description="choice i of a request samples with seed + i")
     stop: StopField = None  # a string or a list of strings (checked below, one clear message)
-    stop_token_ids: list[IntIn(ge=0)] | None = None  # extension
+    stop_token_ids: list[_NonNegative] | None = None  # extension
     ignore_eos: bool | None = None  # extension
     stream: bool | None = False
     stream_options: StreamOptions | None = Field(default=None,
                                                  description="read only when stream is true")
-    n: IntIn(ge=1, le=MAX_N) | None = Field(default=1)
+    n: _NumChoices | None = Field(default=1)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, ge=0.01, le=2.0)  # extension
@@ -91,7 +98,7 @@ class _Common(_Strict):
                               "additionalProperties": False}, {"type": "null"}]})] = Field(
         default=None, description="token id (as a string) -> bias added to its logit; ids "
         "outside the vocabulary can never be generated, so their bias changes nothing")
-    min_tokens: IntIn(ge=0) | None = Field(
+    min_tokens: _NonNegative | None = Field(
         default=None, description="EOS and stop_token_ids are banned until this many tokens "
         "are out (at most the token limit: larger values mean the limit)")
     bad_words: list[Annotated[str, Field(pattern=r"\S")]] | None = Field(default=None,
@@ -130,8 +137,10 @@ class _Common(_Strict):
                         "structured_outputs")
         try:
             if so is not None:
-                return StructuredOutputParams(json=so.json_, regex=so.regex, grammar=so.grammar,
-                                              choice=so.choice, json_object=bool(so.json_object))
+                return StructuredOutputParams(
+                    json=None if so.json_ is None else schema_text(so.json_), regex=so.regex,
+                    grammar=so.grammar, choice=None if so.choice is None else tuple(so.choice),
+                    json_object=bool(so.json_object))
             if rf is None or rf.type == "text":
                 return None
             if rf.type == "json_object":
@@ -141,7 +150,7 @@ class _Common(_Strict):
         if rf.json_schema is None or rf.json_schema.schema_ is None:
             return _bad("response_format of type 'json_schema' needs json_schema.schema",
                         "response_format.json_schema")
-        return StructuredOutputParams(json=rf.json_schema.schema_)
+        return StructuredOutputParams(json=schema_text(rf.json_schema.schema_))
 
     @property
     def stop_list(self) -> tuple[str, ...]:
@@ -151,10 +160,10 @@ class _Common(_Strict):
 class CompletionRequest(_Common):
     model_config = ConfigDict(json_schema_extra={"allOf": [_ONE_GRAMMAR]})
     prompt: PromptField
-    max_tokens: IntIn(ge=1) | None = Field(default=16)  # OpenAI's legacy default
-    logprobs: IntIn(ge=0, le=MAX_TOP_LOGPROBS) | None = Field(default=None)
+    max_tokens: _Positive | None = Field(default=16)  # OpenAI's legacy default
+    logprobs: _TopLogprobs | None = Field(default=None)
     echo: bool | None = Field(default=False, description="the prompt's text before each choice's")
-    best_of: IntIn(ge=1, le=MAX_N) | None = Field(default=None, description=(
+    best_of: _NumChoices | None = Field(default=None, description=(
         "sequences generated per prompt, of which the n with the highest mean token logprob are "
         "returned; values below n mean n, and a streamed request generates n"))
     # The schema allows only what is served (no fill-in-the-middle template); the check in
@@ -194,10 +203,10 @@ def _is_ids(v: Any) -> bool:
 class ChatCompletionRequest(_Common):
     model_config = ConfigDict(json_schema_extra={"allOf": [_ONE_GRAMMAR, *_TOOL_RULES]})
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: IntIn(ge=1) | None = Field(default=None)  # None: up to the context limit
-    max_completion_tokens: IntIn(ge=1) | None = Field(default=None)
+    max_tokens: _Positive | None = Field(default=None)  # None: up to the context limit
+    max_completion_tokens: _Positive | None = Field(default=None)
     logprobs: bool | None = False
-    top_logprobs: IntIn(ge=0, le=MAX_TOP_LOGPROBS) | None = Field(
+    top_logprobs: _TopLogprobs | None = Field(
         default=None, description="read only when logprobs is true")
     tools: list[ToolDef] | None = Field(default=None, max_length=128, description=(
         "function names must be unique (400 otherwise)"))
@@ -282,7 +291,7 @@ class TokenizeRequest(_Strict):
 
 class DetokenizeRequest(_Strict):
     model: str | None = None
-    tokens: list[IntIn(ge=0)]
+    tokens: list[_NonNegative]
 
 
 def _bad(message: str, param: str) -> StructuredOutputParams:

@@ -72,10 +72,11 @@ class OpenAIServing:
         if (err := req.unsupported()) is not None:
             raise err
         chat = isinstance(req, ChatCompletionRequest)
-        tools = tool_plan(req) if chat else None
+        tools = tool_plan(req) if isinstance(req, ChatCompletionRequest) else None
         n = req.n or 1
         # best_of below n means n; a stream cannot rank, so it generates n (both documented).
-        n_gen = n if chat or req.stream else max(n, req.best_of or n)
+        n_gen = n if isinstance(req, ChatCompletionRequest) or req.stream \
+            else max(n, req.best_of or n)
         # Off the event loop: a prompt near the body limit takes a while to render and encode.
         all_ids = await asyncio.to_thread(prompts_ids, self.engine.tokenizer, req, tools)
         if len(all_ids) * n_gen > MAX_CHOICES:
@@ -89,10 +90,11 @@ class OpenAIServing:
                               self.engine.tokenizer, grammar, 0 if n_gen > n else None)
                   for ids in all_ids]
         if grammar is not None:
-            await self._compile_grammar(req, grammar, tools is not None and tools.grammar)
+            await self._compile_grammar(req, grammar,
+                                        tools is not None and tools.grammar is not None)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         echo = [self._echo(req, p, ids) for p, ids in enumerate(all_ids)] \
-            if not chat and req.echo else [""] * len(all_ids)
+            if not isinstance(req, ChatCompletionRequest) and req.echo else [""] * len(all_ids)
         choices: list[_Choice] = []
         try:
             steps = bool(req.stream and req.stream_options and
@@ -177,7 +179,8 @@ class OpenAIServing:
         task = asyncio.ensure_future(asyncio.gather(*(collect(c) for c in choices)))
         watcher = asyncio.ensure_future(wait_disconnect(request.receive))
         try:
-            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            waited: set[asyncio.Future[Any]] = {task, watcher}
+            await asyncio.wait(waited, return_when=asyncio.FIRST_COMPLETED)
         finally:
             watcher.cancel()
             if not task.done():
@@ -243,6 +246,7 @@ class OpenAIServing:
         new_text = text.update(delta.text, delta.finished)
         lp = fmt.logprobs(c.index, delta.new_token_ids, delta.new_logprobs)
         finish = delta.finish_reason
+        content: dict | str | None
         if tools is not None:
             content, called = tools.update(new_text, delta.finished)
             finish = "tool_calls" if called and finish == "stop" else finish

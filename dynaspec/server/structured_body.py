@@ -22,17 +22,28 @@ EBNF_FORMAT = "xgrammar-ebnf"
 JSON_SCHEMA_TEXT_FORMAT = "json-schema-text"
 
 
-def _grammar(fmt: str, what: str, pattern: str = r"\S"):  # type: ignore[no-untyped-def]
-    return Annotated[str, Field(pattern=pattern, description=what,
-                                json_schema_extra={"format": fmt})]
+# Grammar texts: a non-blank string whose schema names its format.
+_JsonSchemaText = Annotated[str, Field(pattern=r"\S", description="a JSON Schema as JSON text",
+                                       json_schema_extra={"format": JSON_SCHEMA_TEXT_FORMAT})]
+# xgrammar refuses a NUL character in a regex (a literal one; "\\x00" is fine).
+_Regex = Annotated[str, Field(
+    pattern=r"^[^\u0000]*[^\s\u0000][^\u0000]*$", json_schema_extra={"format": REGEX_FORMAT},
+    description="a regular expression the whole output matches (no NUL character, lookaround, "
+    "backreferences or inline flags); one that does not compile is a 400")]
+_Ebnf = Annotated[str, Field(
+    pattern=r"\S", json_schema_extra={"format": EBNF_FORMAT},
+    description="an EBNF grammar in xgrammar's dialect, with a rule named root; one that does "
+    "not compile is a 400")]
 
 
 class JsonSchemaFormat(_Strict):
     name: str
     description: str | None = None
     # "schema" would shadow a BaseModel method: the field is schema_, the JSON key "schema".
-    # Not nullable: a json_schema format needs it (the schema below says so).
-    schema_: dict = Field(default=None, alias="schema")
+    # Not nullable: a json_schema format needs it (the schema below says so). Absent, it is
+    # None: pydantic does not validate defaults, so the type says what a body may send and
+    # mypy's arg-type/assignment errors on these None defaults are ignored (here and below).
+    schema_: dict = Field(default=None, alias="schema")  # type: ignore[arg-type]
     strict: bool | None = None  # the schema is always enforced; strict only documents that
 
 
@@ -50,15 +61,13 @@ class StructuredOutputsBody(_Strict):
     json_object. Fields are not nullable and exactly one is given, as the schema says."""
 
     model_config = ConfigDict(json_schema_extra={"minProperties": 1, "maxProperties": 1})
-    json_: dict | _grammar(JSON_SCHEMA_TEXT_FORMAT, "a JSON Schema as JSON text") = Field(
+    json_: dict | _JsonSchemaText = Field(  # type: ignore[assignment]
         default=None, alias="json", description="a JSON Schema (an object, or its JSON text); "
         "one that does not compile is a 400")
-    # xgrammar refuses a NUL character in a regex (a literal one; "\\x00" is fine).
-    regex: _grammar(REGEX_FORMAT, "a regular expression the whole output matches (no NUL "
-                    "character, lookaround, backreferences or inline flags); one that does not "
-                    "compile is a 400", r"^[^\u0000]*[^\s\u0000][^\u0000]*$") = None
-    grammar: _grammar(EBNF_FORMAT, "an EBNF grammar in xgrammar's dialect, with a rule named "
-                      "root; one that does not compile is a 400") = None
-    choice: list[Annotated[str, Field(min_length=1)]] = Field(default=None, min_length=1)
-    json_object: Literal[True] = None
+    # Absent fields are None (see JsonSchemaFormat.schema_): not nullable in a body.
+    regex: _Regex = None  # type: ignore[assignment]
+    grammar: _Ebnf = None  # type: ignore[assignment]
+    choice: list[Annotated[str, Field(min_length=1)]] = Field(
+        default=None, min_length=1)  # type: ignore[arg-type]
+    json_object: Literal[True] = None  # type: ignore[assignment]
 

@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass
 
 from dynaspec.server.protocol import ChatCompletionRequest, NamedToolChoice
-from dynaspec.structured_params import StructuredOutputParams
+from dynaspec.structured_params import StructuredOutputParams, schema_text
 
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 OPEN_TAG = "<tool_call>"
@@ -43,13 +43,14 @@ def tool_plan(req: ChatCompletionRequest) -> ToolPlan | None:
     if isinstance(choice, NamedToolChoice):
         name = choice.function.name
         return ToolPlan("named", schemas, name, False,
-                        StructuredOutputParams(json=schemas[name]))
+                        StructuredOutputParams(json=schema_text(schemas[name])))
     if choice == "required":
         one = {"anyOf": [{"type": "object", "properties": {"name": {"enum": [n]}, "arguments": s},
                           "required": ["name", "arguments"], "additionalProperties": False}
                          for n, s in schemas.items()]}
         schema = {"type": "array", "items": one, "minItems": 1} if parallel else one
-        return ToolPlan("required", schemas, None, parallel, StructuredOutputParams(json=schema))
+        return ToolPlan("required", schemas, None, parallel,
+                        StructuredOutputParams(json=schema_text(schema)))
     return ToolPlan("auto", schemas, None, parallel, None)
 
 
@@ -116,8 +117,8 @@ class ToolStream:
             at = self.text.find(OPEN_TAG, self.sent)
             end = at if at >= 0 else _safe_end(self.text)
             if end > self.sent:
-                delta, self.sent = self.text[self.sent:end], end
-                return {"content": delta}, False
+                text, self.sent = self.text[self.sent:end], end
+                return {"content": text}, False
             return None, False
         if not finished:
             return None, False
