@@ -17,6 +17,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from dynaspec.metrics.stats import EngineSnapshot, SpecCounters
 
@@ -27,7 +28,7 @@ def _rate(n: float, elapsed_s: float) -> str:
     return f"{n / elapsed_s:.1f}" if elapsed_s > 0 else "n/a"
 
 
-def _counts(m: Mapping[object, int]) -> str:
+def _counts(m: Mapping[Any, int]) -> str:
     return "{" + ", ".join(f"{k}: {v}" for k, v in m.items()) + "}"
 
 

@@ -46,7 +46,7 @@ PromQL (over a window, e.g. [5m]; add `sum by (...)` when several engines are sc
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 from dynaspec.extras import require
 
@@ -59,7 +59,7 @@ from prometheus_client import (  # noqa: E402
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # noqa: E402
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric  # noqa: E402
 from prometheus_client.exposition import CONTENT_TYPE_LATEST  # noqa: E402
 
 from dynaspec.metrics.stats import (  # noqa: E402 - after the extra check
@@ -221,7 +221,7 @@ class PrometheusMetrics:
         self._masked_rows = Counter(p + "structured_output_masked_rows",
                                     "Logits rows masked by a grammar.", names, registry=reg)
 
-    def _child(self, metric, **extra: str):  # type: ignore[no-untyped-def]
+    def _child(self, metric, **extra: str):
         labels = {**self._base, **extra}
         return metric.labels(**labels) if labels else metric
 
@@ -294,21 +294,21 @@ class PrometheusMetrics:
 def render_merged(instances: list[PrometheusMetrics]) -> bytes:
     """One exposition of several instances' series (data parallelism: one per rank and the sum),
     each metric family once, its samples from every instance (their constant labels differ)."""
-    families: dict[str, object] = {}
+    families: dict[str, Metric] = {}
     for m in instances:
         for fam in m.registry.collect():
             merged = families.get(fam.name)
             if merged is None:
                 families[fam.name] = fam
             else:
-                merged.samples.extend(fam.samples)  # type: ignore[attr-defined]
+                merged.samples.extend(fam.samples)
 
     class _Fixed:
-        def collect(self):  # type: ignore[no-untyped-def]
+        def collect(self) -> Iterator[Metric]:
             return iter(families.values())
 
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Fixed())  # type: ignore[arg-type]
+    registry.register(_Fixed())
     return generate_latest(registry)
 
 
@@ -316,9 +316,9 @@ class RosterMetrics:
     """`/metrics`' data-parallel loss series (dp/metrics.py's module docstring names them), on a
     registry of their own, so only this module imports prometheus_client."""
 
-    def __init__(self, prefix: str, labels: dict[str, str], roster) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, prefix: str, labels: dict[str, str], roster) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_RosterCollector(prefix, labels, roster))  # type: ignore[arg-type]
+        self.registry.register(_RosterCollector(prefix, labels, roster))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -327,10 +327,10 @@ class RosterMetrics:
 class _RosterCollector:
     """The data-parallel roster's loss counts as families, read at render time (dp/metrics.py)."""
 
-    def __init__(self, prefix: str, labels: dict[str, str], roster) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, prefix: str, labels: dict[str, str], roster) -> None:
         self.prefix, self.labels, self.roster = prefix, labels, roster
 
-    def collect(self):  # type: ignore[no-untyped-def]
+    def collect(self) -> Iterator[Metric]:
         c, names, values = self.roster.counts, list(self.labels), list(self.labels.values())
         for name, doc, value in (
             ("dp_rank_losses", "data-parallel ranks lost (died, failed or stuck)", c.rank_losses),
@@ -346,6 +346,6 @@ class _RosterCollector:
             ("dp_ranks_serving", "data-parallel ranks serving now", len(self.roster.serving)),
             ("dp_ranks", "data-parallel ranks asked for", self.roster.world_size),
         ):
-            fam = GaugeMetricFamily(f"{self.prefix}:{name}", doc, labels=names)
-            fam.add_metric(values, value)
-            yield fam
+            gauge = GaugeMetricFamily(f"{self.prefix}:{name}", doc, labels=names)
+            gauge.add_metric(values, value)
+            yield gauge

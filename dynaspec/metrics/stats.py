@@ -42,7 +42,7 @@ SKIP_REASONS = frozenset(SKIP_REASONS_DOC)
 INVALID_REASONS, ALL_INVALID = frozenset({"padding", "async_placeholder", "grammar"}), "all_invalid"
 
 
-class FrozenCounts(dict):  # type: ignore[type-arg]
+class FrozenCounts(dict):
     """An immutable, hashable, picklable dict of key -> count; keys sorted, zeros dropped."""
 
     def __init__(self, items: Mapping[Any, int] | Iterable[tuple[Any, int]] = ()) -> None:
@@ -54,6 +54,7 @@ class FrozenCounts(dict):  # type: ignore[type-arg]
 
     __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _immutable
 
+    # dict declares itself unhashable (__hash__ = None); a frozen one hashes by its items.
     def __hash__(self) -> int:  # type: ignore[override]
         return hash(tuple(self.items()))
 
@@ -324,7 +325,9 @@ class _Builder:
     def add_requests(self, requests: Iterable[RequestStepSpec], k: int | None) -> None:
         """Each request-step is counted once: a draft, a skip, or (k=None) neither."""
         n_req = n_spec = emitted = drafts = dtok = atok = 0
-        hist_d, hist_a = {}, {}  # draft / accepted run length -> request-steps
+        # draft / accepted run length -> request-steps
+        hist_d: dict[int, int] = {}
+        hist_a: dict[int, int] = {}
         for r in requests:
             _check_against_k(r, k)
             n_req += 1
@@ -367,7 +370,8 @@ class _Builder:
             self.bump("steps_by_k", k)
 
     def build(self) -> SpecCounters:
-        return SpecCounters(**self.v, **self.pos, **self.maps)
+        fields: dict[str, Any] = {**self.v, **self.pos, **self.maps}  # __post_init__ freezes
+        return SpecCounters(**fields)
 
 
 def _check_against_k(req: RequestStepSpec, k: int | None) -> None:
