@@ -129,6 +129,7 @@ class Scheduler:
         reserve = width.NO_RESERVE
         decisions = width.OneStepDecisions(self.policy) if self.policy is not None else None
         if self.plan.speculating:
+            assert decisions is not None  # a speculating plan comes with its K policy
             reserve = width.reserve(decisions, replace(self.step_view(), global_view=global_view))
         rows: list[_Row] = []
         preempted: list[str] = []
@@ -153,6 +154,7 @@ class Scheduler:
         if self.plan.speculating:
             views = tuple(self._view(r.request) for r in rows if r.lookahead > 0)
             view = StepView(views, len(rows), global_view)
+            assert decisions is not None  # a speculating plan comes with its K policy
             decision = width.decide(decisions, view, reserved_k)
         entries = []
         for r in rows:
@@ -297,6 +299,7 @@ class Scheduler:
         ctx = -(-sum(s.request.num_tokens for s in out.scheduled) // len(out.scheduled))
         # The width the runner laid out from the plan before the forward, not re-derived here.
         fallback = [r for r in res.results if r.drafts_from_fallback]
+        assert self.policy is not None  # called only with a policy
         self.policy.observe_step(len(out.scheduled), ctx, res.verified_width, res.forward_seconds
                                  + res.sample_seconds + res.prepare_seconds,
                                  res.draft_seconds - res.draft_setup_seconds,

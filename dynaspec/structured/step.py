@@ -74,7 +74,9 @@ class GrammarStep:
         layout: per sampling request in order, (scheduled index, drafts verified, pads
         included). Rows past a row's checked drafts + 1 are pads' rows: left unmasked."""
         t0 = time.perf_counter()
-        rows, spans, start = [], [], 0
+        rows: list[int] = []
+        spans: list[tuple[int, torch.Tensor]] = []
+        start = 0
         for i, n in sampling:
             e = self.entries.get(i)
             if e is not None:

@@ -76,17 +76,20 @@ class XGrammarBackend:
         self.any_whitespace = any_whitespace
 
     def compile(self, spec: StructuredOutputParams) -> xgr.CompiledGrammar:
-        form = spec.form
+        form = spec.form  # the one form given: its field is set (StructuredOutputParams checks)
         try:
             if form == "json":
+                assert spec.json is not None
                 return self.compiler.compile_json_schema(
                     spec.json, any_whitespace=self.any_whitespace, strict_mode=True)
             if form == "json_object":  # OpenAI's json_object: any JSON object
                 return self.compiler.compile_json_schema('{"type": "object"}',
                                                          any_whitespace=self.any_whitespace)
             if form == "regex":
+                assert spec.regex is not None
                 return self.compiler.compile_regex(spec.regex)
             if form == "grammar":
+                assert spec.grammar is not None
                 return self.compiler.compile_grammar(spec.grammar)
             # choice: JSON string escapes (\" \\ \n \uXXXX) are valid EBNF literal escapes.
             rule = " | ".join(json.dumps(c) for c in spec.choice or ())
