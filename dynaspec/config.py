@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dynaspec import registry as reg
 from dynaspec.registry import Registry
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 
 def opt(default: Any, help: str, *, flag: str | None = None, choices: Registry | None = None,
@@ -145,12 +148,13 @@ def parse_rates(value: object) -> tuple[float, ...]:
     """Synthetic acceptance rates from "0.9" / "0.9,0.7" / 0.9 / [0.9, 0.7]; each in [0, 1]."""
     if value is None:
         return ()
+    parts: list[Any]
     if isinstance(value, str):
         parts = [p.strip() for p in value.split(",") if p.strip()]
     elif isinstance(value, (int, float)):
         parts = [value]
     else:
-        parts = list(value)  # type: ignore[call-overload]
+        parts = list(value)  # type: ignore[call-overload]  # a list or tuple; else list() says
     try:
         rates = tuple(float(p) for p in parts)
     except (TypeError, ValueError):
@@ -380,8 +384,9 @@ class EngineConfig:
                                  "or --engine-process yet")
 
     @staticmethod
-    def parts() -> dict[str, type]:
+    def parts() -> dict[str, type[DataclassInstance]]:
         """Each part's name and config class, in flag order."""
+        # Every field's default_factory is its config class (typeshed: a factory or MISSING).
         return {f.name: f.default_factory for f in fields(EngineConfig)}  # type: ignore[misc]
 
     @staticmethod
@@ -395,7 +400,8 @@ class EngineConfig:
             if owner is None:
                 raise TypeError(f"unknown engine argument {key!r}")
             values[owner][key] = value
-        return EngineConfig(**{n: cls(**values[n]) for n, cls in parts.items()})
+        configs: dict[str, Any] = {n: cls(**values[n]) for n, cls in parts.items()}
+        return EngineConfig(**configs)
 
 
 def default_num_threads() -> int:

@@ -46,7 +46,7 @@ class DraftTree:
         object.__setattr__(self, "depths", tuple(depths))
 
     @staticmethod
-    def chain(tokens) -> DraftTree:  # type: ignore[no-untyped-def]
+    def chain(tokens) -> DraftTree:
         return DraftTree(tuple(tokens), tuple(range(-1, len(tokens) - 1)))
 
     def __len__(self) -> int:

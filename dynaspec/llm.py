@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from dynaspec.config import EngineConfig
 from dynaspec.engine.llm_engine import LLMEngine
 from dynaspec.outputs import RequestOutput
 from dynaspec.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from dynaspec.dp.front_end import DPEngine
 
 
 class LLM:
@@ -15,7 +19,7 @@ class LLM:
         config = EngineConfig.from_kwargs(model=model, **engine_args)
         if config.parallel.data_parallel_size > 1 or config.parallel.engine_process:  # dynaspec/dp
             from dynaspec.dp.front_end import DPEngine
-            self.engine = DPEngine(config)
+            self.engine: LLMEngine | DPEngine = DPEngine(config)
         else:
             self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
@@ -28,7 +32,7 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  ) -> list[RequestOutput]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
+            prompts = [prompts]
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):

@@ -19,7 +19,7 @@ from dynaspec.engine_flags import add_engine_args, engine_kwargs
 log = logging.getLogger("dynaspec.dp")
 
 
-def register(sub) -> None:  # type: ignore[no-untyped-def]
+def register(sub) -> None:
     p = sub.add_parser(
         "dp-worker", help="start this machine's data-parallel ranks for a remote front end"
     )

@@ -19,7 +19,7 @@ _COMMANDS = ["dynaspec.cli.generate", "dynaspec.cli.schedule_cmd", "dynaspec.cli
 class Parser(argparse.ArgumentParser):
     """Every help line shows its default; subcommand parsers are of this class too."""
 
-    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
         super().__init__(*args, **kwargs)
 
@@ -36,7 +36,7 @@ class Parser(argparse.ArgumentParser):
                    "".join(f"\n  {h}" for h in hints))
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> Parser:
     parser = Parser(prog="dynaspec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     for name in _COMMANDS:
@@ -69,11 +69,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _subparser(parser: argparse.ArgumentParser, command: str | None) -> Parser:
+def _subparser(parser: Parser, command: str | None) -> Parser:
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction) and command in action.choices:
-            return action.choices[command]  # type: ignore[return-value]
-    return parser  # type: ignore[return-value]
+            return action.choices[command]
+    return parser
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from dynaspec.engine_flags import add_engine_args, engine_kwargs
 log = logging.getLogger("dynaspec")
 
 
-def register(sub) -> None:  # type: ignore[no-untyped-def]
+def register(sub) -> None:
     p = sub.add_parser("serve", help="serve an OpenAI-compatible API over HTTP")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: local only; 0.0.0.0 exposes it)")

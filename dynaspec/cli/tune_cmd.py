@@ -105,6 +105,7 @@ def _reprofile(args: argparse.Namespace) -> int:
     kw = engine_kwargs(args)
     kw.update(k_policy="goodput", reprofile_costs=True, cost_table=None)
     info = LLMEngine(EngineConfig.from_kwargs(**kw)).parts.policy_info
+    assert info is not None  # a speculating engine reports its K policy
     _say(info.describe())
     return 0 if info.name == "goodput" else 1  # 1: the fresh table failed its checks
 
