@@ -69,7 +69,10 @@ class CpuPagedBackend:
         return batch.device.type == "cpu"
 
     def build_metadata(self, batch: AttentionBatch) -> CpuPagedMetadata:
-        bs, slots, tables, starts = batch.block_size, [], [], []
+        bs = batch.block_size
+        slots: list[int] = []
+        tables: list[list[int]] = []
+        starts: list[int] = []
         pos = 0
         for q, c, table in zip(batch.query_lens, batch.context_lens, batch.block_tables):
             slots.extend(table[p // bs] * bs + p % bs for p in range(c - q, c))

@@ -81,7 +81,9 @@ class GpuPagedBackend:
     def build_metadata(self, batch: AttentionBatch) -> GpuPagedMetadata:
         if batch.width is not None and batch.buffers is not None:
             return self._build_fixed(batch)
-        bs, slots, starts, pos, nb = batch.block_size, [], [], 0, 1
+        bs, pos, nb = batch.block_size, 0, 1
+        slots: list[int] = []
+        starts: list[int] = []
         for q, c, table in zip(batch.query_lens, batch.context_lens, batch.block_tables):
             slots.extend(table[p // bs] * bs + p % bs for p in range(c - q, c))
             starts.append(pos)
@@ -103,6 +105,7 @@ class GpuPagedBackend:
 
     def _build_fixed(self, batch: AttentionBatch) -> GpuPagedMetadata:
         tables, ctx = self.fill_fixed(batch)
+        assert batch.width is not None  # build_metadata's condition
         return fixed_metadata(tables, ctx, batch.width, batch.block_size)
 
     def fill_fixed(self, batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,6 +113,9 @@ class GpuPagedBackend:
         returns the views (block tables [B, max_blocks], context lengths [B]), whose addresses
         never change, as a captured graph needs."""
         buf, bs, W, B = batch.buffers, batch.block_size, batch.width, batch.num_reqs_padded
+        if buf is None or W is None or B is None:
+            raise ValueError("fixed-shape attention needs the batch's buffers, width and "
+                             "num_reqs_padded")
         if len(batch.query_lens) > B or any(q != W for q in batch.query_lens):
             raise ValueError(f"fixed-shape attention ({B} x {W}) got query lengths "
                              f"{list(batch.query_lens)}")

@@ -79,7 +79,8 @@ def build_metadata(query_lens: list[int], context_lens: list[int], block_tables:
         if q <= SHORT_QUERY_MAX:
             short_ids.append(i)
         else:
-            tree = None if trees is None or trees[i] is None else trees[i].to(device)
+            given = None if trees is None else trees[i]
+            tree = None if given is None else given.to(device)
             kv = None if q == c and tree is None else _slots(table, c, block_size, device)
             long.append(LongSeq(pos, q, c, kv, tree_mask=tree))
         pos += q
@@ -130,9 +131,10 @@ def _build_short(
         k_pos = torch.arange(C)[None, None, :]
         mask = ((k_pos <= q_pos) & (k_pos < ctx)).unsqueeze(1)  # [B, 1, W, C]
         for j, i in enumerate(ids if trees is not None else ()):
-            if trees[i] is not None:  # a tree's rows see the context and their ancestors only
+            tree = trees[i] if trees is not None else None
+            if tree is not None:  # a tree's rows see the context and their ancestors only
                 q, c = qs[j], cs[j]
-                mask[j, 0, :q, c - q:c] = trees[i]
+                mask[j, 0, :q, c - q:c] = tree
         mask = mask.to(device)
     return ShortGroup(token_index, token_valid, kv_slots.to(device), mask, B, W,
                       starts[ids[0]] if uniform else 0, tuple(cs), tuple(qs))
@@ -174,12 +176,13 @@ def long_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: 
         else:
             ki, vi = kv_cache[0][seq.kv_slots], kv_cache[1][seq.kv_slots]  # [ctx, Hkv, D]
         windowed = window is not None and seq.context_len > window  # else the window hides nothing
+        mask: torch.Tensor | None
         if seq.tree_mask is not None:
             q_pos = torch.arange(seq.context_len - seq.query_len, seq.context_len, device=q.device)
             mask = torch.arange(seq.context_len, device=q.device)[None, :] <= q_pos[:, None]
             mask[:, seq.context_len - seq.query_len:] = seq.tree_mask  # [q, ctx]
             causal = False
-        elif windowed:
+        elif windowed and window is not None:  # (windowed implies a window: for the checker)
             mask = seq.window_masks.get(window)
             if mask is None:
                 q_pos = torch.arange(

@@ -56,6 +56,7 @@ class UniformDecodeBackend:
                 f"width {batch.width}, padded {batch.num_reqs_padded})"
             )
         buf, bs, W, B = batch.buffers, batch.block_size, batch.width, batch.num_reqs_padded
+        assert buf is not None and W is not None and B is not None  # supports() checked them
         max_blocks = buf.block_tables.shape[1]
         need = max((-(-c // bs) for c in batch.context_lens), default=1)
         if need > max_blocks:
