@@ -86,11 +86,11 @@ class BatchedLlama:
         q, k, v = qkv.split((Hq * D, Hkv * D, Hkv * D), -1)
         cos, sin = rope
 
-        def rope(t: torch.Tensor, heads: int) -> torch.Tensor:
+        def rotate(t: torch.Tensor, heads: int) -> torch.Tensor:
             t1, t2 = t.view(B, S, heads, D).chunk(2, -1)
             return torch.cat((t1 * cos - t2 * sin, t2 * cos + t1 * sin), -1).transpose(1, 2)
 
-        return rope(q, Hq), rope(k, Hkv), v.view(B, S, Hkv, D).transpose(1, 2)
+        return rotate(q, Hq), rotate(k, Hkv), v.view(B, S, Hkv, D).transpose(1, 2)
 
     def _finish(self, layer: dict, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """attn [B, Hq, S, D] -> the layer's output stream [B, S, H]."""

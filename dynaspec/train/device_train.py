@@ -16,6 +16,7 @@ import math
 import random
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -91,10 +92,10 @@ def _inputs(target, seqs: list[Seq], aux: tuple[int, ...], t2d: torch.Tensor):
     emb = target.embed(nxt)
     lab = torch.full((B, T), IGNORE, dtype=torch.long, device=dev)
     lab[:, :-1] = t2d[f.greedy[:, 1:]]
-    s = torch.arange(T, device=dev)[None, :]
+    col = torch.arange(T, device=dev)[None, :]  # row s
     lens = torch.tensor([len(x.ids) for x in seqs], device=dev)[:, None]
     plen = torch.tensor([x.prompt_len for x in seqs], device=dev)[:, None]
-    rows = (s + 2 >= plen) & (s + 2 < lens)  # answer tokens only, inside the sequence
+    rows = (col + 2 >= plen) & (col + 2 < lens)  # answer tokens only, inside the sequence
     lab[~rows] = IGNORE
     return f.aux, emb, lab, rows
 
@@ -133,8 +134,8 @@ def train(target, head: EagleHead, seqs: list[Seq], cfg: DeviceTrainConfig,
     t2d[head.draft_to_target] = torch.arange(head.cfg.draft_vocab_size, device=dev)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
-    hist = {"step": [], "seconds": [], "loss": [], "acc": [], "tokens": 0, "epochs": 0.0,
-            "probes": []}
+    hist: dict[str, Any] = {"step": [], "seconds": [], "loss": [], "acc": [], "tokens": 0,
+                            "epochs": 0.0, "probes": []}
     t0, step, epoch = time.perf_counter(), 0, 0
     last_probe = t0
     amp = torch.autocast(dev.type, dtype=torch.bfloat16)
@@ -155,6 +156,7 @@ def train(target, head: EagleHead, seqs: list[Seq], cfg: DeviceTrainConfig,
                 res = pass_outputs(head, feats, emb, lab, cfg.passes)
                 loss = sum(0.8**k * F.cross_entropy(lg, lk[m]) for k, (lk, m, lg) in
                            enumerate(res) if lg.shape[0])
+            assert isinstance(loss, torch.Tensor)  # some pass has a labelled row
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)

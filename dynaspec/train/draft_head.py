@@ -18,6 +18,7 @@ import logging
 import os
 import time
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -148,6 +149,7 @@ def new_head(model, cfg: TrainConfig, d2t: torch.Tensor) -> EagleHead:
         # (the target may sit on an accelerator: its rows come back to the CPU head)
         ids = d2t.to(model.norm.device)
         rows = model.embed(ids).float().cpu() if a.tie_word_embeddings else None
+        assert head.lm_head is not None and head.norm is not None  # an eagle3 head
         if rows is not None:
             head.lm_head.weight.copy_(rows)
         head.norm.copy_(model.norm.float().cpu())
@@ -163,8 +165,11 @@ def labels_for(nxt: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
     return lab
 
 
-def collate(model, seqs, cached) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(features [B, T, A*H] fp32, embeddings of token s+1 [B, T, H], labels [B, T]) padded to T."""
+def collate(
+    model, seqs, cached
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(features [B, T, A*H] fp32, embeddings of token s+1 [B, T, H], next tokens [B, T] (-1
+    past the end), lengths [B]) padded to T."""
     B, T = len(seqs), max(len(s) for s in seqs)
     feats = torch.zeros(B, T, cached[0][0].shape[-1])
     nxt = torch.full((B, T), -1, dtype=torch.long)
@@ -187,7 +192,8 @@ def step_loss(
     T = nxt.shape[1]
     lab = labels_for(nxt, t2d)
     lab[torch.arange(T)[None, :] >= (lens - 1)[:, None]] = IGNORE  # no token s+1 there
-    loss, accs = 0.0, []
+    loss: torch.Tensor | float = 0.0
+    accs: list[float] = []
     with torch.autocast("cpu", dtype=torch.bfloat16):
         outs = head.unrolled(feats, emb, passes)
         for k, out in enumerate(outs):
@@ -199,6 +205,7 @@ def step_loss(
             )
             m = lk != IGNORE
             accs.append(float((logits.argmax(-1)[m] == lk[m]).float().mean()) if m.any() else 0.0)
+    assert isinstance(loss, torch.Tensor)  # passes >= 1
     return loss, accs
 
 
@@ -228,7 +235,7 @@ def train(model, seqs: list[list[int]], cached: list, d2t: torch.Tensor, cfg: Tr
     opt = torch.optim.AdamW(
         [p for p in head.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0
     )
-    hist = {"step": [], "loss": [], "acc": [], "seconds": 0.0}
+    hist: dict[str, Any] = {"step": [], "loss": [], "acc": [], "seconds": 0.0}
     start = 0
     if os.path.exists(state_path):
         st = torch.load(state_path, weights_only=False)
