@@ -62,7 +62,7 @@ def measure_shape(engine, bucket: int, width: int, ctx: int, pairs: int,
         for s in out.scheduled:
             runner.forget(s.request.request_id)
     r = paired_ratio(e_s, c_s)
-    lo, hi = (r.lo, r.hi) if r.lo is not None else (r.ratio, r.ratio)
+    lo, hi = (r.lo, r.hi) if r.lo is not None and r.hi is not None else (r.ratio, r.ratio)
     entry = AdmissionEntry(bucket, width, r.ratio, lo, hi, statistics.median(e_s) * 1e3,
                            statistics.median(c_s) * 1e3)
     return entry, build_s

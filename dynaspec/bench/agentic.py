@@ -120,7 +120,8 @@ def build_agentic(tokenizer, n: int, seed: int, functions, docs, pick, work_item
             fn = tasks[g]
             reqs = _retry(fn, chat_ids, rng)
         else:
-            reqs = _multiturn(*mods[g], template)
+            rel, parts = mods[g]
+            reqs = _multiturn(rel, parts, template)
         # An edit repeats the function; a retry writes one from scratch; a quote is a paragraph.
         budget = min(1024, len(tokenizer.encode(fn.source)) + 96) if kind == "edit_chain" else 256
         for ids, _, label in reqs:

@@ -20,6 +20,7 @@ import math
 import shlex
 import sys
 from statistics import mean
+from typing import Any
 
 _MODES = ("none", "ngram")
 
@@ -66,7 +67,7 @@ def recovered_share(sync_runs, async_runs) -> dict:
     shares = [
         (s.elapsed_s - a.elapsed_s) / o for s, a, o in zip(sync_runs, async_runs, outside) if o > 0
     ]
-    out = {"sync_outside_forward_s": outside,
+    out: dict[str, Any] = {"sync_outside_forward_s": outside,
            "sync_outside_share": [o / s.elapsed_s for o, s in zip(outside, sync_runs)],
            "recovered": shares, "recovered_mean": mean(shares) if shares else None, "ci95": None}
     if len(shares) >= 2:

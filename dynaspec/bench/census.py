@@ -119,7 +119,7 @@ def run_census(engine, items, params: Sequence[SamplingParams], concurrency: int
     if not isinstance(engine.driver, SyncDriver):
         raise ValueError("bench census drives the synchronous step; drop --async-scheduling")
     c = Census()
-    pending, inflight = list(range(len(items)))[::-1], set()
+    pending, inflight = list(range(len(items)))[::-1], set[str]()
     t0 = time.perf_counter()
     while pending or inflight:
         while pending and len(inflight) < concurrency:
@@ -229,7 +229,7 @@ def register(bsub) -> None:
     p.set_defaults(func=run_census_cmd)
 
 
-def run_census_cmd(args) -> int:  # type: ignore[no-untyped-def]
+def run_census_cmd(args) -> int:
     import json
     import shlex
     import sys

@@ -17,7 +17,7 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
@@ -102,7 +102,7 @@ def run_closed_loop(engine, items: Sequence[WorkItem], params: Sequence[Sampling
                     concurrency: int, rec: RunRecord, tag: str) -> int:
     """Keep `concurrency` requests in the engine until all items finish; fills rec; returns the
     tokens seen in streamed outputs (checked against the engine's own count by the caller)."""
-    pending, inflight = deque(range(len(items))), {}
+    pending, inflight = deque(range(len(items))), dict[str, int]()
     outputs: dict[int, list[int]] = {}
     streamed = 0
     t0 = time.perf_counter()
@@ -196,7 +196,7 @@ def _violations(engine, delta, streamed: int, final_tokens: int) -> list[str]:
     return bad
 
 
-def run_pairs(arms: dict[str, Arm], items: Sequence[WorkItem], params: Sequence[SamplingParams],
+def run_pairs(arms: Mapping[str, Arm], items: Sequence[WorkItem], params: Sequence[SamplingParams],
               concurrency: int, pairs: int, order: str = "alternate",
               on_record: Callable[[RunRecord], None] | None = None) -> list[RunRecord]:
     """Run every arm once per pair, in `run_order`; identity violations stop the benchmark."""
@@ -280,7 +280,7 @@ def same_outputs(recs: list[RunRecord], base: list[RunRecord]) -> dict:
     return {"identical": same, "total": total}
 
 
-def build_report(arms: dict[str, Arm], records: list[RunRecord], settings: dict,
+def build_report(arms: Mapping[str, Arm], records: list[RunRecord], settings: dict,
                  bandwidth: float | None) -> dict:
     """The JSON object: a, b (and peers), ratio and ci95 of B/A, ratios of every arm vs A."""
     by_arm = {name: [r for r in records if r.arm == name] for name in arms}

@@ -25,6 +25,7 @@ import statistics
 import sys
 import threading
 import time
+from typing import Any
 
 import httpx
 
@@ -112,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     name = "stress"
     arms = {1: _Server(name, **{**kwargs, "data_parallel_size": 1}), dp: _Server(name, **kwargs)}
     reference: dict[int, str] = {}  # prompt index -> DP=1 text
-    totals = {a: {"requests": 0, "failed": 0, "mismatched": 0, "tps": []} for a in arms}
+    totals: dict[int, dict[str, Any]] = {
+        a: {"requests": 0, "failed": 0, "mismatched": 0, "tps": []} for a in arms}
     try:
         offset = 0
         for rnd in range(args.rounds):

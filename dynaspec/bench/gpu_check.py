@@ -115,10 +115,14 @@ def stage_model() -> dict:
                       intermediate_size=128 if tiny else 1536,
                       num_hidden_layers=2 if tiny else 30, num_attention_heads=2 if tiny else 9,
                       num_key_value_heads=1 if tiny else 3, max_position_embeddings=8192,
-                      rope_theta=100000.0, tie_word_embeddings=True, rms_norm_eps=1e-5,
+                      # transformers 5 takes rope_theta through **kwargs (into rope_parameters,
+                      # which 4.x does not know); its typed signature leaves it out.
+                      rope_theta=100000.0,  # type: ignore[call-arg]
+                      tie_word_embeddings=True, rms_norm_eps=1e-5,
                       bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
-    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
+    # transformers types the decorated .to() with the model as its first argument.
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)  # type: ignore[arg-type]
     vocab = {f"t{i}": i for i in range(cfg.vocab_size)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -276,17 +280,17 @@ def stage_real(deadline: float, path: str) -> dict:
         except Exception as exc:  # noqa: BLE001 - e.g. no stdlib sources on the image
             return {**r, "error": f"code_edit workload unavailable: {exc}"[:300]}
         keep = eng.max_model_len - new - 8  # only a tiny dry-run model is this short
-        items = [it.prompt_ids[-keep:] for it in items]
+        ids = [it.prompt_ids[-keep:] for it in items]
         sp = SamplingParams(temperature=0.0, max_tokens=new)
         # Warm-up outside the timing: Triton compiles and the small shapes' graph captures
         # would otherwise land on whichever arm runs first.
-        eng.generate_sync(items[:2],
+        eng.generate_sync(ids[:2],
                           [SamplingParams(temperature=0.0, max_tokens=8)] * 2)
         for c in conc:
             if time.time() > deadline:
                 r[f"{arm}_c{c}"] = {"skipped": "stage time box"}
                 continue
-            prompts = items[: max(c, 2)]
+            prompts = ids[: max(c, 2)]
             t0, toks, got = time.perf_counter(), 0, []
             for i in range(0, len(prompts), c):  # concurrency c: c requests at a time
                 res = eng.generate_sync(prompts[i:i + c], [sp] * len(prompts[i:i + c]))

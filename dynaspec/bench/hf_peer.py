@@ -19,7 +19,8 @@ def load_hf(model_dir: str, device: str):
     from transformers import AutoModelForCausalLM
 
     m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
-    return m.to(device).eval()
+    # transformers types the decorated .to() with the model as its first argument.
+    return m.to(device).eval()  # type: ignore[arg-type]
 
 
 def run_arm(model, arm: str, batch: int, prompt_len: int, new_tokens: int, repeats: int = 2,

@@ -19,10 +19,14 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from dynaspec.extras import require
 
-httpx = require("httpx", "bench", "the load test")
+if TYPE_CHECKING:
+    import httpx
+else:
+    httpx = require("httpx", "bench", "the load test")
 
 PROMPTS = [
     "Write a haiku about the sea.", "The capital of France is", "List three prime numbers:",
@@ -54,7 +58,7 @@ async def one_request(http: httpx.AsyncClient, args: argparse.Namespace, i: int)
             "temperature": args.temperature, "seed": i, "stream": True,
             "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
-    res, last, done = Result(ok=False), None, False
+    res, last, done = Result(ok=False), t0, False  # last: the previous chunk's time
     try:
         async with http.stream("POST", "/v1/completions", json=body) as resp:
             if resp.status_code != 200:
@@ -113,7 +117,7 @@ async def run(args: argparse.Namespace) -> tuple[list[Result], float]:
     return results, wall
 
 
-def _pct(values: list[float], q: float) -> float | None:
+def _pct(values: list[float], q: int) -> float | None:
     if not values:
         return None
     if len(values) == 1:

@@ -24,6 +24,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from dynaspec.bench.compare import RunRecord, request_latencies
 from dynaspec.bench.workloads import WorkItem
@@ -130,7 +131,7 @@ class HFArm:
                 "dtype": str(self.dtype), "mode": self.mode}
 
     def _gen_kwargs(self, sp: SamplingParams) -> dict:
-        kw = {
+        kw: dict[str, Any] = {
             "max_new_tokens": sp.max_tokens,
             "eos_token_id": self.eos,
             "pad_token_id": (self.eos or [0])[0],
@@ -193,7 +194,8 @@ class _TimingStreamer:
     """Records when generate hands out tokens (the first put is the prompt)."""
 
     def __init__(self, start: float) -> None:
-        self.start, self.times, self.seen_prompt = start, [], False
+        self.start, self.seen_prompt = start, False
+        self.times: list[float] = []
 
     def put(self, value) -> None:
         if not self.seen_prompt:
@@ -363,6 +365,7 @@ class VLLMArm:
         self.version = hello.get("version")
 
     def _call(self, obj: dict) -> dict:
+        assert self.proc.stdin is not None and self.proc.stdout is not None  # opened as pipes
         self.proc.stdin.write(json.dumps(obj) + "\n")
         self.proc.stdin.flush()
         for line in self.proc.stdout:
@@ -394,6 +397,7 @@ class VLLMArm:
 
     def close(self) -> None:
         if self.proc.poll() is None:
+            assert self.proc.stdin is not None  # opened as a pipe
             self.proc.stdin.close()
             try:
                 self.proc.wait(timeout=30)

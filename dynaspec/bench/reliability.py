@@ -29,7 +29,7 @@ from typing import Any
 SCENARIOS = ("fuzz", "overload", "abort", "soak", "rank-kill", "rank-stop")
 # Engine flags each scenario sets unless given on the command line (a flag left at its global
 # default counts as not given).
-SCENARIO_ENGINE = {
+SCENARIO_ENGINE: dict[str, dict[str, Any]] = {
     "fuzz": {"max_model_len": 64, "num_kv_blocks": 512},
     "overload": {"num_kv_blocks": 256, "max_model_len": 1024, "dtype": "float32"},
     "abort": {"speculator": "ngram", "num_spec_tokens": 4, "max_num_batched_tokens": 256,

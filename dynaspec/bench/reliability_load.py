@@ -54,7 +54,8 @@ def run_overload(server: LocalServer, engine_kwargs: dict, num_requests: int, se
     failed = [r for r in results if r.get("status") != 200 or "text" not in r]
     ref_engine, ref = unloaded_reference(engine_kwargs, prompts, max_tokens,
                                          server.async_engine.tokenizer)
-    mismatches, near_ties = [], []
+    mismatches: list[tuple[int, float]] = []  # (request, logprob gap)
+    near_ties: list[tuple[int, float]] = []
     for i, (r, out) in enumerate(zip(results, ref)):
         if "text" in r and r["text"] != out.text:
             gap = divergence_gap(ref_engine, out.prompt_token_ids, out.token_ids, r["text"])

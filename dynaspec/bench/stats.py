@@ -103,7 +103,7 @@ def _betainc(a: float, b: float, x: float) -> float:
         return 1.0 - _betainc(b, a, 1.0 - x)
     log_front = a * math.log(x) + b * math.log1p(-x) - math.log(a) - _log_beta(a, b)
     tiny, c, d = 1e-300, 1.0, 0.0
-    f = None
+    f: float | None = None
     for i in range(400):
         m = i // 2
         if i == 0:
@@ -119,6 +119,7 @@ def _betainc(a: float, b: float, x: float) -> float:
         f = c * d if f is None else f * c * d
         if abs(c * d - 1.0) < 1e-15:
             break
+    assert f is not None  # the loop ran
     return math.exp(log_front) * (f - 1.0)
 
 
@@ -155,7 +156,7 @@ def run_order(
         raise ValueError(f"pairs must be >= 1, got {pairs}")
     if scheme not in ("alternate", "abba"):
         raise ValueError(f"unknown order scheme {scheme!r}: choose alternate or abba")
-    order = []
+    order: list[tuple[int, str]] = []
     for i in range(pairs):
         seq = list(arms) if scheme == "alternate" or i % 2 == 0 else list(reversed(arms))
         order.extend((i, arm) for arm in seq)

@@ -16,7 +16,7 @@ import shlex
 import sys
 from dataclasses import replace
 
-from dynaspec.structured_params import StructuredOutputParams
+from dynaspec.structured_params import StructuredOutputParams, schema_text
 
 SCHEMA = {
     "type": "object",
@@ -94,6 +94,7 @@ def grammar_summary(records, arm: str) -> dict:
 def run_structured_cmd(args: argparse.Namespace) -> int:
     from dynaspec.bench.compare import (
         EngineArm,
+        RunRecord,
         build_report,
         make_params,
         markdown_report,
@@ -109,18 +110,20 @@ def run_structured_cmd(args: argparse.Namespace) -> int:
     arms = {"a": EngineArm(args.engine, base), "b": EngineArm(f"{args.engine} {args.spec}", spec)}
     tok = arms["a"].tokenizer
     items = load_items(tok, args.num_prompts, args.max_tokens)
-    so = StructuredOutputParams(json=SCHEMA)
+    so = StructuredOutputParams(json=schema_text(SCHEMA))
     params = [replace(p, structured_output=so)
               for p in make_params(items, args.max_tokens, 0.0, args.seed)]
     for arm in arms.values():  # warm-up: kernels, and the grammar compiled once (cached)
         arm.run(items[:1], [replace(params[0], max_tokens=8)], 1, "warm")
     out: dict = {"schema": SCHEMA, "results": {}}
     for c in (int(x) for x in args.concurrency.split(",")):
-        records = run_pairs(arms, items, params, c, args.pairs, "alternate",
-                            lambda r, c=c: _say(f"c={c} pair {r.pair} arm {r.arm}: "
-                                           f"{r.tokens_per_s:.2f} tok/s"))
+        def said(r: RunRecord, c: int = c) -> None:
+            _say(f"c={c} pair {r.pair} arm {r.arm}: {r.tokens_per_s:.2f} tok/s")
+
+        records = run_pairs(arms, items, params, c, args.pairs, "alternate", said)
         for r in records:
-            r.texts = [tok.decode(o) for o in r.outputs]
+            # This command's own field, read back by grammar_summary (getattr).
+            r.texts = [tok.decode(o) for o in r.outputs]  # type: ignore[attr-defined]
         settings = {"workload": "structured_json", "num_prompts": len(items),
                     "max_tokens": args.max_tokens, "concurrency": c, "pairs": args.pairs,
                     "order": "alternate", "temperature": 0.0, "seed": args.seed,

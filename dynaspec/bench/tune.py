@@ -58,7 +58,8 @@ def _ranges(values: Sequence[int]) -> list[tuple[int, int | None]]:
     vs = sorted(set(values))
     if not vs or vs[0] < 1:
         raise ValueError(f"bucket values must be integers >= 1, got {list(values)}")
-    out, lo = [], 1
+    out: list[tuple[int, int | None]] = []
+    lo = 1
     for v, nxt in zip(vs, vs[1:]):
         hi = max(v, int(math.sqrt(v * nxt)))
         out.append((lo, hi))
