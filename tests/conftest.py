@@ -309,7 +309,8 @@ def default_gguf_path() -> str:
 
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_cost_cache(tmp_path_factory):
-    """Step cost tables measured by the goodput policy go to a per-run dir, never ~/.cache."""
+    """Step cost tables measured by the goodput policy go to a per-run dir, never ~/.cache (the
+    kernels' build cache stays where it is: isolating it rebuilt every kernel in each run)."""
     from dynaspec.spec_decode.cost_model import CACHE_ENV
 
     old = os.environ.get(CACHE_ENV)

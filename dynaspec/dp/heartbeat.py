@@ -70,6 +70,10 @@ class HeartbeatSender:
         self.sent_at: deque[float] = deque(maxlen=100)  # monotonic times of the last beats
 
     def start(self) -> HeartbeatSender:
+        """The first beat goes from the caller's thread: started before the rank reports ready,
+        it reaches the front end ahead of RankReady (one ordered channel), so every ready rank
+        has been heard beating and is judged from its first step on."""
+        self._beat()
         self.thread.start()
         return self
 
@@ -77,13 +81,15 @@ class HeartbeatSender:
         self._stop.set()
 
     def _run(self) -> None:
-        msg = Heartbeat(self.rank)
         while not self._stop.wait(self.interval_s):
             try:
-                self.channel.send(msg)
+                self._beat()
             except (OSError, ValueError):
                 return  # the channel is closed: the rank is leaving, or the front end is gone
-            self.sent_at.append(time.monotonic())
+
+    def _beat(self) -> None:
+        self.channel.send(Heartbeat(self.rank))
+        self.sent_at.append(time.monotonic())
 
 
 class HeartbeatClock:

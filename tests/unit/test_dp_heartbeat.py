@@ -70,3 +70,14 @@ def test_stop_ends_the_beats():
     assert not sender.thread.is_alive()
     _drain(front, 0.0)
     assert not front.poll(0.05)
+
+
+def test_the_first_beat_is_sent_before_start_returns():
+    """So it precedes RankReady on the channel: a rank stopped right after it joined is still
+    one the front end has heard beating, and is judged."""
+    front, rank_end = Pipe()
+    sender = HeartbeatSender(LockedChannel(rank_end), 1, 60.0).start()
+    assert front.poll(0.0) and front.recv() == Heartbeat(1)
+    assert not front.poll(0.0)  # the thread's next beat is a minute away
+    sender.stop()
+    sender.thread.join(5.0)
