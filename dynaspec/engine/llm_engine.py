@@ -155,7 +155,7 @@ class LLMEngine:
         """Record a landed step's metrics and return its outputs (error outputs if it failed)."""
         if landed.error is not None:
             return [self._error_output(req, landed.error) for req in landed.failed]
-        drop_ended(landed)
+        landed = drop_ended(landed)
         self.recorder.record(landed)
         # A request aborted since the step landed has no output state left: nothing to emit.
         outs = [self._emit(u) for u in landed.updates
