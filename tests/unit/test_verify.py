@@ -123,3 +123,14 @@ def test_rows_without_a_sample_get_an_empty_result_and_keep_their_skip() -> None
     assert pre.token_ids == () and pre.skip_reason == "prefill"
     assert d.num_padding_tokens == 1 and d.num_draft_tokens == 1
     assert d.token_ids[-1] == int(logits[min(d.num_accepted_tokens, 2)].argmax())
+
+
+def test_rows_without_drafts_take_the_same_draws_as_the_rejection_rule() -> None:
+    """A step whose chains have no draft samples them with the plain sampler; beside a tree
+    the same rows once went through the rejection rule: the two agree token for token."""
+    for seed in range(20):
+        params = [PARAMS[(seed + i) % len(PARAMS)] for i in range(4)]
+        logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(seed)) * 2
+        got = verify(logits.clone(), _rows([[]] * 4, [None] * 4, _md(params, seed)))
+        want = rejection_sample_reference(logits, [0] * 4, [[]] * 4, None, _md(params, seed))
+        assert [list(r.token_ids) for r in got] == want, f"seed {seed}"
