@@ -121,7 +121,7 @@ def build(out: StepPlan, got: StepDrafts, drafts: dict[str, list[int]], probs: d
             continue
         d = drafts.get(rid, [])
         valid = len(d)
-        if out.batch.fixed_shape:
+        if out.batch.fixed_shape and out.batch.width is not None:
             d = width.pad_row(d, out.batch.width)
         q = probs.get(rid)
         skip = s.skip_reason

@@ -37,18 +37,20 @@ def verify(logits: torch.Tensor, rows: DraftRows, *, grammar: GrammarStep | None
            graph_argmax: torch.Tensor | None = None) -> tuple[RequestResult, ...]:
     """logits: [R, vocab], the sampling rows' drafts + 1 rows each, request after request.
     `graph_argmax`: [R] each row's argmax, computed by a CUDA-graph step (on the device)."""
-    sampled = [r for r in rows.rows if r.sample is not None]
+    sampled, md = [r for r in rows.rows if r.sample is not None], rows.sampling
+    if md is None:  # only prefill chunks: nothing to verify
+        return tuple(RequestResult(request_id=r.request_id, token_ids=(),
+                                   skip_reason=r.skip_reason) for r in rows.rows)
     if grammar is not None:
         grammar.mask(logits, rows.layout)
     if processing is not None:
         processing.apply(logits)
-    md = rows.sampling
-    if graph_argmax is not None and sampled and md.all_greedy and synthetic is None \
+    if graph_argmax is not None and md.all_greedy and synthetic is None \
             and processing is None and grammar is None and not any(r.tree for r in sampled):
         verdicts: list[Verdict] = [(t, None) for t in greedy_from_argmax(
             graph_argmax.tolist(), [list(r.tokens) for r in sampled])]
     else:
-        verdicts = _verdicts(logits, sampled, md, synthetic) if sampled else []
+        verdicts = _verdicts(logits, sampled, md, synthetic)
     results, at = [], 0
     for i, r in enumerate(rows.rows):
         if r.sample is None:
@@ -82,8 +84,10 @@ def verify(logits: torch.Tensor, rows: DraftRows, *, grammar: GrammarStep | None
 def _verdicts(logits: torch.Tensor, sampled: list[DraftRow], md: SamplingMetadata,
               synthetic: SyntheticVerifier | None) -> list[Verdict]:
     """Trees walked on their own rows; every other row through the batched chain rule."""
-    verdicts: list[Verdict | None] = [None] * len(sampled)
-    chains, chain_rows, at = [], [], 0
+    verdicts: dict[int, Verdict] = {}  # by position in `sampled`
+    chains: list[int] = []
+    chain_rows: list[int] = []
+    at = 0
     for k, r in enumerate(sampled):
         n = len(r.tokens) + 1
         if r.tree is not None:
@@ -99,7 +103,7 @@ def _verdicts(logits: torch.Tensor, sampled: list[DraftRow], md: SamplingMetadat
     if chains:
         for k, tokens in zip(chains, _chains(logits, [sampled[k] for k in chains], md, synthetic)):
             verdicts[k] = (tokens, None)
-    return verdicts  # type: ignore[return-value]
+    return [verdicts[k] for k in range(len(sampled))]
 
 
 def _chains(logits: torch.Tensor, rows: list[DraftRow], md: SamplingMetadata,
