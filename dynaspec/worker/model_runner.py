@@ -43,9 +43,11 @@ from dynaspec.worker.verify import verify
 
 log = logging.getLogger("dynaspec")
 
-@dataclass
+
+@dataclass(frozen=True)
 class StepInputs:
-    """One step's flat inputs, real requests only (padded rows are added by the fixed path)."""
+    """One step's flat inputs, real requests only (padded rows are added by the fixed path);
+    `_flatten` fills the lists, nothing changes them after."""
 
     ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
@@ -219,9 +221,7 @@ class ModelRunner:
 
     def _flatten(self, out: StepPlan, rows: DraftRows,
                  trees: dict[str, TreeRows] | None = None) -> StepInputs:
-        x = StepInputs()
-        if trees:
-            x.tree_masks = []
+        x = StepInputs(tree_masks=[] if trees else None)
         for i, s in enumerate(out.scheduled):
             req, c = s.request, s.request.num_computed_tokens
             d = rows.rows[i].tokens
@@ -242,9 +242,8 @@ class ModelRunner:
             if s.sampling:
                 x.logit_rows.extend(range(start + len(toks) - len(d) - 1, start + len(toks)))
                 x.sampling.append((i, len(d)))
-        x.argmax_rows = argmax_only_rows([out.scheduled[i].request for i, _ in x.sampling],
-                                         x.sampling)
-        return x
+        return replace(x, argmax_rows=argmax_only_rows(
+            [out.scheduled[i].request for i, _ in x.sampling], x.sampling))
 
     def _forward(self, x: StepInputs, batch: BatchDescriptor
                  ) -> tuple[torch.Tensor, BatchDescriptor, float]:

@@ -15,12 +15,12 @@ from dynaspec.scheduler.scheduler import Hold, StepUpdate
 from dynaspec.step_plan import BatchDescriptor, ScheduledRequest, StepPlan
 from dynaspec.structured.step import GrammarCommit
 from dynaspec.worker.draft_rows import DraftRow, DraftRows, StepDrafts
-from dynaspec.worker.model_runner import PreparedStep
+from dynaspec.worker.model_runner import PreparedStep, StepInputs
 from dynaspec.worker.tree_step import TreeRows
 
 STEP_TYPES = [StepPlan, ScheduledRequest, BatchDescriptor, StepDrafts, DraftRow, DraftRows,
-              DraftTree, TreeRows, SamplingMetadata, PreparedStep, GrammarCommit, RequestResult,
-              RunnerOutput, Launched, Hold, StepUpdate, Landed]
+              DraftTree, TreeRows, SamplingMetadata, StepInputs, PreparedStep, GrammarCommit,
+              RequestResult, RunnerOutput, Launched, Hold, StepUpdate, Landed]
 
 
 def _instance(cls: type) -> object:
