@@ -329,6 +329,13 @@ class ParallelConfig:
                                      "(default MASTER_PORT or a free port)", type=int)
     dp_rank_timeout_s: float = opt(10.0, "seconds past the longest step after which a silent "
                                    "rank is declared stuck", flag="--dp-rank-timeout")
+    # 1 s: five missed beats (one every 0.2 s), so a stopped rank is named, killed and its
+    # survivors re-grouped within the 3 s gap bound of §7d; a rank busy in a long step keeps
+    # beating (its heartbeat thread needs the GIL only briefly).
+    dp_heartbeat_timeout_s: float = opt(1.0, "seconds without a rank's heartbeat (sent every "
+                                        "0.2 s by a thread of its own) after which it is "
+                                        "declared stopped and killed; 0 = off",
+                                        flag="--dp-heartbeat-timeout")
     num_threads: int | None = opt(None, "torch threads per rank (default: cores / local ranks)",
                                   type=int)
     # The HTTP process then only validates, streams and frames; the step never waits on its GIL.
@@ -350,6 +357,9 @@ class ParallelConfig:
             raise ValueError(f"dp_master_port must be in 1..65534, got {self.dp_master_port}")
         if not self.dp_rank_timeout_s > 0:
             raise ValueError(f"dp_rank_timeout_s must be > 0, got {self.dp_rank_timeout_s}")
+        if not self.dp_heartbeat_timeout_s >= 0:
+            raise ValueError("dp_heartbeat_timeout_s must be >= 0 (0 = off), got "
+                             f"{self.dp_heartbeat_timeout_s}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
 

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from dynaspec.config import EngineConfig
 from dynaspec.engine.llm_engine import LLMEngine
+from dynaspec.engine.sync_driver import generate
 from dynaspec.outputs import RequestOutput
 from dynaspec.sampling_params import SamplingParams
 
@@ -39,4 +40,4 @@ class LLM:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
-        return self.engine.generate_sync(list(prompts), list(sampling_params))
+        return generate(self.engine, list(prompts), list(sampling_params))

@@ -11,13 +11,15 @@ from dynaspec.metrics.stats import RequestSpecSummary
 from dynaspec.step_plan import BatchDescriptor
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class RequestResult:
+    """One scheduled request's outcome of a step, built once by `worker/verify.py`."""
+
     request_id: str
-    token_ids: list[int]  # accepted drafts + one recovered/bonus token; [] for a partial prefill
-    num_draft_tokens: int  # valid drafts verified
-    num_accepted_tokens: int
-    skip_reason: str | None  # set on a sampling step that verified no draft
+    token_ids: tuple[int, ...]  # accepted drafts + one recovered/bonus token; () for a prefill
+    num_draft_tokens: int = 0  # valid drafts verified
+    num_accepted_tokens: int = 0
+    skip_reason: str | None = None  # set on a sampling step that verified no draft
     logprobs: list[Any] | None = None  # per emitted token: (logprob, top [(id, logprob)])
     num_padding_tokens: int = 0  # -1 pads verified (invalid, reason "padding")
     num_grammar_invalid_tokens: int = 0  # drafts cut before verification (invalid, "grammar")
@@ -29,13 +31,13 @@ class RequestResult:
     drafts_from_fallback: bool = False  # its drafts came from the drafter's fallback (a head)
     num_tree_nodes: int = 0  # its drafts were a tree of this many nodes (0: a chain)
     tree_depth: int = 0  # ... whose longest root path had this many nodes
-    tree_path: list[int] | None = None  # the accepted nodes of its tree (runner-internal)
+    tree_path: tuple[int, ...] | None = None  # the accepted nodes of its tree (runner-internal)
     tree_walk: TreeWalk | None = None  # ... and the walk down it, for the K policy
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class RunnerOutput:
-    results: list[RequestResult]  # in StepPlan.scheduled order
+    results: tuple[RequestResult, ...]  # in StepPlan.scheduled order
     prepare_seconds: float = 0.0
     draft_seconds: float = 0.0
     # Of draft_seconds, the drafter's once-per-request work (an EAGLE head's prefill of a

@@ -168,7 +168,7 @@ class EngineArm:
         # of these same prompts would draft them almost perfectly, which no real traffic sees.
         getattr(e, "reset_drafter_cache", lambda: None)()
         c0, p0, t0 = e.counters, e.scheduler.num_preemptions, asdict(e.times)
-        steps_now = lambda: dict(getattr(e, "execution_steps", {}))  # noqa: E731
+        steps_now = lambda: dict(e.recorder.execution_steps)  # noqa: E731
         x0 = steps_now()
         rec = RunRecord(tag.split("-")[0], -1, 0, 0.0)
         streamed = run_closed_loop(e, items, params, concurrency, rec, tag)

@@ -267,6 +267,7 @@ def stage_real(deadline: float, path: str) -> dict:
     if not gguf or not os.path.exists(gguf):
         return {"skipped": f"MODEL_GGUF not set or missing ({gguf!r})"}
     from dynaspec.bench.workloads import load_workload
+    from dynaspec.engine.sync_driver import generate
     from dynaspec.sampling_params import SamplingParams
 
     r: dict = {}
@@ -284,8 +285,7 @@ def stage_real(deadline: float, path: str) -> dict:
         sp = SamplingParams(temperature=0.0, max_tokens=new)
         # Warm-up outside the timing: Triton compiles and the small shapes' graph captures
         # would otherwise land on whichever arm runs first.
-        eng.generate_sync(ids[:2],
-                          [SamplingParams(temperature=0.0, max_tokens=8)] * 2)
+        generate(eng, ids[:2], [SamplingParams(temperature=0.0, max_tokens=8)] * 2)
         for c in conc:
             if time.time() > deadline:
                 r[f"{arm}_c{c}"] = {"skipped": "stage time box"}
@@ -293,7 +293,7 @@ def stage_real(deadline: float, path: str) -> dict:
             prompts = ids[: max(c, 2)]
             t0, toks, got = time.perf_counter(), 0, []
             for i in range(0, len(prompts), c):  # concurrency c: c requests at a time
-                res = eng.generate_sync(prompts[i:i + c], [sp] * len(prompts[i:i + c]))
+                res = generate(eng, prompts[i:i + c], [sp] * len(prompts[i:i + c]))
                 got += [o.token_ids for o in res]
                 toks += sum(len(o.token_ids) for o in res)
             dt = time.perf_counter() - t0

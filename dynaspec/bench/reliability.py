@@ -38,9 +38,10 @@ SCENARIO_ENGINE: dict[str, dict[str, Any]] = {
              "num_kv_blocks": 2048, "max_model_len": 2048},
     "rank-kill": {"data_parallel_size": 2, "speculator": "ngram", "num_spec_tokens": 3,
                   "num_kv_blocks": 1024, "max_model_len": 1024},
-    # Declared stuck after the timeout: a short one, so the survivors' pause stays short.
+    # Declared stopped when its heartbeat goes silent (--dp-heartbeat-timeout); the exchange
+    # timeout stays at its default, a backstop that would take seconds longer.
     "rank-stop": {"data_parallel_size": 2, "speculator": "ngram", "num_spec_tokens": 3,
-                  "num_kv_blocks": 1024, "max_model_len": 1024, "dp_rank_timeout_s": 2.0},
+                  "num_kv_blocks": 1024, "max_model_len": 1024},
 }
 _WORDS = ("the river carries light past the old mill while children count the boats and "
           "a baker sings about bread that rises slowly in the morning heat of summer").split()

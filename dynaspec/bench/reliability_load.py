@@ -80,6 +80,7 @@ def unloaded_reference(engine_kwargs: dict, prompts: list[str], max_tokens: int,
     time. The engine is left idle, with prefix caching off, for divergence_gap."""
     from dynaspec.config import EngineConfig
     from dynaspec.engine.llm_engine import LLMEngine
+    from dynaspec.engine.sync_driver import generate
     from dynaspec.sampling_params import SamplingParams
 
     bs = engine_kwargs.get("block_size", 16)
@@ -88,7 +89,7 @@ def unloaded_reference(engine_kwargs: dict, prompts: list[str], max_tokens: int,
           "enable_prefix_caching": False}
     engine = LLMEngine(EngineConfig.from_kwargs(**kw))
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    return engine, engine.generate_sync(prompts, [params] * len(prompts))
+    return engine, generate(engine, prompts, [params] * len(prompts))
 
 
 def divergence_gap(engine: Any, prompt_ids: list[int], ref_ids: list[int], text: str) -> float:

@@ -3,8 +3,10 @@
 Runs on the front end's pump thread. Signs of failure: a local rank process exits, a remote
 rank's channel closes, a rank reports that it raised (``RankFailed``), a rank reports that its
 step exchange failed in the group the front end last formed (``GroupLost``: it is alive and a
-peer is not), or a serving rank goes quiet for far longer than any step took. A death is
-certain at once (a victim no longer exits), as is the one member that did not report when all
+peer is not), a rank's heartbeat goes silent for ``dp_heartbeat_timeout_s`` (dp/heartbeat.py:
+the whole process stopped, as with SIGSTOP; a rank busy in a long step keeps beating), or a
+serving rank goes quiet for far longer than any step took. A death is certain at once (a victim
+no longer exits), as is a silent heartbeat and the one member that did not report when all
 the others did; otherwise, after a short settle (``SETTLE_S``) to
 collect the peers' reports, the culprits are the ranks gone quiet, else the members that did
 not report a failed exchange (stuck inside a step: alive to the OS, silent to their peers).
@@ -17,7 +19,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
+from dynaspec.dp.heartbeat import HeartbeatClock
 from dynaspec.dp.messages import GroupLost, RankFailed
 from dynaspec.dp.rank import IDLE_POLL_S
 
@@ -44,8 +48,9 @@ class FailureWatch:
     """Turns exits, closed channels, peer reports and silence into one verdict naming the
     failed rank(s) (module docstring); ``declare`` is the front end's action on it."""
 
-    def __init__(self, eng) -> None:  # type: ignore[no-untyped-def]
-        self.eng = eng
+    def __init__(self, eng, clock: Callable[[], float] = time.monotonic) -> None:  # type: ignore[no-untyped-def]
+        self.eng, self.clock = eng, clock
+        self.beats = HeartbeatClock(eng.config.parallel.dp_heartbeat_timeout_s, clock)
         self.dead: dict[int, str] = {}
         self.reported: set[int] = set()  # members whose exchange failed (alive, victims)
         self.first: float | None = None
@@ -53,7 +58,7 @@ class FailureWatch:
         self.longest_gap = 0.0
 
     def heard(self, rank: int, msg: object) -> None:
-        now = time.monotonic()
+        now = self.clock()
         if rank in self.last_heard and rank in self.eng.roster.serving:
             self.longest_gap = max(self.longest_gap, now - self.last_heard[rank])
         self.last_heard[rank] = now
@@ -76,7 +81,7 @@ class FailureWatch:
 
     def restart_clock(self, ranks) -> None:  # type: ignore[no-untyped-def]
         """A new group is forming: its members are silent meanwhile, by design."""
-        now = time.monotonic()
+        now = self.clock()
         for r in ranks:
             self.last_heard[r] = now
 
@@ -93,7 +98,7 @@ class FailureWatch:
 
     def _problem(self) -> None:
         if self.first is None:
-            self.first = time.monotonic()
+            self.first = self.clock()
 
     def silence_s(self) -> float:
         pc = self.eng.config.parallel
@@ -103,11 +108,12 @@ class FailureWatch:
         eng = self.eng
         if eng._closing or not eng._started:
             return
-        now = time.monotonic()
+        now = self.clock()
         serving = eng.roster.serving
         silent = {r for r in serving if now - self.last_heard.get(r, now) > self.silence_s()
                   and r not in self.dead and r not in self.reported}
-        if silent:
+        unbeating = self.beats.silent((serving | set(eng.roster.members)) - set(self.dead), now)
+        if silent or unbeating:
             self._problem()
         if self.first is not None:
             self._exits_not_yet_seen()
@@ -116,11 +122,14 @@ class FailureWatch:
         unreported = set(eng.roster.members) - self.reported
         if self.reported and len(unreported) == 1 and not self.dead:
             self._exits_not_yet_seen(wait_for=unreported)
-        certain = bool(self.dead) or (bool(self.reported) and len(unreported) <= 1)
+        certain = bool(self.dead) or bool(unbeating) or (bool(self.reported)
+                                                         and len(unreported) <= 1)
         if self.first is None or (not certain and now - self.first < SETTLE_S):
             return
         timeout = eng.config.parallel.dp_rank_timeout_s
-        culprits = dict(self.dead)
+        culprits = {r: f"stopped answering (no heartbeat for {s:.1f} s)"
+                    for r, s in unbeating.items()}
+        culprits.update(self.dead)  # exited after all: named as a death
         if not culprits:
             culprits = {r: f"stopped answering (silent for more than {self.silence_s():.1f} s)"
                         for r in silent}

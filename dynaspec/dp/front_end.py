@@ -40,7 +40,7 @@ from dynaspec.dp.metrics import DPMetrics, sum_snapshots
 from dynaspec.dp.rendezvous import resolve
 from dynaspec.dp.supervisor import RankSupervisor
 from dynaspec.engine.client import EngineState, EngineUnavailable, ModelCard, PoolReport
-from dynaspec.engine.llm_engine import check_request
+from dynaspec.engine.request_check import check_request
 from dynaspec.metrics.stats import (
     EngineSnapshot,
     FinishedRequestTimes,

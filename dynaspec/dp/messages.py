@@ -2,7 +2,7 @@
 
 Front end -> rank: AddRequest, AbortRequest, Query, Wake, Stop, Regroup.
 Rank -> front end: Hello, RankReady, TickReport once per engine step, Reply, RankFailed,
-GroupLost, Joined.
+GroupLost, Joined, and Heartbeat from a thread of its own (dp/heartbeat.py).
 """
 
 from __future__ import annotations
@@ -159,3 +159,11 @@ class Joined:
 
     rank: int
     epoch: int
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """Sent every fraction of a second by a rank's heartbeat thread, outside the step loop: it
+    stops only when the whole process does (SIGSTOP, a machine gone), not during a long step."""
+
+    rank: int

@@ -1,9 +1,10 @@
 """One data-parallel rank: a process with its own model, KV pool and scheduler (an LLMEngine).
 
 Start-up: connect to the front end's control listener and its TCPStore, build the engine,
-report ready. The loop then forms group 0 (all ranks; a replacement waits for the front end's
-Regroup instead): a gloo group on CPU tensors for the step exchange (dp/group.py), whose
-handshake starts every rank from rank 0's step cost table (dp/regroup.py).
+start the heartbeat thread (dp/heartbeat.py: liveness outside the step loop), report ready.
+The loop then forms group 0 (all ranks; a replacement waits for the front end's Regroup
+instead): a gloo group on CPU tensors for the step exchange (dp/group.py), whose handshake
+starts every rank from rank 0's step cost table (dp/regroup.py).
 
 The loop, once per engine step on every rank (lockstep):
   1. run the front end's commands (add, abort, query, stop, regroup); when every rank was idle
@@ -31,6 +32,7 @@ from multiprocessing.connection import Client, Connection
 
 from dynaspec.dp.agreement import CollectiveError, LockstepPolicy, StepAgreement
 from dynaspec.dp.group import GroupAbandoned
+from dynaspec.dp.heartbeat import HeartbeatSender, LockedChannel, beat_interval_s
 from dynaspec.dp.messages import (
     AbortRequest,
     AddRequest,
@@ -63,11 +65,14 @@ def rank_main(spec: RankSpec) -> None:
     die_with_parent()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(levelname)s dynaspec.dp rank {spec.rank}: %(message)s")
-    conn = _connect(spec)
+    conn = LockedChannel(_connect(spec))
     conn.send(Hello(spec.rank))
     code = 0
     try:
         engine, agreement, store = _start(spec)
+        hb_timeout = spec.config.parallel.dp_heartbeat_timeout_s
+        if hb_timeout:  # from before ready: a replacement is judged while it joins, too
+            HeartbeatSender(conn, spec.rank, beat_interval_s(hb_timeout)).start()
         conn.send(_ready(spec, engine))
         loop = RankLoop(engine, agreement, conn, spec.rank, GroupSwitch(store, spec))
         code = loop.run()
@@ -96,7 +101,7 @@ def _connect(spec: RankSpec) -> Connection:
             time.sleep(0.5)
 
 
-def _send(conn: Connection, msg: object) -> None:
+def _send(conn: LockedChannel, msg: object) -> None:
     try:
         conn.send(msg)
     except OSError:
@@ -164,7 +169,7 @@ def _ready(spec: RankSpec, engine) -> RankReady:  # type: ignore[no-untyped-def]
 
 
 class RankLoop:
-    def __init__(self, engine, agreement: StepAgreement, conn: Connection, rank: int,
+    def __init__(self, engine, agreement: StepAgreement, conn: LockedChannel, rank: int,
                  groups: GroupSwitch) -> None:
         self.engine, self.agreement, self.conn, self.rank = engine, agreement, conn, rank
         self.groups = groups

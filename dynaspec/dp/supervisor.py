@@ -3,9 +3,9 @@
 Hosts the rendezvous (the TCPStore every group forms on, dp/group.py) and the control listener
 (one authenticated channel per rank), starts the local ranks, and runs two threads:
 - accept: takes each rank's channel, for the ranks of the first start and every replacement;
-- pump: reads every channel and process exit into the front end's inbox, feeds the failure
-  watch (dp/failure.py) and the roster (dp/roster.py), kills the ranks a verdict names and
-  starts their replacements.
+- pump: reads every channel and process exit into the front end's inbox (heartbeats only
+  into the failure watch), feeds the failure watch (dp/failure.py) and the roster
+  (dp/roster.py), kills the ranks a verdict names and starts their replacements.
 The front end's engine thread sees ("msg", rank, message) and ("lost", rank, why) events.
 """
 
@@ -19,7 +19,16 @@ from multiprocessing.connection import Connection, Listener, wait
 
 from dynaspec.config import EngineConfig
 from dynaspec.dp.failure import FailureWatch, reap
-from dynaspec.dp.messages import GroupLost, Hello, Joined, RankFailed, RankReady, RankSpec, Stop
+from dynaspec.dp.messages import (
+    GroupLost,
+    Heartbeat,
+    Hello,
+    Joined,
+    RankFailed,
+    RankReady,
+    RankSpec,
+    Stop,
+)
 from dynaspec.dp.process import RankProcess
 from dynaspec.dp.rank import spawn_spec
 from dynaspec.dp.rendezvous import Rendezvous, threads_per_rank
@@ -125,6 +134,9 @@ class RankSupervisor:
                 if not conn.poll():
                     return
                 msg = conn.recv()
+                if isinstance(msg, Heartbeat):
+                    self.watch.beats.beat(rank)  # liveness only: not news for the engine
+                    continue
                 self.watch.heard(rank, msg)
                 self._lifecycle(rank, msg)
                 self.inbox.put(("msg", rank, msg))
@@ -166,6 +178,7 @@ class RankSupervisor:
             if conn is not None:
                 conn.close()
             self.ready.pop(rank, None)
+            self.watch.beats.forget(rank)
         self.roster.lost(culprits)
         self.watch.restart_clock(self.roster.members)
         for rank, why in culprits.items():

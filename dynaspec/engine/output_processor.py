@@ -89,6 +89,12 @@ class OutputProcessor:
             del self.states[req.request_id]
         return out
 
+    def error(self, req: Request, exc: Exception) -> RequestOutput:
+        """The final output of a request a failed step ended."""
+        return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids), [],
+                             finished=True, finish_reason="error",
+                             error=f"{type(exc).__name__}: {exc}")
+
     @staticmethod
     def _cut(st: RequestState, req: Request, prev: int) -> bool:
         """Set the text from the detokenizer, cut before the first stop string that ends after

@@ -12,7 +12,8 @@ so every driver (the sync loop, the async pipeline, a data-parallel rank) runs t
 - `land(launched)`: waits for the result, releases the placeholders and applies it through
   `Scheduler.update` (the only writer of a request's counters), or fails the step's requests
   when it raised (`Scheduler.fail`).
-`drop_ended` is the first thing `emit` does: requests that ended after their step landed.
+`drop_ended` is the first thing `emit` does: the landed step without the requests that ended
+since it landed (a new `Landed`; nothing here changes one once built).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Executor, Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
 from dynaspec.engine.step_records import orphan_spec, prompt_tokens
 from dynaspec.metrics.stats import RequestStepSpec
@@ -42,18 +43,18 @@ class Launched:
     num_prompt_tokens: int  # counted at launch, before any counter moves
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class Landed:
     """A step whose result is applied to the requests; `emit` turns it into outputs."""
 
     plan: StepPlan
     res: RunnerOutput | None  # None when the step raised
-    updates: list[StepUpdate]
-    orphans: list[RequestStepSpec]  # requests that ended while it was in flight
+    updates: tuple[StepUpdate, ...] = ()
+    orphans: tuple[RequestStepSpec, ...] = ()  # requests that ended while it was in flight
     num_prompt_tokens: int
     update_seconds: float = 0.0
     error: Exception | None = None
-    failed: list[Request] = field(default_factory=list)  # requests the error finished
+    failed: tuple[Request, ...] = ()  # requests the error finished
 
 
 class StepPhases:
@@ -91,35 +92,36 @@ class StepPhases:
         except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving
             log.error("step failed", exc_info=exc)
             self.scheduler.release(launched.holds)
-            return Landed(plan, None, [], [], launched.num_prompt_tokens, error=exc,
-                          failed=self.scheduler.fail(plan))
+            return Landed(plan=plan, res=None, num_prompt_tokens=launched.num_prompt_tokens,
+                          error=exc, failed=tuple(self.scheduler.fail(plan)))
         t0 = time.perf_counter()
         self.scheduler.release(launched.holds)
-        orphans = [spec for s, r in zip(plan.scheduled, res.results)
-                   if s.request.status.finished and (spec := orphan_spec(s, r, plan.step_k))]
-        updates = self.scheduler.update(plan, res)
-        return Landed(plan, res, updates, orphans, launched.num_prompt_tokens,
-                      time.perf_counter() - t0)
+        orphans = tuple(spec for s, r in zip(plan.scheduled, res.results)
+                        if s.request.status.finished and (spec := orphan_spec(s, r, plan.step_k)))
+        updates = tuple(self.scheduler.update(plan, res))
+        return Landed(plan=plan, res=res, updates=updates, orphans=orphans,
+                      num_prompt_tokens=launched.num_prompt_tokens,
+                      update_seconds=time.perf_counter() - t0)
 
 
-def drop_ended(landed: Landed) -> None:
+def drop_ended(landed: Landed) -> Landed:
     """Requests aborted (or failed) after the step landed (async: before its outputs were
     emitted) never get its tokens: their records become orphans (nothing emitted, the row
     invalid), like those that ended while the step was in flight."""
     gone = {RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR}
 
-    def ended_since(u) -> bool:  # type: ignore[no-untyped-def]
+    def ended_since(u: StepUpdate) -> bool:
         # An update that itself finished the request (a grammar dead end ends it with an
         # error) is its final output, not an orphan.
         return u.request.status in gone and not u.finished
 
     if not any(ended_since(u) for u in landed.updates):
-        return
+        return landed
     entries = {s.request.request_id: s for s in landed.plan.scheduled}
-    kept = []
+    kept, orphans = [], list(landed.orphans)
     for u in landed.updates:
         if not ended_since(u):
             kept.append(u)
         elif spec := orphan_spec(entries[u.request.request_id], u.result, landed.plan.step_k):
-            landed.orphans.append(spec)
-    landed.updates = kept
+            orphans.append(spec)
+    return replace(landed, updates=tuple(kept), orphans=tuple(orphans))

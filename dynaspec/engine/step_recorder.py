@@ -23,6 +23,8 @@ from dynaspec.metrics.stats import (
     StepStats,
     fold_step,
 )
+from dynaspec.outputs import RequestTimings
+from dynaspec.request import Request, RequestStatus
 
 
 @dataclass
@@ -60,12 +62,20 @@ class StepRecorder:
     def forget(self, request_id: str) -> None:
         self._request_records.pop(request_id, None)
 
-    def aborted(self, phase: str) -> None:
+    def aborted(self, req: Request) -> None:
+        """Count an abort by where the request was: waiting, in its prefill, or decoding."""
+        phase = ("waiting" if req.status is not RequestStatus.RUNNING else
+                 "prefill" if req.num_computed_tokens < req.num_prompt_tokens else "decode")
         self.aborts_by_phase[phase] = self.aborts_by_phase.get(phase, 0) + 1
 
-    def finished(self, request_id: str, times: FinishedRequestTimes) -> None:
-        self.finished_times.append(times)
-        self.forget(request_id)
+    def finished(self, req: Request, t: RequestTimings) -> None:
+        """A request's final output went out with these timings: keep them for the
+        histograms and drop its records."""
+        self.finished_times.append(FinishedRequestTimes(
+            ttft_s=t.ttft_s, inter_token_s=t.inter_token_s, e2e_s=t.e2e_s,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_generation_tokens=req.num_output_tokens))
+        self.forget(req.request_id)
 
     def num_tracked(self) -> int:
         """Requests with records held (0 once every request has ended: nothing leaks)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from dynaspec.outputs import RequestOutput
+from dynaspec.sampling_params import SamplingParams
 
 
 class SyncDriver:
@@ -35,3 +36,13 @@ class SyncDriver:
             return []
         launched = e.launch(plan)
         return e.emit(e.land(launched)) if launched is not None else []
+
+
+def generate(engine: Any, prompts: list, params: list[SamplingParams]) -> list[RequestOutput]:
+    """Queue `prompts` on `engine` and step it (by its own driver) until all have finished;
+    their final outputs, in order."""
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    final: dict[str, RequestOutput] = {}
+    while engine.has_unfinished_requests():
+        final.update((o.request_id, o) for o in engine.step() if o.finished)
+    return [final[i] for i in ids]

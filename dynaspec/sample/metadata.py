@@ -9,7 +9,7 @@ import torch
 from dynaspec.sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplingMetadata:
     """Sampling settings of the requests in one step, in step order.
 
@@ -29,6 +29,16 @@ class SamplingMetadata:
     @property
     def num_reqs(self) -> int:
         return len(self.generators)
+
+    def subset(self, idx: list[int]) -> SamplingMetadata:
+        """The settings of the requests at `idx` (in that order)."""
+        t = torch.tensor(idx, dtype=torch.long)
+        temps = self.temperature[t.to(self.temperature.device)]
+        return SamplingMetadata(temps, self.top_k[t.to(self.top_k.device)],
+                                self.top_p[t.to(self.top_p.device)],
+                                self.min_p[t.to(self.min_p.device)],
+                                [self.generators[i] for i in idx], bool((temps == 0).all()),
+                                [self.num_logprobs[i] for i in idx])
 
     @staticmethod
     def from_params(

@@ -171,3 +171,15 @@ def compute_logprobs(
         assert n is not None
         out[i] = (chosen[j], list(zip(top_ids[j][:n], top_vals[j][:n])))
     return out
+
+
+def row_logprobs(rows: torch.Tensor, tokens: list[int], top_n: int) -> list[LogprobEntry]:
+    """rows: [len(tokens), vocab] the logits (as verified) that emitted `tokens`, one each."""
+    # Clamped: a grammar-masked token has logprob -inf, which JSON cannot carry.
+    lp = torch.log_softmax(rows.float(), dim=-1).clamp_(min=-9999.0)  # [len(tokens), vocab]
+    out: list[LogprobEntry] = []
+    for j, t in enumerate(tokens):
+        top = torch.topk(lp[j], top_n) if top_n > 0 else None
+        tops = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
+        out.append((float(lp[j, t]), tops))
+    return out

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from dynaspec.config import SchedulerConfig
@@ -37,7 +37,7 @@ from dynaspec.step_plan import ScheduledRequest, StepPlan
 StopCheck = Callable[[Request, list[int]], "int | None"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class StepUpdate:
     """What `update` hands the engine: per request, the tokens it emitted this step."""
 
@@ -310,7 +310,7 @@ class Scheduler:
                                  modelled_goodput=out.modelled_goodput)
 
     def _append_checked(
-        self, req: Request, tokens: list[int]
+        self, req: Request, tokens: Sequence[int]
     ) -> tuple[list[int], RequestStatus | None]:
         """Append the tokens up to the first that ends the request: EOS, a stop token,
         max_tokens, max_model_len, or a stop string (`stop_check`); the rest are dropped."""
@@ -325,7 +325,7 @@ class Scheduler:
             if i + 1 >= room:
                 n, status = i + 1, RequestStatus.FINISHED_LENGTH
                 break
-        emitted = tokens[:n]
+        emitted = list(tokens[:n])
         kept = None
         if self.stop_check is not None and sp.stop:  # the one stop-string check, every driver
             kept = self.stop_check(req, emitted)

@@ -40,6 +40,10 @@ class ProfileSettings:
     reprobe_tolerance: float = 1.3  # a re-probed cell must agree within this factor ...
     floor_s: float = 5e-4  # ... or this many seconds (a tiny model's steps are timer noise)
     num_reprobe: int = 2
+    # A failed first attempt is measured again only if it took less than this: a first start on
+    # a busy 2-core machine spent 87 s on an attempt the load had made non-monotone, then 68 s
+    # on a second that failed the same way before the table fallback (docs/benchmarks.md).
+    retry_within_s: float = 20.0
 
 
 def gpu_profile_settings() -> ProfileSettings:
@@ -179,6 +183,7 @@ def startup_cost_model(prober: Prober, grid: CostGrid, key: str, reprofile: bool
         cached = {}
     problems = []
     for attempt in range(2):
+        t_attempt = time.perf_counter()
         fresh = _measure(prober, [x for x in essential_shapes(grid) if x not in cached])
         model, problems = _checked(grid, {**cached, **fresh}, "measured at start-up", prober,
                                    settings, slower_ok=False)
@@ -188,6 +193,12 @@ def startup_cost_model(prober: Prober, grid: CostGrid, key: str, reprofile: bool
                              num_measured=len(fresh), seconds=time.perf_counter() - t0)
         log.warning("step cost profile attempt %d failed its checks: %s", attempt + 1,
                     "; ".join(problems[:3]))
+        took = time.perf_counter() - t_attempt
+        if took > settings.retry_within_s:
+            log.warning("step cost profile: not measuring again (the attempt took %.0f s, over "
+                        "%.0f s: the machine is busy); the next start measures afresh", took,
+                        settings.retry_within_s)
+            break
         cached = {}  # the second attempt measures every essential cell afresh
     return CostTable(None, "refused", None, tuple(problems), seconds=time.perf_counter() - t0)
 

@@ -19,8 +19,17 @@ from dataclasses import dataclass
 
 import torch
 
-from dynaspec.outputs import RequestResult
 from dynaspec.structured.backend import GrammarBackend, Matcher, allocate_bitmask, is_allowed
+
+
+@dataclass(frozen=True)
+class GrammarCommit:
+    """A request's grammar after its step: the tokens it keeps, and how it ended."""
+
+    token_ids: tuple[int, ...]  # the step's tokens, cut after an accepted stop or a dead end
+    terminated: bool  # the grammar accepted its stop: finish "stop"
+    dead_end: bool  # no token continues the grammar: the request alone ends with an error
+    num_invalid: int  # drafts cut before verification ("grammar")
 
 
 @dataclass
@@ -104,24 +113,22 @@ class GrammarStep:
         matcher.fill_bitmask(mask, 0)
         return not bool(mask.any())
 
-    def commit(self, results: list[RequestResult]) -> None:
-        """Advance each grammar over its accepted tokens; record cuts and termination."""
+    def commit(self, index: int, tokens: list[int], num_accepted: int) -> GrammarCommit | None:
+        """Advance the grammar of the request at `index` (None if it has none) over the step's
+        tokens (accepted drafts, then the recovered/bonus token); what it kept and why."""
+        e = self.entries.get(index)
+        if e is None or not tokens:
+            return None
         t0 = time.perf_counter()
-        for i, e in self.entries.items():
-            r = results[i]
-            if not r.token_ids:
-                continue
-            a = r.num_accepted_tokens
-            e.matcher.rollback(e.num_fed - a)  # the state after the accepted drafts
-            if e.matcher.is_terminated():  # an accepted draft was the stop token: drop the bonus
-                r.token_ids = r.token_ids[:a]
-            elif not e.matcher.accept(r.token_ids[a]):
-                if not self._dead_end(e.matcher):
-                    raise RuntimeError(f"request {e.request_id!r}: sampled token "
-                                       f"{r.token_ids[a]} is outside its grammar mask")
-                # Every token was masked: the sample is noise. This request alone ends.
-                r.token_ids = r.token_ids[:a]
-                r.grammar_dead_end = True
-            r.grammar_terminated = e.matcher.is_terminated()
-            r.num_grammar_invalid_tokens = e.num_invalid
+        a, dead_end = num_accepted, False
+        e.matcher.rollback(e.num_fed - a)  # the state after the accepted drafts
+        if e.matcher.is_terminated():  # an accepted draft was the stop token: drop the bonus
+            tokens = tokens[:a]
+        elif not e.matcher.accept(tokens[a]):
+            if not self._dead_end(e.matcher):
+                raise RuntimeError(f"request {e.request_id!r}: sampled token "
+                                   f"{tokens[a]} is outside its grammar mask")
+            # Every token was masked: the sample is noise. This request alone ends.
+            tokens, dead_end = tokens[:a], True
         self.seconds += time.perf_counter() - t0
+        return GrammarCommit(tuple(tokens), e.matcher.is_terminated(), dead_end, e.num_invalid)

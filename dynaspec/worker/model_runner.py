@@ -3,7 +3,8 @@
 Drafters that need nothing from the target (n-gram, a draft model) run here, after the batch is
 formed and before the forward, so the K chosen for a batch is the K that batch verifies.
 A request with d drafts gets d+1 logits rows in the same forward as everyone else's prefill
-chunks and decodes; the rejection sampler returns accepted drafts plus one token per request.
+chunks and decodes. `worker/draft_rows.py` lays the drafts out as frozen rows and
+`worker/verify.py` verifies them: accepted drafts plus one token per request.
 
 The step's shape and path come from the plan's `BatchDescriptor`, never from the inputs: on a
 fixed-shape path every request's drafts (after the grammar's cut) are padded to width-1 with -1
@@ -18,35 +19,35 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 import torch
 
 from dynaspec.attention.backend import AttentionBatch
-from dynaspec.draft_tree import DraftTree, tree_walk
 from dynaspec.models.llama import LlamaModel
 from dynaspec.outputs import RequestResult, RunnerOutput
 from dynaspec.request import Request
 from dynaspec.sample.logits_processor import LogitsProcessing
 from dynaspec.sample.metadata import SamplingMetadata
-from dynaspec.sample.rejection_sampler import greedy_from_argmax, rejection_sample
-from dynaspec.sample.sampler import Sampler
 from dynaspec.sample.synthetic import SyntheticVerifier
-from dynaspec.spec_decode import step_width as width
-from dynaspec.spec_decode.base import Drafts, Proposer
+from dynaspec.spec_decode.base import Proposer
 from dynaspec.spec_decode.eagle import HiddenStates
 from dynaspec.step_plan import BatchDescriptor, StepPlan
 from dynaspec.structured.manager import StructuredOutputManager
-from dynaspec.worker import tree_step
+from dynaspec.structured.step import GrammarStep
+from dynaspec.worker import draft_rows, tree_step
 from dynaspec.worker.compiled import FixedShapeExecutor
+from dynaspec.worker.draft_rows import DraftRows
 from dynaspec.worker.input_buffers import InputBuffers
 from dynaspec.worker.tree_step import TreeRows
+from dynaspec.worker.verify import verify
 
 log = logging.getLogger("dynaspec")
 
-@dataclass
+
+@dataclass(frozen=True)
 class StepInputs:
-    """One step's flat inputs, real requests only (padded rows are added by the fixed path)."""
+    """One step's flat inputs, real requests only (padded rows are added by the fixed path);
+    `_flatten` fills the lists, nothing changes them after."""
 
     ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
@@ -73,41 +74,25 @@ def argmax_only_rows(reqs: list, sampling: list[tuple[int, int]]) -> torch.Tenso
     return torch.tensor(flags, dtype=torch.bool) if any(flags) else None
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class PreparedStep:
     """A step ready for the forward: built from the requests on the engine thread."""
 
     out: StepPlan
-    batch: BatchDescriptor
     inputs: StepInputs
-    drafts: dict[str, list[int]]  # request id -> the row's draft ids (-1 pads included)
-    draft_probs: dict[str, torch.Tensor | None]
-    draft_skips: dict[str, str]
-    num_valid: dict[str, int]  # request id -> real drafts in its row (after the grammar's cut)
-    num_cut: dict[str, int]  # request id -> drafts the grammar cut
-    grammar: Any  # structured output's per-step state, or None
-    sampling_md: SamplingMetadata | None  # None when no request samples this step
+    rows: DraftRows  # every scheduled request's drafts, as verified
+    trees: dict[str, TreeRows]  # requests verifying a tree: where its nodes' K/V sit
+    grammar: GrammarStep | None  # structured output's per-step state
     logits_proc: LogitsProcessing | None = None  # penalties, logit_bias, min_tokens, bans
     draft_seconds: float = 0.0
     prepare_seconds: float = 0.0
     draft_setup_seconds: float = 0.0  # of draft_seconds, the drafter's once-per-request work
-    # A drafter with a fallback: the requests the fallback drafted, and its seconds.
-    draft_fallback: frozenset[str] = frozenset()
-    draft_fallback_seconds: float = 0.0
-    trees: dict[str, TreeRows] = field(default_factory=dict)  # requests verifying a tree
+    draft_fallback_seconds: float = 0.0  # of draft_seconds, a fallback drafter's
 
-
-@dataclass
-class _StepDrafts:
-    """What the drafter gave a step, per request id (real drafts only, before any padding)."""
-
-    tokens: dict[str, list[int]]
-    probs: dict[str, torch.Tensor | None]
-    skips: dict[str, str]
-    setup_seconds: float = 0.0  # Drafts.setup_seconds
-    fallback: frozenset[str] = frozenset()  # requests the fallback drafted
-    fallback_seconds: float = 0.0
-    trees: dict[str, DraftTree] = field(default_factory=dict)  # drafts that are a real tree
+    @property
+    def drafts(self) -> dict[str, list[int]]:
+        """Request id -> the drafts its row verifies (-1 pads included)."""
+        return self.rows.drafts()
 
 
 class ModelRunner:
@@ -122,7 +107,6 @@ class ModelRunner:
         self.hidden_sink = hidden_sink
         self.device = model.device
         self.proposer = proposer
-        self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
         self._seed_source = torch.Generator().manual_seed(seed)
         self.synthetic = synthetic  # --rejection-mode synthetic: NOT lossless
@@ -151,100 +135,43 @@ class ModelRunner:
             self.generators[req.request_id] = g
         return g
 
-    def _draft(self, out: StepPlan) -> _StepDrafts:
-        """Real drafts only, at most each request's cap; padding comes after the grammar."""
-        got = _StepDrafts({}, {}, {})
-        idx = [i for i, s in enumerate(out.scheduled) if s.draft_budget > 0]
-        if not idx or self.proposer is None:
-            return got
-        sched = [out.scheduled[i] for i in idx]
-        reqs = [s.request for s in sched]
-        ks = [s.draft_budget for s in sched]
-        if self.proposer.has_fallback:
-            fks = [s.draft_budget if s.fallback_budget is None else s.fallback_budget
-                   for s in sched]
-            drafts: Drafts = self.proposer.propose(reqs, ks, fallback_k=fks)
-        elif self.proposer.drafts_trees:  # the K policy chose each request's shape
-            drafts = self.proposer.propose(reqs, ks, trees=[s.draft_tree for s in sched])
-        else:
-            drafts = self.proposer.propose(reqs, ks)
-        got.setup_seconds, got.fallback_seconds = drafts.setup_seconds, drafts.fallback_seconds
-        fallback = set()
-        for j, req in enumerate(reqs):
-            d = list(drafts.token_ids[j][: ks[j]])
-            tree = drafts.trees[j] if drafts.trees is not None else None
-            if tree is not None and len(tree):
-                tree = tree.cut(ks[j])  # a node budget, like a chain's cap
-                d = list(tree.tokens)
-                if not tree.is_chain:
-                    got.trees[req.request_id] = tree
-            if self.synthetic is not None:
-                d = self.synthetic.cut(d)  # no coin-flip EOS (see SyntheticVerifier)
-            if d:
-                got.tokens[req.request_id] = d
-                got.probs[req.request_id] = drafts.probs[j] if drafts.probs is not None else None
-                if drafts.from_fallback is not None and drafts.from_fallback[j]:
-                    fallback.add(req.request_id)
-            else:
-                got.skips[req.request_id] = drafts.skip_reasons[j] or "no_match"
-        got.fallback = frozenset(fallback)
-        return got
-
-    @staticmethod
-    def _pad(out: StepPlan, tokens: dict[str, list[int]], probs: dict) -> None:
-        """On a fixed-shape step every sampling row verifies exactly the planned width."""
-        if out.batch.fixed_shape:
-            for s in out.scheduled:
-                if s.sampling:
-                    rid = s.request.request_id
-                    tokens[rid] = width.pad_row(tokens.get(rid, []), out.batch.width)
-        for rid, p in probs.items():
-            if p is not None:
-                probs[rid] = width.pad_probs(p, len(tokens[rid]))
-
     def execute(self, out: StepPlan) -> RunnerOutput:
         return self.run(self.prepare(out))
 
     def prepare(self, out: StepPlan) -> PreparedStep:
-        """Drafts, grammar cuts, padding, flat inputs and sampling state: everything read from
-        requests. Runs on the engine thread; `run` then reads only the PreparedStep (async
-        scheduling runs it on a worker thread while the engine mutates requests)."""
+        """Drafts, tree admission, grammar cuts, padding, flat inputs and sampling state:
+        everything read from requests. Runs on the engine thread; `run` then reads only the
+        PreparedStep (async scheduling runs it on a worker thread while the engine mutates
+        requests)."""
         t0 = time.perf_counter()
         if self.proposer is not None:
             for rid in out.preempted_ids:
                 self.proposer.preempt(rid)  # a preempted request must not keep drafter KV blocks
-        got = self._draft(out)
-        drafts, draft_probs, draft_skips = got.tokens, got.probs, got.skips
-        trees = self._admit_trees(out, got, drafts)
+        got = draft_rows.propose(self.proposer, out, self.synthetic)
+        drafts, probs = dict(got.tokens), dict(got.probs)  # cut below, before the rows exist
+        # The step's trees that run as trees (worker/tree_step.py); the rest become chains.
+        trees = tree_step.admit(out, got.trees, probs, drafts, plain=self.synthetic is None
+                                and self.hidden_sink is None) if got.trees else {}
         t1 = time.perf_counter()
         num_real = {rid: len(d) for rid, d in drafts.items()}
         # Structured output: cut grammar-invalid drafts before they are verified (docs/design.md
-        # §7c);
-        # the row is padded back to the planned width after the cut.
-        grammar = self.structured.begin_step(out.scheduled, drafts, draft_probs) \
+        # §7c); the row is padded back to the planned width after the cut.
+        grammar = self.structured.begin_step(out.scheduled, drafts, probs) \
             if self.structured is not None else None
-        num_valid = {rid: len(d) for rid, d in drafts.items()}
-        num_cut = {rid: n - num_valid.get(rid, 0) for rid, n in num_real.items()}
-        self._pad(out, drafts, draft_probs)
-        inputs = self._flatten(out, drafts, trees)
-        reqs = [out.scheduled[i].request for i, _ in inputs.sampling]
-        inputs.argmax_rows = argmax_only_rows(reqs, inputs.sampling)
+        reqs = [s.request for s in out.scheduled if s.sampling]
         md = SamplingMetadata.from_params([r.sampling_params for r in reqs],
                                           [self._generator(r) for r in reqs], self.device) \
             if reqs else None
+        rows = draft_rows.build(out, got, drafts, probs, {r: t.tree for r, t in trees.items()},
+                                num_real, md)
+        inputs = self._flatten(out, rows, trees)
         # After the grammar cut: rows are processed with the drafts they actually verify.
-        proc = LogitsProcessing.build(reqs, inputs.sampling, drafts, self.eos_token_ids)
-        return PreparedStep(out, out.batch, inputs, drafts, draft_probs, draft_skips, num_valid,
-                            num_cut, grammar, md, proc, t1 - t0, time.perf_counter() - t1,
-                            got.setup_seconds, got.fallback, got.fallback_seconds, trees)
-
-    def _admit_trees(self, out: StepPlan, got: _StepDrafts, drafts: dict[str, list[int]]
-                     ) -> dict[str, TreeRows]:
-        """The step's trees that run as trees (worker/tree_step.py); the rest become chains."""
-        if not got.trees:
-            return {}
-        return tree_step.admit(out, got.trees, got.probs, drafts,
-                               plain=self.synthetic is None and self.hidden_sink is None)
+        proc = LogitsProcessing.build(reqs, inputs.sampling, rows.drafts(), self.eos_token_ids)
+        return PreparedStep(out=out, inputs=inputs, rows=rows, trees=trees, grammar=grammar,
+                            logits_proc=proc, draft_seconds=t1 - t0,
+                            prepare_seconds=time.perf_counter() - t1,
+                            draft_setup_seconds=got.setup_seconds,
+                            draft_fallback_seconds=got.fallback_seconds)
 
     def run(self, p: PreparedStep) -> RunnerOutput:
         """The target forward and verification of a prepared step."""
@@ -252,34 +179,28 @@ class ModelRunner:
         self._graph_top = None  # set by a CUDA-graph step: each row's argmax, on the device
         if self.hidden_sink is not None:
             self.model.aux_hidden = None  # a path that captures nothing leaves it None
-        logits, batch, t2 = self._forward(p.inputs, p.batch)  # [R, vocab]
+        logits, batch, t2 = self._forward(p.inputs, p.out.batch)  # [R, vocab]
         t3 = time.perf_counter()
-        if p.grammar is not None:
-            p.grammar.mask(logits, p.inputs.sampling)
-        if p.logits_proc is not None:
-            p.logits_proc.apply(logits)
-        results = self._sample(p, logits)
+        results = verify(logits, p.rows, grammar=p.grammar, processing=p.logits_proc,
+                         synthetic=self.synthetic, graph_argmax=self._graph_top)
         if p.trees:
             tree_step.move_accepted(self.kv_caches, self.block_size, [
                 (p.trees[r.request_id], r.tree_path) for r in results
                 if r.request_id in p.trees and r.tree_path])
         if self.hidden_sink is not None:
             self._observe(p, results)
-        if p.grammar is not None:
-            p.grammar.commit(results)
         t4 = time.perf_counter()
-        res = RunnerOutput(results, prepare_seconds=p.prepare_seconds + (t2 - t_run),
-                           draft_seconds=p.draft_seconds,
-                           draft_setup_seconds=p.draft_setup_seconds,
-                           draft_fallback_seconds=p.draft_fallback_seconds,
-                           forward_seconds=t3 - t2,
-                           sample_seconds=t4 - t3, batch=batch,
-                           verified_width=1 + max((n for _, n in p.inputs.sampling), default=0))
-        if p.grammar is not None:
-            res.grammar_seconds, res.grammar_rows = p.grammar.seconds, p.grammar.num_rows
-        return res
+        g = p.grammar
+        return RunnerOutput(results=results, prepare_seconds=p.prepare_seconds + (t2 - t_run),
+                            draft_seconds=p.draft_seconds,
+                            draft_setup_seconds=p.draft_setup_seconds,
+                            draft_fallback_seconds=p.draft_fallback_seconds,
+                            forward_seconds=t3 - t2, sample_seconds=t4 - t3,
+                            grammar_seconds=g.seconds if g is not None else 0.0,
+                            grammar_rows=g.num_rows if g is not None else 0, batch=batch,
+                            verified_width=1 + max((n for _, n in p.inputs.sampling), default=0))
 
-    def _observe(self, p: PreparedStep, results: list[RequestResult]) -> None:
+    def _observe(self, p: PreparedStep, results: tuple[RequestResult, ...]) -> None:
         """Hand the drafter the hidden states of each request's verified tokens: its new tokens
         and the drafts it accepted (rows of rejected drafts and pads are left out)."""
         hidden = self.model.aux_hidden  # [T, features], or None where the path captured nothing
@@ -298,15 +219,13 @@ class ModelRunner:
             o += q
         self.hidden_sink.observe_hidden(HiddenStates(ids, starts, positions, valid, hidden))
 
-    def _flatten(self, out: StepPlan, drafts: dict[str, list[int]],
+    def _flatten(self, out: StepPlan, rows: DraftRows,
                  trees: dict[str, TreeRows] | None = None) -> StepInputs:
-        x = StepInputs()
-        if trees:
-            x.tree_masks = []
+        x = StepInputs(tree_masks=[] if trees else None)
         for i, s in enumerate(out.scheduled):
             req, c = s.request, s.request.num_computed_tokens
-            d = drafts.get(req.request_id, [])
-            toks = req.token_slice(c, c + s.num_new_tokens) + d
+            d = rows.rows[i].tokens
+            toks = req.token_slice(c, c + s.num_new_tokens) + list(d)
             start = len(x.ids)
             x.ids.extend(toks)
             tree = trees.get(req.request_id) if trees else None
@@ -323,7 +242,8 @@ class ModelRunner:
             if s.sampling:
                 x.logit_rows.extend(range(start + len(toks) - len(d) - 1, start + len(toks)))
                 x.sampling.append((i, len(d)))
-        return x
+        return replace(x, argmax_rows=argmax_only_rows(
+            [out.scheduled[i].request for i, _ in x.sampling], x.sampling))
 
     def _forward(self, x: StepInputs, batch: BatchDescriptor
                  ) -> tuple[torch.Tensor, BatchDescriptor, float]:
@@ -408,74 +328,3 @@ class ModelRunner:
             t = lambda v: torch.tensor(v, dtype=torch.long, device=self.device)  # noqa: E731
             return t(ids).clamp_(min=0), t(positions), None if rows is None else t(rows)
         return self.buffers.load(ids, positions, rows)
-
-    def _sample(self, p: PreparedStep, logits: torch.Tensor) -> list[RequestResult]:
-        out, sampling, md = p.out, p.inputs.sampling, p.sampling_md
-        results = [
-            RequestResult(s.request.request_id, [], 0, 0, s.skip_reason) for s in out.scheduled
-        ]
-        if not sampling:
-            return results
-        reqs = [out.scheduled[i].request for i, _ in sampling]
-        paths: dict[str, list[int]] = {}
-        if self._graph_top is not None and md.all_greedy and self.synthetic is None \
-                and p.logits_proc is None and p.grammar is None and not p.trees:
-            # Greedy on the CUDA-graph path: the argmax came out of the graph; one copy.
-            tokens = greedy_from_argmax(self._graph_top.tolist(),
-                                        [p.drafts.get(r.request_id, []) for r in reqs])
-        elif p.trees:
-            tokens = tree_step.verify_step(
-                logits, [r.request_id for r in reqs], sampling, md,
-                {rid: t.tree for rid, t in p.trees.items()}, paths,
-                lambda sub, idx, k: self._verify_chains(p, sub, [reqs[i] for i in idx], k,
-                                                        tree_step.subset(md, idx)))
-        elif any(n for _, n in sampling):
-            tokens = self._verify_chains(p, logits, reqs, [n for _, n in sampling], md)
-        else:
-            tokens = [[t] for t in self.sampler(logits, md).token_ids.tolist()]
-        row = 0
-        for (i, n), req, toks in zip(sampling, reqs, tokens):
-            r = results[i]
-            r.token_ids = toks
-            rid = req.request_id
-            valid = p.num_valid.get(rid, 0)
-            r.num_draft_tokens, r.num_accepted_tokens = valid, len(toks) - 1
-            r.drafts_from_fallback = valid > 0 and rid in p.draft_fallback
-            if rid in p.trees:
-                r.tree_path = paths[rid]
-                r.num_tree_nodes, r.tree_depth = len(p.trees[rid].tree), p.trees[rid].tree.depth
-                r.tree_walk = tree_walk(p.trees[rid].tree, paths[rid])
-            # Slots cut (by the grammar, or found invalid under async scheduling) are pads on a
-            # fixed-shape row and not in the row at all on eager; each counts under its reason.
-            r.num_async_invalid_tokens = out.scheduled[i].num_async_invalid
-            r.num_padding_tokens = width.num_padding(n, valid, p.num_cut.get(rid, 0)
-                                                     + r.num_async_invalid_tokens)
-            if valid == 0 and r.skip_reason is None and n == 0:
-                r.skip_reason = p.draft_skips.get(req.request_id)
-            if req.sampling_params.logprobs is not None:
-                r.logprobs = _logprobs(
-                    logits[row : row + len(toks)], toks, req.sampling_params.logprobs
-                )
-            row += n + 1
-        return results
-
-
-    def _verify_chains(self, p: PreparedStep, logits: torch.Tensor, reqs: list,
-                       num_draft: list[int], md: SamplingMetadata) -> list[list[int]]:
-        dt = [p.drafts.get(r.request_id, []) for r in reqs]
-        if self.synthetic is not None:
-            return self.synthetic(logits, num_draft, dt, md, [r.request_id for r in reqs])
-        dp = [p.draft_probs.get(r.request_id) for r in reqs]
-        return rejection_sample(logits, num_draft, dt,
-                                dp if any(q is not None for q in dp) else None, md)
-
-
-def _logprobs(rows: torch.Tensor, tokens: list[int], top_n: int) -> list:
-    # Clamped: a grammar-masked token has logprob -inf, which JSON cannot carry.
-    lp = torch.log_softmax(rows.float(), dim=-1).clamp_(min=-9999.0)  # [len(tokens), vocab]
-    out = []
-    for j, t in enumerate(tokens):
-        top = torch.topk(lp[j], top_n) if top_n > 0 else None
-        tops = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
-        out.append((float(lp[j, t]), tops))
-    return out

@@ -1,5 +1,6 @@
 """The runner's part of a tree step (docs/design.md §4c): which trees run, their rows' positions
-and visibility, their verification, and the move of the accepted path's K/V into place.
+and visibility, and the move of the accepted path's K/V into place (the walk that accepts a path
+is in worker/verify.py, over sample/tree_sampler.py).
 
 A drafter may hand a request a `DraftTree` instead of a chain. The tree runs as a tree only on
 the eager path and only for a request whose rows need nothing per position beyond the target's
@@ -15,8 +16,6 @@ from dataclasses import dataclass
 import torch
 
 from dynaspec.draft_tree import DraftTree, kv_moves
-from dynaspec.sample.metadata import SamplingMetadata
-from dynaspec.sample.tree_sampler import verify_tree
 
 
 @dataclass(frozen=True)
@@ -71,41 +70,8 @@ def visibility(num_new: int, tree: DraftTree) -> torch.Tensor:
     return vis
 
 
-def subset(md: SamplingMetadata, idx: list[int]) -> SamplingMetadata:
-    """The metadata of the requests at `idx` (in that order)."""
-    t = torch.tensor(idx, dtype=torch.long)
-    temps = md.temperature[t.to(md.temperature.device)]
-    return SamplingMetadata(temps, md.top_k[t.to(md.top_k.device)],
-                            md.top_p[t.to(md.top_p.device)], md.min_p[t.to(md.min_p.device)],
-                            [md.generators[i] for i in idx], bool((temps == 0).all()),
-                            [md.num_logprobs[i] for i in idx])
-
-
-def verify_step(logits: torch.Tensor, ids: list[str], sampling: list[tuple[int, int]],
-                md: SamplingMetadata, trees: dict[str, DraftTree], paths: dict[str, list[int]],
-                chains) -> list[list[int]]:  # type: ignore[no-untyped-def]
-    """Per sampling request (rows laid out request after request, drafts + 1 each): a tree
-    walked on its own rows (tree_sampler.py, its accepted path into `paths`), every other
-    request through `chains(rows, their indices, their draft counts)`, the batched chain rule."""
-    tokens: list[list[int] | None] = [None] * len(ids)
-    chain_idx, chain_rows, row = [], [], 0
-    for k, (rid, (_, n)) in enumerate(zip(ids, sampling)):
-        tree = trees.get(rid)
-        if tree is not None:
-            paths[rid], tokens[k] = verify_tree(logits[row: row + n + 1], tree, md, k)
-        else:
-            chain_idx.append(k)
-            chain_rows.extend(range(row, row + n + 1))
-        row += n + 1
-    if chain_idx:
-        sub = logits[torch.tensor(chain_rows, dtype=torch.long, device=logits.device)]
-        for k, t in zip(chain_idx, chains(sub, chain_idx, [sampling[k][1] for k in chain_idx])):
-            tokens[k] = t
-    return tokens  # type: ignore[return-value]
-
-
 def move_accepted(kv_caches: list[torch.Tensor], block_size: int,
-                  moves: list[tuple[TreeRows, list[int]]]) -> None:
+                  moves: list[tuple[TreeRows, tuple[int, ...]]]) -> None:
     """Copy each accepted path's K/V from the slots its nodes were written at to the slots of
     rows 1..len(path) past the root, in every layer. Rejected nodes' slots lie past the
     request's accepted tokens: the next step overwrites them before anything reads them."""

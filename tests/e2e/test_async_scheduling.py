@@ -43,7 +43,7 @@ def _check_books(llm: LLM, outs, streamed: int | None = None) -> None:
         if o.spec is not None:
             assert o.spec.counters.num_emitted_tokens == len(o.token_ids)
     llm.engine.check_integrity()
-    assert not llm.engine.step_in_flight
+    assert not llm.engine.driver.busy
     assert not llm.engine.runner.generators, "runner state leaked"
     proposer = llm.engine.runner.proposer
     if proposer is not None:
@@ -290,7 +290,7 @@ def test_fixed_shape_path_under_async(tiny_llama_dir, prompts12):
     (ref, _), (got, llm) = _both(tiny_llama_dir, prompts12[:6], params, **spec)
     for i, (p, a, b) in enumerate(zip(prompts12, ref, got)):
         assert_greedy_equal(tiny_llama_dir, p, a.token_ids, b.token_ids, f"compiled prompt {i}")
-    assert any(path != "eager" for path, _ in llm.engine.execution_steps)
+    assert any(path != "eager" for path, _ in llm.engine.recorder.execution_steps)
     c = llm.engine.counters
     assert c.invalid_draft_tokens.get("padding", 0) > 0
     _check_books(llm, got)

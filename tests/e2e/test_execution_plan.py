@@ -55,7 +55,7 @@ def test_seed_case_every_decode_step_is_width_4_and_compiled(tiny_llama_dir, che
     delta = llm.engine.counters - before
     n_compiled = sum(1 for _, r in seen if r.batch.path == "compiled")
     assert n_compiled == len(decode_steps)
-    assert llm.engine.execution_steps[("compiled", "4")] >= n_compiled
+    assert llm.engine.recorder.execution_steps[("compiled", "4")] >= n_compiled
     # Padding is invalid{padding}, never drafts: the counters equal the real drafts verified.
     pads = sum(r.num_padding_tokens for _, res in seen for r in res.results)
     real = sum(r.num_draft_tokens for _, res in seen for r in res.results)
@@ -245,6 +245,6 @@ def test_compiled_inductor_output_equals_eager(tiny_llama_dir, spec, check_integ
         got = [o.token_ids for o in compiled.generate(batch, params)]
         for p, a, b in zip(batch, ref, got):
             assert_greedy_equal(tiny_llama_dir, p, a, b, f"compiled {spec or 'no spec'}")
-    steps = compiled.engine.execution_steps
+    steps = compiled.engine.recorder.execution_steps
     width = str(1 + spec.get("num_spec_tokens", 0))
     assert steps[("compiled", width)] > 0 and not steps.get(("eager", width))

@@ -92,4 +92,5 @@ def test_gemma3_compiled_uniform_path_with_windows_is_exact(gemma, prompts, base
     got = [o.token_ids for o in llm.generate(some, greedy(MAX_TOKENS, ignore_eos=True))]
     for i, (p, a, b) in enumerate(zip(some, baseline, got)):
         assert_greedy_equal(gemma, p, a, b, f"compiled prompt {i}")
-    assert sum(n for (path, _), n in llm.engine.execution_steps.items() if path == "compiled") > 0
+    steps = llm.engine.recorder.execution_steps
+    assert sum(n for (path, _), n in steps.items() if path == "compiled") > 0

@@ -78,7 +78,7 @@ def test_free_verify_drafts_and_stays_lossless(tiny_llama_dir, check_integrity):
 
 
 def _decode_widths(llm) -> set[str]:
-    return {w for (_, w), n in llm.engine.execution_steps.items() if n and w != "mixed"}
+    return {w for (_, w), n in llm.engine.recorder.execution_steps.items() if n and w != "mixed"}
 
 
 def test_auto_with_a_constant_schedule_runs_its_width_on_every_decode_step(tiny_llama_dir):
@@ -91,7 +91,7 @@ def test_auto_with_a_constant_schedule_runs_its_width_on_every_decode_step(tiny_
     prompts = random_prompts(3, 280, seed=7, lo=5, hi=20, repetitive=True)
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
     assert set(llm.engine.counters.steps_by_k) == {3}
-    assert _decode_widths(llm) <= {"4"}, llm.engine.execution_steps
+    assert _decode_widths(llm) <= {"4"}, llm.engine.recorder.execution_steps
 
 
 def test_goodput_with_a_schedule_is_bounded_by_it_and_may_run_k0(tiny_llama_dir):

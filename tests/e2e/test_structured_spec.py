@@ -14,6 +14,7 @@ pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
 
 from dynaspec import LLM, SamplingParams  # noqa: E402
+from dynaspec.engine.sync_driver import generate  # noqa: E402
 from dynaspec.spec_decode.base import Drafts, Proposer  # noqa: E402
 from dynaspec.structured import StructuredOutputParams  # noqa: E402
 from dynaspec.structured.backend import allocate_bitmask  # noqa: E402
@@ -221,7 +222,7 @@ def test_random_sampling_with_speculation_follows_the_grammar(tiny_llama_dir, pr
     )
     params = [SamplingParams(temperature=1.0, seed=i, max_tokens=100, structured_output=SPEC)
               for i in range(len(prompts))]
-    for o in llm.engine.generate_sync(prompts, params):
+    for o in generate(llm.engine, prompts, params):
         assert o.finish_reason == "stop"
         # strict=False: xgrammar 0.2.9's rule for a string with maxLength admits raw control
         # characters (its plain string rule excludes them), and random sampling finds them.
@@ -267,7 +268,7 @@ def test_grammar_cut_on_a_compiled_step_keeps_the_compiled_path(tiny_llama_dir, 
     _assert_equal(tiny_llama_dir, prompts[1], ref, out.token_ids, "compiled cut drafts")
     eng = llm.engine
     assert not eng.runner.executor.broken, "a grammar cut marked a compiled shape broken"
-    steps = eng.execution_steps
+    steps = eng.recorder.execution_steps
     # Every step but the prefill is a decode step on the compiled path, none fell back.
     assert steps[("compiled", "4")] == eng.times.steps - 1 > 0, dict(steps)
     assert steps[("eager", "4")] == 0, dict(steps)

@@ -101,7 +101,7 @@ def test_trees_are_greedy_exact_and_move_the_accepted_kv(tiny_llama_dir, prompts
     # Second branches accepted at depth >= 2: the K/V of node 2 (the truth at depth 0) and
     # deeper had to move past the wrong branches' slots.
     deep = [r for r in tree_results if r.num_accepted_tokens >= 2]
-    assert all(r.tree_path == [2 + 3 * d for d in range(r.num_accepted_tokens)]
+    assert all(r.tree_path == tuple(2 + 3 * d for d in range(r.num_accepted_tokens))
                for r in tree_results)
     assert bool(deep) == (k >= 6), "a budget of 6 nodes reaches the second level's truth"
     # With the truth at every level, a step accepts every level its budget holds whole.

@@ -48,15 +48,18 @@ class FakeRunner:
         for s in out.scheduled:
             r, rid = s.request, s.request.request_id
             if not s.sampling:
-                results.append(RequestResult(rid, [], 0, 0, s.skip_reason))
+                results.append(RequestResult(request_id=rid, token_ids=(),
+                                             skip_reason=s.skip_reason))
                 continue
             d = s.draft_budget
             a = min(d, self.accept.get(rid, d))
             drafts[rid] = [_tok(r.num_output_tokens + j) for j in range(d)]
             toks = [_tok(r.num_output_tokens + j) for j in range(a + 1)]
-            results.append(RequestResult(rid, toks, d, a, None if d else s.skip_reason,
+            results.append(RequestResult(request_id=rid, token_ids=tuple(toks), num_draft_tokens=d,
+                                         num_accepted_tokens=a,
+                                         skip_reason=None if d else s.skip_reason,
                                          num_async_invalid_tokens=s.num_async_invalid))
-        return SimpleNamespace(drafts=drafts, res=RunnerOutput(results))
+        return SimpleNamespace(drafts=drafts, res=RunnerOutput(results=tuple(results)))
 
     def run(self, prepared):  # type: ignore[no-untyped-def]
         return prepared.res
@@ -101,7 +104,7 @@ class Harness:
     def emit(self, landed):  # type: ignore[no-untyped-def]
         if landed.error is not None:
             raise AssertionError(f"unexpected step failure: {landed.error!r}")
-        drop_ended(landed)
+        landed = drop_ended(landed)
         specs = [request_spec(u.result, len(u.new_token_ids)) for u in landed.updates]
         step = StepStats(k=landed.plan.step_k, requests=(*specs, *landed.orphans))
         self.counters = fold_step(self.counters, step)

@@ -185,6 +185,7 @@ class FakeEngine:
 
     def __post_init__(self):
         self.scheduler = type("S", (), {"num_preemptions": 0})()
+        self.recorder = type("R", (), {"execution_steps": {}})()  # steps by path: none
 
     def add_request(self, prompt, params, request_id=None):
         self.live[request_id] = []

@@ -167,3 +167,23 @@ def test_schedule_explain_shows_the_cached_width_curve():
     assert explain(args, out, io.StringIO()) == 0
     line = next(x for x in out.getvalue().splitlines() if key[:12] in x)
     assert "batch 1 ctx 128: w1 4.00 ms (1.00x), w5 6.00 ms (1.50x), w9 8.00 ms (2.00x)" in line
+
+
+def test_a_slow_failed_attempt_is_not_measured_again():
+    """A busy machine: the first attempt failed and took longer than retry_within_s, so the
+    start falls back at once instead of measuring every essential cell a second time."""
+    def run(settings):
+        n = [0]
+
+        def noisy(b, c, w):  # every call 4x off the previous one: no re-probe agrees
+            n[0] += 1
+            return idle(b, c, w) * (4 if n[0] % 2 else 1)
+
+        prober = Prober(noisy)
+        table = startup_cost_model(prober, GRID, "k", settings=settings)
+        assert table.model is None and table.source == "refused"
+        return len(prober.calls)
+
+    once, twice = run(ProfileSettings(retry_within_s=0.0)), run(ProfileSettings())
+    ess = len(essential_shapes(GRID))
+    assert ess <= once < 2 * ess <= twice

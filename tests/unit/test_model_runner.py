@@ -123,8 +123,8 @@ def test_eager_rows_are_ragged_and_accounted():
     assert runner.proposer.asked == {"a": 3, "b": 1}, "the runner drafts each request's cap"
     assert model.eager_calls == [[4, 2]], "eager rows are not padded"
     ra, rb = _by_id(res)["a"], _by_id(res)["b"]
-    assert (ra.token_ids, ra.num_draft_tokens, ra.num_accepted_tokens) == ([11, 12, 13], 3, 2)
-    assert (rb.token_ids, rb.num_draft_tokens, rb.num_accepted_tokens) == ([31, 32], 1, 1)
+    assert (ra.token_ids, ra.num_draft_tokens, ra.num_accepted_tokens) == ((11, 12, 13), 3, 2)
+    assert (rb.token_ids, rb.num_draft_tokens, rb.num_accepted_tokens) == ((31, 32), 1, 1)
     assert ra.num_padding_tokens == rb.num_padding_tokens == 0
     assert res.batch.path == "eager" and res.verified_width == 4
 
@@ -137,10 +137,10 @@ def test_fixed_shape_pads_every_row_to_the_planned_width():
     assert ex.ran == [(4, 4, 16)] and not model.eager_calls, "one fixed-shape forward, 4 x 4"
     r = _by_id(res)
     counts = {rid: (x.token_ids, x.num_draft_tokens, x.num_padding_tokens) for rid, x in r.items()}
-    assert counts["a"] == ([11, 12, 13, 14], 3, 0)
-    assert counts["b"] == ([31, 32], 1, 2)
+    assert counts["a"] == ((11, 12, 13, 14), 3, 0)
+    assert counts["b"] == ((31, 32), 1, 2)
     # No real draft: a padded row, not a draft and not a skip (its slots are invalid padding).
-    assert (r["c"].token_ids, r["c"].num_draft_tokens, r["c"].num_padding_tokens) == ([51], 0, 3)
+    assert (r["c"].token_ids, r["c"].num_draft_tokens, r["c"].num_padding_tokens) == ((51,), 0, 3)
     assert r["c"].skip_reason is None
     assert res.batch == BatchDescriptor("compiled", 4, 4, 16) and res.verified_width == 4
 
@@ -164,5 +164,5 @@ def test_fixed_shape_failure_falls_back_to_eager_and_marks_the_shape():
     assert res.batch.path == "eager" and res.batch.width == 4
     assert model.eager_calls == [[4, 4]], "the eager fallback runs the padded rows as planned"
     r = _by_id(res)
-    assert r["a"].token_ids == [11, 12, 13, 14] and r["b"].token_ids == [31, 32]
+    assert r["a"].token_ids == (11, 12, 13, 14) and r["b"].token_ids == (31, 32)
     assert r["b"].num_padding_tokens == 2

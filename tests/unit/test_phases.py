@@ -33,8 +33,9 @@ class StubRunner:
     def run(self, prepared):  # type: ignore[no-untyped-def]
         if self.fail_in == "run":
             raise RuntimeError("forward broke")
-        return RunnerOutput([RequestResult(s.request.request_id, [7] if s.sampling else [], 0, 0,
-                                           None) for s in prepared.plan.scheduled])
+        return RunnerOutput(results=tuple(
+            RequestResult(request_id=s.request.request_id, token_ids=(7,) if s.sampling else ())
+            for s in prepared.plan.scheduled))
 
 
 def _scheduler() -> Scheduler:
@@ -69,8 +70,8 @@ def test_a_failing_step_fails_only_its_requests(where):
     c = _add(sch, "c")  # queued after the step formed: not in it
     phases = StepPhases(sch, StubRunner(fail_in=where))
     landed = phases.land(phases.launch(plan))
-    assert isinstance(landed.error, RuntimeError) and landed.updates == []
-    assert landed.failed == [a, b]
+    assert isinstance(landed.error, RuntimeError) and landed.updates == ()
+    assert landed.failed == (a, b)
     assert a.status is b.status is RequestStatus.FINISHED_ERROR
     assert c.status is RequestStatus.WAITING and sch.has_unfinished()
     assert sch.kv.num_free_blocks() == sch.kv.num_blocks, "the failed requests' blocks are freed"

@@ -51,13 +51,15 @@ def respond(out: StepPlan, answers: dict[str, tuple[list[int], int]] | None = No
     for s in out.scheduled:
         r = s.request
         if not s.sampling:
-            results.append(RequestResult(r.request_id, [], 0, 0, s.skip_reason))
+            results.append(RequestResult(request_id=r.request_id, token_ids=(),
+                                         skip_reason=s.skip_reason))
             continue
         tokens, drafted = (answers or {}).get(r.request_id, ([_tok(r.num_output_tokens)], 0))
         assert drafted <= s.draft_budget, "the runner may not verify more drafts than budgeted"
-        results.append(RequestResult(r.request_id, tokens, drafted, len(tokens) - 1,
-                                     None if drafted else s.skip_reason))
-    return RunnerOutput(results)
+        results.append(RequestResult(request_id=r.request_id, token_ids=tuple(tokens),
+                                     num_draft_tokens=drafted, num_accepted_tokens=len(tokens) - 1,
+                                     skip_reason=None if drafted else s.skip_reason))
+    return RunnerOutput(results=tuple(results))
 
 
 def step(sch: Scheduler, answers=None):  # type: ignore[no-untyped-def]

@@ -1,0 +1,139 @@
+"""A step's drafts as frozen rows: what the drafter proposed, cut to each request's cap, then
+(after the grammar's cut) padded to the planned width, one `DraftRow` per scheduled request.
+
+`propose` asks the drafter; the runner then admits trees (worker/tree_step.py) and lets the
+grammar cut drafts it rejects (structured/step.py); `build` lays the survivors out as the rows
+the forward computes and `worker/verify.py` verifies. Nothing changes a row once built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dynaspec.draft_tree import DraftTree
+from dynaspec.sample.metadata import SamplingMetadata
+from dynaspec.sample.synthetic import SyntheticVerifier
+from dynaspec.spec_decode import step_width as width
+from dynaspec.spec_decode.base import Drafts, Proposer
+from dynaspec.step_plan import StepPlan
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepDrafts:
+    """What the drafter gave a step, per request id (real drafts only, before any padding)."""
+
+    tokens: dict[str, list[int]]
+    probs: dict[str, torch.Tensor | None]  # [len(tokens), vocab] q where the drafter has one
+    skips: dict[str, str]  # request id -> why it got no draft
+    trees: dict[str, DraftTree]  # drafts that are a real tree (not a chain)
+    fallback: frozenset[str] = frozenset()  # requests the fallback drafted
+    setup_seconds: float = 0.0  # Drafts.setup_seconds
+    fallback_seconds: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class DraftRow:
+    """One scheduled request's part of the step's verification."""
+
+    request_id: str
+    sample: int | None  # its entry in the step's SamplingMetadata; None: no token this step
+    tokens: tuple[int, ...] = ()  # drafts verified, -1 pads included (a tree: its nodes)
+    probs: torch.Tensor | None = None  # [len(tokens), vocab] draft q (pad rows 0); None one-hot
+    tree: DraftTree | None = None  # the drafts are this tree's nodes, verified as a tree
+    num_valid: int = 0  # real drafts in the row (after the grammar's cut)
+    num_cut: int = 0  # drafts the grammar cut
+    num_async_invalid: int = 0  # budgeted slots found invalid under async scheduling
+    from_fallback: bool = False  # drafted by the drafter's fallback
+    skip_reason: str | None = None  # the plan's reason, else the drafter's when it drafted none
+
+
+@dataclass(frozen=True)
+class DraftRows:
+    """Every scheduled request's row, in StepPlan.scheduled order, and the sampling settings
+    of those that sample (`None` when none does)."""
+
+    rows: tuple[DraftRow, ...]
+    sampling: SamplingMetadata | None
+
+    @property
+    def layout(self) -> list[tuple[int, int]]:
+        """(scheduled index, drafts verified) per sampling row: logits rows lie request after
+        request, drafts + 1 each."""
+        return [(i, len(r.tokens)) for i, r in enumerate(self.rows) if r.sample is not None]
+
+    def drafts(self) -> dict[str, list[int]]:
+        """Request id -> its row's drafts (pads included), for the rows that have any."""
+        return {r.request_id: list(r.tokens) for r in self.rows if r.tokens}
+
+
+def propose(proposer: Proposer | None, out: StepPlan,
+            synthetic: SyntheticVerifier | None) -> StepDrafts:
+    """Real drafts only, at most each request's cap; padding comes after the grammar."""
+    tokens: dict[str, list[int]] = {}
+    probs: dict[str, torch.Tensor | None] = {}
+    skips: dict[str, str] = {}
+    trees: dict[str, DraftTree] = {}
+    sched = [s for s in out.scheduled if s.draft_budget > 0]
+    if not sched or proposer is None:
+        return StepDrafts(tokens=tokens, probs=probs, skips=skips, trees=trees)
+    reqs, ks = [s.request for s in sched], [s.draft_budget for s in sched]
+    if proposer.has_fallback:
+        fks = [k if s.fallback_budget is None else s.fallback_budget for s, k in zip(sched, ks)]
+        drafts: Drafts = proposer.propose(reqs, ks, fallback_k=fks)
+    elif proposer.drafts_trees:  # the K policy chose each request's shape
+        drafts = proposer.propose(reqs, ks, trees=[s.draft_tree for s in sched])
+    else:
+        drafts = proposer.propose(reqs, ks)
+    fallback = set()
+    for j, req in enumerate(reqs):
+        rid, d = req.request_id, list(drafts.token_ids[j][: ks[j]])
+        tree = drafts.trees[j] if drafts.trees is not None else None
+        if tree is not None and len(tree):
+            tree = tree.cut(ks[j])  # a node budget, like a chain's cap
+            d = list(tree.tokens)
+            if not tree.is_chain:
+                trees[rid] = tree
+        if synthetic is not None:
+            d = synthetic.cut(d)  # no coin-flip EOS (see SyntheticVerifier)
+        if d:
+            tokens[rid] = d
+            probs[rid] = drafts.probs[j] if drafts.probs is not None else None
+            if drafts.from_fallback is not None and drafts.from_fallback[j]:
+                fallback.add(rid)
+        else:
+            skips[rid] = drafts.skip_reasons[j] or "no_match"
+    return StepDrafts(tokens=tokens, probs=probs, skips=skips, trees=trees,
+                      fallback=frozenset(fallback), setup_seconds=drafts.setup_seconds,
+                      fallback_seconds=drafts.fallback_seconds)
+
+
+def build(out: StepPlan, got: StepDrafts, drafts: dict[str, list[int]], probs: dict,
+          trees: dict[str, DraftTree], num_real: dict[str, int],
+          md: SamplingMetadata | None) -> DraftRows:
+    """The step's rows from `drafts`/`probs` as they stand after the tree admission and the
+    grammar's cut (`num_real`: drafts per request before the cut). On a fixed-shape step every
+    sampling row verifies exactly the planned width: its drafts are padded with -1."""
+    rows, k = [], 0
+    for s in out.scheduled:
+        rid = s.request.request_id
+        if not s.sampling:
+            rows.append(DraftRow(request_id=rid, sample=None, skip_reason=s.skip_reason))
+            continue
+        d = drafts.get(rid, [])
+        valid = len(d)
+        if out.batch.fixed_shape and out.batch.width is not None:
+            d = width.pad_row(d, out.batch.width)
+        q = probs.get(rid)
+        skip = s.skip_reason
+        if skip is None and not d:
+            skip = got.skips.get(rid)
+        rows.append(DraftRow(
+            request_id=rid, sample=k, tokens=tuple(d), tree=trees.get(rid),
+            probs=width.pad_probs(q, len(d)) if q is not None else None,
+            num_valid=valid, num_cut=num_real.get(rid, 0) - valid,
+            num_async_invalid=s.num_async_invalid, from_fallback=valid > 0 and rid in got.fallback,
+            skip_reason=skip))
+        k += 1
+    return DraftRows(tuple(rows), md)
