@@ -15,6 +15,7 @@ accepted, at their positions, and nothing of a rejected branch is ever read agai
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -102,7 +103,7 @@ class DraftTree:
         return [0] + [1 + d for d in self.depths]
 
 
-def kv_moves(path: list[int]) -> list[tuple[int, int]]:
+def kv_moves(path: Sequence[int]) -> list[tuple[int, int]]:
     """(from row, to row) for the accepted path's K/V: node path[d] was written at row
     1 + path[d] and belongs at row 1 + d. Depth-first order gives path[d] >= d and increasing,
     so moving shallow to deep never overwrites a node still to be moved."""

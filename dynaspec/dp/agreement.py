@@ -229,11 +229,11 @@ class LockstepPolicy:
     global view agreed before ``schedule``, and the shared state it reads (cost model, engine-wide
     acceptance) moves only with what every rank gathered (``apply_tick``)."""
 
-    def __init__(self, inner, agreement: StepAgreement) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, inner, agreement: StepAgreement) -> None:
         self.agreement = agreement
         self.set_inner(inner)
 
-    def set_inner(self, inner) -> None:  # type: ignore[no-untyped-def]
+    def set_inner(self, inner) -> None:
         """Wrap `inner` (also when a rank switches to rank 0's policy at start-up)."""
         self.inner = inner
         self.keeps_history = getattr(inner, "keeps_history", False)
@@ -243,7 +243,7 @@ class LockstepPolicy:
                 prior_weight=inner.settings.engine_prior_weight)
 
     @property
-    def plan(self):  # type: ignore[no-untyped-def]
+    def plan(self):
         return self.inner.plan
 
     @property
@@ -315,6 +315,7 @@ def share_cost_model(policy, rank: int,
         return
     if cost is None:
         return
+    assert table is not None  # both or neither (checked above)
     if tuple(table["batches"]) != cost.grid.batches or tuple(table["widths"]) != cost.grid.widths \
             or tuple(table["contexts"]) != cost.grid.contexts:
         raise RuntimeError("rank 0's step cost grid differs from this rank's: the ranks were "

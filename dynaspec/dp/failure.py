@@ -48,7 +48,7 @@ class FailureWatch:
     """Turns exits, closed channels, peer reports and silence into one verdict naming the
     failed rank(s) (module docstring); ``declare`` is the front end's action on it."""
 
-    def __init__(self, eng, clock: Callable[[], float] = time.monotonic) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, eng, clock: Callable[[], float] = time.monotonic) -> None:
         self.eng, self.clock = eng, clock
         self.beats = HeartbeatClock(eng.config.parallel.dp_heartbeat_timeout_s, clock)
         self.dead: dict[int, str] = {}
@@ -79,7 +79,7 @@ class FailureWatch:
             self.dead[rank] = "closed its control channel (process or machine gone)"
             self._problem()
 
-    def restart_clock(self, ranks) -> None:  # type: ignore[no-untyped-def]
+    def restart_clock(self, ranks) -> None:
         """A new group is forming: its members are silent meanwhile, by design."""
         now = self.clock()
         for r in ranks:

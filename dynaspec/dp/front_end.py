@@ -167,12 +167,12 @@ class DPEngine:
         if dp_rank is not None and dp_rank not in serving:
             raise EngineUnavailable(f"data-parallel rank {dp_rank} is not serving")
         rank = dp_rank if dp_rank is not None else self._least_loaded(serving)
-        lp = [] if params.logprobs is not None else None
+        lp: list | None = [] if params.logprobs is not None else None
         self.records[request_id] = _Record(rank, ids, [], lp, params)
         self._route(request_id, rank)
         return request_id
 
-    def _least_loaded(self, serving) -> int:  # type: ignore[no-untyped-def]
+    def _least_loaded(self, serving) -> int:
         return min(sorted(serving), key=lambda r: (self.load[r], r))
 
     def _route(self, request_id: str, rank: int) -> None:
@@ -328,7 +328,7 @@ class DPEngine:
             prefix_caching=cc.enable_prefix_caching,
         )
 
-    def compile_grammar(self, spec) -> None:  # type: ignore[no-untyped-def]
+    def compile_grammar(self, spec) -> None:
         self.structured.compile(spec)
 
     def progress(self) -> int:

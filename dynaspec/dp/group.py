@@ -49,14 +49,14 @@ class Membership:
 class RankGroup:
     """The formed group of one epoch: gather rows, broadcast bytes, in member order."""
 
-    def __init__(self, pg, membership: Membership, rank: int) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, pg, membership: Membership, rank: int) -> None:
         self.pg, self.membership, self.rank = pg, membership, rank
         self.index = membership.index(rank)
         self.size = len(membership.members)
 
     @classmethod
     def form(cls, store, membership: Membership, rank: int, timeout_s: float,
-             abandon: Callable[[], bool]) -> RankGroup:  # type: ignore[no-untyped-def]
+             abandon: Callable[[], bool]) -> RankGroup:
         import torch.distributed as dist
 
         prefix = membership.prefix
@@ -106,7 +106,7 @@ class RankGroup:
             self._broadcast(buf, root_index, timeout_s)
         return pickle.loads(buf.numpy().tobytes()) if self.index != root_index else obj
 
-    def _broadcast(self, t, root_index: int, timeout_s: float) -> None:  # type: ignore[no-untyped-def]
+    def _broadcast(self, t, root_index: int, timeout_s: float) -> None:
         import torch.distributed as dist
 
         opts = dist.BroadcastOptions()

@@ -117,7 +117,7 @@ class HeartbeatClock:
         """The rank was declared lost: its replacement starts a fresh record."""
         self.last_beat.pop(rank, None)
 
-    def silent(self, ranks, now: float) -> dict[int, float]:  # type: ignore[no-untyped-def]
+    def silent(self, ranks, now: float) -> dict[int, float]:
         """Advance the running time to ``now``; the ranks among ``ranks`` whose heartbeat has
         been silent for more than the timeout, with how long."""
         self._base, self._last_check = self.running_time(now), now

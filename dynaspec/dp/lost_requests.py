@@ -21,7 +21,7 @@ PARKED = -1  # a record's rank while no rank serves
 
 
 class LostRequests:
-    def __init__(self, eng) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, eng) -> None:
         self.eng = eng  # the DPEngine: its records, routing, backlog and counts
         self.parked: dict[str, str] = {}  # request id -> the loss it waits out
 

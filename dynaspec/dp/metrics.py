@@ -26,7 +26,7 @@ class DPMetrics:
     feeds it each rank's reports."""
 
     def __init__(self, world_size: int, labels: dict[str, str], prefix: str | None = None,
-                 roster=None) -> None:  # type: ignore[no-untyped-def]
+                 roster=None) -> None:
         from dynaspec.metrics.prometheus import PREFIX, PrometheusMetrics
 
         # Every registry gets the same prefix: `--metrics-prefix vllm` renames the per-rank and

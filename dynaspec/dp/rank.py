@@ -131,7 +131,7 @@ def _start(spec: RankSpec):
                                       pc.dp_rank_timeout_s, IDLE_POLL_S))
         return made[0]
 
-    def lockstep(policy):  # type: ignore[no-untyped-def]
+    def lockstep(policy):
         return LockstepPolicy(policy, agreement_for(policy.plan.max_k))
 
     engine = _build_engine(spec, store,
@@ -143,7 +143,7 @@ def _no_group(row: list[float], timeout_s: float) -> list[list[float]]:
     raise CollectiveError("no group formed yet")
 
 
-def _build_engine(spec: RankSpec, store, make_engine):  # type: ignore[no-untyped-def]
+def _build_engine(spec: RankSpec, store, make_engine):
     """Rank 0 builds first when the goodput policy profiles step costs: the other ranks then
     read its cached table (same machine) instead of profiling all at once, contending for the
     cores and measuring each other; only rank 0's table is used anyway (share_cost_model)."""
@@ -161,7 +161,7 @@ def _build_engine(spec: RankSpec, store, make_engine):  # type: ignore[no-untype
     return engine
 
 
-def _ready(spec: RankSpec, engine) -> RankReady:  # type: ignore[no-untyped-def]
+def _ready(spec: RankSpec, engine) -> RankReady:
     return RankReady(spec.rank, engine.tokenizer if spec.rank == 0 else None, engine.max_model_len,
                      engine.parts.vocab_size, engine.plan, engine.parts.model_name,
                      engine.pool_report(), os.getpid(), socket.gethostname(), engine.exec_plan,
@@ -206,6 +206,7 @@ class RankLoop:
             a.ran_step = ran
             self._report(outs, ran)
             tick = a.last
+            assert tick is not None  # set by the step's agreement
             if tick.stopping:
                 return 0
             groups.after_tick(tick)
@@ -217,6 +218,7 @@ class RankLoop:
             return self.stop_requested
 
         target = self.groups.pending
+        assert target is not None  # called when a switch is due(), which needs one
         try:
             self.groups.switch(self.agreement, self.engine.scheduler.policy, stop)
         except GroupAbandoned:
@@ -227,8 +229,10 @@ class RankLoop:
             self._lost(str(exc), target.epoch)
             return
         self.conn.send(Joined(self.rank, self.groups.epoch))
+        group = self.groups.group
+        assert group is not None  # switch() formed it
         log.info("stepping in group %d: ranks %s", self.groups.epoch,
-                 list(self.groups.group.membership.members))
+                 list(group.membership.members))
 
     def _lost(self, reason: str, epoch: int | None = None) -> None:
         """The group failed: keep the requests, tell the front end, wait for (or move to
@@ -289,7 +293,7 @@ class RankLoop:
         elif isinstance(msg, Regroup):
             self.groups.offer(msg)
 
-    def _query(self, name: str):  # type: ignore[no-untyped-def]
+    def _query(self, name: str):
         eng = self.engine
         if name == "decisions":
             return list(self.agreement.decisions)
@@ -321,10 +325,12 @@ class RankLoop:
                 and self.quiet_ticks < HEARTBEAT_TICKS:
             return  # nothing new on an idle tick: only every few ticks a heartbeat
         self.quiet_ticks, self.last_snapshot = 0, snap
-        self.conn.send(TickReport(self.rank, self.agreement.last.index, outputs, step, snap,
+        tick = self.agreement.last
+        assert tick is not None  # reported after an agreed tick
+        self.conn.send(TickReport(self.rank, tick.index, outputs, step, snap,
                                   times, eng.kv.num_free_blocks(), eng.kv.num_blocks))
 
-    def _output(self, out) -> RankOutput:  # type: ignore[no-untyped-def]
+    def _output(self, out) -> RankOutput:
         new_lp = None
         if out.logprobs is not None:
             sent = self.logprobs_sent.get(out.request_id, 0)

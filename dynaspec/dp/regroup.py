@@ -26,7 +26,7 @@ from dynaspec.dp.policy_state import export_state, import_state
 
 
 class GroupSwitch:
-    def __init__(self, store, spec: RankSpec) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, store, spec: RankSpec) -> None:
         self.store, self.spec, self.rank = store, spec, spec.rank
         self.group: RankGroup | None = None
         self.epoch = -1
@@ -53,7 +53,7 @@ class GroupSwitch:
         if self.pending is not None and tick.join_epoch == self.pending.epoch:
             self.agreed = True
 
-    def switch(self, agreement: StepAgreement, policy, stop: Callable[[], bool]) -> None:  # type: ignore[no-untyped-def]
+    def switch(self, agreement: StepAgreement, policy, stop: Callable[[], bool]) -> None:
         """Form the pending group and step in it from now on. ``stop()`` reads the rank's
         commands and says whether it must leave. Raises GroupAbandoned (a newer Regroup, or
         stopping) or CollectiveError (a member did not come)."""
@@ -78,7 +78,7 @@ class GroupSwitch:
         self.group, self.agreed = None, False
 
     @staticmethod
-    def _handshake(group: RankGroup, agreement: StepAgreement, policy, timeout: float) -> None:  # type: ignore[no-untyped-def]
+    def _handshake(group: RankGroup, agreement: StepAgreement, policy, timeout: float) -> None:
         rows = group.gather([float(agreement.num_ticks), agreement.longest_step_s], timeout)
         ticks = [r[0] for r in rows]
         leader = ticks.index(max(ticks))

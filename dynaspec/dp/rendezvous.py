@@ -57,8 +57,8 @@ def resolve(pc: ParallelConfig, worker: bool = False) -> Rendezvous:
     """The rendezvous for a front end (``worker=False``) or a ``dp-worker`` machine."""
     world = pc.data_parallel_size
     start, local = pc.dp_rank_start, pc.dp_local_size
-    if worker and world == 1 and _env_int("WORLD_SIZE"):
-        world, start, local = _env_int("WORLD_SIZE"), _env_int("RANK") or 0, 1
+    if worker and world == 1 and (env_world := _env_int("WORLD_SIZE")):
+        world, start, local = env_world, _env_int("RANK") or 0, 1
     if local is None:
         local = world if not worker else 1
     addr = pc.dp_master_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1"

@@ -59,8 +59,8 @@ class RankSupervisor:
 
         r = self.rdv
         self.bind = r.master_addr if r.multi_machine else "127.0.0.1"
-        self._store = dist.TCPStore(self.bind, r.store_port, is_master=True,
-                                    wait_for_workers=False)
+        store = dist.TCPStore(self.bind, r.store_port, is_master=True, wait_for_workers=False)
+        self._store: dist.TCPStore | None = store  # None once closed
         self._listener = Listener((self.bind, r.control_port), authkey=r.authkey)
         self.control_port = self._listener.address[1]
         self.threads = threads_per_rank(self.config.parallel, len(r.local_ranks))
@@ -71,9 +71,10 @@ class RankSupervisor:
         if r.multi_machine:
             log.info("waiting for ranks %s to join at %s:%d (store) / %d (control)",
                      sorted(set(range(self.world_size)) - set(r.local_ranks)), r.master_addr,
-                     self._store.port, self.control_port)
+                     store.port, self.control_port)
 
     def _spawn(self, rank: int, joining: bool = True) -> None:
+        assert self._store is not None  # a closed supervisor spawns nothing
         spec = RankSpec(self.config, rank, self.world_size, self.bind, self._store.port,
                         self.bind, self.control_port, self.rdv.authkey, joining=joining)
         self.procs[rank] = RankProcess(spawn_spec(spec, self.threads))

@@ -23,6 +23,7 @@ from dynaspec.models.quant_linear import (
     linear_kernel_summary,
     resolve_quantization,
 )
+from dynaspec.models.tokenizer import Tokenizer
 from dynaspec.sample.synthetic import make_synthetic_verifier
 from dynaspec.scheduler.scheduler import Scheduler
 from dynaspec.spec_decode import cost_cache
@@ -47,7 +48,7 @@ log = logging.getLogger("dynaspec")
 
 @dataclass(frozen=True, kw_only=True)
 class EngineParts:
-    tokenizer: object
+    tokenizer: Tokenizer
     plan: SpecPlan
     exec_plan: ExecutionPlan
     model: LlamaModel
@@ -322,6 +323,7 @@ def _k_policy(config: EngineConfig, plan: SpecPlan, model: LlamaModel, kv_caches
 
     sc = config.spec
     name = resolve_policy_name(sc.k_policy, True, sc.k_schedule is not None)
+    assert name is not None  # speculating: some policy runs
     cost, info = None, PolicyInfo(name, sc.k_policy)
     if name == "goodput":
         cost, info = _step_cost_model(config, model, kv_caches, blocks, max_model_len, plan)

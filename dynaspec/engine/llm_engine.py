@@ -132,6 +132,7 @@ class LLMEngine:
         out = self.outputs.process(u.request, u.new_token_ids, u.finished, lp)
         if out.finished:
             out.spec = self.reporter.request_spec(u.request.request_id)
+            assert out.timings is not None  # a final output carries its timings
             self.recorder.finished(u.request, out.timings)
             self.driver.forget(u.request.request_id)
         return out if u.new_token_ids or out.finished else None

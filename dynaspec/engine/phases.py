@@ -58,7 +58,7 @@ class Landed:
 
 
 class StepPhases:
-    def __init__(self, scheduler: Scheduler, runner) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, scheduler: Scheduler, runner) -> None:
         self.scheduler, self.runner = scheduler, runner
 
     def launch(self, plan: StepPlan, worker: Executor | None = None) -> Launched | None:

@@ -88,6 +88,7 @@ class StepRecorder:
     # ---- steps ---------------------------------------------------------------------------
     def record(self, landed: Landed) -> StepStats:
         plan, res, updates = landed.plan, landed.res, landed.updates
+        assert res is not None  # emit() records only steps that did not raise
         t = self.times
         t.steps += 1
         t.schedule += plan.schedule_seconds

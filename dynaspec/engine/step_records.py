@@ -15,6 +15,8 @@ every slot of its row, verified or not, goes down the invalid-draft channel and 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from dynaspec.metrics.stats import RequestStepSpec
 from dynaspec.outputs import RequestResult
 from dynaspec.step_plan import ScheduledRequest
@@ -22,7 +24,7 @@ from dynaspec.step_plan import ScheduledRequest
 ASYNC_PLACEHOLDER = "async_placeholder"
 
 
-def prompt_tokens(scheduled: list[ScheduledRequest]) -> int:
+def prompt_tokens(scheduled: Sequence[ScheduledRequest]) -> int:
     """Prompt tokens (recomputed ones included) a step computes: every new token except a
     decoding request's one, the token it sampled last step. Read before the step's result
     changes the requests' counters (both paths call it then)."""

@@ -159,7 +159,8 @@ def compute_logprobs(
     want_t = torch.tensor(want, dtype=torch.int64, device=logits.device)
     lp = torch.log_softmax(logits[want_t].float(), dim=-1)  # [num_want, vocab]
     chosen = lp.gather(1, token_ids[want_t].unsqueeze(1)).squeeze(1).tolist()  # [num_want]
-    max_n = min(max(num_logprobs[i] for i in want), lp.shape[-1])  # type: ignore[type-var]
+    asked = [n for i in want if (n := num_logprobs[i]) is not None]  # every wanted row's n
+    max_n = min(max(asked), lp.shape[-1])
     top_vals: list[list[float]] = [[] for _ in want]
     top_ids: list[list[int]] = [[] for _ in want]
     if max_n > 0:

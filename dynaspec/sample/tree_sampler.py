@@ -36,7 +36,7 @@ from dynaspec.sample.sampler import inverse_cdf_sample, processed_probs, sample_
 def greedy_tree(argmax: list[int], tree: DraftTree) -> tuple[list[int], int]:
     """(accepted path as node indices, last token) from each row's argmax ([n+1])."""
     kids = _children(tree)
-    node, path = -1, []
+    node, path = -1, list[int]()
     while True:
         want = argmax[node + 1]
         nxt = next((c for c in kids[node + 1] if tree.tokens[c] == want), None)
@@ -51,7 +51,7 @@ def random_tree(probs: torch.Tensor, tree: DraftTree, generator: torch.Generator
     """probs: [n+1, vocab] processed target probabilities of the request's rows."""
     kids = _children(tree)
     vocab, device = probs.shape[1], probs.device
-    node, path = -1, []
+    node, path = -1, list[int]()
     while True:
         residual = probs[node + 1].double().clone()  # [vocab]
         nxt = None

@@ -64,6 +64,15 @@ class KPolicy(Protocol):
 
     def num_cached(self) -> int: ...
 
+    def goodput_report(self) -> tuple[float | None, float | None]:
+        """(modelled, observed) goodput for the snapshot; (None, None) without a cost model."""
+        ...
+
+    @property
+    def num_reprobes(self) -> int:
+        """K>0 steps the goodput policy's divergence guard forced (0 for the others)."""
+        ...
+
 
 def _step_k(k: int, ctx: int, caps: dict[str, tuple[int, str | None]]) -> StepK:
     per_request = {rid: c for rid, (c, _) in caps.items()}

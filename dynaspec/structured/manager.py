@@ -128,7 +128,7 @@ class StructuredOutputManager:
             self.matchers[rid].rollback(n)
         self._draft_fed.clear()
 
-    def begin_step(self, scheduled: list[ScheduledRequest], drafts: dict[str, list[int]],
+    def begin_step(self, scheduled: Sequence[ScheduledRequest], drafts: dict[str, list[int]],
                    draft_probs: dict) -> GrammarStep | None:
         """Check drafts and build bitmasks for this step's grammar requests; None if it has none.
 

@@ -24,7 +24,7 @@ import logging
 import time
 import types
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -33,21 +33,32 @@ from dynaspec.attention.uniform import DecodeMetadata, UniformDecodeBackend
 log = logging.getLogger("dynaspec")
 
 
+class MetadataBuilder(Protocol):
+    def build_metadata(self, batch: Any) -> Any: ...
+
+
 class FixedShapeExecutor(Protocol):
     path: str  # "compiled" | "cuda_graph"
-    backend: UniformDecodeBackend
     build_seconds: dict[tuple[int, int], float]
+
+    @property
+    def backend(self) -> MetadataBuilder:
+        """Builds a step's metadata from its AttentionBatch (what `run` takes as md)."""
+        ...
 
     def ready(self, num_reqs_padded: int, width: int) -> bool:
         """False when the shape is broken or its build would exceed the budget."""
         ...
 
-    def run(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, md: DecodeMetadata
-    ) -> torch.Tensor:
-        """input_ids, positions: [B_pad*W]. Returns the normed hidden states [B_pad*W, hidden]:
-        the runner applies the model's head outside the graph (`LlamaModel.head`), as the eager
-        path does, so both give every row the same logits."""
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor | None, md: Any) -> Any:
+        """input_ids, positions: [B_pad*W]. "compiled" returns the normed hidden states
+        [B_pad*W, hidden]: the runner applies the model's head outside the graph
+        (`LlamaModel.head`), as the eager path does, so both give every row the same logits.
+        "cuda_graph" derives positions in the graph (None) and returns (logits, argmax)."""
+        ...
+
+    def fail(self, key: tuple[int, int], exc: BaseException) -> None:
+        """Mark the shape broken (its steps run eager), saying why."""
         ...
 
 
@@ -56,7 +67,8 @@ class _Base:
 
     def __init__(self, model, kv_caches: list[torch.Tensor], budget_s: float) -> None:
         self.model, self.kv_caches, self.budget_s = model, kv_caches, budget_s
-        self.backend = UniformDecodeBackend(pin_blocks=self.path == "cuda_graph")
+        self.backend: UniformDecodeBackend | _GraphInputsFiller = UniformDecodeBackend(
+            pin_blocks=self.path == "cuda_graph")
         self.build_seconds: dict[tuple[int, int], float] = {}
         self.broken: set[tuple[int, int]] = set()
         self.errors: dict[tuple[int, int], str] = {}  # why each broken shape broke
@@ -151,10 +163,12 @@ class CompiledDecode(_Base):
                                  fullgraph=True)
 
     def run(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, md: DecodeMetadata
+        self, input_ids: torch.Tensor, positions: torch.Tensor | None, md: DecodeMetadata
     ) -> torch.Tensor:
         from torch._dynamo.utils import counters
 
+        if positions is None:
+            raise ValueError("the compiled step takes the positions of its rows")
         key = (md.context_lens.shape[0], md.width)
         torch._dynamo.mark_dynamic(md.block_tables, 1)
         graphs, t0 = counters["stats"]["unique_graphs"], time.perf_counter()
@@ -215,7 +229,7 @@ class CudaGraphDecode(_Base):
         self.attn = GpuPagedBackend()
         self.backend = _GraphInputsFiller(self.attn)
         self.graphs: dict[tuple[int, int], tuple] = {}
-        self.pool = None
+        self.pool: Any = None  # the captured graphs' shared memory pool (torch's handle)
 
     def _graph_step(self, input_ids: torch.Tensor, block_tables: torch.Tensor,
                     context_lens: torch.Tensor, width: int, block_size: int):
@@ -250,7 +264,8 @@ class CudaGraphDecode(_Base):
         graph.replay()
         return out
 
-    def _capture(self, args: tuple, width: int, block_size: int):
+    def _capture(self, args: tuple[torch.Tensor, torch.Tensor, torch.Tensor], width: int,
+                 block_size: int):
         with torch.inference_mode():
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())

@@ -204,7 +204,7 @@ class ModelRunner:
         """Hand the drafter the hidden states of each request's verified tokens: its new tokens
         and the drafts it accepted (rows of rejected drafts and pads are left out)."""
         hidden = self.model.aux_hidden  # [T, features], or None where the path captured nothing
-        if hidden is None or hidden.shape[0] != len(p.inputs.ids):
+        if self.hidden_sink is None or hidden is None or hidden.shape[0] != len(p.inputs.ids):
             return
         drafted = dict(p.inputs.sampling)  # scheduled index -> drafts verified
         ids, starts, positions, valid = [], [], [], []
@@ -254,6 +254,7 @@ class ModelRunner:
             if (
                 ex is not None
                 and ex.path == batch.path
+                and batch.width is not None  # a fixed-shape batch has one
                 and ex.ready(batch.num_reqs_padded, batch.width)
             ):
                 try:
@@ -276,6 +277,7 @@ class ModelRunner:
 
     def _forward_fixed(self, x: StepInputs, batch: BatchDescriptor, ex: FixedShapeExecutor):
         W, B, n = batch.width, batch.num_reqs_padded, len(x.query_lens)
+        assert W is not None and self.buffers is not None  # fixed shape; the builder gives both
         if any(q != W for q in x.query_lens) or n > B:
             raise RuntimeError(f"fixed-shape step ({B} x {W}) got query lengths {x.query_lens}")
         if ex.path == "cuda_graph":  # the whole step in one graph (worker/compiled.py)
@@ -296,6 +298,7 @@ class ModelRunner:
         """CUDA: every real row is a logit row (W per request), so the logits are the first
         n*W rows of the graph's output; its argmax is kept for a greedy `_sample`."""
         B, W, n = batch.num_reqs_padded, batch.width, len(x.query_lens)
+        assert W is not None and self.buffers is not None  # fixed shape; the builder gives both
         ab = AttentionBatch(x.query_lens, x.context_lens, x.block_tables, self.block_size,
                             self.device, B, W, self.buffers.attn)
         md = ex.backend.build_metadata(ab)
@@ -314,6 +317,7 @@ class ModelRunner:
         for b, w in shapes:
             if ex is None or not ex.ready(b, w):
                 continue
+            assert self.buffers is not None  # an executor comes with the buffers (builder)
             ab = AttentionBatch([], [], [], self.block_size, self.device, b, w, self.buffers.attn)
             md = ex.backend.build_metadata(ab)
             ids, pos, _ = self._load([0] * (b * w), list(range(w)) * b, None)

@@ -28,7 +28,7 @@ class TreeRows:
     block_table: tuple[int, ...]
 
 
-def tree_allowed(req, *, eager: bool, plain_verify: bool,  # type: ignore[no-untyped-def]
+def tree_allowed(req, *, eager: bool, plain_verify: bool,
                  has_probs: bool) -> bool:
     """Whether `req`'s tree can be verified as a tree this step (module docstring)."""
     sp = req.sampling_params
@@ -36,7 +36,7 @@ def tree_allowed(req, *, eager: bool, plain_verify: bool,  # type: ignore[no-unt
             and not sp.processes_logits and sp.logprobs is None)
 
 
-def admit(out, trees: dict[str, DraftTree], probs: dict,  # type: ignore[no-untyped-def]
+def admit(out, trees: dict[str, DraftTree], probs: dict,
           drafts: dict[str, list[int]], plain: bool) -> dict[str, TreeRows]:
     """The trees of step `out` (a StepPlan) that run as trees, with their rows; each other one
     is replaced in `drafts` by its first root path (a chain, verified by today's rule).
