@@ -64,6 +64,7 @@ from dataclasses import replace
 from dynaspec.draft_tree import TreeWalk
 from dynaspec.spec_decode.acceptance import FULL_LENGTHS, AcceptanceHistory, DraftLengths
 from dynaspec.spec_decode.cost_model import StepCostModel
+from dynaspec.spec_decode.decision_prices import DecisionPrices
 from dynaspec.spec_decode.fallback_pricing import FallbackPricer
 from dynaspec.spec_decode.goodput_settings import (  # noqa: F401 - GoodputSettings re-exported
     Deeper,
@@ -85,7 +86,6 @@ from dynaspec.spec_decode.step_pricing import (
     StepPricing,
     goodput,
     one_row_seconds,
-    one_row_seconds_by_cap,
     price_row,
 )
 from dynaspec.spec_decode.step_width import runnable_k
@@ -264,35 +264,42 @@ class GoodputPolicy(TablePolicy):
         rows, trees = [], set()
         probe_pays = None  # the same for every request: priced once, when first needed
         plain = 1.0 / cost(1)
+        prices = self._prices(cost, ceiling)
         pricer = None
         if self.settings.drafts_trees and view.global_view is None:
             lengths = self.tree_lengths if self.tree_lengths.num_updates else FULL_LENGTHS
             pricer = TreePricer(self.branch_rates, lengths.survival, ceiling)
         for r in view.requests:
             rid, cap = r.request_id, caps[r.request_id][0]
-            row, value, tree = self._shape(r, cap, cost, pricer)
+            row, value, tree = self._shape(r, cap, cost, pricer, prices)
             if tree:
                 trees.add(rid)
             if cap > 0 and not value > plain * _MARGIN:
                 stale = self._stale(r)
                 if stale and probe_pays is None:
-                    probe_pays = self._alone(self._probe_row(ceiling), cost) > plain * _MARGIN
+                    probe_pays = self._alone(self._probe_row(ceiling), cost,
+                                             prices) > plain * _MARGIN
                 fixed[rid] = 1 if stale and probe_pays else 0
-                row = replace(row, follows=False, limit=min(fixed[rid], cap))
+                row = PricedRow(False, min(fixed[rid], cap), row.accepted, row.drafted,
+                                row.survival)
             rows.append(row)
         return rows, fixed, frozenset(trees)
 
-    def _shape(self, r: RequestView, cap: int, cost, trees: TreePricer | None
-               ) -> tuple[PricedRow, float, bool]:
+    def _shape(self, r: RequestView, cap: int, cost, trees: TreePricer | None,
+               prices: DecisionPrices) -> tuple[PricedRow, float, bool]:
         """The request's row as a chain or, where the drafter gives trees (`trees`) and it
         pays more alone, as a tree of as many nodes; with its goodput alone and whether it is
-        a tree."""
-        chain = self._row(r, cap)
-        value = self._alone(chain, cost) if cap > 0 else 0.0
+        a tree. (`_row(r, cap)` and `_rates(r)` by the decision's lists: the same floats.)"""
+        h = self.history(r)
+        rates = prices.rates(h.rates if h is not None and h.num_updates else None, cap)
+        own = self.lengths.get(r.request_id)
+        own = own.deeper(self.engine_lengths) if own is not None and own.num_updates else None
+        chain = prices.row(rates, prices.survival(own, cap), cap)
+        value = self._alone(chain, cost, prices) if cap > 0 else 0.0
         if trees is None or cap < 2:
             return chain, value, False
-        tree = trees.row(self._rates(r).rate, cap)
-        tree_value = self._alone(tree, cost)
+        tree = trees.row_of(tuple(rates))
+        tree_value = self._alone(tree, cost, prices)
         if tree_value > value * _MARGIN:
             return tree, tree_value, True
         return chain, value, False
@@ -341,7 +348,15 @@ class GoodputPolicy(TablePolicy):
         ks = self._runnable_ks
         return ks[k] if k < len(ks) else runnable_k(k, self.allowed_widths)
 
-    def _alone(self, row: PricedRow, cost) -> float:
+    def _prices(self, cost, ceiling: int) -> DecisionPrices:
+        prior = self.engine_history if self.engine_history.num_updates \
+            else FixedRates(self.settings.prior_rate)
+        lengths = self.engine_lengths if self.engine_lengths.num_updates else FULL_LENGTHS
+        return DecisionPrices(cost, self._runnable, self.settings.widths_follow_drafts,
+                              (self.synthetic or prior).rate, self.synthetic is None, lengths,
+                              ceiling)
+
+    def _alone(self, row: PricedRow, cost, prices: DecisionPrices | None = None) -> float:
         """The row's best goodput over its caps 1..limit (its limit alone where the drafter
         sizes its own drafts) if every request drafted like it; compared with plain decode's
         1 / cost(1) by the same margin decide() needs to prefer a K over plain, so a row that
@@ -352,8 +367,8 @@ class GoodputPolicy(TablePolicy):
         if self.settings.whole_cap:
             k = row.limit
             return (1.0 + row.accepted[k]) / one_row_seconds(row, k, cost, self._runnable, follow)
-        secs = one_row_seconds_by_cap(row, cost, self._runnable, follow)
-        return max((1.0 + row.accepted[k]) / secs[k] for k in range(1, row.limit + 1))
+        prices = prices or self._prices(cost, row.limit)
+        return prices.best_alone(row)
 
     def _stale(self, r: RequestView) -> bool:
         last = self.last_draft_ctx.get(r.request_id)
