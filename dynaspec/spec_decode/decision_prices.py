@@ -33,10 +33,17 @@ class DecisionPrices:
         self.prior = [prior(i) for i in range(ceiling)]  # [ceiling]
         self._survival: dict[int, list[float]] = {}
         self._alone: dict[tuple, float] = {}
+        self._fixed: dict[tuple[int, int], tuple[PricedRow, PricedRow]] = {}
+        # Per cap, the priced shape of a request with no rates or lengths of its own (the
+        # policy fills it): new requests, and every request of a run that never drafts.
+        self.shared: dict[int, tuple] = {}
 
     def rates(self, own: list[float] | None, n: int) -> list[float]:
         """[n] rates of a request whose own observed rates are `own` (None or empty: none), the
-        prior's past them (goodput_settings.Deeper); synthetic mode ignores `own`."""
+        prior's past them (goodput_settings.Deeper); synthetic mode ignores `own`. A request
+        whose caps stayed low has seen only its first positions, and repeating its deepest
+        rate would price positions that other requests reach (suffix drafts that get that far
+        are usually right) from one that says nothing about them."""
         prior = self.prior
         if n > len(prior):
             prior.extend(self._prior_of(i) for i in range(len(prior), n))
@@ -56,6 +63,16 @@ class DecisionPrices:
 
     def row(self, rates: list[float], survival: list[float], limit: int) -> PricedRow:
         return price_rates(rates, survival, limit, True)
+
+    def fixed(self, row: PricedRow, limit: int) -> PricedRow:
+        """`row` not following the step's K, at `limit` drafts (0: cut, 1: a probe); one
+        object per row and limit (the row is the shared one of requests priced alike)."""
+        key = (id(row), limit)  # the entry holds `row`: its id is not reused while it lives
+        got = self._fixed.get(key)
+        if got is None:
+            got = self._fixed[key] = (row, PricedRow(False, limit, row.accepted, row.drafted,
+                                                     row.survival))
+        return got[1]
 
     def seconds_by_cap(self, row: PricedRow) -> list[float]:
         """step_pricing.one_row_seconds_by_cap(row, cost, runnable, follow), from the list."""

@@ -280,8 +280,7 @@ class GoodputPolicy(TablePolicy):
                     probe_pays = self._alone(self._probe_row(ceiling), cost,
                                              prices) > plain * _MARGIN
                 fixed[rid] = 1 if stale and probe_pays else 0
-                row = PricedRow(False, min(fixed[rid], cap), row.accepted, row.drafted,
-                                row.survival)
+                row = prices.fixed(row, min(fixed[rid], cap))
             rows.append(row)
         return rows, fixed, frozenset(trees)
 
@@ -289,12 +288,24 @@ class GoodputPolicy(TablePolicy):
                prices: DecisionPrices) -> tuple[PricedRow, float, bool]:
         """The request's row as a chain or, where the drafter gives trees (`trees`) and it
         pays more alone, as a tree of as many nodes; with its goodput alone and whether it is
-        a tree. (`_row(r, cap)` and `_rates(r)` by the decision's lists: the same floats.)"""
+        a tree. Its rates: its own where observed, the engine's deeper (DecisionPrices.rates).
+        """
         h = self.history(r)
-        rates = prices.rates(h.rates if h is not None and h.num_updates else None, cap)
+        h = h.rates if h is not None and h.num_updates and prices.own_rates else None
         own = self.lengths.get(r.request_id)
         own = own.deeper(self.engine_lengths) if own is not None and own.num_updates else None
-        chain = prices.row(rates, prices.survival(own, cap), cap)
+        if h is None and own is None:  # priced from the engine's state alone: as every such
+            got = prices.shared.get(cap)
+            if got is None:
+                got = prices.shared[cap] = self._priced(None, None, cap, cost, trees, prices)
+            return got
+        return self._priced(h, own, cap, cost, trees, prices)
+
+    def _priced(self, own_rates: list[float] | None, own_lengths, cap: int, cost,
+                trees: TreePricer | None, prices: DecisionPrices
+                ) -> tuple[PricedRow, float, bool]:
+        rates = prices.rates(own_rates, cap)
+        chain = prices.row(rates, prices.survival(own_lengths, cap), cap)
         value = self._alone(chain, cost, prices) if cap > 0 else 0.0
         if trees is None or cap < 2:
             return chain, value, False
@@ -311,29 +322,6 @@ class GoodputPolicy(TablePolicy):
         rates = self.synthetic or (self.engine_history if self.engine_history.num_updates
                                    else FixedRates(self.settings.prior_rate))
         return [price_row(rates.rate, FULL_LENGTHS.survival(ceiling), ceiling, True)] * num_reqs
-
-    def _rates(self, r: RequestView):
-        """The request's own conditional rates where it has observed them, the engine's deeper
-        down: a request whose caps stayed low has seen only its first positions, and repeating
-        its deepest rate would price positions that other requests reach (suffix drafts that
-        get that far are usually right) from one that says nothing about them."""
-        if self.synthetic is not None:
-            return self.synthetic
-        prior = (self.engine_history if self.engine_history.num_updates
-                 else FixedRates(self.settings.prior_rate))
-        h = self.history(r)
-        if h is not None and h.num_updates:
-            return Deeper(h.rates, prior)
-        return prior
-
-    def _lengths(self, r: RequestView) -> DraftLengths:
-        own = self.lengths.get(r.request_id)
-        if own is not None and own.num_updates:
-            return own.deeper(self.engine_lengths)
-        return self.engine_lengths if self.engine_lengths.num_updates else FULL_LENGTHS
-
-    def _row(self, r: RequestView, limit: int) -> PricedRow:
-        return price_row(self._rates(r).rate, self._lengths(r).survival(limit), limit, True)
 
     def _pricing(self, rows: list[PricedRow], cost) -> StepPricing:
         return StepPricing(rows, cost, self._runnable, self.settings.widths_follow_drafts)

@@ -9,8 +9,10 @@ import random
 import pytest
 
 from dynaspec.draft_tree import TreeWalk
+from dynaspec.spec_decode.acceptance import FULL_LENGTHS
 from dynaspec.spec_decode.cost_model import CostGrid, StepCostModel
 from dynaspec.spec_decode.goodput_policy import GoodputPolicy, GoodputSettings
+from dynaspec.spec_decode.goodput_settings import Deeper, FixedRates
 from dynaspec.spec_decode.k_policy import RequestView, StepView
 from dynaspec.spec_decode.plan import build_spec_plan
 from dynaspec.spec_decode.step_pricing import (
@@ -27,8 +29,24 @@ _MARGIN = 1 + 1e-9
 class LongWay(GoodputPolicy):
     """The decision as priced before DecisionPrices: the reference the fast path must equal."""
 
+    def _rates(self, r):
+        if self.synthetic is not None:
+            return self.synthetic
+        prior = (self.engine_history if self.engine_history.num_updates
+                 else FixedRates(self.settings.prior_rate))
+        h = self.history(r)
+        if h is not None and h.num_updates:
+            return Deeper(h.rates, prior)
+        return prior
+
+    def _lengths(self, r):
+        own = self.lengths.get(r.request_id)
+        if own is not None and own.num_updates:
+            return own.deeper(self.engine_lengths)
+        return self.engine_lengths if self.engine_lengths.num_updates else FULL_LENGTHS
+
     def _shape(self, r, cap, cost, trees, prices):
-        chain = self._row(r, cap)
+        chain = price_row(self._rates(r).rate, self._lengths(r).survival(cap), cap, True)
         value = self._alone(chain, cost) if cap > 0 else 0.0
         if trees is None or cap < 2:
             return chain, value, False
