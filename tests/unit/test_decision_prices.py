@@ -134,3 +134,31 @@ def test_step_sums_equal_the_per_row_sums_at_every_k():
             assert pricing.tokens(k) == sum(1.0 + r.accepted[c] for r, c in zip(rows, caps))
             assert pricing.drafted(k) == sum(r.drafted[c] for r, c in zip(rows, caps))
             assert pricing.max_cap(k) == max(caps, default=0)
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_requests_priced_alike_are_priced_once(monkeypatch, tree):
+    """At c32 with nothing drafted yet (or a run that never drafts), one row per cap is priced,
+    not one per request: the decision's cost must not grow with what it does not draft."""
+    import dynaspec.spec_decode.decision_prices as dp
+    import dynaspec.spec_decode.tree_pricing as tp
+
+    calls = {"chain": 0, "tree": 0}
+
+    def counted(name, f):
+        def g(*a, **k):
+            calls[name] += 1
+            return f(*a, **k)
+        return g
+
+    monkeypatch.setattr(dp, "price_rates", counted("chain", dp.price_rates))
+    monkeypatch.setattr(tp, "node_values", counted("tree", tp.node_values))
+    seconds = [[[0.1 * w for w in WIDTHS]] * 2] * 2  # verify dear: K = 0 for everyone
+    p = GoodputPolicy(build_spec_plan("ngram", 8, None),
+                      StepCostModel(CostGrid((1, 64), (1, 4096), WIDTHS), seconds),
+                      GoodputSettings(drafts_trees=tree))
+    reqs = [RequestView(f"r{i}", 100 + i, 1000, 10**6) for i in range(32)]
+    reqs.append(RequestView("short", 90, 3, 10**6))  # a lower cap (max_tokens): its own row
+    d = p.decide(StepView(tuple(reqs), len(reqs)))
+    assert d.k == 0 and set(d.per_request.values()) == {0}
+    assert calls == {"chain": 2, "tree": 2 if tree else 0}
