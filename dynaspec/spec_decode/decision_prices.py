@@ -33,6 +33,7 @@ class DecisionPrices:
         self.prior = [prior(i) for i in range(ceiling)]  # [ceiling]
         self._survival: dict[int, list[float]] = {}
         self._alone: dict[tuple, float] = {}
+        self._seconds: dict[tuple, list[float]] = {}
         self._fixed: dict[tuple[int, int], tuple[PricedRow, PricedRow]] = {}
         # Per cap, the priced shape of a request with no rates or lengths of its own (the
         # policy fills it): new requests, and every request of a run that never drafts.
@@ -75,7 +76,16 @@ class DecisionPrices:
         return got[1]
 
     def seconds_by_cap(self, row: PricedRow) -> list[float]:
-        """step_pricing.one_row_seconds_by_cap(row, cost, runnable, follow), from the list."""
+        """step_pricing.one_row_seconds_by_cap(row, cost, runnable, follow), from the list;
+        once per draft-length survival (every tree shares its cap's, and every request
+        without lengths of its own the engine's)."""
+        key = (row.limit, row.survival)
+        got = self._seconds.get(key)
+        if got is None:
+            got = self._seconds[key] = self._seconds_by_cap(row)
+        return got
+
+    def _seconds_by_cap(self, row: PricedRow) -> list[float]:
         costs = self._costs(row.limit)
         if not self.follow:
             return costs[:row.limit + 1]
