@@ -64,6 +64,7 @@ from dataclasses import replace
 from dynaspec.draft_tree import TreeWalk
 from dynaspec.spec_decode.acceptance import FULL_LENGTHS, AcceptanceHistory, DraftLengths
 from dynaspec.spec_decode.cost_model import StepCostModel
+from dynaspec.spec_decode.decision_prices import DecisionPrices
 from dynaspec.spec_decode.fallback_pricing import FallbackPricer
 from dynaspec.spec_decode.goodput_settings import (  # noqa: F401 - GoodputSettings re-exported
     Deeper,
@@ -85,7 +86,6 @@ from dynaspec.spec_decode.step_pricing import (
     StepPricing,
     goodput,
     one_row_seconds,
-    one_row_seconds_by_cap,
     price_row,
 )
 from dynaspec.spec_decode.step_width import runnable_k
@@ -264,35 +264,53 @@ class GoodputPolicy(TablePolicy):
         rows, trees = [], set()
         probe_pays = None  # the same for every request: priced once, when first needed
         plain = 1.0 / cost(1)
+        prices = self._prices(cost, ceiling)
         pricer = None
         if self.settings.drafts_trees and view.global_view is None:
             lengths = self.tree_lengths if self.tree_lengths.num_updates else FULL_LENGTHS
             pricer = TreePricer(self.branch_rates, lengths.survival, ceiling)
         for r in view.requests:
             rid, cap = r.request_id, caps[r.request_id][0]
-            row, value, tree = self._shape(r, cap, cost, pricer)
+            row, value, tree = self._shape(r, cap, cost, pricer, prices)
             if tree:
                 trees.add(rid)
             if cap > 0 and not value > plain * _MARGIN:
                 stale = self._stale(r)
                 if stale and probe_pays is None:
-                    probe_pays = self._alone(self._probe_row(ceiling), cost) > plain * _MARGIN
+                    probe_pays = self._alone(self._probe_row(ceiling), cost,
+                                             prices) > plain * _MARGIN
                 fixed[rid] = 1 if stale and probe_pays else 0
-                row = replace(row, follows=False, limit=min(fixed[rid], cap))
+                row = prices.fixed(row, min(fixed[rid], cap))
             rows.append(row)
         return rows, fixed, frozenset(trees)
 
-    def _shape(self, r: RequestView, cap: int, cost, trees: TreePricer | None
-               ) -> tuple[PricedRow, float, bool]:
+    def _shape(self, r: RequestView, cap: int, cost, trees: TreePricer | None,
+               prices: DecisionPrices) -> tuple[PricedRow, float, bool]:
         """The request's row as a chain or, where the drafter gives trees (`trees`) and it
         pays more alone, as a tree of as many nodes; with its goodput alone and whether it is
-        a tree."""
-        chain = self._row(r, cap)
-        value = self._alone(chain, cost) if cap > 0 else 0.0
+        a tree. Its rates: its own where observed, the engine's deeper (DecisionPrices.rates).
+        """
+        h = self.history(r)
+        h = h.rates if h is not None and h.num_updates and prices.own_rates else None
+        own = self.lengths.get(r.request_id)
+        own = own.deeper(self.engine_lengths) if own is not None and own.num_updates else None
+        if h is None and own is None:  # priced from the engine's state alone: as every such
+            got = prices.shared.get(cap)
+            if got is None:
+                got = prices.shared[cap] = self._priced(None, None, cap, cost, trees, prices)
+            return got
+        return self._priced(h, own, cap, cost, trees, prices)
+
+    def _priced(self, own_rates: list[float] | None, own_lengths, cap: int, cost,
+                trees: TreePricer | None, prices: DecisionPrices
+                ) -> tuple[PricedRow, float, bool]:
+        rates = prices.rates(own_rates, cap)
+        chain = prices.row(rates, prices.survival(own_lengths, cap), cap)
+        value = self._alone(chain, cost, prices) if cap > 0 else 0.0
         if trees is None or cap < 2:
             return chain, value, False
-        tree = trees.row(self._rates(r).rate, cap)
-        tree_value = self._alone(tree, cost)
+        tree = trees.row_of(tuple(rates))
+        tree_value = self._alone(tree, cost, prices)
         if tree_value > value * _MARGIN:
             return tree, tree_value, True
         return chain, value, False
@@ -304,29 +322,6 @@ class GoodputPolicy(TablePolicy):
         rates = self.synthetic or (self.engine_history if self.engine_history.num_updates
                                    else FixedRates(self.settings.prior_rate))
         return [price_row(rates.rate, FULL_LENGTHS.survival(ceiling), ceiling, True)] * num_reqs
-
-    def _rates(self, r: RequestView):
-        """The request's own conditional rates where it has observed them, the engine's deeper
-        down: a request whose caps stayed low has seen only its first positions, and repeating
-        its deepest rate would price positions that other requests reach (suffix drafts that
-        get that far are usually right) from one that says nothing about them."""
-        if self.synthetic is not None:
-            return self.synthetic
-        prior = (self.engine_history if self.engine_history.num_updates
-                 else FixedRates(self.settings.prior_rate))
-        h = self.history(r)
-        if h is not None and h.num_updates:
-            return Deeper(h.rates, prior)
-        return prior
-
-    def _lengths(self, r: RequestView) -> DraftLengths:
-        own = self.lengths.get(r.request_id)
-        if own is not None and own.num_updates:
-            return own.deeper(self.engine_lengths)
-        return self.engine_lengths if self.engine_lengths.num_updates else FULL_LENGTHS
-
-    def _row(self, r: RequestView, limit: int) -> PricedRow:
-        return price_row(self._rates(r).rate, self._lengths(r).survival(limit), limit, True)
 
     def _pricing(self, rows: list[PricedRow], cost) -> StepPricing:
         return StepPricing(rows, cost, self._runnable, self.settings.widths_follow_drafts)
@@ -341,7 +336,15 @@ class GoodputPolicy(TablePolicy):
         ks = self._runnable_ks
         return ks[k] if k < len(ks) else runnable_k(k, self.allowed_widths)
 
-    def _alone(self, row: PricedRow, cost) -> float:
+    def _prices(self, cost, ceiling: int) -> DecisionPrices:
+        prior = self.engine_history if self.engine_history.num_updates \
+            else FixedRates(self.settings.prior_rate)
+        lengths = self.engine_lengths if self.engine_lengths.num_updates else FULL_LENGTHS
+        return DecisionPrices(cost, self._runnable, self.settings.widths_follow_drafts,
+                              (self.synthetic or prior).rate, self.synthetic is None, lengths,
+                              ceiling)
+
+    def _alone(self, row: PricedRow, cost, prices: DecisionPrices | None = None) -> float:
         """The row's best goodput over its caps 1..limit (its limit alone where the drafter
         sizes its own drafts) if every request drafted like it; compared with plain decode's
         1 / cost(1) by the same margin decide() needs to prefer a K over plain, so a row that
@@ -352,8 +355,8 @@ class GoodputPolicy(TablePolicy):
         if self.settings.whole_cap:
             k = row.limit
             return (1.0 + row.accepted[k]) / one_row_seconds(row, k, cost, self._runnable, follow)
-        secs = one_row_seconds_by_cap(row, cost, self._runnable, follow)
-        return max((1.0 + row.accepted[k]) / secs[k] for k in range(1, row.limit + 1))
+        prices = prices or self._prices(cost, row.limit)
+        return prices.best_alone(row)
 
     def _stale(self, r: RequestView) -> bool:
         last = self.last_draft_ctx.get(r.request_id)

@@ -43,9 +43,15 @@ class PricedRow:
 def price_row(rate: Callable[[int], float], survival: Sequence[float], limit: int,
               follows: bool) -> PricedRow:
     """`rate(i)`: P(draft i accepted | drafted and 0..i-1 accepted); `survival`: [limit]."""
+    return price_rates([rate(i) for i in range(limit)], survival, limit, follows)
+
+
+def price_rates(rates: Sequence[float], survival: Sequence[float], limit: int,
+                follows: bool) -> PricedRow:
+    """price_row from the rates read out: `rates`, `survival`: [>= limit]."""
     accepted, drafted, run = [0.0], [0.0], 1.0
     for i in range(limit):
-        run *= rate(i)
+        run *= rates[i]
         accepted.append(accepted[-1] + survival[i] * run)
         drafted.append(drafted[-1] + survival[i])
     return PricedRow(follows, limit, tuple(accepted), tuple(drafted), tuple(survival[:limit]))
@@ -63,6 +69,11 @@ class StepPricing:
         # and at or above it (only rows whose K does not follow the step's).
         self._below = [self._product(d, all_rows=True) for d in range(depth)]
         self._fixed = [self._product(d, all_rows=False) for d in range(depth)]
+        # Past the deepest limit of the rows that follow K every row's cap is what it is there,
+        # so tokens, drafts and the widest cap are summed once for all of those K (the same sums
+        # in the same order: the same floats). At K = 0 on every step no row follows: one sum.
+        self._settled = max((r.limit for r in rows if r.follows), default=0)
+        self._sums: dict[int, tuple[float, float, int]] = {}
 
     def _product(self, depth: int, all_rows: bool) -> float:
         p = 1.0
@@ -73,13 +84,23 @@ class StepPricing:
 
     def tokens(self, k: int) -> float:
         """Expected tokens emitted: one per request plus its expected accepted drafts."""
-        return sum(1.0 + r.accepted[r.cap_at(k)] for r in self.rows)
+        return self._summed(k)[0]
 
     def drafted(self, k: int) -> float:
-        return sum(r.drafted[r.cap_at(k)] for r in self.rows)
+        return self._summed(k)[1]
 
     def max_cap(self, k: int) -> int:
-        return max((r.cap_at(k) for r in self.rows), default=0)
+        return self._summed(k)[2]
+
+    def _summed(self, k: int) -> tuple[float, float, int]:
+        k = min(k, self._settled)
+        got = self._sums.get(k)
+        if got is None:
+            caps = [r.cap_at(k) for r in self.rows]
+            got = self._sums[k] = (sum([1.0 + r.accepted[c] for r, c in zip(self.rows, caps)]),
+                                   sum([r.drafted[c] for r, c in zip(self.rows, caps)]),
+                                   max(caps, default=0))
+        return got
 
     def seconds(self, k: int) -> float:
         """Expected target seconds of the step whose requests follow K = k."""

@@ -120,7 +120,11 @@ class TreePricer:
         self._rows: dict[tuple, PricedRow] = {}
 
     def row(self, rate0: Callable[[int], float], limit: int) -> PricedRow:
-        r0 = tuple(rate0(d) for d in range(limit))
+        return self.row_of(tuple(rate0(d) for d in range(limit)))
+
+    def row_of(self, r0: tuple[float, ...]) -> PricedRow:
+        """`row` from the first children's rates read out: r0[limit]."""
+        limit = len(r0)
         got = self._rows.get(r0)  # the key's length is the limit
         if got is None:
             if limit not in self._survival:
