@@ -290,8 +290,8 @@ class GoodputPolicy(TablePolicy):
         pays more alone, as a tree of as many nodes; with its goodput alone and whether it is
         a tree. Its rates: its own where observed, the engine's deeper (DecisionPrices.rates).
         """
-        h = self.history(r)
-        h = h.rates if h is not None and h.num_updates and prices.own_rates else None
+        hist = self.history(r)
+        h = hist.rates if hist is not None and hist.num_updates and prices.own_rates else None
         own = self.lengths.get(r.request_id)
         own = own.deeper(self.engine_lengths) if own is not None and own.num_updates else None
         if h is None and own is None:  # priced from the engine's state alone: as every such
