@@ -63,7 +63,7 @@ KERNELS: dict[str, tuple[KernelPath, ...]] = {
         "int8_gemm",
         ("avx512_vnni", (*_AVX512, "avx512_vnni", "fma")),
         ("avx_vnni", ("avx2", "fma", "f16c", "avx_vnni")),
-        ("avx2", ("avx2", "fma", "f16c"), False, "4-bit weights; 8-bit ones take the scalar tile"),
+        ("avx2", ("avx2", "fma", "f16c"), False, "8-bit weights as two 4-bit nibble dots"),
         ("scalar", ()),
     ),
     # fp32 -> bf16 stores: vcvtneps2bf16, else the integer rounding on 16 lanes, else scalar.

@@ -170,12 +170,7 @@ void run_tile(Isa isa, const Packed& p, const QuantX& qx, int64_t m0, int64_t M,
   switch (isa) {
     case Isa::Avx512Vnni: rows_avx512<BITS, G>(p, qx, m0, M, tile, acc); return;
     case Isa::AvxVnni: tile_avxvnni<BITS, G>(p, qx, m0, M, tile, acc); return;
-    case Isa::Avx2:
-      if (BITS == 4) {
-        tile_avx2<BITS, G>(p, qx, m0, M, tile, acc);
-        return;
-      }
-      break;
+    case Isa::Avx2: tile_avx2<BITS, G>(p, qx, m0, M, tile, acc); return;
     default: break;
   }
   tile_scalar(p, qx, m0, M, tile, acc);

@@ -110,8 +110,10 @@ AVX2_TARGET inline __m256 scales8(const Packed& p, const void* a, int64_t i) {
 
 // One tile as two halves of 8 columns. Without VNNI, maddubs adds two u8*s8 products into
 // int16: exact for 4-bit weights (2 * 15 * 127 < 32767) but not for 8-bit ones (u up to 255),
-// which take the scalar loop on such CPUs.
-#define DEFINE_TILE_AVX2(NAME, TARGET, DOT4)                                                    \
+// so an 8-bit weight is split into its nibbles, u = 16 * hi + lo, each product exact and the
+// int32 dot the same integer (DOT8). On AVX2-only CPUs the tied Q8_0 lm_head took the scalar
+// loop: 17.5 of a 24 ms decode step (docs/benchmarks.md, wave 4 second session).
+#define DEFINE_TILE_AVX2(NAME, TARGET, DOT4, DOT8)                                              \
   template <int BITS, int G>                                                                    \
   __attribute__((target(TARGET))) void NAME(const Packed& p, const QuantX& qx, int64_t m0,      \
                                             int64_t M, int64_t tile, float* acc) {              \
@@ -140,7 +142,7 @@ AVX2_TARGET inline __m256 scales8(const Packed& p, const void* a, int64_t i) {
               w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + s * 64));           \
             }                                                                                   \
             const __m256i xb = _mm256_set1_epi32(xq[s]);                                        \
-            idot = DOT4;                                                                        \
+            idot = BITS == 4 ? DOT4 : DOT8;                                                     \
           }                                                                                     \
           if (BITS == 8)                                                                        \
             idot = _mm256_sub_epi32(idot, _mm256_set1_epi32(128 * qx.sum[m * ng + g]));         \
@@ -156,9 +158,16 @@ AVX2_TARGET inline __m256 scales8(const Packed& p, const void* a, int64_t i) {
     }                                                                                           \
   }
 
-DEFINE_TILE_AVX2(tile_avxvnni, "avx2,fma,f16c,avxvnni", _mm256_dpbusd_avx_epi32(idot, w, xb))
-DEFINE_TILE_AVX2(tile_avx2, "avx2,fma,f16c",
-                 _mm256_add_epi32(idot, _mm256_madd_epi16(_mm256_maddubs_epi16(w, xb),
-                                                          _mm256_set1_epi16(1))))
+DEFINE_TILE_AVX2(tile_avxvnni, "avx2,fma,f16c,avxvnni", _mm256_dpbusd_avx_epi32(idot, w, xb),
+                 _mm256_dpbusd_avx_epi32(idot, w, xb))
+#define AVX2_DOT(W) _mm256_madd_epi16(_mm256_maddubs_epi16((W), xb), _mm256_set1_epi16(1))
+DEFINE_TILE_AVX2(
+    tile_avx2, "avx2,fma,f16c", _mm256_add_epi32(idot, AVX2_DOT(w)),
+    _mm256_add_epi32(
+        idot,
+        _mm256_add_epi32(AVX2_DOT(_mm256_and_si256(w, lo)),
+                         _mm256_slli_epi32(AVX2_DOT(_mm256_and_si256(_mm256_srli_epi16(w, 4), lo)),
+                                           4))))
+#undef AVX2_DOT
 
 }  // namespace
