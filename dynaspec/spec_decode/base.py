@@ -125,6 +125,12 @@ class DrafterCacheStats:
     request_bytes: int  # the per-request indexes of live requests
 
 
+def tree_shapes(built_with_trees: bool, n: int, trees: Sequence[bool] | None) -> list[bool]:
+    """Each request's shape: a tree where the drafter was built with trees and the K policy
+    asked for one (`trees` None: every request as built)."""
+    return [built_with_trees] * n if trees is None else [built_with_trees and t for t in trees]
+
+
 def deterministic_drafts(requests: Sequence[Request], k_per_request: Sequence[int],
                          draft_one: Callable[[Request, int, bool], list[int] | DraftTree],
                          as_trees: Sequence[bool]) -> Drafts:

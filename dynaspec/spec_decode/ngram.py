@@ -26,7 +26,7 @@ import numpy as np
 
 from dynaspec.draft_tree import DraftTree
 from dynaspec.request import Request
-from dynaspec.spec_decode.base import Drafts, Proposer, deterministic_drafts
+from dynaspec.spec_decode.base import Drafts, Proposer, deterministic_drafts, tree_shapes
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 _MIN_CAPACITY = 256
@@ -209,7 +209,7 @@ class NgramProposer(Proposer):
                 fallback_k: Sequence[int] | None = None,
                 trees: Sequence[bool] | None = None) -> Drafts:
         """`trees`: per request, a tree (True) or a chain; None: trees where built with them."""
-        shapes = [self.tree] * len(requests) if trees is None else [self.tree and t for t in trees]
+        shapes = tree_shapes(self.tree, len(requests), trees)
         return deterministic_drafts(requests, k_per_request, self._draft_one, shapes)
 
     def _draft_one(self, request: Request, k: int, tree: bool) -> list[int] | DraftTree:

@@ -36,7 +36,13 @@ import numpy as np
 
 from dynaspec.draft_tree import DraftTree
 from dynaspec.request import Request
-from dynaspec.spec_decode.base import DrafterCacheStats, Drafts, Proposer, deterministic_drafts
+from dynaspec.spec_decode.base import (
+    DrafterCacheStats,
+    Drafts,
+    Proposer,
+    deterministic_drafts,
+    tree_shapes,
+)
 from dynaspec.spec_decode.suffix_index import SuffixIndex
 
 _MIN_COMPACT = 4096  # dead tokens tolerated before a compaction, at least
@@ -225,7 +231,7 @@ class SuffixProposer(Proposer):
                 fallback_k: Sequence[int] | None = None,
                 trees: Sequence[bool] | None = None) -> Drafts:
         """`trees`: per request, a tree (True) or a chain; None: trees where built with them."""
-        shapes = [self.tree] * len(requests) if trees is None else [self.tree and t for t in trees]
+        shapes = tree_shapes(self.tree, len(requests), trees)
         return deterministic_drafts(requests, k_per_request, self._draft_one, shapes)
 
     def _draft_one(self, request: Request, k: int, tree: bool) -> list[int] | DraftTree:
