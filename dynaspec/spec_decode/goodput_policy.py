@@ -14,7 +14,8 @@ changes nothing; ``observe*`` calls, made after a step's result, are the only wr
 
 Requests that stop paying (their own acceptance makes drafting a loss at this batch's costs)
 get 0 drafts, and are re-probed with one draft once ``probe_interval`` tokens have passed since
-they last verified a draft, so a recovery is seen. A probe is only worth it where drafting could
+they last verified a draft, so a recovery is seen (a drafter that sizes its own drafts with its
+whole cap: one draft would teach neither its deeper positions nor how far it drafts). A probe is only worth it where drafting could
 pay at all: if even the probe's rates would lose at these costs, no request probes and the step
 stays at K = 0. A new request probes on its first decode step. The probe's rates are
 ``probe_rate`` until the engine has seen ``probe_evidence`` drafting steps, then the engine's own
@@ -279,7 +280,7 @@ class GoodputPolicy(TablePolicy):
                 if stale and probe_pays is None:
                     probe_pays = self._alone(self._probe_row(ceiling), cost,
                                              prices) > plain * _MARGIN
-                fixed[rid] = 1 if stale and probe_pays else 0
+                fixed[rid] = self._probe_k(cap) if stale and probe_pays else 0
                 row = prices.fixed(row, min(fixed[rid], cap))
             rows.append(row)
         return rows, fixed, frozenset(trees)
@@ -361,6 +362,11 @@ class GoodputPolicy(TablePolicy):
     def _stale(self, r: RequestView) -> bool:
         last = self.last_draft_ctx.get(r.request_id)
         return last is None or r.context_len - last >= self.settings.probe_interval
+
+    def _probe_k(self, cap: int) -> int:
+        # A drafter that sizes its own drafts is probed as it drafts (up to its cap): a one-draft
+        # probe teaches only the first position and nothing of how far its drafts go.
+        return cap if self.settings.whole_cap else 1
 
     def _probe_row(self, ceiling: int) -> PricedRow:
         rates = self.settings.probe_rates(self.engine_history)

@@ -84,32 +84,6 @@ def test_picks_the_k_the_cost_model_says(accepted):
         assert d.k == expect and d.per_request == {"a": expect}
 
 
-def test_collapsed_request_stops_drafting_and_is_reprobed():
-    per_width = lambda w: 0.01 * (1 + 0.3 * (w - 1))  # noqa: E731
-    p = GoodputPolicy(build_spec_plan("ngram", 4, None), cost_model(per_width))
-    ctx = 50
-    assert p.decide(view(rv("a", ctx))).per_request["a"] > 0  # new: probes on the first decode
-    cut_at = None
-    for step in range(20):  # acceptance collapses to 0
-        d = p.decide(view(rv("a", ctx)))
-        if d.per_request["a"] == 0:
-            cut_at = step
-            break
-        p.observe("a", d.per_request["a"], 0, ctx)
-        ctx += 1
-    assert cut_at is not None and cut_at <= 3, (
-        "a request with 0 acceptance must stop within a few steps"
-    )
-    last = p.last_draft_ctx["a"]  # the context at which it last verified a draft
-    interval = p.settings.probe_interval
-    for c in range(ctx, last + interval):  # no draft until the probe interval has passed
-        assert p.decide(view(rv("a", c))).per_request["a"] == 0
-    probe = p.decide(view(rv("a", last + interval)))
-    assert probe.per_request["a"] == 1 and probe.k == 1
-    feed(p, "a", 1, 1, last + interval, times=6)  # the probe shows recovery: drafting resumes
-    assert p.decide(view(rv("a", last + interval + 1))).per_request["a"] >= 1
-
-
 def test_one_poor_request_is_cut_while_the_good_one_drafts():
     p = GoodputPolicy(
         build_spec_plan("ngram", 4, None), cost_model(lambda w: 0.01 * (1 + 0.2 * (w - 1)))
@@ -417,32 +391,3 @@ def _engine_at(p: GoodputPolicy, rate_tenths: int, times: int, fallback: bool = 
     for i in range(times):
         p.observe(f"old{i}", 1, int(i % 10 < rate_tenths), ctx=100, fallback=fallback)
         p.forget(f"old{i}")
-
-
-@pytest.mark.parametrize("fallback", [False, True])
-def test_a_probe_is_priced_at_the_engines_rates_once_they_are_known(fallback):
-    """A new request probes at the optimistic rate while the engine knows little, and not where
-    the engine has seen the drafter accepted far below what would pay (an EAGLE head at ~0.3:
-    each probe fed the request's prompt to the head for drafts then cut)."""
-    settings = GoodputSettings(prices_fallback=fallback)
-    costs = cost_model(lambda w: 0.01 * (1 + 0.6 * (w - 1)))  # 0.8 pays at K=1, 0.55 does not
-
-    def probes(times: int, rate_tenths: int) -> int:
-        p = GoodputPolicy(build_spec_plan("ngram", 3, None), costs, settings)
-        _engine_at(p, rate_tenths, times, fallback)
-        engine = p.fallback.engine_history if fallback else p.engine_history
-        assert engine.num_updates == times
-        d = p.decide(view(rv("new", ctx=101)))
-        return d.fallback.get("new", 0) if fallback else d.per_request["new"]
-
-    n = settings.probe_evidence
-    assert probes(n - 1, 3) == 1  # too little evidence yet: the optimistic probe
-    assert probes(4 * n, 3) == 0  # a drafter at ~0.3: 0.3 + headroom does not pay, no probe
-    assert probes(4 * n, 9) >= 1  # a drafter at ~0.9: drafts (its prior pays, or a probe)
-
-
-def test_probe_settings_are_checked():
-    with pytest.raises(ValueError, match="probe_headroom"):
-        GoodputSettings(probe_headroom=1.5)
-    with pytest.raises(ValueError, match="probe_evidence"):
-        GoodputSettings(probe_evidence=-1)
