@@ -106,68 +106,126 @@ AVX2_TARGET inline __m256 scales8(const Packed& p, const void* a, int64_t i) {
   return _mm256_cvtph_ps(
       _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(a) + i)));
 }
-#define AVXVNNI_TARGET __attribute__((target("avx2,fma,avxvnni")))
 
-// One tile as two halves of 8 columns. Without VNNI, maddubs adds two u8*s8 products into
-// int16: exact for 4-bit weights (2 * 15 * 127 < 32767) but not for 8-bit ones (u up to 255),
-// so an 8-bit weight is split into its nibbles, u = 16 * hi + lo, each product exact and the
-// int32 dot the same integer (DOT8). On AVX2-only CPUs the tied Q8_0 lm_head took the scalar
-// loop: 17.5 of a 24 ms decode step (docs/benchmarks.md, wave 4 second session).
-#define DEFINE_TILE_AVX2(NAME, TARGET, DOT4, DOT8)                                              \
-  template <int BITS, int G>                                                                    \
-  __attribute__((target(TARGET))) void NAME(const Packed& p, const QuantX& qx, int64_t m0,      \
-                                            int64_t M, int64_t tile, float* acc) {              \
-    constexpr int STEPS = G / 4;                                                                \
-    const int64_t ng = p.K / G;                                                                 \
-    const __m256i lo = _mm256_set1_epi8(0x0F);                                                  \
-    const bool pf = m0 == 0 && tile + 1 < p.N / TILE; /* as rows_avx512: the first pass only */ \
-    for (int half = 0; half < 2; ++half) {                                                      \
-      for (int64_t r = 0; r < M; ++r) {                                                         \
-        const int64_t m = m0 + r;                                                               \
-        __m256 facc = _mm256_setzero_ps();                                                      \
-        for (int64_t g = 0; g < ng; ++g) {                                                      \
-          const int64_t gi = tile * ng + g;                                                     \
-          const uint8_t* grp = p.w + gi * p.group_bytes() + half * 32;                          \
-          if (half == 0 && r == 0 && pf) prefetch_group(p, gi + ng);                            \
-          const int32_t* xq = reinterpret_cast<const int32_t*>(qx.q.data() + m * p.K + g * G);  \
-          __m256i idot = _mm256_setzero_si256();                                                \
-          for (int s = 0; s < STEPS; ++s) {                                                     \
-            __m256i w;                                                                          \
-            if (BITS == 4) {                                                                    \
-              const __m256i v = _mm256_loadu_si256(                                             \
-                  reinterpret_cast<const __m256i*>(grp + (s % (STEPS / 2)) * 64));              \
-              w = s < STEPS / 2 ? _mm256_and_si256(v, lo)                                       \
-                                : _mm256_and_si256(_mm256_srli_epi16(v, 4), lo);                \
-            } else {                                                                            \
-              w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + s * 64));           \
-            }                                                                                   \
-            const __m256i xb = _mm256_set1_epi32(xq[s]);                                        \
-            idot = BITS == 4 ? DOT4 : DOT8;                                                     \
-          }                                                                                     \
-          if (BITS == 8)                                                                        \
-            idot = _mm256_sub_epi32(idot, _mm256_set1_epi32(128 * qx.sum[m * ng + g]));         \
-          const __m256 scale = _mm256_mul_ps(scales8(p, p.d, gi * TILE + half * 8),             \
-                                             _mm256_set1_ps(qx.d[m * ng + g]));                 \
-          facc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(idot), scale, facc);                        \
-          if (p.mn)                                                                             \
-            facc = _mm256_fmadd_ps(scales8(p, p.mn, gi * TILE + half * 8),                      \
-                                   _mm256_set1_ps(qx.s[m * ng + g]), facc);                     \
-        }                                                                                       \
-        _mm256_storeu_ps(acc + r * TILE + half * 8, facc);                                      \
-      }                                                                                         \
-    }                                                                                           \
+// 4 int8 activations to every lane (a function: a lambda would not inherit the tile's target).
+__attribute__((always_inline)) AVX2_TARGET inline __m256i bcast4(const int8_t* x) {
+  int32_t v;
+  std::memcpy(&v, x, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// A tile as two halves of 8 columns, each in register blocks of up to RB rows: a step's weights
+// are loaded and unpacked once for the block's rows, and the rows' dot products are independent
+// chains. (One row at a time, each row reloaded and unpacked every step and ran one dependent
+// chain: a verify row cost ~40% of a 1-row step on the AVX2 machine of wave 4.)
+//
+// Without VNNI, maddubs adds two u8*s8 products into int16: exact for 4-bit weights
+// (2 * 15 * 127 = 3,810), so a group's G/4 <= 8 steps add in int16 (<= 30,480 < 32,767) and widen
+// once per group (madd with ones). 8-bit weights (u up to 255) would saturate maddubs, so each is
+// split into its nibbles, u = 16 * hi + lo, each product exact, and the int32 dot is the same
+// integer (hi and lo kept apart in int16). The tied Q8_0 lm_head took the scalar loop on
+// AVX2-only CPUs before: 17.5 of a 24 ms decode step (docs/benchmarks.md, wave 4 second session).
+// The float sequence per row is the scalar reference's, so the bits are its bits.
+#define AVX2_MADD(W) _mm256_maddubs_epi16((W), xb)
+#define DEFINE_BLOCK_AVX2(NAME, TARGET, VNNI)                                                      \
+  template <int RB, int BITS, int G, bool MN>                                                      \
+  __attribute__((target(TARGET))) void NAME(const Packed& p, const QuantX& qx, int64_t m0,         \
+                                            int64_t tile, int half, float* acc, bool pf) {         \
+    constexpr int STEPS = G / 4, HALF = STEPS / 2;                                                 \
+    const int64_t ng = p.K / G;                                                                    \
+    const __m256i lo = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);                        \
+    const int8_t* xrow = qx.q.data() + m0 * p.K;                                                   \
+    __m256 facc[RB];                                                                               \
+    _Pragma("GCC unroll 8") for (int r = 0; r < RB; ++r) facc[r] = _mm256_setzero_ps();            \
+    for (int64_t g = 0; g < ng; ++g) {                                                             \
+      const int64_t gi = tile * ng + g;                                                            \
+      const uint8_t* grp = p.w + gi * p.group_bytes() + half * 32;                                 \
+      if (pf) prefetch_group(p, gi + ng);                                                          \
+      __m256i a[RB], b[RB]; /* b: the high nibbles' sums (8-bit weights without VNNI) */           \
+      _Pragma("GCC unroll 8") for (int r = 0; r < RB; ++r) a[r] = b[r] = _mm256_setzero_si256();   \
+      _Pragma("GCC unroll 8") for (int s = 0; s < (BITS == 4 ? HALF : STEPS); ++s) {               \
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + s * 64));      \
+        const __m256i wl = _mm256_and_si256(v, lo);                                                \
+        const __m256i wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo);                          \
+        _Pragma("GCC unroll 8") for (int r = 0; r < RB; ++r) {                                     \
+          if (VNNI) {                                                                              \
+            if (BITS == 8) {                                                                       \
+              a[r] = DPBUSD(a[r], v, bcast4(xrow + r * p.K + g * G + 4 * s));                      \
+            } else {                                                                               \
+              a[r] = DPBUSD(a[r], wl, bcast4(xrow + r * p.K + g * G + 4 * s));                     \
+              a[r] = DPBUSD(a[r], wh, bcast4(xrow + r * p.K + g * G + 4 * (s + HALF)));            \
+            }                                                                                      \
+          } else if (BITS == 8) {                                                                  \
+            const __m256i xb = bcast4(xrow + r * p.K + g * G + 4 * s);                             \
+            a[r] = _mm256_add_epi16(a[r], AVX2_MADD(wl));                                          \
+            b[r] = _mm256_add_epi16(b[r], AVX2_MADD(wh));                                          \
+          } else {                                                                                 \
+            __m256i xb = bcast4(xrow + r * p.K + g * G + 4 * s);                                   \
+            a[r] = _mm256_add_epi16(a[r], AVX2_MADD(wl));                                          \
+            xb = bcast4(xrow + r * p.K + g * G + 4 * (s + HALF));                                  \
+            a[r] = _mm256_add_epi16(a[r], AVX2_MADD(wh));                                          \
+          }                                                                                        \
+        }                                                                                          \
+      }                                                                                            \
+      const __m256 dw = scales8(p, p.d, gi * TILE + half * 8);                                     \
+      __m256 mw = _mm256_setzero_ps();                                                             \
+      if (MN) mw = scales8(p, p.mn, gi * TILE + half * 8);                                         \
+      _Pragma("GCC unroll 8") for (int r = 0; r < RB; ++r) {                                       \
+        const int64_t m = m0 + r;                                                                  \
+        __m256i idot = a[r];                                                                       \
+        if (!VNNI && BITS == 4) idot = _mm256_madd_epi16(a[r], ones);                              \
+        if (!VNNI && BITS == 8)                                                                    \
+          idot = _mm256_add_epi32(_mm256_madd_epi16(a[r], ones),                                   \
+                                  _mm256_slli_epi32(_mm256_madd_epi16(b[r], ones), 4));            \
+        if (BITS == 8) idot = _mm256_sub_epi32(idot, _mm256_set1_epi32(128 * qx.sum[m * ng + g])); \
+        const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(qx.d[m * ng + g]));                  \
+        facc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(idot), scale, facc[r]);                       \
+        if (MN) facc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(qx.s[m * ng + g]), facc[r]);          \
+      }                                                                                            \
+    }                                                                                              \
+    _Pragma("GCC unroll 8") for (int r = 0; r < RB; ++r)                                           \
+        _mm256_storeu_ps(acc + r * TILE + half * 8, facc[r]);                                      \
   }
 
-DEFINE_TILE_AVX2(tile_avxvnni, "avx2,fma,f16c,avxvnni", _mm256_dpbusd_avx_epi32(idot, w, xb),
-                 _mm256_dpbusd_avx_epi32(idot, w, xb))
-#define AVX2_DOT(W) _mm256_madd_epi16(_mm256_maddubs_epi16((W), xb), _mm256_set1_epi16(1))
-DEFINE_TILE_AVX2(
-    tile_avx2, "avx2,fma,f16c", _mm256_add_epi32(idot, AVX2_DOT(w)),
-    _mm256_add_epi32(
-        idot,
-        _mm256_add_epi32(AVX2_DOT(_mm256_and_si256(w, lo)),
-                         _mm256_slli_epi32(AVX2_DOT(_mm256_and_si256(_mm256_srli_epi16(w, 4), lo)),
-                                           4))))
-#undef AVX2_DOT
+#define DPBUSD(A, W, X) _mm256_dpbusd_avx_epi32((A), (W), (X))
+DEFINE_BLOCK_AVX2(block_avxvnni, "avx2,fma,f16c,avxvnni", true)
+#undef DPBUSD
+#define DPBUSD(A, W, X) (A)  // not reached: VNNI is false
+DEFINE_BLOCK_AVX2(block_avx2, "avx2,fma,f16c", false)
+#undef DPBUSD
+#undef AVX2_MADD
+
+constexpr int RB_AVX2 = 4;  // 4 rows: 8 accumulators (+4 for 8-bit) and 4 for weights fit 16 ymm
+
+// M rows of a tile in register blocks; pf as rows_avx512: the first pass over the tile only.
+#define DEFINE_TILE_AVX2(NAME, BLOCK, TARGET)                                                     \
+  template <int BITS, int G, bool MN>                                                             \
+  __attribute__((target(TARGET))) void NAME(const Packed& p, const QuantX& qx, int64_t m0,        \
+                                            int64_t M, int64_t tile, float* acc) {                \
+    const bool pf = m0 == 0 && tile + 1 < p.N / TILE;                                             \
+    for (int half = 0; half < 2; ++half) {                                                        \
+      int64_t r = 0;                                                                              \
+      for (; r + RB_AVX2 <= M; r += RB_AVX2)                                                      \
+        BLOCK<RB_AVX2, BITS, G, MN>(p, qx, m0 + r, tile, half, acc + r * TILE,                    \
+                                    pf && r == 0 && half == 0);                                   \
+      const bool rest_pf = pf && r == 0 && half == 0;                                             \
+      switch (M - r) {                                                                            \
+        case 3: BLOCK<3, BITS, G, MN>(p, qx, m0 + r, tile, half, acc + r * TILE, rest_pf); break; \
+        case 2: BLOCK<2, BITS, G, MN>(p, qx, m0 + r, tile, half, acc + r * TILE, rest_pf); break; \
+        case 1: BLOCK<1, BITS, G, MN>(p, qx, m0 + r, tile, half, acc + r * TILE, rest_pf); break; \
+        default: break;                                                                           \
+      }                                                                                           \
+    }                                                                                             \
+  }                                                                                               \
+  template <int BITS, int G>                                                                      \
+  void NAME(const Packed& p, const QuantX& qx, int64_t m0, int64_t M, int64_t tile, float* acc) { \
+    if (p.mn) return NAME<BITS, G, true>(p, qx, m0, M, tile, acc);                                \
+    NAME<BITS, G, false>(p, qx, m0, M, tile, acc);                                                \
+  }
+
+DEFINE_TILE_AVX2(tile_avxvnni, block_avxvnni, "avx2,fma,f16c,avxvnni")
+DEFINE_TILE_AVX2(tile_avx2, block_avx2, "avx2,fma,f16c")
+#undef DEFINE_TILE_AVX2
+#undef DEFINE_BLOCK_AVX2
 
 }  // namespace
