@@ -291,3 +291,26 @@ def test_the_kernel_itself_refuses_a_path_it_was_not_allowed(path):
     with withheld, pytest.raises(RuntimeError, match=refusal):
         lin._op(torch.randn(3, 64), lin.packed, lin.scales, lin.mins, lin.out_features,
                 lin.group_size, lin.bits, int8_dot.ISA_NAMES.index(path))
+
+
+@pytest.mark.parametrize("path", VECTOR_PATHS)
+@pytest.mark.parametrize("kind, group", [("q4", 32), ("q4", 16), ("q8", 32), ("q8", 16)])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_the_largest_integer_dots_stay_exact_on_every_path(kind, group, sign, path):
+    """Every weight at its extreme and every activation at +-127: the AVX2 tile adds a group's
+    4-bit products in int16 (at most 8 steps of 2 * 15 * 127) and splits 8-bit weights into
+    nibbles; an overflow or a saturation there would change these dots."""
+    n, k = 32, 192
+    if kind == "q4":
+        q = torch.full((n, k), 15, dtype=torch.uint8)
+        w = QuantizedTensor("q4", q, torch.ones(n, k // group), torch.zeros(n, k // group), group)
+    else:
+        q = torch.full((n, k), -127, dtype=torch.int8)
+        q[1::2] = 127
+        w = QuantizedTensor("q8", q, torch.ones(n, k // group), None, group)
+    lin = Int8DotLinear(w, None)
+    x = torch.full((7, k), sign)  # quantizes to +-127 in every block
+    ref = lin(x, path="scalar")
+    assert torch.equal(lin(x, path=_runnable(path)), ref)
+    exact = x @ w.dequantize().t()
+    assert torch.allclose(ref, exact, rtol=1e-5), (ref[0, :4], exact[0, :4])
