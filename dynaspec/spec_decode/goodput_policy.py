@@ -17,8 +17,8 @@ get 0 drafts, and are re-probed with one draft once ``probe_interval`` tokens ha
 they last verified a draft, so a recovery is seen (a drafter that sizes its own drafts with its
 whole cap: one draft would teach neither its deeper positions nor how far it drafts). A probe is
 only worth it where drafting could pay at all: if even the probe's rates would lose at these
-costs, no request probes and the step
-stays at K = 0. A new request probes on its first decode step. The probe's rates are
+costs, no request probes and the step stays at K = 0. A new request probes on its first decode
+step. The probe's rates are
 ``probe_rate`` until the engine has seen ``probe_evidence`` drafting steps, then the engine's own
 rates plus ``probe_headroom`` (at most ``probe_rate``): an EAGLE head accepted at ~0.3 at c16
 probed every new request at the optimistic rate, and each probe fed the request's whole prompt
