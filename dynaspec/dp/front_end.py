@@ -41,13 +41,8 @@ from dynaspec.dp.rendezvous import resolve
 from dynaspec.dp.supervisor import RankSupervisor
 from dynaspec.engine.client import EngineState, EngineUnavailable, ModelCard, PoolReport
 from dynaspec.engine.request_check import check_request
-from dynaspec.metrics.stats import (
-    EngineSnapshot,
-    FinishedRequestTimes,
-    SpecCounters,
-    StepStats,
-    fold_step,
-)
+from dynaspec.metrics.records import EngineSnapshot, FinishedRequestTimes, StepStats
+from dynaspec.metrics.stats import SpecCounters, fold_step
 from dynaspec.outputs import RequestOutput
 from dynaspec.sampling_params import SamplingParams
 from dynaspec.structured.manager import StructuredOutputManager

@@ -19,7 +19,8 @@ from dynaspec.bench.compare import EngineArm, IdentityViolation, RunRecord, buil
 from dynaspec.bench.stats import latency_summary, paired_ratio, percentile, run_order, t_quantile
 from dynaspec.bench.workloads import WorkItem
 from dynaspec.engine.step_recorder import StepTimes
-from dynaspec.metrics.stats import RequestStepSpec, SpecCounters, StepStats, fold_step
+from dynaspec.metrics.records import RequestStepSpec, StepStats
+from dynaspec.metrics.stats import SpecCounters, fold_step
 from dynaspec.outputs import RequestOutput, RequestTimings
 from dynaspec.sampling_params import SamplingParams
 
