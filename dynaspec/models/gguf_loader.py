@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from gguf import quants
 
-from dynaspec.config import ModelArchConfig
+from dynaspec.model_arch import ModelArchConfig
 from dynaspec.models.gguf_reader import GGUFMetadata, open_gguf
 from dynaspec.models.gguf_tokenizer import gguf_tokenizer
 from dynaspec.models.loader import (

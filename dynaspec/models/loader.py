@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
-from dynaspec.config import ModelArchConfig
+from dynaspec.model_arch import ModelArchConfig
 
 if TYPE_CHECKING:
     from dynaspec.models.tokenizer import Tokenizer
