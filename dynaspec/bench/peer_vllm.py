@@ -11,7 +11,7 @@ import tempfile
 from collections.abc import Sequence
 
 from dynaspec.bench.compare import RunRecord
-from dynaspec.bench.peers import PeerUnavailable, model_path, new_record
+from dynaspec.bench.peer_arm import PeerUnavailable, model_path, new_record
 from dynaspec.bench.workloads import WorkItem
 from dynaspec.sampling_params import SamplingParams
 

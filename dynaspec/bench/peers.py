@@ -12,7 +12,8 @@ An arm spec is ``peer:NAME:MODE[,key=value...]``:
 Common keys: ``model=`` (default: compare's --peer-model, else "default"), ``dtype=`` (hf, vllm;
 hf defaults to float32 for a GGUF, which transformers keeps packed, else bfloat16).
 
-The vLLM arm (its worker script and process) is bench/peer_vllm.py.
+The vLLM arm (its worker script and process) is bench/peer_vllm.py; what every arm shares
+(`PeerUnavailable`, its model, an empty record) is bench/peer_arm.py.
 
 A peer whose package, interpreter or model format is missing raises `PeerUnavailable` with a
 message saying what is missing; compare prints it and goes on without that arm.
@@ -26,6 +27,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from dynaspec.bench.compare import RunRecord, request_latencies
+from dynaspec.bench.peer_arm import PeerUnavailable, model_path, new_record
+from dynaspec.bench.peer_vllm import VLLMArm
 from dynaspec.bench.workloads import WorkItem
 from dynaspec.outputs import RequestTimings
 from dynaspec.sampling_params import SamplingParams
@@ -35,10 +38,6 @@ PEERS = {
     "vllm": ("plain", "ngram"),
     "llamacpp": ("plain", "lookup"),
 }
-
-
-class PeerUnavailable(RuntimeError):
-    """This peer cannot run here; the message says why and what would fix it."""
 
 
 def parse_peer_spec(spec: str) -> tuple[str, str, dict]:
@@ -65,27 +64,8 @@ def make_peer_arm(
 ):
     name, mode, opts = parse_peer_spec(spec)
     opts = {**(defaults or {}), **opts}
-    if name == "vllm":  # its own module, which reads PeerUnavailable and model_path from here
-        from dynaspec.bench.peer_vllm import VLLMArm
-
-        return VLLMArm(spec, mode, opts, concurrency, tuple(eos_ids))
-    cls = {"hf": HFArm, "llamacpp": LlamaCppArm}[name]
+    cls = {"hf": HFArm, "vllm": VLLMArm, "llamacpp": LlamaCppArm}[name]
     return cls(spec, mode, opts, concurrency, tuple(eos_ids))
-
-
-def model_path(opts: dict) -> tuple[str, str]:
-    """(path, kind) of an arm's ``model=``; a model that cannot be found makes the peer
-    unavailable rather than the comparison fail."""
-    from dynaspec.models.loader import resolve_model_path
-    try:
-        return resolve_model_path(opts.get("model", "default"))
-    except ValueError as exc:
-        raise PeerUnavailable(str(exc)) from None
-
-
-def new_record(tag: str) -> RunRecord:
-    """An empty record for one run of a peer arm (its arm named by the tag's first part)."""
-    return RunRecord(tag.split("-")[0], -1, 0, 0.0)
 
 
 class HFArm:
