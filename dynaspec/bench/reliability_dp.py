@@ -8,9 +8,10 @@ Reported: requests completed, re-queued (the front end's count), failed (each er
 the lost rank); the survivors' longest gap between two tokens of one stream while the rank
 was lost; the time from the signal to the loss being handled and to full strength (/health
 "ok" again, the replacement serving). Checks: every request that had streamed nothing at the
-signal completes; only streams that had streamed (and so were on the lost rank, or the
-survivor) may fail, and each failure names rank 1; the survivor's gap is within bound; the
-replacement serves within 30 s; every rank's KV pool is whole afterwards.
+loss completes; only streams that had streamed (and so were on the lost rank, or the survivor)
+may fail, and each failure names rank 1 (`had_streamed`: by the engine's count too, not only
+the client's at the signal, which misses tokens still in flight); the survivor's gap is within
+bound; the replacement serves within 30 s; every rank's KV pool is whole afterwards.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import signal
 import threading
 import time
@@ -29,6 +31,8 @@ from dynaspec.bench.reliability import LocalServer, _client, prompt_text
 KILL_AFTER = 1 / 3  # of the requests finished
 GAP_BOUND_S = 3.0  # the survivor's longest inter-token gap, for a kill or a stop (issue 50)
 FULL_STRENGTH_BOUND_S = 30.0
+# The front end's message for a lost request that had streamed (dp/lost_requests.py).
+_ENGINE_STREAMED = re.compile(r"after (\d+) streamed token")
 
 
 async def _stream(http: Any, url: str, body: dict, rec: dict) -> None:
@@ -135,11 +139,26 @@ def run_rank_loss(server: LocalServer, num_requests: int, concurrency: int, seed
     return out
 
 
+def had_streamed(rec: dict) -> bool:
+    """Whether a stream had tokens out when the rank was lost, judged without a race.
+
+    The client's count at the signal (``at_signal``) misses tokens the engine had already sent
+    but the client had not yet read, so a failed stream also counts as streamed by the tokens it
+    received at any time before its error, or by the engine's own count in that error ("after N
+    streamed token(s)"). A stream that ended without an error is judged at the signal only."""
+    if rec.get("at_signal", 0) > 0:
+        return True
+    if "error" not in rec:
+        return False
+    found = _ENGINE_STREAMED.search(rec["error"])
+    return bool(rec.get("times")) or (found is not None and int(found.group(1)) > 0)
+
+
 def _summary(recs: list[dict], t_sig: float | None, health: dict, counts: Any, kv: list,
              seconds: float, how: str, timeout_s: float) -> dict:
     ok = [r for r in recs if "error" not in r and r.get("finish")]
     failed = [r for r in recs if "error" in r]
-    unstreamed = [r for r in recs if r.get("at_signal", 0) == 0]
+    unstreamed = [r for r in recs if not had_streamed(r)]
     # The survivor's streams: in flight across the loss (tokens before and after it), done.
     pairs = [(b - a, a) for r in ok if t_sig is not None and r.get("at_signal", 0) > 0
              and r["times"] and r["times"][-1] > t_sig
@@ -154,7 +173,7 @@ def _summary(recs: list[dict], t_sig: float | None, health: dict, counts: Any, k
         "rank_lost_once": counts.rank_losses == 1,
         "every_unstreamed_request_completed": all(r in ok for r in unstreamed),
         "failures_name_rank_1": all("data-parallel rank 1" in r["error"] for r in failed),
-        "only_streaming_requests_failed": all(r.get("at_signal", 0) > 0 for r in failed),
+        "only_streaming_requests_failed": all(had_streamed(r) for r in failed),
         f"survivor_gap_le_{gap_bound:.0f}s": t_sig is not None and longest <= gap_bound,
         f"full_strength_within_{FULL_STRENGTH_BOUND_S:.0f}s":
             full is not None and full <= FULL_STRENGTH_BOUND_S,

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 
 from dynaspec.config import EngineConfig
+from dynaspec.dp.health import failure, health_detail
 from dynaspec.dp.lost_requests import PARKED, LostRequests
 from dynaspec.dp.messages import (
     AbortRequest,
@@ -41,19 +42,13 @@ from dynaspec.dp.rendezvous import resolve
 from dynaspec.dp.supervisor import RankSupervisor
 from dynaspec.engine.client import EngineState, EngineUnavailable, ModelCard, PoolReport
 from dynaspec.engine.request_check import check_request
-from dynaspec.metrics.stats import (
-    EngineSnapshot,
-    FinishedRequestTimes,
-    SpecCounters,
-    StepStats,
-    fold_step,
-)
+from dynaspec.metrics.records import EngineSnapshot, FinishedRequestTimes, StepStats
+from dynaspec.metrics.stats import SpecCounters, fold_step
 from dynaspec.outputs import RequestOutput
 from dynaspec.sampling_params import SamplingParams
 from dynaspec.structured.manager import StructuredOutputManager
 
 log = logging.getLogger("dynaspec.dp")
-
 
 
 @dataclass
@@ -340,26 +335,11 @@ class DPEngine:
 
     def failure(self) -> str | None:
         """Why nothing serves (/health: 503), None while any rank does."""
-        if self._closing:
-            return "the data-parallel engine is shut down"
-        if self.roster.serving:
-            return None
-        return f"no data-parallel rank is serving (last loss: {self.last_loss})" \
-            if self.last_loss else "no data-parallel rank is serving"
+        return failure(self.roster, self._closing)
 
     def health(self) -> dict:
-        """/health's detail: ``degraded`` while fewer ranks serve than were asked for."""
-        serving = sorted(self.roster.serving)
-        status = "ok" if len(serving) == self.world_size else "degraded"
-        out: dict = {"status": status, "ranks_serving": serving,
-                     "data_parallel_size": self.world_size}
-        if status != "ok":
-            # Read on the HTTP thread while the pump writes: copies made in one C call each.
-            out["ranks_starting"] = sorted({*list(self.roster.starting),
-                                            *list(self.roster.joining)})
-            out["ranks_given_up"] = sorted(list(self.roster.given_up))
-            out["last_loss"] = self.last_loss
-        return out
+        """/health's detail (dp/health.py)."""
+        return health_detail(self.roster)
 
     def state(self) -> EngineState:
         blocks = sum(r.pool.num_blocks for r in self.ready.values())

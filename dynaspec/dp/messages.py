@@ -12,12 +12,8 @@ from typing import Any
 
 from dynaspec.config import EngineConfig
 from dynaspec.engine.client import PoolReport
-from dynaspec.metrics.stats import (
-    EngineSnapshot,
-    FinishedRequestTimes,
-    RequestSpecSummary,
-    StepStats,
-)
+from dynaspec.metrics.records import EngineSnapshot, FinishedRequestTimes, StepStats
+from dynaspec.metrics.stats import RequestSpecSummary
 from dynaspec.outputs import RequestTimings
 
 

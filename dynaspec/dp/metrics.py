@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 
-from dynaspec.metrics.stats import EngineSnapshot, FinishedRequestTimes, StepStats
+from dynaspec.metrics.records import EngineSnapshot, FinishedRequestTimes, StepStats
 
 
 class DPMetrics:

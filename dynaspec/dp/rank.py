@@ -51,7 +51,7 @@ from dynaspec.dp.messages import (
 )
 from dynaspec.dp.process import die_with_parent
 from dynaspec.dp.regroup import GroupSwitch
-from dynaspec.metrics.stats import EngineSnapshot
+from dynaspec.metrics.records import EngineSnapshot
 
 log = logging.getLogger("dynaspec.dp")
 

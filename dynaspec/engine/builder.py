@@ -10,10 +10,11 @@ from dataclasses import dataclass
 
 import torch
 
-from dynaspec.config import EngineConfig, ModelArchConfig, default_num_threads
+from dynaspec.config import EngineConfig, default_num_threads
 from dynaspec.engine.output_processor import OutputProcessor
 from dynaspec.kv.kv_cache_manager import KVCacheManager
 from dynaspec.kv.sizing import num_kv_blocks
+from dynaspec.model_arch import ModelArchConfig
 from dynaspec.models.gemma3 import create_model
 from dynaspec.models.llama import LlamaModel
 from dynaspec.models.loader import load_model_files

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from dynaspec.metrics.stats import EngineSnapshot, FinishedRequestTimes, SpecCounters, StepStats
+from dynaspec.metrics.records import EngineSnapshot, FinishedRequestTimes, StepStats
+from dynaspec.metrics.stats import SpecCounters
 from dynaspec.outputs import RequestOutput
 from dynaspec.sampling_params import SamplingParams
 from dynaspec.spec_decode.base import DrafterCacheStats

@@ -21,7 +21,8 @@ from dynaspec.engine.reporter import EngineReporter
 from dynaspec.engine.request_check import check_request
 from dynaspec.engine.step_recorder import StepRecorder, StepTimes
 from dynaspec.engine.sync_driver import SyncDriver
-from dynaspec.metrics.stats import EngineSnapshot, FinishedRequestTimes, SpecCounters, StepStats
+from dynaspec.metrics.records import EngineSnapshot, FinishedRequestTimes, StepStats
+from dynaspec.metrics.stats import SpecCounters
 from dynaspec.outputs import RequestOutput
 from dynaspec.request import Request, RequestStatus
 from dynaspec.sampling_params import SamplingParams

@@ -24,7 +24,7 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass, replace
 
 from dynaspec.engine.step_records import orphan_spec, prompt_tokens
-from dynaspec.metrics.stats import RequestStepSpec
+from dynaspec.metrics.records import RequestStepSpec
 from dynaspec.outputs import RunnerOutput
 from dynaspec.request import Request, RequestStatus
 from dynaspec.scheduler.scheduler import Hold, Scheduler, StepUpdate

@@ -11,7 +11,8 @@ from dynaspec.config import EngineConfig
 from dynaspec.engine.builder import EngineParts
 from dynaspec.engine.client import EngineState, ModelCard, PoolReport
 from dynaspec.engine.step_recorder import StepRecorder
-from dynaspec.metrics.stats import EngineSnapshot, RequestSpecSummary
+from dynaspec.metrics.records import EngineSnapshot
+from dynaspec.metrics.stats import RequestSpecSummary
 
 
 class EngineReporter:

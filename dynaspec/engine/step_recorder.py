@@ -14,15 +14,13 @@ from dataclasses import dataclass
 
 from dynaspec.engine.phases import Landed
 from dynaspec.engine.step_records import request_spec
-from dynaspec.metrics.stats import (
+from dynaspec.metrics.records import (
     FinishedRequestTimes,
     GrammarStepStats,
-    RequestSpecSummary,
     RequestStepSpec,
-    SpecCounters,
     StepStats,
-    fold_step,
 )
+from dynaspec.metrics.stats import RequestSpecSummary, SpecCounters, fold_step
 from dynaspec.outputs import RequestTimings
 from dynaspec.request import Request, RequestStatus
 

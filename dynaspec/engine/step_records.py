@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dynaspec.metrics.stats import RequestStepSpec
+from dynaspec.metrics.records import RequestStepSpec
 from dynaspec.outputs import RequestResult
 from dynaspec.step_plan import ScheduledRequest
 

@@ -19,7 +19,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from dynaspec.metrics.stats import EngineSnapshot, SpecCounters
+from dynaspec.metrics.records import EngineSnapshot
+from dynaspec.metrics.stats import SpecCounters
 
 logger = logging.getLogger("dynaspec.metrics")
 

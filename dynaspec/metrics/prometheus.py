@@ -62,13 +62,12 @@ from prometheus_client import (  # noqa: E402
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric  # noqa: E402
 from prometheus_client.exposition import CONTENT_TYPE_LATEST  # noqa: E402
 
-from dynaspec.metrics.stats import (  # noqa: E402 - after the extra check
+from dynaspec.metrics.records import (  # noqa: E402 - after the extra check
     EngineSnapshot,
     FinishedRequestTimes,
-    SpecCounters,
     StepStats,
-    fold_step,
 )
+from dynaspec.metrics.stats import SpecCounters, fold_step  # noqa: E402
 
 PREFIX = "dynaspec:"  # the default; `--metrics-prefix vllm` gives vLLM's names for its dashboards
 # No `*_created` series: one per counter and histogram doubled /metrics for a timestamp that

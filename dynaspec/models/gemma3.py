@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from dynaspec.attention.backend import AttentionBackend
 from dynaspec.attention.paged import EagerPagedBackend
-from dynaspec.config import ModelArchConfig
+from dynaspec.model_arch import ModelArchConfig
 from dynaspec.models.layers import RotaryCache, SmallOps, keep, rms_norm
 from dynaspec.models.llama import LlamaModel
 from dynaspec.models.quant import cat_rows

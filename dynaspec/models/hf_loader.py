@@ -11,7 +11,7 @@ from typing import Literal, overload
 import torch
 from safetensors import safe_open
 
-from dynaspec.config import ModelArchConfig
+from dynaspec.model_arch import ModelArchConfig
 from dynaspec.models.loader import (
     PICKLE_SUFFIXES,
     LoadedModel,

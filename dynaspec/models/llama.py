@@ -13,7 +13,7 @@ import torch
 
 from dynaspec.attention.backend import AttentionBackend
 from dynaspec.attention.paged import EagerPagedBackend
-from dynaspec.config import ModelArchConfig
+from dynaspec.model_arch import ModelArchConfig
 from dynaspec.models import huge_pages
 from dynaspec.models.int8_dot import Int8DotHead, Int8DotLinear, output_head
 from dynaspec.models.layers import FusedOps, RotaryCache, SmallOps, apply_rope, keep, rms_norm

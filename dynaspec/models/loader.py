@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
-from dynaspec.config import ModelArchConfig
+from dynaspec.model_arch import ModelArchConfig
 
 if TYPE_CHECKING:
     from dynaspec.models.tokenizer import Tokenizer
@@ -74,7 +74,7 @@ def load_tokenizer(model: str) -> Tokenizer:
         from dynaspec.models.hf_loader import load_hf_tokenizer
 
         return load_hf_tokenizer(path)
-    from dynaspec.models.gguf_loader import load_gguf_tokenizer
+    from dynaspec.models.gguf_tokenizer import load_gguf_tokenizer
 
     return load_gguf_tokenizer(path)[0]
 

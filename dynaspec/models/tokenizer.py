@@ -1,6 +1,6 @@
 """Tokenizer: a thin wrapper over `tokenizers.Tokenizer`, plus chat templates and streaming decode.
 
-The loaders (hf_loader, gguf_loader) build the backend; this module only knows how to use it, so
+The loaders (hf_loader, gguf_tokenizer) build the backend; this module only knows how to use it, so
 the engine sees one tokenizer type whatever file format the model came from.
 """
 

@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from dynaspec.config import EngineConfig, ModelArchConfig
+from dynaspec.config import EngineConfig
+from dynaspec.model_arch import ModelArchConfig
 from dynaspec.spec_decode.base import Proposer
 
 log = logging.getLogger("dynaspec.engine")

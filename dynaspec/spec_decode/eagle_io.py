@@ -20,7 +20,7 @@ import os
 
 import torch
 
-from dynaspec.config import ModelArchConfig
+from dynaspec.model_arch import ModelArchConfig
 from dynaspec.spec_decode.eagle_head import EagleHead, HeadConfig, default_aux_layers
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")

@@ -106,7 +106,7 @@ class StepView:
 class StepK:
     k: int  # the step's K from the plan
     per_request: dict[str, int]  # request_id -> drafts allowed this step (<= k)
-    reasons: dict[str, str]  # request_id -> why its cap is below k (metrics.stats.SKIP_REASONS)
+    reasons: dict[str, str]  # request_id -> why its cap is below k (metrics.records.SKIP_REASONS)
     ctx_stat: int  # the context statistic used for the lookup
     # request_id -> the fallback drafter's cap (<= per_request), where the policy prices a
     # drafter's fallback apart (goodput with lookup-first drafting); absent: per_request's.

@@ -283,9 +283,9 @@ def train_from_answers(answers: str, env: dict) -> int:
 
 def tiny_random_target(device, dtype, seed: int):
     """A 4-layer random Llama over the default model's tokenizer (the dry run's target)."""
-    from dynaspec.config import ModelArchConfig
+    from dynaspec.model_arch import ModelArchConfig
     from dynaspec.models.default_model import default_model_path
-    from dynaspec.models.gguf_loader import load_gguf_tokenizer
+    from dynaspec.models.gguf_tokenizer import load_gguf_tokenizer
     from dynaspec.train.batched_llama import BatchedLlama
 
     tok, eos = load_gguf_tokenizer(default_model_path())

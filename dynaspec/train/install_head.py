@@ -23,10 +23,11 @@ def install(src: str, dest: str, model: str = "default") -> str:
 
     path, kind = resolve_model_path(model)
     if kind == "gguf":
-        from dynaspec.models.gguf_loader import _Metadata, _open, arch_from_gguf
+        from dynaspec.models.gguf_loader import arch_from_gguf
+        from dynaspec.models.gguf_reader import GGUFMetadata, open_gguf
 
-        reader = _open(path)
-        arch = arch_from_gguf(_Metadata(reader, path), reader)
+        reader = open_gguf(path)
+        arch = arch_from_gguf(GGUFMetadata(reader, path), reader)
     else:
         from dynaspec.models.loader import load_model_files
 

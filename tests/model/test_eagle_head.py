@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dynaspec.config import ModelArchConfig
+from dynaspec.model_arch import ModelArchConfig
 from dynaspec.request import Request
 from dynaspec.sampling_params import SamplingParams
 from dynaspec.spec_decode.eagle import EagleProposer, HiddenStates

@@ -131,7 +131,7 @@ def test_the_quantile_matches_prometheus(browser, server):
 def _dp_snapshots() -> list[dict]:
     """Two /ui/live answers of a two-rank server, 5 s apart (live_stats over DPMetrics)."""
     from dynaspec.dp.metrics import DPMetrics
-    from dynaspec.metrics.stats import EngineSnapshot, RequestStepSpec, StepStats
+    from dynaspec.metrics.records import EngineSnapshot, RequestStepSpec, StepStats
     from dynaspec.server.ui.live import live_stats
 
     m, out = DPMetrics(2, {"model_name": "m"}, "dynaspec"), []

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from dynaspec.dp.metrics import DPMetrics  # noqa: E402
 from dynaspec.metrics.prometheus import PrometheusMetrics  # noqa: E402
-from dynaspec.metrics.stats import (  # noqa: E402
+from dynaspec.metrics.records import (  # noqa: E402
     EngineSnapshot,
     FinishedRequestTimes,
     RequestStepSpec,

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("prometheus_client")
 from dynaspec.dp.metrics import DPMetrics  # noqa: E402
 from dynaspec.metrics.prometheus import PrometheusMetrics  # noqa: E402
-from dynaspec.metrics.stats import EngineSnapshot, RequestStepSpec, StepStats  # noqa: E402
+from dynaspec.metrics.records import EngineSnapshot, RequestStepSpec, StepStats  # noqa: E402
 from dynaspec.server.ui.live import live_stats  # noqa: E402
 
 STEP = StepStats(k=2, requests=(RequestStepSpec("a", 2, 1, 2, None),), num_generation_tokens=2)

@@ -7,7 +7,7 @@ import pytest
 
 from dynaspec.bench import workloads
 from dynaspec.models.default_model import default_model_path
-from dynaspec.models.gguf_loader import load_gguf_tokenizer
+from dynaspec.models.gguf_tokenizer import load_gguf_tokenizer
 from dynaspec.train import prompt_mix
 from dynaspec.train.prompt_mix import Prompt
 

@@ -21,7 +21,8 @@ from dynaspec.engine.async_loop import AsyncStepLoop
 from dynaspec.engine.phases import StepPhases, drop_ended
 from dynaspec.engine.step_records import request_spec
 from dynaspec.kv.kv_cache_manager import KVCacheManager
-from dynaspec.metrics.stats import SpecCounters, StepStats, fold_step
+from dynaspec.metrics.records import StepStats
+from dynaspec.metrics.stats import SpecCounters, fold_step
 from dynaspec.outputs import RequestResult, RunnerOutput
 from dynaspec.request import Request, RequestStatus
 from dynaspec.sampling_params import SamplingParams

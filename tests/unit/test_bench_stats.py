@@ -19,7 +19,8 @@ from dynaspec.bench.compare import EngineArm, IdentityViolation, RunRecord, buil
 from dynaspec.bench.stats import latency_summary, paired_ratio, percentile, run_order, t_quantile
 from dynaspec.bench.workloads import WorkItem
 from dynaspec.engine.step_recorder import StepTimes
-from dynaspec.metrics.stats import RequestStepSpec, SpecCounters, StepStats, fold_step
+from dynaspec.metrics.records import RequestStepSpec, StepStats
+from dynaspec.metrics.stats import SpecCounters, fold_step
 from dynaspec.outputs import RequestOutput, RequestTimings
 from dynaspec.sampling_params import SamplingParams
 
@@ -247,8 +248,8 @@ def test_peer_spec_parsing():
 
 
 def test_vllm_peer_without_vllm_is_skipped_with_a_message(tmp_path, monkeypatch):
-    from dynaspec.bench import peers
-    monkeypatch.setattr(peers, "_model_path", lambda opts: (str(tmp_path), "hf"))
+    from dynaspec.bench import peer_vllm, peers
+    monkeypatch.setattr(peer_vllm, "model_path", lambda opts: (str(tmp_path), "hf"))
     with pytest.raises(peers.PeerUnavailable, match="needs the interpreter"):
         peers.make_peer_arm("peer:vllm:plain", 1)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "empty"))
@@ -281,7 +282,7 @@ class LLM:
 
 
 def test_vllm_peer_protocol_with_a_fake_vllm(tmp_path, monkeypatch):
-    from dynaspec.bench import peers
+    from dynaspec.bench import peer_vllm, peers
     pkg = tmp_path / "vllm"
     pkg.mkdir()
     (pkg / "__init__.py").write_text(textwrap.dedent(_FAKE_VLLM))
@@ -289,7 +290,7 @@ def test_vllm_peer_protocol_with_a_fake_vllm(tmp_path, monkeypatch):
         "def TokensPrompt(prompt_token_ids):\n    return {'prompt_token_ids': prompt_token_ids}\n"
     )
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    monkeypatch.setattr(peers, "_model_path", lambda opts: (str(tmp_path), "hf"))
+    monkeypatch.setattr(peer_vllm, "model_path", lambda opts: (str(tmp_path), "hf"))
     arm = peers.make_peer_arm("peer:vllm:ngram,k=3", 2, defaults={"python": sys.executable})
     try:
         rec = arm.run(_items(2), [SamplingParams(max_tokens=4)] * 2, 2, "c-p0")

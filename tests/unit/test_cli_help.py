@@ -78,7 +78,7 @@ def test_metrics_prefix_reaches_data_parallel_metrics(monkeypatch):
     both take the prefix (the DP engine builds its own registries)."""
     import dynaspec.dp.front_end as front_end
     from dynaspec.dp.metrics import DPMetrics
-    from dynaspec.metrics.stats import EngineSnapshot
+    from dynaspec.metrics.records import EngineSnapshot
     from dynaspec.server.api_server import build_async_engine
 
     dp = DPMetrics(2, {"model_name": "m"}, "vllm")

@@ -9,7 +9,7 @@ import pytest
 from dynaspec.config import EngineConfig, ParallelConfig
 from dynaspec.dp.metrics import DPMetrics
 from dynaspec.dp.rendezvous import SECRET_ENV, resolve, threads_per_rank
-from dynaspec.metrics.stats import EngineSnapshot, RequestStepSpec, StepStats
+from dynaspec.metrics.records import EngineSnapshot, RequestStepSpec, StepStats
 
 
 @pytest.fixture(autouse=True)

@@ -251,7 +251,7 @@ def test_divergence_guard_is_off_for_a_fixed_table():
 def test_prometheus_exports_goodput_gauges():
     pytest.importorskip("prometheus_client")
     from dynaspec.metrics.prometheus import PrometheusMetrics
-    from dynaspec.metrics.stats import EngineSnapshot
+    from dynaspec.metrics.records import EngineSnapshot
 
     m = PrometheusMetrics()
     m.observe_snapshot(

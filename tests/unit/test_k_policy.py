@@ -230,14 +230,9 @@ def test_make_policy():
 
 
 def test_every_reason_a_policy_gives_is_a_known_skip_reason():
-    # One list (metrics.stats.SKIP_REASONS): a reason the policy sets must fold without error.
-    from dynaspec.metrics.stats import (
-        SKIP_REASONS,
-        RequestStepSpec,
-        SpecCounters,
-        StepStats,
-        fold_step,
-    )
+    # One list (metrics.records.SKIP_REASONS): a reason the policy sets must fold without error.
+    from dynaspec.metrics.records import SKIP_REASONS, RequestStepSpec, StepStats
+    from dynaspec.metrics.stats import SpecCounters, fold_step
 
     views = (req("zero_left", remaining=1), req("room", room=1), req("drafter", drafter_room=0),
              req("poor", history=_history(4, 0)), req("fine"))

@@ -12,14 +12,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import dynaspec
 from dynaspec.metrics.prometheus import CONTENT_TYPE, PrometheusMetrics
-from dynaspec.metrics.stats import (
+from dynaspec.metrics.records import (
     EngineSnapshot,
     FinishedRequestTimes,
     RequestStepSpec,
-    SpecCounters,
     StepStats,
-    fold_step,
 )
+from dynaspec.metrics.stats import SpecCounters, fold_step
 
 P = "dynaspec:"
 

@@ -29,7 +29,7 @@ def test_every_drafter_entry_loads_a_factory():
 def _target() -> DrafterTarget:
     import torch
 
-    from dynaspec.config import ModelArchConfig
+    from dynaspec.model_arch import ModelArchConfig
 
     arch = ModelArchConfig("llama", 100, 32, 64, 2, 4, 2, 8)
     return DrafterTarget(arch, torch.device("cpu"), torch.float32)

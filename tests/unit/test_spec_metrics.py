@@ -14,18 +14,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dynaspec.metrics.log_line import PeriodicLogger, format_log_line
-from dynaspec.metrics.stats import (
+from dynaspec.metrics.records import (
     ALL_INVALID,
     INVALID_REASONS,
     SKIP_REASONS,
     EngineSnapshot,
     RequestStepSpec,
-    SpecCounters,
     StepStats,
-    fold_request,
-    fold_request_history,
-    fold_step,
 )
+from dynaspec.metrics.stats import SpecCounters, fold_request, fold_request_history, fold_step
 
 EMPTY = SpecCounters()
 
