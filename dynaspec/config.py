@@ -143,7 +143,8 @@ class SpecConfig:
                             "where it finds nothing (none | ngram | suffix)", type=str)
     prompt_lookup_min: int = opt(2, "shortest n-gram to match")
     prompt_lookup_max: int = opt(5, "longest n-gram to match")
-    # Suffix decoding, with vLLM's meanings and defaults (suffix_decoding_*); spec_decode/suffix.py.
+    # Suffix decoding, with vLLM's meanings and defaults (suffix_decoding_*):
+    # spec_decode/drafters/suffix.py.
     suffix_max_depth: int = opt(24, "suffix: longest match + draft length")
     suffix_spec_factor: float = opt(1.0, "suffix: drafts <= factor x match length")
     suffix_min_token_prob: float = opt(0.1, "suffix: stop drafting before a token whose "

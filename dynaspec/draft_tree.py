@@ -112,7 +112,8 @@ def kv_moves(path: Sequence[int]) -> list[tuple[int, int]]:
 
 @dataclass(frozen=True)
 class TreeWalk:
-    """What one verified tree says about its drafter's branches (spec_decode/tree_pricing.py):
+    """What one verified tree says about its drafter's branches
+    (spec_decode/policy/tree_pricing.py):
     at each depth the walk reached, how many children the reached node offered and the rank
     (0: the first child) of the one accepted, -1 where none was (the walk ends there)."""
 

@@ -63,13 +63,13 @@ def _or_list(names: Iterable[str]) -> str:
 SPECULATORS = Registry("speculator", [
     Entry("none", "no drafting"),
     Entry("ngram", "prompt lookup: copy what followed the last n-gram in the context",
-          "dynaspec.spec_decode.drafters:build_ngram"),
+          "dynaspec.spec_decode.drafters.drafters:build_ngram"),
     Entry("draft", "a small draft model (--draft-model)",
-          "dynaspec.spec_decode.drafters:build_draft_model"),
+          "dynaspec.spec_decode.drafters.drafters:build_draft_model"),
     Entry("suffix", "suffix decoding over this request and earlier outputs",
-          "dynaspec.spec_decode.drafters:build_suffix"),
+          "dynaspec.spec_decode.drafters.drafters:build_suffix"),
     Entry("eagle", "an EAGLE/EAGLE-3 head on the target's hidden states (--draft-head)",
-          "dynaspec.spec_decode.drafters:build_eagle"),
+          "dynaspec.spec_decode.drafters.drafters:build_eagle"),
 ])
 
 K_POLICIES = Registry("k_policy", [

@@ -5,7 +5,7 @@ one's
 draft cap and skip reason, the step's K and the `BatchDescriptor` (path, padded rows, width)
 planned before the forward. Nothing downstream changes it; under async scheduling the scheduler
 may issue a revised plan (`Scheduler.revise`) once the previous step's tokens are known, as a
-new object. The width logic behind these numbers lives in `spec_decode/step_width.py`.
+new object. The width logic behind these numbers lives in `spec_decode/plan/step_width.py`.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ B="$M bench compare --workload $WL"
 C1="--concurrency 1 --pairs ${PAIRS:-5} --num-prompts 4 --max-tokens 128"
 C16="--concurrency 16 --pairs ${PAIRS:-3} --num-prompts 32 --max-tokens 64"
 case "${1:-}" in
-  # the head into dynaspec/spec_decode/heads/smollm2-135m-instruct (checked against the target)
+  # the head into dynaspec/spec_decode/drafters/heads/smollm2-135m-instruct (checked against the target)
   install) python -m dynaspec.train.install_head "$RUN/head" ;;
   # stage timings, data counts, held-out acceptance; the loss/acceptance figure into docs/
   # (needs matplotlib: pip install 'dynaspec[train]')

@@ -311,7 +311,7 @@ def default_gguf_path() -> str:
 def _isolated_cost_cache(tmp_path_factory):
     """Step cost tables measured by the goodput policy go to a per-run dir, never ~/.cache (the
     kernels' build cache stays where it is: isolating it rebuilt every kernel in each run)."""
-    from dynaspec.spec_decode.cost_model import CACHE_ENV
+    from dynaspec.spec_decode.policy.cost_model import CACHE_ENV
 
     old = os.environ.get(CACHE_ENV)
     os.environ[CACHE_ENV] = str(tmp_path_factory.mktemp("dynaspec-cache"))

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from dynaspec.bench.stats import paired_ratio
 from dynaspec.bench.tune import _synthetic_batch
-from dynaspec.spec_decode.execution_plan import AdmissionEntry, AdmissionTable
+from dynaspec.spec_decode.plan.execution_plan import AdmissionEntry, AdmissionTable
 from dynaspec.step_plan import BatchDescriptor
 
 

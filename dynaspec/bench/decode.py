@@ -16,7 +16,7 @@ from dynaspec.engine.llm_engine import LLMEngine
 from dynaspec.engine.step_recorder import StepTimes
 from dynaspec.models.quant_linear import cpu_info
 from dynaspec.sampling_params import SamplingParams
-from dynaspec.spec_decode.cost_profile import synthetic_step
+from dynaspec.spec_decode.policy.cost_profile import synthetic_step
 
 
 def measure_read_bandwidth(num_bytes: int = 1 << 29, repeats: int = 5) -> float:

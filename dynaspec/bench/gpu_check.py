@@ -144,7 +144,7 @@ def stage_ours(deadline: float, path: str) -> dict:
     import torch
 
     from dynaspec.bench.decode import kernels_per_step, measure_launch_cost, run_decode
-    from dynaspec.spec_decode.cost_profile import synthetic_step
+    from dynaspec.spec_decode.policy.cost_profile import synthetic_step
 
     r: dict = {}
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from dynaspec.request import Request
 from dynaspec.sampling_params import SamplingParams
-from dynaspec.spec_decode.ngram import NgramProposer
+from dynaspec.spec_decode.drafters.ngram import NgramProposer
 
 BATCHES = (1, 16, 64)
 CONTEXTS = (1024, 2048, 4096)

@@ -111,7 +111,7 @@ class LocalServer:
 
 def engine_state(engine: Any) -> dict:
     """Per-request state left in the engine (engine thread only); all 0 when nothing leaked."""
-    from dynaspec.spec_decode.draft_model import DraftModelProposer
+    from dynaspec.spec_decode.drafters.draft_model import DraftModelProposer
 
     engine.check_integrity()  # raises on a broken pool
     kv, sched, runner = engine.kv, engine.scheduler, engine.runner

@@ -25,10 +25,10 @@ import sys
 def make_model_free_proposer(spec):
     """An n-gram or suffix proposer from a SpecConfig (drafters that need no model)."""
     if spec.speculator == "ngram":
-        from dynaspec.spec_decode.ngram import NgramProposer
+        from dynaspec.spec_decode.drafters.ngram import NgramProposer
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
     if spec.speculator == "suffix":
-        from dynaspec.spec_decode.suffix import SuffixParams, SuffixProposer
+        from dynaspec.spec_decode.drafters.suffix import SuffixParams, SuffixProposer
         return SuffixProposer(SuffixParams(spec.suffix_max_depth, spec.suffix_spec_factor,
                                            spec.suffix_min_token_prob),
                               spec.suffix_cache_max_requests, spec.suffix_cache_max_tokens)

@@ -63,7 +63,7 @@ def run_admission_cmd(args: argparse.Namespace) -> int:
     from dynaspec.bench.admission import measure_admission
     from dynaspec.config import EngineConfig
     from dynaspec.engine.llm_engine import LLMEngine
-    from dynaspec.spec_decode.execution_plan import default_admission_path
+    from dynaspec.spec_decode.plan.execution_plan import default_admission_path
 
     kw = {**engine_kwargs(args), "execution": "compiled", "admission": None}
     engine = LLMEngine(EngineConfig.from_kwargs(**kw))

@@ -14,9 +14,9 @@ import sys
 from typing import TextIO
 
 from dynaspec.registry import K_POLICIES
-from dynaspec.spec_decode.cost_model import cache_dir
-from dynaspec.spec_decode.plan import ScheduleError, SpecPlan, build_spec_plan, plan_for_policy
-from dynaspec.spec_decode.policies import resolve_policy_name
+from dynaspec.spec_decode.plan.plan import ScheduleError, SpecPlan, build_spec_plan, plan_for_policy
+from dynaspec.spec_decode.policy.cost_model import cache_dir
+from dynaspec.spec_decode.policy.policies import resolve_policy_name
 
 EXIT_INVALID = 2
 
@@ -173,13 +173,13 @@ def format_dp(plan: SpecPlan, policy: str | None, dp: int) -> str:
 def _drafter_limit(args: argparse.Namespace) -> int | None:
     limits = [x for x in (getattr(args, "drafter_max_k", None),) if x is not None]
     if getattr(args, "draft_model", None):
-        from dynaspec.spec_decode.draft_model import draft_k_limit
+        from dynaspec.spec_decode.drafters.draft_model import draft_k_limit
         limits.append(draft_k_limit(args.draft_model))
     return min(limits) if limits else None
 
 
 def _execution_plan(args: argparse.Namespace, plan: SpecPlan):
-    from dynaspec.spec_decode.execution_plan import (
+    from dynaspec.spec_decode.plan.execution_plan import (
         AdmissionTable,
         ExecutionPlan,
         default_admission_path,
@@ -195,7 +195,7 @@ def _execution_plan(args: argparse.Namespace, plan: SpecPlan):
 
 def execution_rows(plan: SpecPlan, ep) -> list[dict]:
     """Per batch bucket and width: the requests it covers, K, width, path and why."""
-    from dynaspec.spec_decode.execution_plan import bucket_ks
+    from dynaspec.spec_decode.plan.execution_plan import bucket_ks
     rows = []
     for b, covers, k_table in bucket_ks(plan, ep.buckets):
         # Width 1 in a plan with K>0 buckets is the policy's K=0 (goodput): a row of its own.
@@ -252,7 +252,7 @@ def _cost_cache(policy: str | None) -> dict | None:
 
 def _curves(key: str) -> dict[str, dict[int, float]]:
     """Step ms by verify width at batch 1, per cached context: the curve the policy prices."""
-    from dynaspec.spec_decode.cost_cache import load_cells
+    from dynaspec.spec_decode.policy.cost_cache import load_cells
 
     out: dict[str, dict[int, float]] = {}
     for (b, c, w), cell in sorted(load_cells(key).items()):

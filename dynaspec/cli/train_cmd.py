@@ -82,7 +82,7 @@ def run(args) -> int:
     from tqdm import tqdm
 
     from dynaspec import LLM
-    from dynaspec.spec_decode.eagle_head import default_aux_layers
+    from dynaspec.spec_decode.drafters.eagle_head import default_aux_layers
     from dynaspec.train import corpus as C
     from dynaspec.train.draft_head import (
         TrainConfig,

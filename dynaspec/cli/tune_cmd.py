@@ -120,7 +120,7 @@ def run_tune_cmd(args: argparse.Namespace) -> int:
     from dynaspec.bench import tune
     from dynaspec.bench.compare import make_params
     from dynaspec.bench.workloads import load_workload
-    from dynaspec.spec_decode.plan import build_spec_plan
+    from dynaspec.spec_decode.plan.plan import build_spec_plan
     engine = _engine(args)
     _check(args, engine.max_model_len)
     items = load_workload(args.workload, engine.tokenizer, args.num_prompts, args.seed, args.long)

@@ -35,8 +35,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from dynaspec.draft_tree import TreeWalk
-from dynaspec.spec_decode.acceptance import AcceptanceHistory
-from dynaspec.spec_decode.k_policy import GlobalStepView, StepK, StepView
+from dynaspec.spec_decode.policy.acceptance import AcceptanceHistory
+from dynaspec.spec_decode.policy.k_policy import GlobalStepView, StepK, StepView
 
 # Row layout (one float64 per field, then 2 * max_k acceptance counts).
 _FIELDS = ("num_reqs", "num_decoding", "sum_ctx", "max_ctx", "num_unfinished", "stopping",
@@ -330,9 +330,9 @@ def follow_rank0(policy, inner, table: dict | None) -> None:
     what rank 0 runs, so the step K stays one decision."""
     import logging
 
-    from dynaspec.spec_decode.cost_model import StepCostModel
-    from dynaspec.spec_decode.goodput_policy import GoodputPolicy
-    from dynaspec.spec_decode.k_policy import TablePolicy
+    from dynaspec.spec_decode.policy.cost_model import StepCostModel
+    from dynaspec.spec_decode.policy.goodput_policy import GoodputPolicy
+    from dynaspec.spec_decode.policy.k_policy import TablePolicy
 
     plan = inner.plan
     if table is None:  # rank 0 refused its table: the plan's table everywhere

@@ -147,7 +147,7 @@ def _build_engine(spec: RankSpec, store, make_engine):
     """Rank 0 builds first when the goodput policy profiles step costs: the other ranks then
     read its cached table (same machine) instead of profiling all at once, contending for the
     cores and measuring each other; only rank 0's table is used anyway (share_cost_model)."""
-    from dynaspec.spec_decode.policies import resolve_policy_name
+    from dynaspec.spec_decode.policy.policies import resolve_policy_name
 
     sc = spec.config.spec
     profiles = (sc.speculator != "none" and sc.cost_table is None

@@ -27,18 +27,18 @@ from dynaspec.models.quant_linear import (
 from dynaspec.models.tokenizer import Tokenizer
 from dynaspec.sample.synthetic import make_synthetic_verifier
 from dynaspec.scheduler.scheduler import Scheduler
-from dynaspec.spec_decode import cost_cache
-from dynaspec.spec_decode.base import Proposer
-from dynaspec.spec_decode.cost_model import CostGrid, StepCostModel
-from dynaspec.spec_decode.drafters import DrafterTarget, build_drafter
-from dynaspec.spec_decode.execution_plan import (
+from dynaspec.spec_decode.drafters.base import Proposer
+from dynaspec.spec_decode.drafters.drafters import DrafterTarget, build_drafter
+from dynaspec.spec_decode.plan.execution_plan import (
     AdmissionTable,
     ExecutionPlan,
     default_admission_path,
 )
-from dynaspec.spec_decode.k_policy import KPolicy
-from dynaspec.spec_decode.plan import SpecPlan, build_spec_plan, plan_for_policy
-from dynaspec.spec_decode.policies import make_policy, resolve_policy_name
+from dynaspec.spec_decode.plan.plan import SpecPlan, build_spec_plan, plan_for_policy
+from dynaspec.spec_decode.policy import cost_cache
+from dynaspec.spec_decode.policy.cost_model import CostGrid, StepCostModel
+from dynaspec.spec_decode.policy.k_policy import KPolicy
+from dynaspec.spec_decode.policy.policies import make_policy, resolve_policy_name
 from dynaspec.structured.manager import StructuredOutputManager
 from dynaspec.worker.compiled import make_executor
 from dynaspec.worker.input_buffers import InputBuffers
@@ -320,7 +320,7 @@ def _k_policy(config: EngineConfig, plan: SpecPlan, model: LlamaModel, kv_caches
               proposer: Proposer) -> tuple[KPolicy, SpecPlan, PolicyInfo]:
     """The policy, the plan as it runs under it (goodput adds width 1: plan_for_policy) and
     what the logs and the card say about it. A refused cost table runs the plan's table."""
-    from dynaspec.spec_decode.goodput_policy import GoodputSettings
+    from dynaspec.spec_decode.policy.goodput_policy import GoodputSettings
 
     sc = config.spec
     name = resolve_policy_name(sc.k_policy, True, sc.k_schedule is not None)
@@ -349,7 +349,7 @@ def _step_cost_model(config: EngineConfig, model: LlamaModel, kv_caches: list[to
                      num_blocks: int, max_model_len: int,
                      plan: SpecPlan) -> tuple[StepCostModel | None, PolicyInfo]:
     """The injected table, else the checked cached/measured one (spec_decode/cost_profile)."""
-    from dynaspec.spec_decode.cost_profile import (
+    from dynaspec.spec_decode.policy.cost_profile import (
         ProfileSettings,
         gpu_profile_settings,
         model_prober,

@@ -15,7 +15,7 @@ from dynaspec.metrics.records import EngineSnapshot, FinishedRequestTimes, StepS
 from dynaspec.metrics.stats import SpecCounters
 from dynaspec.outputs import RequestOutput
 from dynaspec.sampling_params import SamplingParams
-from dynaspec.spec_decode.base import DrafterCacheStats
+from dynaspec.spec_decode.drafters.base import DrafterCacheStats
 
 
 class EngineUnavailable(RuntimeError):

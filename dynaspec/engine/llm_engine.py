@@ -27,7 +27,7 @@ from dynaspec.outputs import RequestOutput
 from dynaspec.request import Request, RequestStatus
 from dynaspec.sampling_params import SamplingParams
 from dynaspec.scheduler.scheduler import StepUpdate
-from dynaspec.spec_decode.step_width import GlobalStepView, StepView
+from dynaspec.spec_decode.plan.step_width import GlobalStepView, StepView
 from dynaspec.step_plan import StepPlan
 from dynaspec.structured_params import StructuredOutputParams
 

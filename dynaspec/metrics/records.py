@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 # The one list of reasons a request verified no valid draft this step. The K policy sets the
-# first five (spec_decode/k_policy.py), the scheduler prefill/token_budget, the drafters the
+# first five (spec_decode/policy/k_policy.py), the scheduler prefill/token_budget, the drafters the
 # rest. ALL_INVALID: counted by the fold when every draft was invalid (the engine may set it).
 SKIP_REASONS_DOC = {
     "schedule_zero": "the step's K is 0",

@@ -3,7 +3,7 @@
 A request carries `num_computed_tokens`; the scheduler grants it the tokens it still has to
 compute (chunked under `max_num_batched_tokens`), plus a draft budget on steps where it samples.
 `schedule()` returns the step's immutable `StepPlan`; how its K, caps and width are reserved,
-decided, clamped and described is `spec_decode/step_width.py`, which this module only calls.
+decided, clamped and described is `spec_decode/plan/step_width.py`, which this module only calls.
 After verification, `num_computed_tokens` advances past the accepted drafts only, so the slots of
 rejected drafts are rewritten next step. Preemption is by recompute: the victim frees its blocks
 and rejoins the front of the queue; its output so far is kept and its prompt+output recomputed.
@@ -24,11 +24,17 @@ from dynaspec.config import SchedulerConfig
 from dynaspec.kv.kv_cache_manager import KVCacheManager
 from dynaspec.outputs import RequestResult, RunnerOutput
 from dynaspec.request import Request, RequestStatus
-from dynaspec.spec_decode import step_width as width
-from dynaspec.spec_decode.execution_plan import ExecutionPlan
-from dynaspec.spec_decode.k_policy import KPolicy
-from dynaspec.spec_decode.plan import SpecPlan
-from dynaspec.spec_decode.step_width import GlobalStepView, RequestView, Reserve, StepK, StepView
+from dynaspec.spec_decode.plan import step_width as width
+from dynaspec.spec_decode.plan.execution_plan import ExecutionPlan
+from dynaspec.spec_decode.plan.plan import SpecPlan
+from dynaspec.spec_decode.plan.step_width import (
+    GlobalStepView,
+    RequestView,
+    Reserve,
+    StepK,
+    StepView,
+)
+from dynaspec.spec_decode.policy.k_policy import KPolicy
 from dynaspec.step_plan import ScheduledRequest, StepPlan
 
 # (request, tokens about to be appended) -> how many of them to keep because a stop string

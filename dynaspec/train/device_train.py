@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dynaspec.spec_decode.eagle_head import EagleHead
+from dynaspec.spec_decode.drafters.eagle_head import EagleHead
 
 IGNORE = -100
 

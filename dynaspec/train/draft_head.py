@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from dynaspec.attention.backend import AttentionBatch
-from dynaspec.spec_decode.eagle_head import EagleHead, HeadConfig, default_aux_layers
-from dynaspec.spec_decode.eagle_io import save_eagle3
+from dynaspec.spec_decode.drafters.eagle_head import EagleHead, HeadConfig, default_aux_layers
+from dynaspec.spec_decode.drafters.eagle_io import save_eagle3
 
 log = logging.getLogger("dynaspec")
 IGNORE = -100

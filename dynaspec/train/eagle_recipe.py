@@ -184,8 +184,8 @@ class Recipe:
     # -- 4 and 5. train, evaluate, write the head ------------------------------------------------
 
     def head(self, model, seqs, eos):
-        from dynaspec.spec_decode.eagle_head import default_aux_layers
-        from dynaspec.spec_decode.eagle_io import load_head
+        from dynaspec.spec_decode.drafters.eagle_head import default_aux_layers
+        from dynaspec.spec_decode.drafters.eagle_io import load_head
         from dynaspec.train.device_train import draft_vocab
         from dynaspec.train.draft_head import TrainConfig, new_head
 
@@ -227,7 +227,7 @@ class Recipe:
         self.stage("evaluate", acceptance=acc)
 
     def write_head(self, head) -> None:
-        from dynaspec.spec_decode.eagle_io import save_eagle3, shard_safetensors
+        from dynaspec.spec_decode.drafters.eagle_io import save_eagle3, shard_safetensors
 
         path = os.path.join(self.out, "head")
         save_eagle3(head.cpu(), path, extra={"dynaspec_training": self.report["config"]})

@@ -19,7 +19,7 @@ def install(src: str, dest: str, model: str = "default") -> str:
     from safetensors.torch import save_file
 
     from dynaspec.models.loader import resolve_model_path
-    from dynaspec.spec_decode.eagle_io import load_head, read_weights
+    from dynaspec.spec_decode.drafters.eagle_io import load_head, read_weights
 
     path, kind = resolve_model_path(model)
     if kind == "gguf":
@@ -51,7 +51,7 @@ def install(src: str, dest: str, model: str = "default") -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dynaspec.spec_decode.eagle import DEFAULT_HEAD
+    from dynaspec.spec_decode.drafters.eagle import DEFAULT_HEAD
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("src", help="the returned head folder (config.json + safetensors or shards)")

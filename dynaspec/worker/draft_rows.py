@@ -15,8 +15,8 @@ import torch
 from dynaspec.draft_tree import DraftTree
 from dynaspec.sample.metadata import SamplingMetadata
 from dynaspec.sample.synthetic import SyntheticVerifier
-from dynaspec.spec_decode import step_width as width
-from dynaspec.spec_decode.base import Drafts, Proposer
+from dynaspec.spec_decode.drafters.base import Drafts, Proposer
+from dynaspec.spec_decode.plan import step_width as width
 from dynaspec.step_plan import StepPlan
 
 

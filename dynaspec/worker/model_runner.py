@@ -29,8 +29,8 @@ from dynaspec.request import Request
 from dynaspec.sample.logits_processor import LogitsProcessing
 from dynaspec.sample.metadata import SamplingMetadata
 from dynaspec.sample.synthetic import SyntheticVerifier
-from dynaspec.spec_decode.base import Proposer
-from dynaspec.spec_decode.eagle import HiddenStates
+from dynaspec.spec_decode.drafters.base import Proposer
+from dynaspec.spec_decode.drafters.eagle import HiddenStates
 from dynaspec.step_plan import BatchDescriptor, StepPlan
 from dynaspec.structured.manager import StructuredOutputManager
 from dynaspec.structured.step import GrammarStep

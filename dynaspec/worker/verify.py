@@ -24,7 +24,7 @@ from dynaspec.sample.rejection_sampler import greedy_from_argmax, rejection_samp
 from dynaspec.sample.sampler import Sampler, row_logprobs
 from dynaspec.sample.synthetic import SyntheticVerifier
 from dynaspec.sample.tree_sampler import verify_tree
-from dynaspec.spec_decode.step_width import num_padding
+from dynaspec.spec_decode.plan.step_width import num_padding
 from dynaspec.structured.step import GrammarStep
 from dynaspec.worker.draft_rows import DraftRow, DraftRows
 

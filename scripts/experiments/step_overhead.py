@@ -11,7 +11,7 @@ import torch
 
 from dynaspec.config import EngineConfig
 from dynaspec.engine.llm_engine import LLMEngine
-from dynaspec.spec_decode.cost_profile import synthetic_step
+from dynaspec.spec_decode.policy.cost_profile import synthetic_step
 
 
 def timed(f, rounds: int = 7, reps: int = 30) -> float:

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from dynaspec import LLM, SamplingParams
-from dynaspec.spec_decode.plan import build_spec_plan
+from dynaspec.spec_decode.plan.plan import build_spec_plan
 from tests.e2e.conftest import assert_greedy_equal, random_prompts
 from tests.e2e.dp_helpers import assert_processes_gone, finish_all
 

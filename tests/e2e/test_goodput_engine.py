@@ -7,9 +7,9 @@ drafts at its simulated acceptance."""
 from __future__ import annotations
 
 from dynaspec import LLM, SamplingParams
-from dynaspec.spec_decode.base import Proposer
-from dynaspec.spec_decode.goodput_policy import GoodputPolicy
-from dynaspec.spec_decode.k_policy import TablePolicy
+from dynaspec.spec_decode.drafters.base import Proposer
+from dynaspec.spec_decode.policy.goodput_policy import GoodputPolicy
+from dynaspec.spec_decode.policy.k_policy import TablePolicy
 from tests.e2e.conftest import random_prompts
 
 WIDTHS = tuple(range(1, 6))
@@ -137,8 +137,8 @@ def test_measured_start_names_the_policy_table_source_and_cache_file(tiny_llama_
     policy and its record agree, and a refused table is never saved."""
     import logging
 
-    from dynaspec.spec_decode import cost_cache
-    from dynaspec.spec_decode.cost_model import CACHE_ENV
+    from dynaspec.spec_decode.policy import cost_cache
+    from dynaspec.spec_decode.policy.cost_model import CACHE_ENV
 
     monkeypatch.setenv(CACHE_ENV, str(tmp_path))  # an empty cache: this start measures
     with caplog.at_level(logging.INFO, logger="dynaspec"):

@@ -127,7 +127,7 @@ def test_draft_model_prefill_is_fed_apart_as_setup_with_the_same_drafts(tiny_lla
     are the ones one forward over the whole prompt gives."""
     from dynaspec.request import Request
     from dynaspec.sampling_params import SamplingParams
-    from dynaspec.spec_decode import draft_model
+    from dynaspec.spec_decode.drafters import draft_model
 
     prompt = random_prompts(1, 280, seed=9, lo=40, hi=41)[0]
     got = []

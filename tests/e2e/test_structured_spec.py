@@ -15,7 +15,7 @@ jsonschema = pytest.importorskip("jsonschema")
 
 from dynaspec import LLM, SamplingParams  # noqa: E402
 from dynaspec.engine.sync_driver import generate  # noqa: E402
-from dynaspec.spec_decode.base import Drafts, Proposer  # noqa: E402
+from dynaspec.spec_decode.drafters.base import Drafts, Proposer  # noqa: E402
 from dynaspec.structured import StructuredOutputParams  # noqa: E402
 from dynaspec.structured.backend import allocate_bitmask  # noqa: E402
 from tests.cost_tables import FREE_VERIFY  # noqa: E402

@@ -10,7 +10,7 @@ import torch
 from dynaspec import LLM
 from dynaspec.draft_tree import DraftTree
 from dynaspec.sampling_params import SamplingParams
-from dynaspec.spec_decode.base import Drafts, Proposer
+from dynaspec.spec_decode.drafters.base import Drafts, Proposer
 from tests.cost_tables import FREE_VERIFY
 
 from .conftest import assert_greedy_equal, greedy, random_prompts, watch_steps

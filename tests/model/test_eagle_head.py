@@ -9,8 +9,8 @@ import torch
 from dynaspec.model_arch import ModelArchConfig
 from dynaspec.request import Request
 from dynaspec.sampling_params import SamplingParams
-from dynaspec.spec_decode.eagle import EagleProposer, HiddenStates
-from dynaspec.spec_decode.eagle_io import HeadMismatchError, load_head, save_eagle3
+from dynaspec.spec_decode.drafters.eagle import EagleProposer, HiddenStates
+from dynaspec.spec_decode.drafters.eagle_io import HeadMismatchError, load_head, save_eagle3
 
 from .tiny_eagle import write_eagle1, write_eagle3
 
@@ -99,7 +99,7 @@ def test_the_drafting_form_runs_every_linear_on_the_int8_kernel_close_to_fp32(tm
     """The drafter's copy of the head reads int8 weights (a quarter of fp32's bytes) and stays
     close to the fp32 head; the trained head itself is left as it was."""
     from dynaspec import cpu_kernels
-    from dynaspec.spec_decode.eagle_head import drafting_form
+    from dynaspec.spec_decode.drafters.eagle_head import drafting_form
 
     head, _ = load_head(write_eagle3(str(tmp_path / "h"), draft_vocab=64, scale=0.3), TARGET)
     fast = drafting_form(head)
@@ -144,7 +144,7 @@ def test_fused_projections_compute_what_the_separate_ones_do(tmp_path):
 
 def test_head_kv_buffer_keeps_chain_rows_when_it_grows():
     """Rows past klen (a chain's drafts) survive a growth of the buffer in the middle of a chain."""
-    from dynaspec.spec_decode.eagle import _HeadSeq
+    from dynaspec.spec_decode.drafters.eagle import _HeadSeq
 
     st = _HeadSeq()
     rows = torch.arange(100 * 2 * 3, dtype=torch.float32).view(100, 2, 3)
@@ -159,7 +159,7 @@ def test_head_kv_buffer_keeps_chain_rows_when_it_grows():
 def test_one_row_attention_equals_sdpa_with_gqa():
     import torch.nn.functional as F
 
-    from dynaspec.spec_decode.eagle import _one_row_attention
+    from dynaspec.spec_decode.drafters.eagle import _one_row_attention
 
     g = torch.Generator().manual_seed(7)
     q, K, V = (torch.randn(*s, generator=g) for s in ((6, 16), (11, 2, 16), (11, 2, 16)))
@@ -174,7 +174,7 @@ def test_compiled_head_step_drafts_what_the_torch_layer_does(tmp_path):
     """HeadStep (one C++ call for the layer, one for a whole chain) against the same drafting-form
     head run op by op in torch: two requests of different lengths and K, over three steps (the
     second and third catch up on accepted rows), the same drafts and the same head KV."""
-    from dynaspec.spec_decode.eagle_head import compiled_step, drafting_form
+    from dynaspec.spec_decode.drafters.eagle_head import compiled_step, drafting_form
 
     head, _ = load_head(write_eagle3(str(tmp_path / "h"), draft_vocab=288, scale=0.3), TARGET)
     fast = drafting_form(head)
@@ -212,7 +212,7 @@ def test_a_prompt_backlog_is_fed_apart_timed_as_setup_with_the_same_drafts(tmp_p
     """A request's first drafts feed its whole prompt to the head: those rows go in a pass of
     their own, reported as Drafts.setup_seconds (the policy's per-token cost leaves it out), and
     the drafts and head KV are what one pass over every row gives."""
-    from dynaspec.spec_decode import eagle
+    from dynaspec.spec_decode.drafters import eagle
 
     head, _ = load_head(write_eagle3(str(tmp_path / "h"), draft_vocab=288, scale=0.3), TARGET)
     g = torch.Generator().manual_seed(4)
@@ -245,8 +245,8 @@ def test_a_backlog_fed_in_short_passes_gives_the_same_drafts_and_kv(tmp_path, mo
     """Backlogs are fed in passes of at most CATCH_UP_ROWS rows (one pass over 16 prompts faulted
     in ~300 MB of fresh pages a call): two requests split across passes that also share them give
     the drafts and head KV one pass gives."""
-    from dynaspec.spec_decode import eagle
-    from dynaspec.spec_decode.eagle_head import compiled_step, drafting_form
+    from dynaspec.spec_decode.drafters import eagle
+    from dynaspec.spec_decode.drafters.eagle_head import compiled_step, drafting_form
 
     head, _ = load_head(write_eagle3(str(tmp_path / "h"), draft_vocab=288, scale=0.3), TARGET)
     fast = drafting_form(head)
@@ -276,7 +276,7 @@ def test_a_backlog_fed_in_short_passes_gives_the_same_drafts_and_kv(tmp_path, mo
 
 
 def test_backlog_passes_cover_every_row_once_in_order():
-    from dynaspec.spec_decode.eagle import _pieces
+    from dynaspec.spec_decode.drafters.eagle import _pieces
 
     items = [("a", list(range(10)), 10), ("b", list(range(3)), 3), ("c", list(range(6)), 6)]
     pieces = list(_pieces(items, 4))

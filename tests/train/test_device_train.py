@@ -9,7 +9,7 @@ import os
 import torch
 
 from dynaspec.models.loader import load_model_files
-from dynaspec.spec_decode.eagle_io import load_head, save_eagle3, shard_safetensors
+from dynaspec.spec_decode.drafters.eagle_io import load_head, save_eagle3, shard_safetensors
 from dynaspec.train import device_train as D
 from dynaspec.train.batched_llama import BatchedLlama
 from dynaspec.train.draft_head import TrainConfig, new_head

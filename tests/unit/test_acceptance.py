@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dynaspec.spec_decode.acceptance import AcceptanceHistory, DraftLengths
+from dynaspec.spec_decode.policy.acceptance import AcceptanceHistory, DraftLengths
 
 
 def test_a_weighted_prior_moves_at_a_running_means_pace_then_as_the_ema():

@@ -9,10 +9,14 @@ import multiprocessing
 
 import pytest
 
-from dynaspec.spec_decode import cost_cache
-from dynaspec.spec_decode.cost_cache import Cell
-from dynaspec.spec_decode.cost_model import CACHE_ENV, CostGrid
-from dynaspec.spec_decode.cost_profile import ProfileSettings, essential_shapes, startup_cost_model
+from dynaspec.spec_decode.policy import cost_cache
+from dynaspec.spec_decode.policy.cost_cache import Cell
+from dynaspec.spec_decode.policy.cost_model import CACHE_ENV, CostGrid
+from dynaspec.spec_decode.policy.cost_profile import (
+    ProfileSettings,
+    essential_shapes,
+    startup_cost_model,
+)
 
 GRID = CostGrid((1, 4, 16, 64), (128, 1024), (1, 2, 3, 5))
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from dynaspec.spec_decode.cost_model import CostGrid, StepCostModel
+from dynaspec.spec_decode.policy.cost_model import CostGrid, StepCostModel
 
 
 def _linear_model(a=1e-3, b=1e-5, c=2e-4, d=3e-6) -> StepCostModel:
@@ -91,7 +91,7 @@ def test_profile_measures_every_shape(tiny_llama_dir):
 
     from dynaspec.models.llama import LlamaModel
     from dynaspec.models.loader import load_model_files
-    from dynaspec.spec_decode.cost_profile import profile_step_costs
+    from dynaspec.spec_decode.policy.cost_profile import profile_step_costs
 
     loaded = load_model_files(tiny_llama_dir)
     model = LlamaModel(loaded.arch, loaded.state_dict, torch.float32, torch.device("cpu"), 256)

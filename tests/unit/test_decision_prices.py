@@ -9,13 +9,13 @@ import random
 import pytest
 
 from dynaspec.draft_tree import TreeWalk
-from dynaspec.spec_decode.acceptance import FULL_LENGTHS
-from dynaspec.spec_decode.cost_model import CostGrid, StepCostModel
-from dynaspec.spec_decode.goodput_policy import GoodputPolicy, GoodputSettings
-from dynaspec.spec_decode.goodput_settings import Deeper, FixedRates
-from dynaspec.spec_decode.k_policy import RequestView, StepView
-from dynaspec.spec_decode.plan import build_spec_plan
-from dynaspec.spec_decode.step_pricing import (
+from dynaspec.spec_decode.plan.plan import build_spec_plan
+from dynaspec.spec_decode.policy.acceptance import FULL_LENGTHS
+from dynaspec.spec_decode.policy.cost_model import CostGrid, StepCostModel
+from dynaspec.spec_decode.policy.goodput_policy import GoodputPolicy, GoodputSettings
+from dynaspec.spec_decode.policy.goodput_settings import Deeper, FixedRates
+from dynaspec.spec_decode.policy.k_policy import RequestView, StepView
+from dynaspec.spec_decode.policy.step_pricing import (
     StepPricing,
     one_row_seconds,
     one_row_seconds_by_cap,
@@ -140,8 +140,8 @@ def test_step_sums_equal_the_per_row_sums_at_every_k():
 def test_requests_priced_alike_are_priced_once(monkeypatch, tree):
     """At c32 with nothing drafted yet (or a run that never drafts), one row per cap is priced,
     not one per request: the decision's cost must not grow with what it does not draft."""
-    import dynaspec.spec_decode.decision_prices as dp
-    import dynaspec.spec_decode.tree_pricing as tp
+    import dynaspec.spec_decode.policy.decision_prices as dp
+    import dynaspec.spec_decode.policy.tree_pricing as tp
 
     calls = {"chain": 0, "tree": 0}
 

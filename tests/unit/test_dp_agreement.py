@@ -13,10 +13,10 @@ import threading
 import pytest
 
 from dynaspec.dp.agreement import LockstepPolicy, SharedAcceptance, StepAgreement
-from dynaspec.spec_decode.cost_model import CostGrid, StepCostModel
-from dynaspec.spec_decode.goodput_policy import GoodputPolicy
-from dynaspec.spec_decode.k_policy import GlobalStepView, RequestView, StepView, TablePolicy
-from dynaspec.spec_decode.plan import build_spec_plan
+from dynaspec.spec_decode.plan.plan import build_spec_plan
+from dynaspec.spec_decode.policy.cost_model import CostGrid, StepCostModel
+from dynaspec.spec_decode.policy.goodput_policy import GoodputPolicy
+from dynaspec.spec_decode.policy.k_policy import GlobalStepView, RequestView, StepView, TablePolicy
 
 
 class ThreadGroup:
@@ -191,7 +191,7 @@ def test_a_rank_whose_table_check_disagreed_follows_rank_0(monkeypatch, rank0_ha
 
 
 def test_shared_prior_moves_as_a_single_rank_history_would():
-    from dynaspec.spec_decode.acceptance import AcceptanceHistory
+    from dynaspec.spec_decode.policy.acceptance import AcceptanceHistory
 
     shared = SharedAcceptance(2, prior=0.6, prior_weight=2.0)
     local = AcceptanceHistory(alpha=0.05, prior=0.6, prior_weight=2.0)

@@ -17,9 +17,9 @@ import pytest
 from dynaspec.dp.agreement import LockstepPolicy, StepAgreement
 from dynaspec.dp.group import Membership
 from dynaspec.dp.regroup import GroupSwitch
-from dynaspec.spec_decode.goodput_policy import GoodputPolicy
-from dynaspec.spec_decode.k_policy import RequestView, StepView
-from dynaspec.spec_decode.plan import build_spec_plan
+from dynaspec.spec_decode.plan.plan import build_spec_plan
+from dynaspec.spec_decode.policy.goodput_policy import GoodputPolicy
+from dynaspec.spec_decode.policy.k_policy import RequestView, StepView
 from tests.unit.test_dp_agreement import ThreadGroup, _cost
 
 PLAN = build_spec_plan("ngram", 3, [[1, 4, 3], [5, 12, 2], [13, 64, 1]])

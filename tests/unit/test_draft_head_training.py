@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from dynaspec import LLM
-from dynaspec.spec_decode.eagle_head import default_aux_layers
-from dynaspec.spec_decode.eagle_io import load_head
+from dynaspec.spec_decode.drafters.eagle_head import default_aux_layers
+from dynaspec.spec_decode.drafters.eagle_io import load_head
 from dynaspec.train.draft_head import TrainConfig, draft_vocab, feature_cache, select, train
 
 

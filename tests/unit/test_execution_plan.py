@@ -7,14 +7,14 @@ import json
 
 import pytest
 
-from dynaspec.spec_decode.execution_plan import (
+from dynaspec.spec_decode.plan.execution_plan import (
     AdmissionEntry,
     AdmissionTable,
     ExecutionPlan,
     batch_buckets,
     default_admission_path,
 )
-from dynaspec.spec_decode.plan import SpecPlan, build_spec_plan
+from dynaspec.spec_decode.plan.plan import SpecPlan, build_spec_plan
 
 
 def test_buckets_are_powers_of_two_capped_by_max_num_seqs():

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from dynaspec.spec_decode.cost_model import CostGrid, StepCostModel
-from dynaspec.spec_decode.cost_profile import ProfileSettings, gpu_profile_settings
-from dynaspec.spec_decode.execution_plan import AdmissionEntry, AdmissionTable, ExecutionPlan
-from dynaspec.spec_decode.plan import SpecPlan
+from dynaspec.spec_decode.plan.execution_plan import AdmissionEntry, AdmissionTable, ExecutionPlan
+from dynaspec.spec_decode.plan.plan import SpecPlan
+from dynaspec.spec_decode.policy.cost_model import CostGrid, StepCostModel
+from dynaspec.spec_decode.policy.cost_profile import ProfileSettings, gpu_profile_settings
 
 
 def test_auto_on_cuda_runs_graphs_unless_measured_otherwise():

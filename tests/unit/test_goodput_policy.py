@@ -8,11 +8,11 @@ import pickle
 
 import pytest
 
-from dynaspec.spec_decode.cost_model import CostGrid, StepCostModel
-from dynaspec.spec_decode.goodput_policy import GoodputPolicy, GoodputSettings
-from dynaspec.spec_decode.k_policy import RequestView, StepView
-from dynaspec.spec_decode.plan import build_spec_plan
-from dynaspec.spec_decode.policies import make_policy
+from dynaspec.spec_decode.plan.plan import build_spec_plan
+from dynaspec.spec_decode.policy.cost_model import CostGrid, StepCostModel
+from dynaspec.spec_decode.policy.goodput_policy import GoodputPolicy, GoodputSettings
+from dynaspec.spec_decode.policy.k_policy import RequestView, StepView
+from dynaspec.spec_decode.policy.policies import make_policy
 
 WIDTHS = tuple(range(1, 10))
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from dynaspec.spec_decode.goodput_policy import GoodputPolicy, GoodputSettings
-from dynaspec.spec_decode.plan import build_spec_plan
+from dynaspec.spec_decode.plan.plan import build_spec_plan
+from dynaspec.spec_decode.policy.goodput_policy import GoodputPolicy, GoodputSettings
 from tests.unit.test_goodput_policy import _engine_at, cost_model, feed, rv, view
 
 

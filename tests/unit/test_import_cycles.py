@@ -12,8 +12,8 @@ ROOT = Path(dynaspec.__file__).parent
 
 
 def _package_of(module: str) -> str:
-    """dynaspec.spec_decode.ngram -> spec_decode; dynaspec.config -> config (a top module is its
-    own unit)."""
+    """dynaspec.spec_decode.drafters.ngram -> spec_decode; dynaspec.config -> config (a top module
+    is its own unit)."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "dynaspec"
 

@@ -7,16 +7,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dynaspec.spec_decode.acceptance import AcceptanceHistory
-from dynaspec.spec_decode.k_policy import (
+from dynaspec.spec_decode.plan.plan import build_spec_plan
+from dynaspec.spec_decode.policy.acceptance import AcceptanceHistory
+from dynaspec.spec_decode.policy.k_policy import (
     AdaptivePolicy,
     RequestView,
     StepView,
     TablePolicy,
     context_statistic,
 )
-from dynaspec.spec_decode.plan import build_spec_plan
-from dynaspec.spec_decode.policies import make_policy
+from dynaspec.spec_decode.policy.policies import make_policy
 
 GRID = ("[[1,4,1,512,4],[1,4,513,null,6],[5,16,1,512,2],[5,16,513,null,3],[17,null,1,512,0],"
         "[17,null,513,null,1]]")

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from dynaspec.spec_decode.k_schedule import MAX_SCHEDULE_K, ScheduleError, parse_schedule
+from dynaspec.spec_decode.plan.k_schedule import MAX_SCHEDULE_K, ScheduleError, parse_schedule
 
 
 def test_constant_form():

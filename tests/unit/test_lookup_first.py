@@ -7,8 +7,8 @@ import pytest
 
 from dynaspec.request import Request
 from dynaspec.sampling_params import SamplingParams
-from dynaspec.spec_decode.base import Drafts, Proposer
-from dynaspec.spec_decode.lookup_first import LookupFirstProposer
+from dynaspec.spec_decode.drafters.base import Drafts, Proposer
+from dynaspec.spec_decode.drafters.lookup_first import LookupFirstProposer
 
 
 class _Fake(Proposer):

@@ -15,7 +15,7 @@ import torch
 from dynaspec.outputs import RunnerOutput
 from dynaspec.request import Request, RequestStatus
 from dynaspec.sampling_params import SamplingParams
-from dynaspec.spec_decode.base import Drafts, Proposer
+from dynaspec.spec_decode.drafters.base import Drafts, Proposer
 from dynaspec.step_plan import BatchDescriptor, ScheduledRequest, StepPlan
 from dynaspec.worker.model_runner import ModelRunner
 

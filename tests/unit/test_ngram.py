@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import dynaspec.spec_decode.ngram as ngram_mod
+import dynaspec.spec_decode.drafters.ngram as ngram_mod
 from dynaspec.request import Request
 from dynaspec.sampling_params import SamplingParams
-from dynaspec.spec_decode.ngram import NgramProposer, ngram_match
+from dynaspec.spec_decode.drafters.ngram import NgramProposer, ngram_match
 
 
 def reference_match(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:

@@ -18,7 +18,7 @@ from dynaspec.outputs import RequestResult, RunnerOutput
 from dynaspec.request import Request, RequestStatus
 from dynaspec.sampling_params import SamplingParams
 from dynaspec.scheduler.scheduler import Scheduler
-from dynaspec.spec_decode.plan import build_spec_plan
+from dynaspec.spec_decode.plan.plan import build_spec_plan
 
 
 class StubRunner:

@@ -6,8 +6,8 @@ import pytest
 
 from dynaspec import registry as reg
 from dynaspec.config import EngineConfig
-from dynaspec.spec_decode.base import Proposer
-from dynaspec.spec_decode.drafters import DrafterBuild, DrafterTarget, build_drafter
+from dynaspec.spec_decode.drafters.base import Proposer
+from dynaspec.spec_decode.drafters.drafters import DrafterBuild, DrafterTarget, build_drafter
 
 
 def test_check_names_the_value_and_every_choice():

@@ -13,8 +13,13 @@ from hypothesis import strategies as st
 
 from dynaspec.cli import schedule_cmd
 from dynaspec.config import SpecConfig
-from dynaspec.spec_decode.k_policy import RequestView, StepView, TablePolicy
-from dynaspec.spec_decode.plan import ScheduleError, SpecPlan, build_spec_plan, plan_from_config
+from dynaspec.spec_decode.plan.plan import (
+    ScheduleError,
+    SpecPlan,
+    build_spec_plan,
+    plan_from_config,
+)
+from dynaspec.spec_decode.policy.k_policy import RequestView, StepView, TablePolicy
 
 
 def test_no_schedule_is_constant_num_spec_tokens():

@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from dynaspec.spec_decode.step_pricing import StepPricing, one_row_seconds, price_row
+from dynaspec.spec_decode.policy.step_pricing import StepPricing, one_row_seconds, price_row
 
 
 def cost(width: int) -> float:
@@ -89,7 +89,7 @@ def test_one_row_seconds_is_the_pricing_of_that_row_alone_bit_for_bit(follow):
 
 @pytest.mark.parametrize("follow", [True, False])
 def test_seconds_by_cap_equals_one_row_seconds_bit_for_bit(follow):
-    from dynaspec.spec_decode.step_pricing import one_row_seconds_by_cap
+    from dynaspec.spec_decode.policy.step_pricing import one_row_seconds_by_cap
 
     costs = {w: 0.01 + 0.003 * w ** 1.3 for w in range(1, 12)}
     for survival in ((1.0,) * 6, (0.9, 0.7, 0.7, 0.2, 0.1, 0.0), (0.5, 0.6, 0.1, 0.3, 0.0, 0.0)):

@@ -1,15 +1,23 @@
-"""spec_decode/step_width.py: K from the step view to the padded row, one function at a time."""
+"""spec_decode/plan/step_width.py: K from the step view to the padded row, one function at a
+time."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dynaspec.spec_decode import step_width as width
-from dynaspec.spec_decode.execution_plan import ExecutionPlan
-from dynaspec.spec_decode.k_policy import TablePolicy
-from dynaspec.spec_decode.plan import build_spec_plan
-from dynaspec.spec_decode.step_width import PAD, RequestView, Reserve, RowShape, StepK, StepView
+from dynaspec.spec_decode.plan import step_width as width
+from dynaspec.spec_decode.plan.execution_plan import ExecutionPlan
+from dynaspec.spec_decode.plan.plan import build_spec_plan
+from dynaspec.spec_decode.plan.step_width import (
+    PAD,
+    RequestView,
+    Reserve,
+    RowShape,
+    StepK,
+    StepView,
+)
+from dynaspec.spec_decode.policy.k_policy import TablePolicy
 
 
 def _view(rid: str, ctx: int = 10, remaining: int = 50, room: int = 200,

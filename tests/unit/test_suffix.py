@@ -12,13 +12,13 @@ import pytest
 
 from dynaspec.request import Request
 from dynaspec.sampling_params import SamplingParams
-from dynaspec.spec_decode.suffix import (
+from dynaspec.spec_decode.drafters.suffix import (
     GlobalSuffixCache,
     SuffixParams,
     SuffixProposer,
     memory_bound_bytes,
 )
-from dynaspec.spec_decode.suffix_index import SuffixIndex
+from dynaspec.spec_decode.drafters.suffix_index import SuffixIndex
 
 
 def _brute_match(seq: list[int], pattern: list[int], before: int) -> tuple[list[int], int]:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 from dynaspec.draft_tree import DraftTree
-from dynaspec.spec_decode.ngram import ngram_match, ngram_tree
-from dynaspec.spec_decode.suffix_index import SuffixIndex
+from dynaspec.spec_decode.drafters.ngram import ngram_match, ngram_tree
+from dynaspec.spec_decode.drafters.suffix_index import SuffixIndex
 
 
 def test_ngram_tree_branches_where_matches_disagree():
@@ -58,7 +58,7 @@ def test_a_tree_drafter_gives_the_shape_asked_for_each_request():
     n-gram proposer asked for a chain gives exactly the chain drafter's draft."""
     from dynaspec.request import Request
     from dynaspec.sampling_params import SamplingParams
-    from dynaspec.spec_decode.ngram import NgramProposer
+    from dynaspec.spec_decode.drafters.ngram import NgramProposer
 
     toks = [1, 2, 3, 4, 9, 1, 2, 3, 4, 9, 1, 2, 7, 8, 9, 1, 2]
     reqs = [Request(f"r{i}", list(toks), SamplingParams(max_tokens=8)) for i in range(2)]

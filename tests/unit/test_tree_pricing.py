@@ -1,4 +1,4 @@
-"""spec_decode/tree_pricing.py and the goodput policy's chain / tree / none choice: a tree's
+"""spec_decode/policy/tree_pricing.py and the goodput policy's chain / tree / none choice: a tree's
 walk teaches per-depth, per-branch rates; a tree is priced by its nodes' values at width
 1 + nodes; the policy drafts a tree where its branches pay, a chain where they do not."""
 
@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 
 from dynaspec.draft_tree import DraftTree, tree_walk
-from dynaspec.spec_decode.acceptance import FULL_LENGTHS
-from dynaspec.spec_decode.cost_model import CostGrid, StepCostModel
-from dynaspec.spec_decode.goodput_policy import GoodputPolicy, GoodputSettings
-from dynaspec.spec_decode.k_policy import RequestView, StepView
-from dynaspec.spec_decode.plan import build_spec_plan
-from dynaspec.spec_decode.step_pricing import price_row
-from dynaspec.spec_decode.tree_pricing import (
+from dynaspec.spec_decode.plan.plan import build_spec_plan
+from dynaspec.spec_decode.policy.acceptance import FULL_LENGTHS
+from dynaspec.spec_decode.policy.cost_model import CostGrid, StepCostModel
+from dynaspec.spec_decode.policy.goodput_policy import GoodputPolicy, GoodputSettings
+from dynaspec.spec_decode.policy.k_policy import RequestView, StepView
+from dynaspec.spec_decode.policy.step_pricing import price_row
+from dynaspec.spec_decode.policy.tree_pricing import (
     BranchRates,
     TreePricer,
     node_values,

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from dynaspec.bench import tune
-from dynaspec.spec_decode.plan import build_spec_plan
+from dynaspec.spec_decode.plan.plan import build_spec_plan
 
 
 def memory_bound_cost(weights_s: float = 0.010, per_token_s: float = 0.001, draft_s: float = 0.0):
@@ -134,8 +134,8 @@ def test_reprofile_refreshes_the_cached_cells(tiny_llama_dir, tmp_path, monkeypa
 
     from dynaspec.cli.main import build_parser
     from dynaspec.cli.tune_cmd import run_tune_cmd
-    from dynaspec.spec_decode import cost_cache
-    from dynaspec.spec_decode.cost_model import CACHE_ENV
+    from dynaspec.spec_decode.policy import cost_cache
+    from dynaspec.spec_decode.policy.cost_model import CACHE_ENV
 
     monkeypatch.setenv(CACHE_ENV, str(tmp_path))
     argv = ["tune", "--model", tiny_llama_dir, "--dtype", "float32", "--speculator", "ngram",

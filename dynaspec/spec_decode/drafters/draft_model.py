@@ -22,7 +22,7 @@ from dynaspec.request import Request
 from dynaspec.sample.greedy import argmax_rows
 from dynaspec.sample.metadata import SamplingMetadata
 from dynaspec.sample.sampler import processed_probs
-from dynaspec.spec_decode.base import FRESH_TOKENS, Drafts, Proposer
+from dynaspec.spec_decode.drafters.base import FRESH_TOKENS, Drafts, Proposer
 
 
 @dataclass

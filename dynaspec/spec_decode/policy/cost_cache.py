@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dynaspec.spec_decode.cost_model import CostGrid, StepCostModel, cache_dir, cpu_model
+from dynaspec.spec_decode.policy.cost_model import CostGrid, StepCostModel, cache_dir, cpu_model
 
 FORMAT_VERSION = 2
 Shape = tuple[int, int, int]  # (batch, ctx, width)

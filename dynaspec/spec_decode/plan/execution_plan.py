@@ -23,7 +23,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from dynaspec.spec_decode.plan import SpecPlan
+from dynaspec.spec_decode.plan.plan import SpecPlan
 from dynaspec.step_plan import BatchDescriptor
 
 MODES = ("eager", "compiled", "auto")

@@ -20,11 +20,11 @@ import statistics
 from collections import deque
 from typing import TYPE_CHECKING
 
-from dynaspec.spec_decode.acceptance import AcceptanceHistory, expected_accepted
-from dynaspec.spec_decode.step_width import RequestView
+from dynaspec.spec_decode.plan.step_width import RequestView
+from dynaspec.spec_decode.policy.acceptance import AcceptanceHistory, expected_accepted
 
 if TYPE_CHECKING:
-    from dynaspec.spec_decode.goodput_settings import GoodputSettings
+    from dynaspec.spec_decode.policy.goodput_settings import GoodputSettings
 
 
 class FallbackPricer:

@@ -24,9 +24,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dynaspec.spec_decode import cost_cache
-from dynaspec.spec_decode.cost_cache import Cell, Shape
-from dynaspec.spec_decode.cost_model import CostGrid, StepCostModel
+from dynaspec.spec_decode.policy import cost_cache
+from dynaspec.spec_decode.policy.cost_cache import Cell, Shape
+from dynaspec.spec_decode.policy.cost_model import CostGrid, StepCostModel
 
 log = logging.getLogger("dynaspec")
 

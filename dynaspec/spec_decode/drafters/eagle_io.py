@@ -21,7 +21,7 @@ import os
 import torch
 
 from dynaspec.model_arch import ModelArchConfig
-from dynaspec.spec_decode.eagle_head import EagleHead, HeadConfig, default_aux_layers
+from dynaspec.spec_decode.drafters.eagle_head import EagleHead, HeadConfig, default_aux_layers
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from dynaspec.spec_decode.k_schedule import ParsedSchedule, ScheduleError, parse_schedule
+from dynaspec.spec_decode.plan.k_schedule import ParsedSchedule, ScheduleError, parse_schedule
 
 __all__ = ["ScheduleError", "SpecPlan", "build_spec_plan", "plan_for_policy", "plan_from_config"]
 

@@ -10,7 +10,7 @@ Follow K through one step:
    reserved (`clamp`), and each request's draft cap is the lower of its reservation and the
    decision (`cap`).
 4. **describe**: the step's `BatchDescriptor` from the execution plan's grid
-   (`spec_decode/execution_plan.py`): a decode-only step has width 1+K and may take a
+   (`spec_decode/plan/execution_plan.py`): a decode-only step has width 1+K and may take a
    fixed-shape path only if every request reserved K slots (`describe`).
 5. **recap** (async scheduling only): a plan formed while the previous step was in flight is
    capped for one token of that step; once its tokens land, caps drop to the exact ones
@@ -33,8 +33,8 @@ import torch
 from dynaspec.step_plan import BatchDescriptor
 
 if TYPE_CHECKING:
-    from dynaspec.spec_decode.acceptance import AcceptanceHistory
-    from dynaspec.spec_decode.execution_plan import ExecutionPlan
+    from dynaspec.spec_decode.plan.execution_plan import ExecutionPlan
+    from dynaspec.spec_decode.policy.acceptance import AcceptanceHistory
 
 PAD = -1  # never a real token id: rejected by the verifier, counted as invalid "padding"
 

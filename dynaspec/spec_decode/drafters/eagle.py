@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from dynaspec.request import Request
-from dynaspec.spec_decode.base import FRESH_TOKENS, Drafts, Proposer
-from dynaspec.spec_decode.eagle_head import EagleHead, HeadLayer
+from dynaspec.spec_decode.drafters.base import FRESH_TOKENS, Drafts, Proposer
+from dynaspec.spec_decode.drafters.eagle_head import EagleHead, HeadLayer
 
 if TYPE_CHECKING:
     from dynaspec.models.llama import LlamaModel

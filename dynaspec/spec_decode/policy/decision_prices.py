@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from dynaspec.spec_decode.acceptance import DraftLengths
-from dynaspec.spec_decode.step_pricing import PricedRow, price_rates
+from dynaspec.spec_decode.policy.acceptance import DraftLengths
+from dynaspec.spec_decode.policy.step_pricing import PricedRow, price_rates
 
 
 class DecisionPrices:

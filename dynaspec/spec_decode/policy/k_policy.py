@@ -30,11 +30,10 @@ from __future__ import annotations
 from typing import Protocol
 
 from dynaspec.draft_tree import TreeWalk
-from dynaspec.spec_decode.acceptance import AcceptanceHistory
-from dynaspec.spec_decode.plan import SpecPlan
+from dynaspec.spec_decode.plan.plan import SpecPlan
 
 # The step view and the per-request caps live with the rest of the width logic.
-from dynaspec.spec_decode.step_width import (  # noqa: F401
+from dynaspec.spec_decode.plan.step_width import (  # noqa: F401
     GlobalStepView,
     RequestView,
     StepK,
@@ -43,6 +42,7 @@ from dynaspec.spec_decode.step_width import (  # noqa: F401
     drafter_gate,
     hard_cap,
 )
+from dynaspec.spec_decode.policy.acceptance import AcceptanceHistory
 
 
 class KPolicy(Protocol):

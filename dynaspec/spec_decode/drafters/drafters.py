@@ -15,7 +15,7 @@ import torch
 
 from dynaspec.config import EngineConfig
 from dynaspec.model_arch import ModelArchConfig
-from dynaspec.spec_decode.base import Proposer
+from dynaspec.spec_decode.drafters.base import Proposer
 
 log = logging.getLogger("dynaspec.engine")
 
@@ -47,7 +47,7 @@ def build_drafter(config: EngineConfig, target: DrafterTarget) -> DrafterBuild:
 
 
 def build_ngram(config: EngineConfig, target: DrafterTarget) -> DrafterBuild:
-    from dynaspec.spec_decode.ngram import NgramProposer
+    from dynaspec.spec_decode.drafters.ngram import NgramProposer
 
     sc = config.spec
     return DrafterBuild(NgramProposer(sc.prompt_lookup_min, sc.prompt_lookup_max,
@@ -55,7 +55,11 @@ def build_ngram(config: EngineConfig, target: DrafterTarget) -> DrafterBuild:
 
 
 def build_suffix(config: EngineConfig, target: DrafterTarget) -> DrafterBuild:
-    from dynaspec.spec_decode.suffix import SuffixParams, SuffixProposer, memory_bound_bytes
+    from dynaspec.spec_decode.drafters.suffix import (
+        SuffixParams,
+        SuffixProposer,
+        memory_bound_bytes,
+    )
 
     sc = config.spec
     prop = SuffixProposer(SuffixParams(sc.suffix_max_depth, sc.suffix_spec_factor,
@@ -69,7 +73,7 @@ def build_suffix(config: EngineConfig, target: DrafterTarget) -> DrafterBuild:
 
 
 def build_draft_model(config: EngineConfig, target: DrafterTarget) -> DrafterBuild:
-    from dynaspec.spec_decode.draft_model import DraftModelProposer
+    from dynaspec.spec_decode.drafters.draft_model import DraftModelProposer
 
     assert config.spec.draft_model is not None  # EngineConfig requires it for "draft"
     prop = DraftModelProposer.load(config.spec.draft_model, config, target.arch.vocab_size,
@@ -80,9 +84,9 @@ def build_draft_model(config: EngineConfig, target: DrafterTarget) -> DrafterBui
 def build_eagle(config: EngineConfig, target: DrafterTarget) -> DrafterBuild:
     """The EAGLE head (--draft-head, or the one shipped for the default model), checked against
     the target's architecture as it loads."""
-    from dynaspec.spec_decode.eagle import DEFAULT_HEAD, EagleProposer
-    from dynaspec.spec_decode.eagle_head import compiled_step, drafting_form
-    from dynaspec.spec_decode.eagle_io import load_head
+    from dynaspec.spec_decode.drafters.eagle import DEFAULT_HEAD, EagleProposer
+    from dynaspec.spec_decode.drafters.eagle_head import compiled_step, drafting_form
+    from dynaspec.spec_decode.drafters.eagle_io import load_head
 
     path, arch = config.spec.draft_head, target.arch
     if path is None:
@@ -102,7 +106,7 @@ def build_eagle(config: EngineConfig, target: DrafterTarget) -> DrafterBuild:
     prop = EagleProposer(head, c.max_positions, emb, step)
     if config.spec.eagle_lookup == "none":
         return DrafterBuild(prop)
-    from dynaspec.spec_decode.lookup_first import LookupFirstProposer
+    from dynaspec.spec_decode.drafters.lookup_first import LookupFirstProposer
 
     lookup = {"ngram": build_ngram, "suffix": build_suffix}[config.spec.eagle_lookup]
     log.info("EAGLE drafter: %s lookup first, the head where it finds nothing",

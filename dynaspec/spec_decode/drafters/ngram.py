@@ -26,7 +26,7 @@ import numpy as np
 
 from dynaspec.draft_tree import DraftTree
 from dynaspec.request import Request
-from dynaspec.spec_decode.base import Drafts, Proposer, deterministic_drafts, tree_shapes
+from dynaspec.spec_decode.drafters.base import Drafts, Proposer, deterministic_drafts, tree_shapes
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 _MIN_CAPACITY = 256

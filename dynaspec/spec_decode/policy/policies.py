@@ -4,9 +4,9 @@ flags, then the table, adaptive or goodput policy constructed (names in `registr
 from __future__ import annotations
 
 from dynaspec.registry import K_POLICIES
-from dynaspec.spec_decode.goodput_policy import GoodputPolicy, GoodputSettings
-from dynaspec.spec_decode.k_policy import AdaptivePolicy, KPolicy, TablePolicy
-from dynaspec.spec_decode.plan import SpecPlan
+from dynaspec.spec_decode.plan.plan import SpecPlan
+from dynaspec.spec_decode.policy.goodput_policy import GoodputPolicy, GoodputSettings
+from dynaspec.spec_decode.policy.k_policy import AdaptivePolicy, KPolicy, TablePolicy
 
 
 def resolve_policy_name(name: str, speculating: bool, has_schedule: bool = False) -> str | None:

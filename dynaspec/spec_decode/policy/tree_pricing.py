@@ -24,7 +24,7 @@ import heapq
 from collections.abc import Callable, Sequence
 
 from dynaspec.draft_tree import TreeWalk
-from dynaspec.spec_decode.step_pricing import PricedRow
+from dynaspec.spec_decode.policy.step_pricing import PricedRow
 
 MAX_RANK = 4  # children priced per node; deeper ranks are worth 0 to the policy
 

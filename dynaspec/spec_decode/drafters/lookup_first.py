@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from dynaspec.request import Request
-from dynaspec.spec_decode.base import Drafts, Proposer
+from dynaspec.spec_decode.drafters.base import Drafts, Proposer
 
 
 class LookupFirstProposer(Proposer):

@@ -36,14 +36,14 @@ import numpy as np
 
 from dynaspec.draft_tree import DraftTree
 from dynaspec.request import Request
-from dynaspec.spec_decode.base import (
+from dynaspec.spec_decode.drafters.base import (
     DrafterCacheStats,
     Drafts,
     Proposer,
     deterministic_drafts,
     tree_shapes,
 )
-from dynaspec.spec_decode.suffix_index import SuffixIndex
+from dynaspec.spec_decode.drafters.suffix_index import SuffixIndex
 
 _MIN_COMPACT = 4096  # dead tokens tolerated before a compaction, at least
 # Upper bound on bytes one token slot can cost in a SuffixIndex: int32 array at 2x capacity (8),

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dynaspec.spec_decode.acceptance import AcceptanceHistory, expected_accepted
+from dynaspec.spec_decode.policy.acceptance import AcceptanceHistory, expected_accepted
 
 
 @dataclass(frozen=True)

@@ -64,17 +64,19 @@ from collections import deque
 from dataclasses import replace
 
 from dynaspec.draft_tree import TreeWalk
-from dynaspec.spec_decode.acceptance import FULL_LENGTHS, AcceptanceHistory, DraftLengths
-from dynaspec.spec_decode.cost_model import StepCostModel
-from dynaspec.spec_decode.decision_prices import DecisionPrices
-from dynaspec.spec_decode.fallback_pricing import FallbackPricer
-from dynaspec.spec_decode.goodput_settings import (  # noqa: F401 - GoodputSettings re-exported
+from dynaspec.spec_decode.plan.plan import SpecPlan
+from dynaspec.spec_decode.plan.step_width import runnable_k
+from dynaspec.spec_decode.policy.acceptance import FULL_LENGTHS, AcceptanceHistory, DraftLengths
+from dynaspec.spec_decode.policy.cost_model import StepCostModel
+from dynaspec.spec_decode.policy.decision_prices import DecisionPrices
+from dynaspec.spec_decode.policy.fallback_pricing import FallbackPricer
+from dynaspec.spec_decode.policy.goodput_settings import (  # noqa: F401 - GoodputSettings re-exported
     Deeper,
     FixedRates,
     GoodputSettings,
     ema,
 )
-from dynaspec.spec_decode.k_policy import (
+from dynaspec.spec_decode.policy.k_policy import (
     RequestView,
     StepK,
     StepView,
@@ -82,16 +84,14 @@ from dynaspec.spec_decode.k_policy import (
     drafter_gate,
     hard_cap,
 )
-from dynaspec.spec_decode.plan import SpecPlan
-from dynaspec.spec_decode.step_pricing import (
+from dynaspec.spec_decode.policy.step_pricing import (
     PricedRow,
     StepPricing,
     goodput,
     one_row_seconds,
     price_row,
 )
-from dynaspec.spec_decode.step_width import runnable_k
-from dynaspec.spec_decode.tree_pricing import BranchRates, TreePricer
+from dynaspec.spec_decode.policy.tree_pricing import BranchRates, TreePricer
 
 log = logging.getLogger("dynaspec")
 _MARGIN = 1 + 1e-9  # a K, a shape or drafting at all must beat the alternative by this factor

@@ -1,0 +1,1 @@
+"""Drafters: the proposers (n-gram, suffix, draft model, EAGLE head) and what they share."""
