@@ -100,7 +100,7 @@ class SharedAcceptance(AcceptanceHistory):
                 break  # position i unobserved implies every later position is too
             rate = h / n
             if i == len(self.rates):  # the first observation seeds the EMA, or moves the prior
-                self.rates.append(rate if self.prior is None else self.prior)
+                self.rates.append(rate if self.prior is None else self._prior_at(i))
                 self.counts.append(0)
                 if self.prior is None:
                     self.counts[i] = int(n)

@@ -80,3 +80,19 @@ def test_probe_settings_are_checked():
         GoodputSettings(probe_headroom=1.5)
     with pytest.raises(ValueError, match="probe_evidence"):
         GoodputSettings(probe_evidence=-1)
+
+
+def test_a_new_request_starts_from_what_the_engine_has_seen_once_it_has_seen_enough():
+    """From the fixed prior (0.6), a request whose first whole-cap draft was all accepted was
+    priced at 0.73 a position and cut, while the engine accepted 0.87-0.99 a position."""
+    per_width = lambda w: 0.01 * (1 + 0.3 * (w - 1))  # noqa: E731
+    settings = GoodputSettings(whole_cap=True)
+    p = GoodputPolicy(build_spec_plan("suffix", 8, None), cost_model(per_width), settings)
+    early = p.new_history()
+    assert early.prior == settings.prior_rate  # too little evidence: the fixed prior
+    for i in range(settings.probe_evidence):
+        p.observe(f"old{i}", 8, 8 if i % 8 else 6, 100, cap=8)
+    h = p.new_history()
+    assert h.prior == tuple(p.engine_history.rates) and min(h.prior) > 0.8
+    p.observe("new", 8, 8, 100, cap=8)  # one perfect draft at the engine's rates: keep drafting
+    assert p.decide(view(rv("new", 109))).per_request["new"] == 8

@@ -3,7 +3,7 @@ verified step (docs/design.md §3)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 
 class AcceptanceHistory:
@@ -16,19 +16,29 @@ class AcceptanceHistory:
 
     __slots__ = ("alpha", "prior", "prior_weight", "rates", "counts", "num_updates")
 
-    def __init__(self, alpha: float = 0.3, prior: float | None = None,
+    def __init__(self, alpha: float = 0.3, prior: float | Sequence[float] | None = None,
                  prior_weight: float | None = None) -> None:
-        """prior: where a position's EMA starts (None: the first observation seeds it). With a
-        prior, one rejected draft moves the estimate by alpha instead of setting it to 0.
+        """prior: where a position's EMA starts (None: the first observation seeds it), one rate
+        for every position or one per position (the last repeats). With a prior, one rejected
+        draft moves the estimate by alpha instead of setting it to 0.
         prior_weight: the prior counts as that many observations, so a slow EMA (small alpha)
         still leaves it at the pace of a running mean (step max(alpha, 1 / (n + weight)))
         instead of crawling from it for ~1/alpha observations."""
         if not 0.0 < alpha <= 1.0:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        if isinstance(prior, Sequence):
+            if not prior:
+                raise ValueError("a per-position prior needs at least one rate")
+            prior = tuple(prior)
         self.alpha, self.prior, self.prior_weight = alpha, prior, prior_weight
         self.rates: list[float] = []
         self.counts: list[int] = []
         self.num_updates = 0
+
+    def _prior_at(self, i: int) -> float:
+        p = self.prior
+        assert p is not None
+        return p[min(i, len(p) - 1)] if isinstance(p, tuple) else p
 
     def _step(self, i: int) -> float:
         if self.prior_weight is None:
@@ -46,7 +56,7 @@ class AcceptanceHistory:
             hit = 1.0 if i < num_accepted else 0.0
             if i == len(self.rates):
                 self.counts.append(0)
-                self.rates.append(hit if self.prior is None else self.prior)
+                self.rates.append(hit if self.prior is None else self._prior_at(i))
                 if self.prior is None:  # the first observation seeds the EMA
                     self.counts[i] = 1
                     continue
