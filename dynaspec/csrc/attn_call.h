@@ -1,9 +1,16 @@
-// One paged attention call's inputs as its work items read them (paged_decode.cpp), and one work
-// item's geometry: a request, a tile of its query tokens and a KV head.
+// One paged attention call's inputs as its work items read them (paged_decode.cpp), one work
+// item's geometry (a request, a tile of its query tokens and a KV head), and what each path
+// computes for a call's inputs.
 #pragma once
+
+#include <torch/extension.h>
+
+#include "attn_reference.h"
+#include "cpu_paths.h"
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 namespace {
 
@@ -59,5 +66,28 @@ struct AttnItem {
     return std::max<int64_t>(0, std::min(n, first + r / G + 1 - k0));
   }
 };
+
+// Whether the AVX2 rows (attn_avx2_item.h) take these inputs; otherwise the avx2 path runs the
+// fp32 rows (a double cache, or D not a multiple of 8).
+template <typename T>
+constexpr bool kAvx2Type =
+    std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>;
+
+template <typename T>
+constexpr bool avx2_rows(int64_t D) {
+  return kAvx2Type<T> && D % 8 == 0;
+}
+
+// What path p computes for these inputs, as the reference would reproduce it (the AVX-512 paths
+// as they run: in an AVX-512 build).
+template <typename T>
+RowNumerics numerics(AttnPath p, int64_t D, int64_t block_size, bool any_tree) {
+  RowNumerics n;
+  n.bf16_scores = p == AttnPath::Avx512Bf16 && std::is_same_v<T, c10::BFloat16> && D % 32 == 0;
+  n.bf16_probs = n.bf16_scores && (D == 64 || D == 128) && block_size % 2 == 0 && !any_tree;
+  n.fused_pv = (p == AttnPath::Avx2 && avx2_rows<T>(D)) ||
+               (p >= AttnPath::Avx512 && (D == 64 || D == 128 || D == 256));
+  return n;
+}
 
 }  // namespace

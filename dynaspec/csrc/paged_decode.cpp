@@ -15,12 +15,14 @@
 //
 // Paths (AttnPath, cpu_paths.h; chosen once by dynaspec/cpu_features.py, or forced per call):
 // scalar, the plain-loop reference (attn_reference.h); fp32, the work items as loops the compiler
-// vectorises for the build's ISA, the reference's bits; avx512 (an AVX-512 build), the same with
-// the value sums in registers by fma, the reference's bits with fused value sums; avx512_bf16,
-// bf16 dot-product scores (the reference's bits with its vdpbf16ps emulation) and, for bf16 KV
-// at D = 64 / 128, bf16 probabilities (attn_pairs.h, within a stated bound of the reference).
-// Softmax, key transposes and conversions give the same bits on every path (exact, or the same
-// operations in the same order), so they follow the build rather than the path.
+// vectorises for the build's ISA, the reference's bits; avx2 (any build, an AVX2 + FMA CPU), the
+// same rows in 8-lane intrinsics (attn_avx2_item.h), the reference's bits with fused value sums;
+// avx512 (an AVX-512 build), the fp32 rows with the value sums in registers by fma, the
+// reference's bits with fused value sums; avx512_bf16, bf16 dot-product scores (the reference's
+// bits with its vdpbf16ps emulation) and, for bf16 KV at D = 64 / 128, bf16 probabilities
+// (attn_pairs.h, within a stated bound of the reference). Softmax, key transposes and conversions
+// give the same bits on every path (exact, or the same operations in the same order), so they
+// follow the build rather than the path.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -61,29 +63,6 @@ constexpr int64_t MANY_ROWS = 16;
 // Blocks of values a many-row item converts to fp32 at a time (8 of 16 slots at D = 64:
 // 32 KB, in L1).
 constexpr int64_t V_CHUNK = 8;
-
-// Whether the AVX2 rows (attn_avx2_item.h) take these inputs; otherwise the avx2 path runs the
-// fp32 rows (a double cache, or D not a multiple of 8).
-template <typename T>
-constexpr bool kAvx2Type =
-    std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>;
-
-template <typename T>
-constexpr bool avx2_rows(int64_t D) {
-  return kAvx2Type<T> && D % 8 == 0;
-}
-
-// What path p computes for these inputs, as the reference would reproduce it (the AVX-512 paths
-// as they run: in an AVX-512 build).
-template <typename T>
-RowNumerics numerics(AttnPath p, int64_t D, int64_t block_size, bool any_tree) {
-  RowNumerics n;
-  n.bf16_scores = p == AttnPath::Avx512Bf16 && std::is_same_v<T, c10::BFloat16> && D % 32 == 0;
-  n.bf16_probs = n.bf16_scores && (D == 64 || D == 128) && block_size % 2 == 0 && !any_tree;
-  n.fused_pv = (p == AttnPath::Avx2 && avx2_rows<T>(D)) ||
-               (p >= AttnPath::Avx512 && (D == 64 || D == 128 || D == 256));
-  return n;
-}
 
 template <typename T>
 void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& tables,
