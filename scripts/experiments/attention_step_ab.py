@@ -5,7 +5,11 @@ the fp32 rows the kernel's selected path). Each sample is `dynaspec bench decode
 (the median of 5 synthetic verify steps: metadata, forward, argmax of every row); the result is
 the median over rounds. The machine is shared: the load average is printed with the numbers.
 
-    python scripts/experiments/attention_step_ab.py [rounds]
+    python scripts/experiments/attention_step_ab.py [rounds] [threads]
+
+threads: torch's (the default: the engine's own). On a loaded 2-core machine a 2-thread step
+waits for a descheduled thread in most of its ~200 parallel regions (1.2 s steps at load 3-4);
+one thread measures the work itself.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from __future__ import annotations
 import os
 import statistics
 import sys
+
+import torch
 
 from dynaspec import cpu_kernels
 from dynaspec.bench.decode import run_widths
@@ -22,10 +28,12 @@ from dynaspec.engine.llm_engine import LLMEngine
 CONTEXT, WIDTHS = 1024, [1, 5, 9]
 
 
-def main(rounds: int) -> None:
+def main(rounds: int, threads: int | None) -> None:
     engine = LLMEngine(EngineConfig.from_kwargs(attention_backend="cpu_paged", max_model_len=2048))
-    print(f"load {os.getloadavg()[0]:.2f}; selected attention path "
-          f"{cpu_kernels.selection().chosen['attention']}")
+    if threads:
+        torch.set_num_threads(threads)
+    print(f"load {os.getloadavg()[0]:.2f}; threads {torch.get_num_threads()}; selected attention "
+          f"path {cpu_kernels.selection().chosen['attention']}")
     samples: dict[tuple[str, int], list[float]] = {}
     for _ in range(rounds):
         for arm in ("fp32", "avx2"):
@@ -44,4 +52,5 @@ def main(rounds: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 3)
+    args = [int(a) for a in sys.argv[1:3]]
+    main(args[0] if args else 3, args[1] if len(args) > 1 else None)
