@@ -81,6 +81,7 @@ KERNELS: dict[str, tuple[KernelPath, ...]] = {
         "attention",
         ("avx512_bf16", (*_BF16, "fma")),
         ("avx512", _AVX512, True),
+        ("avx2", ("avx2", "fma", "f16c"), False, "fp32 rows in AVX2 + FMA intrinsics"),
         ("fp32", ()),
         ("scalar", ()),
     ),

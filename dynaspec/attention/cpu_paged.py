@@ -25,7 +25,7 @@ from dynaspec import cpu_features, cpu_kernels
 from dynaspec.attention.backend import AttentionBatch
 
 # The kernel's AttnPath values (csrc/cpu_paths.h kAttnPaths): a path's index is its number there.
-PATHS = ("scalar", "fp32", "avx512", "avx512_bf16")
+PATHS = ("scalar", "fp32", "avx2", "avx512", "avx512_bf16")
 
 
 def available() -> tuple[bool, str]:

@@ -19,7 +19,8 @@ struct CpuPaths {
   // bf16_convert.avx512: fp32 -> bf16 rounding in integer ops on 16 lanes
   bool bf16_avx512 = false;
   bool bf16_cvt = false;  // bf16_convert.avx512_bf16: the same bits through vcvtneps2bf16
-  bool attn_ok[4] = {true, true, false, false};  // the attention paths (kAttnPaths) that may run
+  bool attn_ok[5] = {true, true, false, false,
+                     false};  // the attention paths (kAttnPaths) that may run
   // attention's selected path: the last allowed of kAttnPaths (their preference order)
   int64_t attn = 1;
 };
@@ -33,9 +34,11 @@ inline constexpr const char* kGemmPaths[] = {"scalar", "avx2", "avx_vnni", "avx5
 
 // paged_decode.cpp's paths, least preferred first (cpu_features.KERNELS["attention"] reversed):
 // the plain-loop reference, the fp32 rows as loops the compiler vectorises for the build, the
-// fp32 rows with AVX-512 intrinsics (an AVX-512 build only), bf16 dot products.
-enum class AttnPath : int64_t { Scalar = 0, Fp32 = 1, Avx512 = 2, Avx512Bf16 = 3 };
-inline constexpr const char* kAttnPaths[] = {"scalar", "fp32", "avx512", "avx512_bf16"};
+// fp32 rows with AVX2 + FMA intrinsics (target-attributed: any build), the fp32 rows with
+// AVX-512 intrinsics (an AVX-512 build only), bf16 dot products.
+enum class AttnPath : int64_t { Scalar = 0, Fp32 = 1, Avx2 = 2, Avx512 = 3, Avx512Bf16 = 4 };
+inline constexpr const char* kAttnPaths[] = {"scalar", "fp32", "avx2", "avx512", "avx512_bf16"};
+inline constexpr int kNumAttnPaths = 5;
 
 #if defined(__AVX512F__)
 inline constexpr bool kAvx512Build = true;
@@ -57,7 +60,7 @@ inline void set_cpu_paths(const std::vector<std::string>& allowed, const std::st
     }
     if (name == "bf16_convert.avx512") p.bf16_avx512 = known = true;
     if (name == "bf16_convert.avx512_bf16") p.bf16_cvt = known = true;
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < kNumAttnPaths; ++i) {
       if (name == std::string("attention.") + kAttnPaths[i]) p.attn_ok[i] = known = true;
     }
     // The attention's AVX-512 rows are switched at run time, but exist only in an AVX-512 build.
@@ -85,7 +88,7 @@ inline void set_cpu_paths(const std::vector<std::string>& allowed, const std::st
   TORCH_CHECK(!p.gemm_ok[3] || p.bf16_avx512,
               "set_cpu_paths: int8_gemm.avx512_vnni needs bf16_convert.avx512");
   TORCH_CHECK(p.attn_ok[0], "set_cpu_paths: attention.scalar (the reference) must be allowed");
-  for (int i = 0; i < 4; ++i)
+  for (int i = 0; i < kNumAttnPaths; ++i)
     if (p.attn_ok[i]) p.attn = i;
   g_cpu_paths = p;
 }
@@ -97,7 +100,7 @@ inline std::vector<std::string> allowed_cpu_paths() {  // what set_cpu_paths was
     if (p.gemm_ok[i]) out.push_back(std::string("int8_gemm.") + kGemmPaths[i]);
   if (p.bf16_avx512) out.push_back("bf16_convert.avx512");
   if (p.bf16_cvt) out.push_back("bf16_convert.avx512_bf16");
-  for (int i = 0; i < 4; ++i)
+  for (int i = 0; i < kNumAttnPaths; ++i)
     if (p.attn_ok[i]) out.push_back(std::string("attention.") + kAttnPaths[i]);
   return out;
 }

@@ -15,15 +15,19 @@
 //
 // Paths (AttnPath, cpu_paths.h; chosen once by dynaspec/cpu_features.py, or forced per call):
 // scalar, the plain-loop reference (attn_reference.h); fp32, the work items as loops the compiler
-// vectorises for the build's ISA, the reference's bits; avx512 (an AVX-512 build), the same with
-// the value sums in registers by fma, the reference's bits with fused value sums; avx512_bf16,
-// bf16 dot-product scores (the reference's bits with its vdpbf16ps emulation) and, for bf16 KV
-// at D = 64 / 128, bf16 probabilities (attn_pairs.h, within a stated bound of the reference).
-// Softmax, key transposes and conversions give the same bits on every path (exact, or the same
-// operations in the same order), so they follow the build rather than the path.
+// vectorises for the build's ISA, the reference's bits; avx2 (any build, an AVX2 + FMA CPU), the
+// same rows in 8-lane intrinsics (attn_avx2_item.h), the reference's bits with fused value sums;
+// avx512 (an AVX-512 build), the fp32 rows with the value sums in registers by fma, the
+// reference's bits with fused value sums; avx512_bf16, bf16 dot-product scores (the reference's
+// bits with its vdpbf16ps emulation) and, for bf16 KV at D = 64 / 128, bf16 probabilities
+// (attn_pairs.h, within a stated bound of the reference). Softmax, key transposes and conversions
+// give the same bits on every path (exact, or the same operations in the same order), so they
+// follow the build rather than the path.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "attn_avx2_item.h"
+#include "attn_call.h"
 #include "attn_fp32.h"
 #include "attn_pairs.h"
 #include "attn_prefetch.h"
@@ -59,17 +63,6 @@ constexpr int64_t MANY_ROWS = 16;
 // Blocks of values a many-row item converts to fp32 at a time (8 of 16 slots at D = 64:
 // 32 KB, in L1).
 constexpr int64_t V_CHUNK = 8;
-
-// What path p computes for these inputs, as the reference would reproduce it (the AVX-512 paths
-// as they run: in an AVX-512 build).
-template <typename T>
-RowNumerics numerics(AttnPath p, int64_t D, int64_t block_size, bool any_tree) {
-  RowNumerics n;
-  n.bf16_scores = p == AttnPath::Avx512Bf16 && std::is_same_v<T, c10::BFloat16> && D % 32 == 0;
-  n.bf16_probs = n.bf16_scores && (D == 64 || D == 128) && block_size % 2 == 0 && !any_tree;
-  n.fused_pv = p >= AttnPath::Avx512 && (D == 64 || D == 128 || D == 256);
-  return n;
-}
 
 template <typename T>
 void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& tables,
@@ -338,6 +331,15 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
         }
     }
   };
+  if constexpr (kAvx2Type<T>) {
+    if (path == AttnPath::Avx2 && avx2_rows<T>(D)) {
+      const AttnCall<T> call{qp, qstride, kp, vp, op,         tb, cl,     qs, ql,  NB,
+                             H,  Hkv,     G,  D,  block_size, sc, window, tm, tmw, tree.data()};
+      schedule_items(tiles, Hkv, short_queries, split, cl, ql,
+                     [&](auto&& next, auto&& ahead) { run_items_avx2(call, tiles, next, ahead); });
+      return;
+    }
+  }
   schedule_items(tiles, Hkv, short_queries, split, cl, ql, run_items);
 }
 
@@ -358,11 +360,12 @@ void paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor tables, torch
                   int64_t path, int64_t numerics_of) {
   const CpuPaths& allowed = cpu_paths();
   if (path < 0) path = allowed.attn;
-  TORCH_CHECK(path <= 3, "paged_decode: no path ", path, " (0-3)");
+  TORCH_CHECK(path < kNumAttnPaths, "paged_decode: no path ", path, " (0-", kNumAttnPaths - 1, ")");
   TORCH_CHECK(allowed.attn_ok[path], "paged_decode: path ", kAttnPaths[path],
               " is not one this CPU can run");
-  TORCH_CHECK(numerics_of < 0 || (path == 0 && numerics_of <= 3),
-              "paged_decode: numerics_of is for the reference (path 0), one of paths 0-3");
+  TORCH_CHECK(numerics_of < 0 || (path == 0 && numerics_of < kNumAttnPaths),
+              "paged_decode: numerics_of is for the reference (path 0), one of paths 0-",
+              kNumAttnPaths - 1);
   if (numerics_of < 0) numerics_of = path;
   // q may be a view of the fused qkv rows (its tokens strided, each token's heads contiguous).
   TORCH_CHECK(q.dim() == 3, "q: [T, H, D] expected");

@@ -12,7 +12,7 @@ from tests.unit.recorded_cpus import CPUS, cpuinfo
 # What each recorded CPU runs: build tag, then one path per kernel.
 EXPECTED = {
     "zen3": {"build": "avx2", "int8_gemm": "avx2", "bf16_convert": "scalar",
-             "attention": "fp32", "exp": "scalar", "row_max": "scalar"},
+             "attention": "avx2", "exp": "scalar", "row_max": "scalar"},
     "zen4": {"build": "avx512", "int8_gemm": "avx512_vnni", "bf16_convert": "avx512_bf16",
              "attention": "avx512_bf16", "exp": "avx512", "row_max": "avx512"},
     "icelake_server": {"build": "avx512", "int8_gemm": "avx512_vnni", "bf16_convert": "avx512",
@@ -20,7 +20,7 @@ EXPECTED = {
     "skylake_server": {"build": "avx512", "int8_gemm": "avx2", "bf16_convert": "avx512",
                        "attention": "avx512", "exp": "avx512", "row_max": "avx512"},
     "alder_lake": {"build": "avx2", "int8_gemm": "avx_vnni", "bf16_convert": "scalar",
-                   "attention": "fp32", "exp": "scalar", "row_max": "scalar"},
+                   "attention": "avx2", "exp": "scalar", "row_max": "scalar"},
     "sapphire_rapids": {"build": "avx512", "int8_gemm": "avx512_vnni",
                         "bf16_convert": "avx512_bf16", "attention": "avx512_bf16",
                         "exp": "avx512", "row_max": "avx512"},
@@ -87,6 +87,15 @@ def test_zen4_has_avx512_vnni_but_forcing_avx_vnni_names_the_missing_flag():
     # Alder Lake is the mirror image: AVX-VNNI, no AVX-512 at all.
     assert [p.name for p in cf.runnable("int8_gemm", _flags("alder_lake"))] == [
         "avx_vnni", "avx2", "scalar"]
+
+
+def test_attention_avx2_runs_on_avx2_cpus_and_is_refused_without_avx2():
+    # Target-attributed AVX2 + FMA rows: preferred below the AVX-512 rows, above the fp32 loops.
+    assert [p.name for p in cf.runnable("attention", _flags("zen3"))] == ["avx2", "fp32", "scalar"]
+    assert "attention.avx2" in cf.select(_flags("sapphire_rapids")).allowed()
+    with pytest.raises(cf.PathUnavailable, match="attention path 'avx2' needs CPU flags avx2, "
+                                                 "f16c, fma, which this CPU lacks"):
+        cf.require("attention", "avx2", _flags("sandy_bridge"))
 
 
 def test_build_paths_need_the_build_as_well_as_the_cpu():

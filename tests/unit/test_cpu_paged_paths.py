@@ -2,9 +2,9 @@
 reproducing that path's numerics: `numerics_of`), and the reference against PyTorch SDPA on the
 paged cache (the eager backend) as the semantic check.
 
-Bit for bit: fp32 (the reference's own numerics), avx512 (fused value sums) and the bf16 dot-product
-scores of avx512_bf16. Within a stated bound: avx512_bf16's bf16 probabilities (bf16 KV at
-D = 64 / 128, even block size, no tree), whose polynomial exp, bf16 rounding, pair order and lane
+Bit for bit: fp32 (the reference's own numerics), avx2 and avx512 (fused value sums) and the bf16
+dot-product scores of avx512_bf16. Within a stated bound: avx512_bf16's bf16 probabilities (bf16 KV
+at D = 64 / 128, even block size, no tree), whose polynomial exp, bf16 rounding, pair order and lane
 tree the reference does not reproduce (PAIRS_BOUND). A path this CPU or build lacks skips naming
 the missing flags; forcing it is PathUnavailable."""
 
@@ -123,6 +123,9 @@ def test_a_forced_path_the_cpu_lacks_is_path_unavailable_naming_its_flags(monkey
         _attend("decodes", torch.bfloat16, path="avx512_bf16")
     with pytest.raises(cf.PathUnavailable, match="'avx512' needs CPU flags avx512bw"):
         _attend("decodes", torch.float32, path="avx512")
+    monkeypatch.setattr(cpu_kernels, "selection", lambda: cf.select(frozenset()))  # no AVX2
+    with pytest.raises(cf.PathUnavailable, match="'avx2' needs CPU flags avx2, f16c, fma"):
+        _attend("decodes", torch.bfloat16, path="avx2")
     with pytest.raises(ValueError, match="attention has no path 'amx'"):
         _attend("decodes", torch.float32, path="amx")
     with pytest.raises(ValueError, match="numerics_of='fp32' is for the scalar reference"):
@@ -144,3 +147,26 @@ def test_the_kernel_itself_refuses_a_path_it_was_not_allowed(path):
     with withheld as mod, pytest.raises(RuntimeError, match=f"path {path} is not one this CPU"):
         (mod or cpu_kernels.extension()).paged_decode(
             q, cache, *meta, bs, 0.125, torch.empty_like(q), path=cpu_paged.PATHS.index(path))
+
+
+@pytest.mark.parametrize("path", VECTOR_PATHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_every_path_gives_a_row_the_same_bits_whatever_its_step(path, dtype):
+    """Row invariance per path: a token's row in a prefill chunk beside another request equals
+    the same row verified in a step of 1, 5 or 9 rows (greedy speculation equals plain decoding
+    only if it does). 40 keys: full and partial key groups, rows in fours and alone."""
+    backend, C, bs = get_backend("cpu_paged"), 40, 16
+    tables, q, k, v, cache = _case([C, 2], [C, 9], 3, 3, 64, dtype, seed=5, bs=bs)
+
+    def run(rows, c, q_lens, ctx, tabs):
+        batch = AttentionBatch(q_lens, ctx, tabs, bs, torch.device("cpu"))
+        return backend.forward(q[rows], k[rows], v[rows], c, backend.build_metadata(batch),
+                               0.125, path=_runnable(path))
+
+    full = run(slice(0, C + 2), cache.clone(), [C, 2], [C, 9], tables)[:C]
+    for width in (1, 5, 9):
+        for end in range(width, C + 1, 6):
+            c = cache.clone()
+            run(slice(0, C), c, [C], [C], tables[:1])  # the prompt's KV
+            got = run(slice(end - width, end), c, [width], [end], tables[:1])
+            assert torch.equal(got, full[end - width: end]), (width, end)
