@@ -21,6 +21,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
+import torch
+
 from dynaspec.bench.stats import latency_summary, paired_ratio, run_order
 from dynaspec.bench.workloads import WorkItem
 from dynaspec.outputs import RequestTimings
@@ -139,6 +141,12 @@ class EngineArm:
             from dynaspec.engine.llm_engine import LLMEngine
             engine = LLMEngine(EngineConfig.from_kwargs(**self.kwargs))
         self.engine = engine
+        # The torch threads this engine left the calling thread with: its configured count for
+        # the sync driver, 1 for the pipelined one (its forward runs on a worker of its own).
+        # Arms share the process, so each run restores its own: built after a sync arm, an
+        # async arm's 1 ran the sync arm's steps on one core (CPU/wall 1.00 in both arms of
+        # the c8 async-vs-sync compare, docs/benchmarks.md).
+        self.main_threads = torch.get_num_threads()
 
     @property
     def tokenizer(self):
@@ -164,6 +172,7 @@ class EngineArm:
     def run(self, items: Sequence[WorkItem], params: Sequence[SamplingParams], concurrency: int,
             tag: str) -> RunRecord:
         e = self.engine
+        torch.set_num_threads(self.main_threads)
         # Every pass starts with an empty suffix cache: one holding the previous pass's outputs
         # of these same prompts would draft them almost perfectly, which no real traffic sees.
         getattr(e, "reset_drafter_cache", lambda: None)()

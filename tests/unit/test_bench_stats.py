@@ -229,6 +229,30 @@ def test_closed_loop_keeps_exactly_c_in_flight():
     assert rec.census["steps"] == rec.phase_s["steps"] == 9  # ceil(7/3) waves of 3 steps
 
 
+def test_each_arm_runs_with_the_torch_threads_it_was_built_with():
+    """An async arm's constructor leaves the main thread at 1 torch thread; a sync arm built
+    before it must still run its steps on its own count."""
+    import torch
+
+    class CountingEngine(FakeEngine):
+        def step(self):
+            self.seen = torch.get_num_threads()
+            return super().step()
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        sync = EngineArm("sync", {}, engine=CountingEngine())
+        torch.set_num_threads(1)  # what building the pipelined arm leaves behind
+        pipelined = EngineArm("async", {}, engine=CountingEngine())
+        sync.run(_items(1), [SamplingParams()], concurrency=1, tag="a-p0")
+        assert sync.engine.seen == 2
+        pipelined.run(_items(1), [SamplingParams()], concurrency=1, tag="b-p0")
+        assert pipelined.engine.seen == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_engine_arm_reports_unbalanced_counters():
     arm = EngineArm("fake", {}, engine=FakeEngine(honest=False))
     rec = arm.run(_items(2), [SamplingParams()] * 2, concurrency=1, tag="b-p0")
