@@ -53,6 +53,16 @@ from dynaspec.omp_threads import release_omp_pool
 from dynaspec.outputs import RequestOutput
 
 
+def _use_threads(n: int) -> None:
+    """The worker's torch thread count, fixed for the thread's life. torch sets a thread's count
+    lazily, at its first parallel op, from the process-wide value, which the engine thread has
+    set to 1 by then: set_num_threads alone left the worker's forward on one thread."""
+    torch.set_num_threads(n)
+    got = torch.get_num_threads()  # the lazy per-thread set-up runs now, with n
+    if got != n:
+        raise RuntimeError(f"the forward worker got {got} torch threads, not {n}")
+
+
 class AsyncStepLoop:
     """The pipelined driver; `step()` is one engine step of it.
 
@@ -62,12 +72,13 @@ class AsyncStepLoop:
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self.threads = torch.get_num_threads()  # the worker keeps the engine's thread count
-        self.worker = ThreadPoolExecutor(
-            1, "dynaspec-forward", torch.set_num_threads, (self.threads,)
-        )
-        self.worker.submit(lambda: None).result()  # started now, with the engine's count
         torch.set_num_threads(1)  # the engine thread's own ops stay on it
+        # Released before the worker starts: released after, the worker's parallel regions ran
+        # on one thread from then on (the forward at CPU/wall 1.00: 152 against sync's 227
+        # tok/s at c8 chat, docs/benchmarks.md, wave 4 third session).
         release_omp_pool()
+        self.worker = ThreadPoolExecutor(1, "dynaspec-forward", _use_threads, (self.threads,))
+        self.worker.submit(lambda: None).result()  # started now, with the engine's count
         self.inflight: Launched | None = None
         self.pending: Landed | None = None  # landed, outputs not emitted yet
         self._forgets: list[str] = []  # runner state to drop once no step is in flight
