@@ -8,15 +8,24 @@
 
 #include <immintrin.h>
 
+// The constants of every form (scalar, 8 and 16 lanes): one copy, so the forms keep one result.
+namespace expc {
+constexpr float LO = -87.f, HI = 88.f, LOG2E = 1.44269504f;
+constexpr float LN2_HI = 0.693359375f, LN2_LO = 2.12194440e-4f;  // ln 2 = LN2_HI - LN2_LO
+constexpr float P0 = 1.3981999507e-3f, P1 = 8.3334519073e-3f, P2 = 4.1665795894e-2f;
+constexpr float P3 = 1.6666665459e-1f, P4 = 5.0000001201e-1f;
+}  // namespace expc
+
 inline float exp_vec(float x) {
-  x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
-  const float n = __builtin_floorf(x * 1.44269504f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
+  using namespace expc;
+  x = x < LO ? LO : (x > HI ? HI : x);
+  const float n = __builtin_floorf(x * LOG2E + 0.5f);
+  const float r = x - n * LN2_HI + n * LN2_LO;
+  float p = P0;
+  p = p * r + P1;
+  p = p * r + P2;
+  p = p * r + P3;
+  p = p * r + P4;
   p = p * r * r + r + 1.f;
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
@@ -29,17 +38,18 @@ inline float exp_vec(float x) {
 // x; the compiler left the scalar loop unvectorised, and softmax's exps were then ~40% of an
 // attention step).
 inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
+  using namespace expc;
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(LO)), _mm512_set1_ps(HI));
   const __m512 n = _mm512_roundscale_ps(
-      _mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _mm512_set1_ps(0.5f)),
+      _mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2E)), _mm512_set1_ps(0.5f)),
       _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_add_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f))),
-                                 _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
-  __m512 p = _mm512_set1_ps(1.3981999507e-3f);
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 r = _mm512_add_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(LN2_HI))),
+                                 _mm512_mul_ps(n, _mm512_set1_ps(LN2_LO)));
+  __m512 p = _mm512_set1_ps(P0);
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(P1));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(P2));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(P3));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(P4));
   p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), _mm512_set1_ps(1.f));
   const __m512i bits =
       _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
