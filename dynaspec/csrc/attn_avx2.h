@@ -119,26 +119,6 @@ AVX2_TARGET inline void scores_rows_avx2(const float* q, int64_t R, int64_t D, c
   }
 }
 
-// exp_vec (vec_exp.h) on 8 lanes: the same operations in the same order, so the same bits for
-// any finite x.
-AVX2_TARGET inline __m256 exp8(__m256 x) {
-  using namespace expc;
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(LO)), _mm256_set1_ps(HI));
-  const __m256 n =
-      _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)), _mm256_set1_ps(0.5f)));
-  const __m256 r = _mm256_add_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(LN2_HI))),
-                                 _mm256_mul_ps(n, _mm256_set1_ps(LN2_LO)));
-  __m256 p = _mm256_set1_ps(P0);
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(P1));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(P2));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(P3));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(P4));
-  p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, r), r), r), _mm256_set1_ps(1.f));
-  const __m256i bits =
-      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
-
 // The largest of x[0..n) (exact in any order; a NaN is skipped as the scalar compare skips it).
 AVX2_TARGET inline float row_max8(const float* x, int64_t n) {
   const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());

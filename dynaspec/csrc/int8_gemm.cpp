@@ -260,8 +260,8 @@ void gemm(const T* x, const Packed& p, int64_t M, T* y, Isa isa, bool silu = fal
   const bool vec = isa == Isa::Avx512Vnni;  // the scalar reference keeps the scalar loops
   if (vec) {
     quantize_blocks(x, M, p.K, p.G, MAX_RB, qx);
-  } else {
-    quantize_rows(x, M, p.K, p.G, qx);
+  } else {  // the AVX2 and AVX-VNNI tiles' rows in AVX2 (the same bytes); the reference's scalar
+    quantize_rows(x, M, p.K, p.G, qx, isa == Isa::Avx2 || isa == Isa::AvxVnni);
   }
   const int64_t tiles = p.N / TILE, outs = silu ? tiles / 2 : tiles;
   const int64_t chunks = (M + ROW_CHUNK - 1) / ROW_CHUNK;

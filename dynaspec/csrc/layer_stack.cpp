@@ -70,9 +70,10 @@ class LayerStack {
   std::tuple<torch::Tensor, torch::Tensor> forward(
       torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> kv_caches,
       torch::Tensor slots, torch::Tensor tables, torch::Tensor ctx, torch::Tensor qstart,
-      torch::Tensor qlen, int64_t block_size, double scale) const {
-    return run(x, cos, sin, kv_caches, slots, tables, ctx, qstart, qlen, block_size, scale, {},
-               nullptr);
+      torch::Tensor qlen, int64_t block_size, double scale,
+      c10::optional<torch::Tensor> tree_mask) const {
+    return run(x, cos, sin, kv_caches, slots, tables, ctx, qstart, qlen, block_size, scale,
+               tree_mask, {}, nullptr);
   }
 
   // forward, also returning the residual stream entering each layer listed in `capture` (as
@@ -80,10 +81,11 @@ class LayerStack {
   std::tuple<torch::Tensor, torch::Tensor, std::vector<torch::Tensor>> forward_capture(
       torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> kv_caches,
       torch::Tensor slots, torch::Tensor tables, torch::Tensor ctx, torch::Tensor qstart,
-      torch::Tensor qlen, int64_t block_size, double scale, std::vector<int64_t> capture) const {
+      torch::Tensor qlen, int64_t block_size, double scale,
+      c10::optional<torch::Tensor> tree_mask, std::vector<int64_t> capture) const {
     std::vector<torch::Tensor> feats(capture.size());
     auto [y, delta] = run(x, cos, sin, kv_caches, slots, tables, ctx, qstart, qlen, block_size,
-                          scale, capture, &feats);
+                          scale, tree_mask, capture, &feats);
     return {y, delta, feats};
   }
 
@@ -92,7 +94,8 @@ class LayerStack {
       torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
       const std::vector<torch::Tensor>& kv_caches, torch::Tensor slots, torch::Tensor tables,
       torch::Tensor ctx, torch::Tensor qstart, torch::Tensor qlen, int64_t block_size, double scale,
-      const std::vector<int64_t>& capture, std::vector<torch::Tensor>* feats) const {
+      const c10::optional<torch::Tensor>& tree_mask, const std::vector<int64_t>& capture,
+      std::vector<torch::Tensor>* feats) const {
     const int64_t T = x.size(0);
     torch::Tensor delta;
     for (size_t i = 0; i < layers_.size(); ++i) {
@@ -112,8 +115,9 @@ class LayerStack {
       auto v = qkv.narrow(1, (H_ + Hkv_) * D_, Hkv_ * D_).view({T, Hkv_, D_});
       write_kv(kv_caches[i], k, v, slots);
       auto a = torch::empty({T, H_, D_}, qkv.options());  // [T, H, D]
-      paged_decode(q, kv_caches[i], tables, ctx, qstart, qlen, block_size, scale, a, 0,
-                   c10::nullopt, -1, -1);
+      // tree_mask: [T, W] visibility among a request's rows (a draft tree's), else causal.
+      paged_decode(q, kv_caches[i], tables, ctx, qstart, qlen, block_size, scale, a, 0, tree_mask,
+                   -1, -1);
       h = add_rms_norm(x, L.o(a.view({T, H_ * D_})), L.ln2, eps_);
       delta = L.down(L.gate_up.silu_mul(h));
     }

@@ -33,6 +33,64 @@ inline float exp_vec(float x) {
   return p * scale;
 }
 
+// The 8-lane forms: target-attributed, so any build compiles them and a path chosen at run time
+// (attention's AVX2 rows) or an AVX2 build's loops can call them.
+#define VEC8_TARGET __attribute__((target("avx2,fma,f16c")))
+
+// exp_vec (vec_exp.h) on 8 lanes: the same operations in the same order, so the same bits for
+// any finite x.
+VEC8_TARGET inline __m256 exp8(__m256 x) {
+  using namespace expc;
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(LO)), _mm256_set1_ps(HI));
+  const __m256 n =
+      _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)), _mm256_set1_ps(0.5f)));
+  const __m256 r = _mm256_add_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(LN2_HI))),
+                                 _mm256_mul_ps(n, _mm256_set1_ps(LN2_LO)));
+  __m256 p = _mm256_set1_ps(P0);
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(P1));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(P2));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(P3));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(P4));
+  p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, r), r), r), _mm256_set1_ps(1.f));
+  const __m256i bits =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+// bf16 <-> fp32 on 8 lanes as c10::BFloat16 converts (exact up; down to nearest even, NaN to
+// 0x7FC0): the 8-lane twins of bf16x16_load / bf16x16_round / bf16x16_store below.
+VEC8_TARGET inline __m256 bf16x8_load(const void* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// The bf16 bits in the low half of each lane.
+VEC8_TARGET inline __m256i bf16x8_bits(__m256 v) {
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  const __m256i r =
+      _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0),
+                            _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+}
+
+VEC8_TARGET inline __m256 bf16x8_round(__m256 v) {  // float(bf16(v))
+  return _mm256_castsi256_ps(_mm256_slli_epi32(bf16x8_bits(v), 16));
+}
+
+VEC8_TARGET inline void bf16x8_store(void* p, __m256 v) {
+  const __m256i b = bf16x8_bits(v);  // lanes hold 0..0xFFFF: packus keeps them as they are
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(b, b), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+
+// silu(gate) * up on 8 lanes, rounded as silu_mul16 rounds (silu to bf16, then the product).
+VEC8_TARGET inline __m256 silu_mul8(__m256 gate, __m256 up) {
+  const __m256 neg = _mm256_xor_ps(gate, _mm256_set1_ps(-0.f));
+  const __m256 silu = _mm256_div_ps(gate, _mm256_add_ps(_mm256_set1_ps(1.f), exp8(neg)));
+  return _mm256_mul_ps(bf16x8_round(silu), up);
+}
+
 #if defined(__AVX512F__)
 // exp_vec on 16 lanes, the same operations in the same order (so the same bits for any finite
 // x; the compiler left the scalar loop unvectorised, and softmax's exps were then ~40% of an

@@ -228,7 +228,6 @@ class LlamaModel(torch.nn.Module):
         if (
             self._stack is not None
             and attn.name == "cpu_paged"
-            and getattr(md, "tree_mask", None) is None  # the stack's attention has no tree mask
             and not torch.compiler.is_compiling()
         ):
             T = x.shape[0]  # the same kernels in the same order as the loop below, bit for bit
@@ -244,6 +243,7 @@ class LlamaModel(torch.nn.Module):
                 md.query_lens,
                 md.block_size,
                 self.layers[0].scale,
+                md.tree_mask,  # a draft tree's visibility among its rows, or None (causal)
             )
             if self.aux_layers:
                 inner = [i for i in self.aux_layers if i < self.cfg.num_hidden_layers]

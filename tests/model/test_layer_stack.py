@@ -59,6 +59,51 @@ def test_stack_is_bit_identical_to_the_python_loop(q41_gguf):
     assert fast == slow
 
 
+def test_tree_steps_run_on_the_stack_with_the_loops_bits(q41_gguf):
+    # A draft tree's rows (an ancestor mask, positions by depth) beside a causal request: the
+    # stack passes the mask to the same attention kernel, so the logits are the loop's bits.
+    from dynaspec.attention.backend import AttentionBatch
+
+    llm = LLM(model=q41_gguf, num_kv_blocks=64)
+    model = llm.engine.parts.model
+    assert model._stack is not None
+    kv = model.allocate_kv(64 * 16)
+    tree = torch.tensor([[1, 0, 0, 0, 0],  # root, two children, a grandchild of each
+                         [1, 1, 0, 0, 0],
+                         [1, 0, 1, 0, 0],
+                         [1, 1, 0, 1, 0],
+                         [1, 0, 1, 0, 1]], dtype=torch.bool)
+    md = model.attn.build_metadata(AttentionBatch(
+        [5, 1], [12, 9], [[0], [1]], 16, torch.device("cpu"), tree_masks=[tree, None]))
+    assert md.tree_mask is not None
+    ids = torch.tensor([3, 4, 5, 6, 7, 8])
+    pos = torch.tensor([7, 8, 8, 9, 9, 8])  # [T]: the tree's nodes at their depth
+    rows = torch.arange(6)
+    caches = [k.clone() for k in kv]
+    calls = []
+    stack = model._stack
+
+    class Counting:  # the stack, counted: the tree step must not fall back to the loop
+        def forward(self, *args):
+            calls.append(args[-1] is not None)
+            return stack.forward(*args)
+
+    model._stack = Counting()
+    try:
+        a = model.forward(ids, pos, [k.clone() for k in caches], md, rows)
+        model._stack = None
+        b = model.forward(ids, pos, [k.clone() for k in caches], md, rows)
+    finally:
+        model._stack = stack
+    assert calls == [True]
+    assert torch.equal(a, b)
+    # The mask matters: causal rows over the same tokens give other logits for the branches.
+    md_causal = model.attn.build_metadata(
+        AttentionBatch([5, 1], [12, 9], [[0], [1]], 16, torch.device("cpu")))
+    c = model.forward(ids, pos, [k.clone() for k in caches], md_causal, rows)
+    assert not torch.equal(a[2:5], c[2:5]) and torch.equal(a[:2], c[:2])
+
+
 def test_models_with_qk_norm_or_bias_keep_the_python_loop(tiny_qwen2_dir):
     llm = LLM(model=tiny_qwen2_dir, num_kv_blocks=64, quantization="int8")
     assert llm.engine.parts.model._stack is None  # qkv bias: not on the stack's path

@@ -46,6 +46,35 @@ def test_silu_mul_matches_eager(dtype):
     )
 
 
+def _exp_vec(x: torch.Tensor) -> torch.Tensor:
+    """vec_exp.h's exp_vec in fp32 torch ops, one IEEE rounding per C operation (the kernels
+    build with -ffp-contract=off), so its bits are the kernels' bits on every path."""
+    f = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
+    x = x.clamp(-87.0, 88.0)
+    n = torch.floor(x * f(1.44269504) + f(0.5))
+    r = (x - n * f(0.693359375)) + n * f(2.12194440e-4)
+    p = f(1.3981999507e-3)
+    for c in (8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+        p = p * r + f(c)
+    p = ((p * r) * r + r) + f(1.0)
+    scale = ((n.to(torch.int32) + 127) << 23).view(torch.float32)
+    return p * scale
+
+
+@pytest.mark.parametrize("inter", [96, 100])  # 96: every vector width's path; 100: the scalar loop
+def test_silu_mul_bf16_has_the_scalar_loops_bits(inter):
+    # silu(gate) rounded to bf16, times up, rounded: the 8- and 16-lane loops (chosen by the
+    # build) must give the scalar loop's bits, which this rebuilds from its C operations.
+    g = torch.Generator().manual_seed(inter)
+    gu = (torch.randn(7, 2 * inter, generator=g) * torch.logspace(-2, 2, 7)[:, None]).bfloat16()
+    gu[0, :8] = torch.tensor([0.0, -0.0, 90.0, -90.0, 1e-30, -1e-30, 3.0, -3.0])
+    gate, up = gu[:, :inter].float(), gu[:, inter:].float()
+    silu = (gate / (1.0 + _exp_vec(-gate))).bfloat16().float()
+    ref = (silu * up).bfloat16()
+    got = FusedOps(enabled=True).silu_and_mul(gu)
+    assert torch.equal(got, ref)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("D", [16, 64])  # 64: the 16-lane path (half a head a multiple of 16)
 def test_rope_in_place_matches_eager(dtype, D):
