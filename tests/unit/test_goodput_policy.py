@@ -115,11 +115,11 @@ def test_new_requests_use_the_engine_prior():
     per_width = lambda w: 0.01 * (1 + 0.3 * (w - 1))  # noqa: E731
     p = GoodputPolicy(build_spec_plan("ngram", 4, None), cost_model(per_width))
     feed(p, "old", 4, 4, 100, times=40)  # the engine has seen high acceptance
-    p.last_draft_ctx["new"] = (100, 1.0)  # not due a probe: its K comes from the prior alone
+    p.last_draft_ctx["new"] = 100  # not due a probe: its K comes from the prior alone
     assert p.decide(view(rv("new", 101))).per_request["new"] == 4
     q = GoodputPolicy(build_spec_plan("ngram", 4, None), cost_model(per_width))
     feed(q, "old", 4, 0, 100, times=40)  # ... or has seen none accepted
-    q.last_draft_ctx["new"] = (100, 1.0)
+    q.last_draft_ctx["new"] = 100
     assert q.decide(view(rv("new", 101))).per_request["new"] == 0
 
 
@@ -202,12 +202,12 @@ def test_synthetic_mode_prices_requests_at_the_simulated_acceptance():
     plan = build_spec_plan("ngram", 4, None)
     strict = GoodputPolicy(plan, cost_model(per_width))
     feed(strict, "a", 4, 0, ctx=100, times=10)  # an n-gram that never matches the target
-    strict.last_draft_ctx["a"] = (100, 1.0)
+    strict.last_draft_ctx["a"] = 100
     assert strict.decide(view(rv("a", 101))).per_request["a"] == 0
     synthetic = GoodputPolicy(plan, cost_model(per_width),
                               GoodputSettings(synthetic_rates=(0.7,)))
     feed(synthetic, "a", 4, 0, ctx=100, times=10)  # its own history is ignored: 0.7 is known
-    synthetic.last_draft_ctx["a"] = (100, 1.0)
+    synthetic.last_draft_ctx["a"] = 100
     assert synthetic.decide(view(rv("a", 101))).k == 4
 
 
@@ -222,7 +222,7 @@ def _guarded(learn: bool = True) -> GoodputPolicy:
 def test_divergence_guard_reprobes_a_wide_step_at_a_bounded_rate():
     p = _guarded()
     feed(p, "a", 4, 4, ctx=100)
-    p.last_draft_ctx["a"] = (100, 1.0)  # no per-request probe due: only the guard can draft
+    p.last_draft_ctx["a"] = 100  # no per-request probe due: only the guard can draft
     ks = []
     for _ in range(40):
         d = p.decide(view(rv("a", 101)))

@@ -128,7 +128,7 @@ def test_a_tree_step_teaches_the_chain_history_its_first_path_and_the_branches_t
     assert h.num_updates == 1 and h.counts == [1]  # as the chain of 3 that accepted 0 would
     assert p.branch_rates.reached == {(0, 1): 1} and p.branch_rates.hits == {(0, 1): 1}
     assert p.tree_lengths.num_updates == 1 and p.engine_lengths.num_updates == 0
-    assert p.last_draft_ctx["a"] == (100, 1.0)  # a tree takes its node budget
+    assert p.last_draft_ctx["a"] == 100
 
 
 def test_a_tree_row_is_priced_at_its_width():

@@ -59,7 +59,6 @@ rows priced are ones every rank builds alike from shared state.
 from __future__ import annotations
 
 import logging
-import math
 import statistics
 from collections import deque
 from dataclasses import replace
@@ -123,9 +122,7 @@ class GoodputPolicy(TablePolicy):
         self.engine_lengths = DraftLengths(alpha=0.05)
         self.tree_lengths = DraftLengths(alpha=0.05)
         self.branch_rates = BranchRates(settings.branch_prior, settings.branch_prior_weight)
-        # Per request: the context at its last verified draft, and how much of its cap that
-        # draft took (a self-sizing drafter's short draft came from a short match).
-        self.last_draft_ctx: dict[str, tuple[int, float]] = {}
+        self.last_draft_ctx: dict[str, int] = {}
         self.draft_seconds_per_token = cost_model.draft_seconds_per_token or 0.0
         self.draft_costs: deque[float] = deque(maxlen=settings.draft_cost_window)
         # EMAs over decode steps of the goodput the decisions expected and the steps gave,
@@ -163,7 +160,6 @@ class GoodputPolicy(TablePolicy):
         if fallback and self.fallback is not None:
             self.fallback.observe(request_id, num_drafted, num_accepted, ctx)
             return
-        share = min(1.0, num_drafted / cap) if cap > 0 else 1.0
         if walk is not None:
             self.branch_rates.update(walk)
             if 0 < num_drafted <= cap:
@@ -174,7 +170,7 @@ class GoodputPolicy(TablePolicy):
         super().observe(request_id, num_drafted, num_accepted, ctx, cap)
         if num_drafted:
             self.engine_history.update(num_drafted, num_accepted)
-            self.last_draft_ctx[request_id] = (ctx, share)
+            self.last_draft_ctx[request_id] = ctx
         if cap > 0 and num_drafted <= cap:
             self.lengths.setdefault(request_id, DraftLengths()).update(cap, num_drafted)
             self.engine_lengths.update(cap, num_drafted)
@@ -372,17 +368,7 @@ class GoodputPolicy(TablePolicy):
 
     def _stale(self, r: RequestView) -> bool:
         last = self.last_draft_ctx.get(r.request_id)
-        if last is None:
-            return True
-        ctx, share = last
-        interval = self.settings.probe_interval
-        if self.settings.whole_cap:
-            # A self-sizing drafter drafts as far as its match goes: a short draft that failed
-            # came from a short match and says little of the next, longer one, and a probe of
-            # a short match is a narrow step. On agentic suffix drafts, a failed 2-token probe
-            # cut the request for 16 tokens, through the start of the passage it then copied.
-            interval = max(1, math.ceil(interval * share))
-        return r.context_len - ctx >= interval
+        return last is None or r.context_len - last >= self.settings.probe_interval
 
     def _probe_k(self, cap: int) -> int:
         # A drafter that sizes its own drafts is probed as it drafts (up to its cap): a one-draft
