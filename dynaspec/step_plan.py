@@ -59,6 +59,8 @@ class ScheduledRequest:
     # Draft a tree of up to draft_budget nodes where the drafter can (docs/design.md §4c); False:
     # the K policy chose a chain for this request this step.
     draft_tree: bool = True
+    # A draft shallower than this is dropped ("short_match"; StepK.min_depth).
+    min_draft_depth: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -24,6 +24,8 @@ SKIP_REASONS_DOC = {
     "prefill": "a prefill chunk does not draft",
     "token_budget": "the step's token budget could not fit this request's drafts",
     "no_match": "the n-gram drafter found no match",
+    "short_match": "a request the K policy had cut: its drafter's match was not as deep as "
+                   "its cap (only such a draft is verified then)",
     "drafter_kv": "the draft model's own KV pool had no room",
 }
 SKIP_REASONS = frozenset(SKIP_REASONS_DOC)

@@ -174,7 +174,9 @@ class Scheduler:
                 request=r.request, num_new_tokens=r.num_new_tokens, draft_budget=budget,
                 skip_reason=reason, block_table=self.kv.block_table(r.request.request_id),
                 sampling=r.sampling, num_lookahead=r.lookahead, fallback_budget=fallback,
-                draft_tree=decision is None or decision.drafts_tree(r.request.request_id)))
+                draft_tree=decision is None or decision.drafts_tree(r.request.request_id),
+                min_draft_depth=0 if decision is None else decision.min_depth.get(
+                    r.request.request_id, 0)))
         return decision, entries
 
     def _schedule_running(self, rows: list[_Row], preempted: list[str], budget: int,

@@ -93,8 +93,11 @@ def propose(proposer: Proposer | None, out: StepPlan,
         if tree is not None and len(tree):
             tree = tree.cut(ks[j])  # a node budget, like a chain's cap
             d = list(tree.tokens)
-            if not tree.is_chain:
-                trees[rid] = tree
+        if d and (tree.depth if tree is not None else len(d)) < sched[j].min_draft_depth:
+            skips[rid] = "short_match"  # the policy wanted a longer match of this request
+            continue
+        if tree is not None and len(tree) and not tree.is_chain:
+            trees[rid] = tree
         if synthetic is not None:
             d = synthetic.cut(d)  # no coin-flip EOS (see SyntheticVerifier)
         if d:

@@ -46,9 +46,10 @@ def test_a_self_sizing_drafter_is_probed_with_its_whole_cap():
                       GoodputSettings(whole_cap=True))
     feed(p, "a", 8, 0, ctx=100, times=6)  # cut
     last = p.last_draft_ctx["a"]
-    assert p.decide(view(rv("a", last + 1))).per_request["a"] == 0
+    between = p.decide(view(rv("a", last + 1)))  # cut: only a full-depth draft may run
+    assert between.per_request["a"] == 8 and between.min_depth == {"a": 8}
     probe = p.decide(view(rv("a", last + p.settings.probe_interval)))
-    assert probe.per_request["a"] == 8 and probe.k == 8
+    assert probe.per_request["a"] == 8 and probe.k == 8 and probe.min_depth == {}
     p.observe("a", 3, 3, last + p.settings.probe_interval, cap=8)  # the probe's draft stops at 3
     assert p.lengths["a"].num_updates == 1  # and teaches how far its drafts go
 
@@ -96,3 +97,31 @@ def test_a_new_request_starts_from_what_the_engine_has_seen_once_it_has_seen_eno
     assert h.prior == tuple(p.engine_history.rates) and min(h.prior) > 0.8
     p.observe("new", 8, 8, 100, cap=8)  # one perfect draft at the engine's rates: keep drafting
     assert p.decide(view(rv("new", 109))).per_request["new"] == 8
+
+
+def test_a_cut_self_sizing_request_verifies_only_full_depth_drafts_between_probes():
+    """A suffix draft is as deep as its match: a request cut after misses on short matches
+    still verifies a draft whose match runs as deep as its cap (copied text; on agentic suffix
+    drafts a failed 2-token draft cut a request through the start of the passage it then
+    copied at 8 of 8), and nothing shallower; not where even a probe would not pay, and not
+    for a drafter whose drafts are as long as the policy says (a chain drafter's)."""
+    per_width = lambda w: 0.01 * (1 + 0.3 * (w - 1))  # noqa: E731
+    p = GoodputPolicy(build_spec_plan("suffix", 8, None), cost_model(per_width),
+                      GoodputSettings(whole_cap=True))
+    feed(p, "a", 8, 0, ctx=100, times=6)
+    assert p.decide(view(rv("a", 101))).min_depth == {"a": 8}
+    off = GoodputPolicy(build_spec_plan("suffix", 8, None), cost_model(per_width),
+                        GoodputSettings(whole_cap=True, strict_probes=False))
+    feed(off, "a", 8, 0, ctx=100, times=6)
+    d = off.decide(view(rv("a", 101)))
+    assert d.per_request["a"] == 0 and d.min_depth == {}
+    dear = GoodputPolicy(build_spec_plan("suffix", 8, None),
+                         cost_model(lambda w: 0.01 * (1 + 2.0 * (w - 1))),  # width never pays
+                         GoodputSettings(whole_cap=True))
+    feed(dear, "a", 8, 0, ctx=100, times=6)
+    d = dear.decide(view(rv("a", 101)))
+    assert d.per_request["a"] == 0 and d.min_depth == {}
+    chain = GoodputPolicy(build_spec_plan("ngram", 8, None), cost_model(per_width))
+    feed(chain, "a", 8, 0, ctx=100, times=6)
+    d = chain.decide(view(rv("a", 101)))
+    assert d.per_request["a"] == 0 and d.min_depth == {}

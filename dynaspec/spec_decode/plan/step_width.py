@@ -118,6 +118,9 @@ class StepK:
     # Requests that draft a tree (the policy chose each request's shape); None: the policy does
     # not choose shapes, a tree-drafting drafter drafts trees (docs/design.md §4c).
     trees: frozenset[str] | None = None
+    # request_id -> the shallowest draft worth verifying: a request the policy cut verifies its
+    # self-sizing drafter's draft only where the match runs as deep as its cap (copied text).
+    min_depth: Mapping[str, int] = field(default_factory=dict)
 
     def drafts_tree(self, request_id: str) -> bool:
         return self.trees is None or request_id in self.trees

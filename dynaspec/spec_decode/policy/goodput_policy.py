@@ -23,7 +23,11 @@ step. The probe's rates are
 rates plus ``probe_headroom`` (at most ``probe_rate``): an EAGLE head accepted at ~0.3 at c16
 probed every new request at the optimistic rate, and each probe fed the request's whole prompt
 to the head (1.1 s of a 17.9 s run, docs/benchmarks.md, eleventh session) for drafts the policy
-then cut.
+then cut. Between probes, a cut request of a self-sizing drafter still verifies a draft that
+runs as deep as its cap (``strict_probes``; ``StepK.min_depth``, shallower drafts are dropped as
+``short_match``): such a draft comes from a match as long, copied text, whose acceptance the
+request's misses on short matches do not predict (agentic suffix drafts: a failed 2-token draft
+cut a request for 16 tokens, through the start of the passage it then copied at 8 of 8).
 
 Divergence guard: when the decisions' modelled goodput and the goodput the same steps gave
 stay apart by more than ``divergence_bound`` (a factor) for ``divergence_steps`` decode steps
@@ -244,7 +248,7 @@ class GoodputPolicy(TablePolicy):
         # Under DP the lockstep step runs at the busiest rank's pace, so its size prices a width.
         num_reqs = view.num_reqs if g is None else g.max_rank_reqs
         cost = self.cost_model.widths_priced(num_reqs, ctx)
-        rows, fixed, trees = self._request_rows(view, caps, ceiling, cost)
+        rows, fixed, trees, strict = self._request_rows(view, caps, ceiling, cost)
         # One rank prices its own requests; under DP every rank prices the same shared rows.
         pricing = self._pricing(rows if g is None else self._shared_rows(num_reqs, ceiling), cost)
         by_k = {k: goodput(pricing, k, self.draft_seconds_per_token)
@@ -261,14 +265,17 @@ class GoodputPolicy(TablePolicy):
             for r in view.requests}
         d = self._step_k(best_k, ctx, caps, fixed, g is not None, fallback)
         return replace(d, modelled_goodput=best, goodput_by_k=by_k,
-                       trees=trees if self.settings.drafts_trees else None)
+                       trees=trees if self.settings.drafts_trees else None,
+                       min_depth={rid: n for rid, n in strict.items() if d.per_request[rid] > 0})
 
     def _request_rows(self, view: StepView, caps: dict, ceiling: int, cost
-                      ) -> tuple[list[PricedRow], dict[str, int], frozenset[str]]:
+                      ) -> tuple[list[PricedRow], dict[str, int], frozenset[str], dict[str, int]]:
         """Each request priced once, in the shape it would draft (chain or tree), for its own
         check and the step's: its row, the requests whose K does not follow the step's (0, or a
-        one-draft probe), and the requests that draft a tree."""
+        probe), the requests that draft a tree, and the cut requests that may still verify a
+        full-depth draft (`strict_probes`)."""
         fixed: dict[str, int] = {}
+        strict: dict[str, int] = {}
         rows, trees = [], set()
         probe_pays = None  # the same for every request: priced once, when first needed
         plain = 1.0 / cost(1)
@@ -287,10 +294,16 @@ class GoodputPolicy(TablePolicy):
                 if stale and probe_pays is None:
                     probe_pays = self._alone(self._probe_row(ceiling), cost,
                                              prices) > plain * _MARGIN
-                fixed[rid] = self._probe_k(cap) if stale and probe_pays else 0
+                if self.settings.strict_probes and self.settings.whole_cap and not stale:
+                    if probe_pays is None:
+                        probe_pays = self._alone(self._probe_row(ceiling), cost,
+                                                 prices) > plain * _MARGIN
+                    if probe_pays:  # not stale: a draft only where the match is long
+                        strict[rid] = cap
+                fixed[rid] = self._probe_k(cap) if (stale or rid in strict) and probe_pays else 0
                 row = prices.fixed(row, min(fixed[rid], cap))
             rows.append(row)
-        return rows, fixed, frozenset(trees)
+        return rows, fixed, frozenset(trees), strict
 
     def _shape(self, r: RequestView, cap: int, cost, trees: TreePricer | None,
                prices: DecisionPrices) -> tuple[PricedRow, float, bool]:

@@ -38,6 +38,8 @@ class GoodputSettings:
     # Measured on agentic suffix drafts at c1: cutting caps to the K the rates favoured ran
     # 0.81x [0.68, 0.97] of always drafting up to 8, because the long drafts are the sure ones.
     whole_cap: bool = False
+    # With whole_cap: a cut request still verifies a draft as deep as its cap between probes.
+    strict_probes: bool = True
     # The engine-wide prior counts as this many observations (AcceptanceHistory.prior_weight).
     engine_prior_weight: float = 2.0
     # A request's own rates: a running mean from the prior (worth request_prior_weight
