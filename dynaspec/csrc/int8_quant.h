@@ -205,8 +205,9 @@ __attribute__((target("avx2,fma,f16c"))) inline void quantize_block_avx2(const T
     }
   }
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-  __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], abs_mask), _mm256_and_ps(v[1], abs_mask)),
-                           _mm256_max_ps(_mm256_and_ps(v[2], abs_mask), _mm256_and_ps(v[3], abs_mask)));
+  __m256 m =
+      _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], abs_mask), _mm256_and_ps(v[1], abs_mask)),
+                    _mm256_max_ps(_mm256_and_ps(v[2], abs_mask), _mm256_and_ps(v[3], abs_mask)));
   __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
   h = _mm_max_ps(h, _mm_movehl_ps(h, h));
   h = _mm_max_ss(h, _mm_movehdup_ps(h));
@@ -214,19 +215,21 @@ __attribute__((target("avx2,fma,f16c"))) inline void quantize_block_avx2(const T
   const __m256 id = _mm256_set1_ps(dv > 0.f ? 1.f / dv : 0.f);
   __m256i q[4];
   for (int j = 0; j < 4; ++j) {
-    const __m256 r = _mm256_round_ps(_mm256_mul_ps(v[j], id),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 r =
+        _mm256_round_ps(_mm256_mul_ps(v[j], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     q[j] = _mm256_cvtps_epi32(
         _mm256_min_ps(_mm256_max_ps(r, _mm256_set1_ps(-127.f)), _mm256_set1_ps(127.f)));
   }
   // packs interleave the 128-bit lanes: dword i of the result holds bytes 4k..4k+3 of q[j]
   // for (j, k) = (i % 4, i / 4); the permutation puts them back in order.
-  const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+  const __m256i b =
+      _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb),
                       _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
   *d = dv;
   if (G == 32) {
-    sum[0] = hsum8_epi32(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+    sum[0] =
+        hsum8_epi32(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
   } else {
     sum[0] = hsum8_epi32(_mm256_add_epi32(q[0], q[1]));
     sum[1] = hsum8_epi32(_mm256_add_epi32(q[2], q[3]));

@@ -81,8 +81,8 @@ class LayerStack {
   std::tuple<torch::Tensor, torch::Tensor, std::vector<torch::Tensor>> forward_capture(
       torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> kv_caches,
       torch::Tensor slots, torch::Tensor tables, torch::Tensor ctx, torch::Tensor qstart,
-      torch::Tensor qlen, int64_t block_size, double scale,
-      c10::optional<torch::Tensor> tree_mask, std::vector<int64_t> capture) const {
+      torch::Tensor qlen, int64_t block_size, double scale, c10::optional<torch::Tensor> tree_mask,
+      std::vector<int64_t> capture) const {
     std::vector<torch::Tensor> feats(capture.size());
     auto [y, delta] = run(x, cos, sin, kv_caches, slots, tables, ctx, qstart, qlen, block_size,
                           scale, tree_mask, capture, &feats);
