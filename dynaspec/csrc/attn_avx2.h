@@ -33,8 +33,7 @@ AVX2_TARGET inline __m256 load8(const T* p) {
   if constexpr (std::is_same_v<T, float>) {
     return _mm256_loadu_ps(p);
   } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return bf16x8_load(p);
   } else {
     static_assert(std::is_same_v<T, c10::Half>, "fp32, bf16 or fp16 rows");
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));

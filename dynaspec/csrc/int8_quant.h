@@ -236,6 +236,28 @@ __attribute__((target("avx2,fma,f16c"))) inline void quantize_block_avx2(const T
   }
 }
 
+// One 32-block as the reference quantizes it (amax, d = amax / 127, q = clamp(rint(v / d))),
+// with its scale and the sum of each group's values: the contract the vector blocks meet.
+template <typename T>
+inline void quantize_block_scalar(const T* xb, int8_t* qb, int G, float* d, int32_t* sum) {
+  float v[QBLK], amax = 0.f;
+  for (int i = 0; i < QBLK; ++i) {
+    v[i] = static_cast<float>(xb[i]);
+    amax = std::fmax(amax, std::fabs(v[i]));
+  }
+  *d = block_scale(amax);
+  const float id = *d > 0.f ? 1.f / *d : 0.f;
+  for (int i = 0; i < QBLK; ++i) {
+    float r = std::nearbyint(v[i] * id);
+    r = r > 127.f ? 127.f : (r < -127.f ? -127.f : r);
+    qb[i] = static_cast<int8_t>(r);
+  }
+  for (int h = 0; h < QBLK / G; ++h) {
+    sum[h] = 0;
+    for (int i = 0; i < G; ++i) sum[h] += qb[h * G + i];
+  }
+}
+
 // Row-major activations for the scalar reference (avx2 false: the contract) and the AVX2 /
 // AVX-VNNI tiles (avx2 true: quantize_block_avx2, the same bytes; the scalar loop was ~6% of a
 // width-9 verify step on an AVX2-only CPU, and at fewer than 16 rows one thread ran it alone).
@@ -251,37 +273,18 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int G, QuantX& out, bool av
       for (int64_t b = 0; b < K / QBLK; ++b) {
         const T* xb = x + m * K + b * QBLK;
         int8_t* qb = out.q.data() + m * K + b * QBLK;
+        float d;
+        int32_t sq[QBLK / 16];
         if (avx2) {
-          float d;
-          int32_t sq[QBLK / 16];
           quantize_block_avx2(xb, qb, G, &d, sq);
-          for (int h = 0; h < QBLK / G; ++h) {
-            const int64_t g = b * (QBLK / G) + h;
-            out.d[m * ng + g] = d;
-            out.sum[m * ng + g] = sq[h];
-            out.s[m * ng + g] = d * static_cast<float>(sq[h]);
-          }
-          continue;
-        }
-        float v[QBLK], amax = 0.f;
-        for (int i = 0; i < QBLK; ++i) {
-          v[i] = static_cast<float>(xb[i]);
-          amax = std::fmax(amax, std::fabs(v[i]));
-        }
-        const float d = block_scale(amax);
-        const float id = d > 0.f ? 1.f / d : 0.f;
-        for (int i = 0; i < QBLK; ++i) {
-          float r = std::nearbyint(v[i] * id);
-          r = r > 127.f ? 127.f : (r < -127.f ? -127.f : r);
-          qb[i] = static_cast<int8_t>(r);
+        } else {
+          quantize_block_scalar(xb, qb, G, &d, sq);
         }
         for (int h = 0; h < QBLK / G; ++h) {
           const int64_t g = b * (QBLK / G) + h;
-          int32_t sq = 0;
-          for (int i = 0; i < G; ++i) sq += qb[h * G + i];
           out.d[m * ng + g] = d;
-          out.sum[m * ng + g] = sq;
-          out.s[m * ng + g] = d * static_cast<float>(sq);
+          out.sum[m * ng + g] = sq[h];
+          out.s[m * ng + g] = d * static_cast<float>(sq[h]);
         }
       }
     }

@@ -37,7 +37,7 @@ inline float exp_vec(float x) {
 // (attention's AVX2 rows) or an AVX2 build's loops can call them.
 #define VEC8_TARGET __attribute__((target("avx2,fma,f16c")))
 
-// exp_vec (vec_exp.h) on 8 lanes: the same operations in the same order, so the same bits for
+// exp_vec above on 8 lanes: the same operations in the same order, so the same bits for
 // any finite x.
 VEC8_TARGET inline __m256 exp8(__m256 x) {
   using namespace expc;

@@ -266,16 +266,16 @@ class GoodputPolicy(TablePolicy):
         d = self._step_k(best_k, ctx, caps, fixed, g is not None, fallback)
         return replace(d, modelled_goodput=best, goodput_by_k=by_k,
                        trees=trees if self.settings.drafts_trees else None,
-                       min_depth={rid: n for rid, n in strict.items() if d.per_request[rid] > 0})
+                       min_depth={rid: caps[rid][0] for rid in strict if d.per_request[rid] > 0})
 
     def _request_rows(self, view: StepView, caps: dict, ceiling: int, cost
-                      ) -> tuple[list[PricedRow], dict[str, int], frozenset[str], dict[str, int]]:
+                      ) -> tuple[list[PricedRow], dict[str, int], frozenset[str], set[str]]:
         """Each request priced once, in the shape it would draft (chain or tree), for its own
         check and the step's: its row, the requests whose K does not follow the step's (0, or a
         probe), the requests that draft a tree, and the cut requests that may still verify a
         full-depth draft (`strict_probes`)."""
         fixed: dict[str, int] = {}
-        strict: dict[str, int] = {}
+        strict: set[str] = set()
         rows, trees = [], set()
         probe_pays = None  # the same for every request: priced once, when first needed
         plain = 1.0 / cost(1)
@@ -291,16 +291,15 @@ class GoodputPolicy(TablePolicy):
                 trees.add(rid)
             if cap > 0 and not value > plain * _MARGIN:
                 stale = self._stale(r)
-                if stale and probe_pays is None:
+                # not stale: a self-sizing drafter may still draft, but only a long match
+                deep_only = not stale and self.settings.strict_probes and self.settings.whole_cap
+                if (stale or deep_only) and probe_pays is None:
                     probe_pays = self._alone(self._probe_row(ceiling), cost,
                                              prices) > plain * _MARGIN
-                if self.settings.strict_probes and self.settings.whole_cap and not stale:
-                    if probe_pays is None:
-                        probe_pays = self._alone(self._probe_row(ceiling), cost,
-                                                 prices) > plain * _MARGIN
-                    if probe_pays:  # not stale: a draft only where the match is long
-                        strict[rid] = cap
-                fixed[rid] = self._probe_k(cap) if (stale or rid in strict) and probe_pays else 0
+                probing = (stale or deep_only) and bool(probe_pays)
+                if probing and deep_only:
+                    strict.add(rid)
+                fixed[rid] = self._probe_k(cap) if probing else 0
                 row = prices.fixed(row, min(fixed[rid], cap))
             rows.append(row)
         return rows, fixed, frozenset(trees), strict
