@@ -40,6 +40,18 @@ def test_mistyped_flag_prints_the_subcommands_usage_and_a_suggestion(capsys):
     assert "did you mean --num-spec-tokens" in err
 
 
+def test_bench_compare_prefix_caching_modes_parse_and_a_wrong_one_names_the_choices(capsys):
+    parse = lambda *a: build_parser().parse_args(["bench", "compare", "--a", "", "--b", "", *a])  # noqa: E731
+    assert parse().prefix_caching == "off"
+    assert parse("--prefix-caching").prefix_caching == "warm"  # the flag alone, as before
+    assert parse("--prefix-caching", "cold").prefix_caching == "cold"
+    with pytest.raises(SystemExit) as exc:
+        parse("--prefix-caching", "lukewarm")
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--prefix-caching" in err and "'lukewarm'" in err and "'cold'" in err
+
+
 def test_max_model_len_above_trained_context_is_refused(tiny_llama_dir):
     from dynaspec import LLM
 
