@@ -81,10 +81,10 @@ constexpr bool avx2_rows(int64_t D) {
 // What path p computes for these inputs, as the reference would reproduce it (the AVX-512 paths
 // as they run: in an AVX-512 build).
 template <typename T>
-RowNumerics numerics(AttnPath p, int64_t D, int64_t block_size, bool any_tree) {
+RowNumerics numerics(AttnPath p, int64_t D, int64_t block_size) {
   RowNumerics n;
   n.bf16_scores = p == AttnPath::Avx512Bf16 && std::is_same_v<T, c10::BFloat16> && D % 32 == 0;
-  n.bf16_probs = n.bf16_scores && (D == 64 || D == 128) && block_size % 2 == 0 && !any_tree;
+  n.bf16_probs = n.bf16_scores && (D == 64 || D == 128) && block_size % 2 == 0;
   n.fused_pv = (p == AttnPath::Avx2 && avx2_rows<T>(D)) ||
                (p >= AttnPath::Avx512 && (D == 64 || D == 128 || D == 256));
   return n;

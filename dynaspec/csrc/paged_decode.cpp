@@ -95,7 +95,7 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
   if (path == AttnPath::Scalar) {
     attend_reference(qp, qstride, kp, vp, op, tb, NB, cl, qs, ql, B, H, Hkv, D, block_size, sc,
                      window, any_tree ? tm : nullptr, tmw,
-                     numerics<T>(numerics_of, D, block_size, any_tree));
+                     numerics<T>(numerics_of, D, block_size));
     return;
   }
   // The AVX-512 intrinsics of the value sums (and the bf16 probabilities) run on the AVX-512 paths.
@@ -103,9 +103,9 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
   const bool bf16dot =
       std::is_same_v<T, c10::BFloat16> && D % 32 == 0 && path == AttnPath::Avx512Bf16;
   // Value sums with bf16 probabilities (attn_pairs.h); a pair of keys never straddles a block.
-  // (Not for a step with a tree: its rows' probabilities are packed by softmax_row_tree.)
-  const bool pairs_pv =
-      bf16dot && v512 && (D == 64 || D == 128) && block_size % 2 == 0 && !any_tree;
+  // A tree's rows take them too (tree_rows_in_pairs): a chain and a tree in the same step, or a
+  // path verified as a tree and as a chain, must give the same bits.
+  const bool pairs_pv = bf16dot && v512 && (D == 64 || D == 128) && block_size % 2 == 0;
   // Work items: (request, first query token of the tile, KV head). Which rows share an item never
   // changes a row's arithmetic, only who converts K/V to fp32. (Splitting a batch-1 decode's Hkv
   // items further by query head measured slower: K/V converted per item outweighed the
@@ -197,6 +197,44 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
       for (int64_t r = 0; r < R; ++r)
         store_pairs_row<NV>(acc(r), inv[r], op + ((qs[b] + j0 + r / G) * H + h * G + r % G) * D);
     };
+    // The same for the rows of a token tree, one row at a time: a row's keys are the context
+    // and then its root path, laid out as that path verified as a chain lays them out (the path's
+    // node of depth d at C - W + d), so its exps, sums and value pairs, which pair keys by their
+    // position, are the chain row's operations on the chain row's operands: the same bits.
+    // (Scores do not depend on a key's position, so they are read where pass 1 wrote them.)
+    std::vector<float> vs;      // the row's scores in chain order
+    std::vector<int64_t> keys;  // chain position -> the key's position in this step's cache
+    auto tree_rows_in_pairs = [&](auto nv, int64_t b, int64_t h, int64_t j0, int64_t R,
+                                  int64_t Ct) {
+      constexpr int NV = decltype(nv)::value;
+      const int64_t step0 = cl[b] - ql[b], rs = Hkv * D;
+      const int64_t ne = Ct + (Ct & 1);
+      if (static_cast<int64_t>(pb.size()) < ne) pb.resize(ne);
+      vs.resize(Ct);
+      keys.resize(Ct);
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t j = j0 + r / G;
+        const uint8_t* visible = tm + (qs[b] + j) * tmw;
+        int64_t n = step0;
+        for (int64_t k = 0; k < step0; ++k) keys[k] = k;
+        for (int64_t k = 0; k <= j; ++k)
+          if (visible[k]) keys[n++] = step0 + k;
+        for (int64_t t = 0; t < n; ++t) vs[t] = sf[r * Ct + keys[t]];
+        const float row_inv = exp_row_bf16(vs.data(), 0, n - 1, n + (n & 1), pb.data());
+        auto value = [&](int64_t t) {
+          const int64_t k = keys[t];
+          return head_rows(vp, b, h, k / block_size, Ct).first + (k % block_size) * rs;
+        };
+        float* a = accf.data() + r * D;
+        accumulate_pairs<NV>(
+            1, [&](int64_t) { return a; }, [&](int64_t) { return pb.data(); },
+            [&](int64_t) { return (n + 1) / 2; },
+            [&](int64_t p, __m512i* x) {
+              value_pairs<NV>(value(2 * p), 2 * p + 1 < n ? value(2 * p + 1) : nullptr, x);
+            });
+        store_pairs_row<NV>(a, row_inv, op + ((qs[b] + j) * H + h * G + r % G) * D);
+      }
+    };
 #endif
     for (int64_t item = next(); item >= 0; item = next()) {
       const auto [b, j0, j1] = tiles[item / Hkv];
@@ -266,6 +304,11 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
       auto acc = [&](int64_t r) { return accf.data() + r * D; };
 #if defined(__AVX512F__)
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (pairs_pv && tree[b]) {
+          if (D == 64) tree_rows_in_pairs(std::integral_constant<int, 4>{}, b, h, j0, R, Ct);
+          else tree_rows_in_pairs(std::integral_constant<int, 8>{}, b, h, j0, R, Ct);
+          continue;
+        }
         if (pairs_pv) {
           if (D == 64)
             values_in_pairs(std::integral_constant<int, 4>{}, b, h, j0, R, Ct, last, pre);

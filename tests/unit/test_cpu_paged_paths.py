@@ -4,9 +4,9 @@ paged cache (the eager backend) as the semantic check.
 
 Bit for bit: fp32 (the reference's own numerics), avx2 and avx512 (fused value sums) and the bf16
 dot-product scores of avx512_bf16. Within a stated bound: avx512_bf16's bf16 probabilities (bf16 KV
-at D = 64 / 128, even block size, no tree), whose polynomial exp, bf16 rounding, pair order and lane
-tree the reference does not reproduce (PAIRS_BOUND). A path this CPU or build lacks skips naming
-the missing flags; forcing it is PathUnavailable."""
+at D = 64 / 128, even block size, trees included), whose polynomial exp, bf16 rounding, pair order and lane
+tree the reference does not reproduce (PAIRS_BOUND). A path this CPU or build lacks runs emulated
+(tests/kernel_modes.py); forcing it natively is PathUnavailable."""
 
 from __future__ import annotations
 
@@ -22,12 +22,15 @@ from dynaspec.attention.backend import AttentionBatch, get_backend
 from dynaspec.draft_tree import DraftTree
 from dynaspec.worker.tree_step import visibility
 
+from .. import kernel_modes
 from .test_cpu_paged_attention import _case
 
 ok, why = cpu_paged.available()
 pytestmark = pytest.mark.skipif(not ok, reason=f"no C++ toolchain for the kernel: {why}")
 
 VECTOR_PATHS = [p for p in cpu_paged.PATHS if p != "scalar"]
+# Each natively where this CPU has its flags, emulated wherever it needs any (tests/kernel_modes.py)
+PATH_MODES = kernel_modes.cases("attention", VECTOR_PATHS)
 TREE = DraftTree((40, 41, 42, 43, 50, 51, 60), (-1, 0, 0, 2, -1, 4, -1))
 
 # (query_lens, ctx, hkv, g_heads, d, block size, window, tree rows)
@@ -49,14 +52,6 @@ def _missing(path: str) -> list[str]:
     return cf.missing(cf.path("attention", path), sel.flags, sel.build.flags)
 
 
-def _runnable(path: str) -> str:
-    lacking = _missing(path)
-    if lacking:
-        pytest.skip(f"attention path {path} needs {', '.join(lacking)}, which this CPU or the "
-                    f"{cpu_kernels.selection().chosen['build']} build lacks")
-    return path
-
-
 def _attend(case: str, dtype, backend=None, **kw):
     q_lens, ctx, hkv, g, d, bs, window, tree = CASES[case]
     tables, q, k, v, cache = _case(q_lens, ctx, hkv, g, d, dtype, seed=len(case) + d, bs=bs)
@@ -69,9 +64,8 @@ def _attend(case: str, dtype, backend=None, **kw):
 
 def _bf16_probabilities(path: str, case: str, dtype) -> bool:
     """Whether `path` takes avx512_bf16's bf16-probability value sums here (attn_pairs.h)."""
-    _, _, _, _, d, bs, _, tree = CASES[case]
-    return (path == "avx512_bf16" and dtype == torch.bfloat16 and d in (64, 128) and bs % 2 == 0
-            and not tree)
+    _, _, _, _, d, bs, _, _ = CASES[case]
+    return path == "avx512_bf16" and dtype == torch.bfloat16 and d in (64, 128) and bs % 2 == 0
 
 
 # |got - ref| <= 2^-8 (max |V| + |ref|): each probability is off by at most its bf16 rounding
@@ -80,12 +74,12 @@ def _bf16_probabilities(path: str, case: str, dtype) -> bool:
 PAIRS_BOUND = 2.0 ** -8
 
 
-@pytest.mark.parametrize("path", VECTOR_PATHS)
+@pytest.mark.parametrize("path,mode", PATH_MODES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", list(CASES))
-def test_every_path_this_cpu_has_equals_the_reference(path, dtype, case):
-    got, cache = _attend(case, dtype, path=_runnable(path))
-    ref, _ = _attend(case, dtype, path="scalar", numerics_of=path)
+def test_every_path_equals_the_reference(path, mode, dtype, case):
+    got, cache, ref = kernel_modes.run("attention", path, mode, lambda: (
+        *_attend(case, dtype, path=path), _attend(case, dtype, path="scalar", numerics_of=path)[0]))
     if not _bf16_probabilities(path, case, dtype):
         assert torch.equal(got, ref), f"{path} differs from the reference's bits"
         return
@@ -149,24 +143,33 @@ def test_the_kernel_itself_refuses_a_path_it_was_not_allowed(path):
             q, cache, *meta, bs, 0.125, torch.empty_like(q), path=cpu_paged.PATHS.index(path))
 
 
-@pytest.mark.parametrize("path", VECTOR_PATHS)
+@pytest.mark.parametrize("path,mode", PATH_MODES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_every_path_gives_a_row_the_same_bits_whatever_its_step(path, dtype):
+def test_every_path_gives_a_row_the_same_bits_whatever_its_step(path, mode, dtype):
     """Row invariance per path: a token's row in a prefill chunk beside another request equals
     the same row verified in a step of 1, 5 or 9 rows (greedy speculation equals plain decoding
     only if it does). 40 keys: full and partial key groups, rows in fours and alone."""
-    backend, C, bs = get_backend("cpu_paged"), 40, 16
+    C, bs = 40, 16
     tables, q, k, v, cache = _case([C, 2], [C, 9], 3, 3, 64, dtype, seed=5, bs=bs)
 
     def run(rows, c, q_lens, ctx, tabs):
+        backend = get_backend("cpu_paged")  # the serving module's kernel (native or emulated)
         batch = AttentionBatch(q_lens, ctx, tabs, bs, torch.device("cpu"))
         return backend.forward(q[rows], k[rows], v[rows], c, backend.build_metadata(batch),
-                               0.125, path=_runnable(path))
+                               0.125, path=path)
 
-    full = run(slice(0, C + 2), cache.clone(), [C, 2], [C, 9], tables)[:C]
+    def steps():  # the whole prefill's rows, then each (width, end) verify step's
+        full = run(slice(0, C + 2), cache.clone(), [C, 2], [C, 9], tables)[:C]
+        out = []
+        for width in (1, 5, 9):
+            for end in range(width, C + 1, 6):
+                c = cache.clone()
+                run(slice(0, C), c, [C], [C], tables[:1])  # the prompt's KV
+                out.append(run(slice(end - width, end), c, [width], [end], tables[:1]))
+        return full, out
+
+    full, got = kernel_modes.run("attention", path, mode, steps)
+    at = iter(got)
     for width in (1, 5, 9):
         for end in range(width, C + 1, 6):
-            c = cache.clone()
-            run(slice(0, C), c, [C], [C], tables[:1])  # the prompt's KV
-            got = run(slice(end - width, end), c, [width], [end], tables[:1])
-            assert torch.equal(got, full[end - width: end]), (width, end)
+            assert torch.equal(next(at), full[end - width: end]), (width, end)

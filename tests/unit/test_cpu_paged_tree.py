@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dynaspec import cpu_features as cf
+from dynaspec import cpu_kernels
 from dynaspec.attention import cpu_paged
 from dynaspec.attention.backend import AttentionBatch, get_backend
 from dynaspec.draft_tree import DraftTree
@@ -21,9 +23,9 @@ TREE = DraftTree((40, 41, 42, 43, 50, 51, 60), (-1, 0, 0, 2, -1, 4, -1))
 BS = 16
 
 
-def _forward(backend, q, k, v, cache, query_lens, ctx, tables, masks):
+def _forward(backend, q, k, v, cache, query_lens, ctx, tables, masks, **kw):
     batch = AttentionBatch(query_lens, ctx, tables, BS, torch.device("cpu"), tree_masks=masks)
-    return backend.forward(q, k, v, cache, backend.build_metadata(batch), 0.125)
+    return backend.forward(q, k, v, cache, backend.build_metadata(batch), 0.125, **kw)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
@@ -44,17 +46,44 @@ def test_tree_rows_match_the_eager_reference(dtype, tol):
     assert not torch.allclose(plain[:8].float(), want[:8].float(), rtol=tol, atol=tol)
 
 
+def _runnable(path: str) -> str:
+    sel = cpu_kernels.selection()
+    lacking = cf.missing(cf.path("attention", path), sel.flags, sel.build.flags)
+    if lacking:
+        pytest.skip(f"attention path {path} needs {', '.join(lacking)}, which this CPU or the "
+                    f"{sel.chosen['build']} build lacks")
+    return path
+
+
+# Every path, since each sums a row its own way (avx512_bf16 with bf16 KV: value pairs, which
+# pair keys by position, so a tree row must lay its path out as the chain does; a Zen 4 showed
+# a tree row differing from its chain there while every AVX2 machine passed).
+@pytest.mark.parametrize("path", cpu_paged.PATHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_tree_row_gives_the_bits_of_its_path_as_a_chain(dtype):
-    fast = get_backend("cpu_paged")
-    c0, n = 37, len(TREE)
+@pytest.mark.parametrize("c0", [37, 38])  # the path's first key at an odd and an even position
+def test_a_tree_row_gives_the_bits_of_its_path_as_a_chain(path, dtype, c0):
+    fast, n = get_backend("cpu_paged"), len(TREE)
     q_lens, ctx = [1 + n], [c0 + 1 + n]
     tables, q, k, v, cache = _case(q_lens, ctx, 2, 3, 64, dtype, seed=5, bs=BS)
     out = _forward(fast, q, k, v, cache.clone(), q_lens, ctx, tables,
-                   [visibility(1, TREE)])  # [1 + n, H, D]
+                   [visibility(1, TREE)], path=_runnable(path))  # [1 + n, H, D]
     for node in range(n):
         rows = [0] + [1 + p for p in TREE.path_to(node)]  # root, then the path's nodes
         w = len(rows)
         chain = _forward(fast, q[rows], k[rows], v[rows], cache.clone(), [w], [c0 + w], tables,
-                         None)
+                         None, path=path)
         assert torch.equal(chain[-1], out[1 + node]), f"node {node}"
+
+
+@pytest.mark.parametrize("path", cpu_paged.PATHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_chain_beside_a_tree_keeps_its_bits(path, dtype):
+    """A step with a tree in it must not change how the other requests' rows are summed."""
+    fast, n = get_backend("cpu_paged"), len(TREE)
+    q_lens, ctx = [1 + n, 5], [30 + n, 21]
+    tables, q, k, v, cache = _case(q_lens, ctx, 2, 3, 64, dtype, seed=7, bs=BS)
+    both = _forward(fast, q, k, v, cache.clone(), q_lens, ctx, tables,
+                    [visibility(1, TREE), None], path=_runnable(path))
+    alone = _forward(fast, q[1 + n:], k[1 + n:], v[1 + n:], cache.clone(), [5], [21],
+                     tables[1:], None, path=path)
+    assert torch.equal(both[1 + n:], alone)
