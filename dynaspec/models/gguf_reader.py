@@ -7,7 +7,7 @@ from __future__ import annotations
 import gguf
 import numpy as np
 
-from dynaspec.models.loader import ModelLoadError
+from dynaspec.models.load_types import ModelLoadError
 
 _REQUIRED = object()
 

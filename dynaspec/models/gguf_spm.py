@@ -11,7 +11,7 @@ Control tokens match whole in text as special tokens, user-defined ones as plain
 
 from __future__ import annotations
 
-from dynaspec.models.loader import ModelLoadError
+from dynaspec.models.load_types import ModelLoadError
 
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
 SPACE = "\u2581"

@@ -8,7 +8,7 @@ from typing import cast
 
 from dynaspec.models.gguf_reader import GGUFMetadata, open_gguf
 from dynaspec.models.gguf_spm import build_spm
-from dynaspec.models.loader import END_OF_TURN_TOKENS, ModelLoadError, collect_eos_ids
+from dynaspec.models.load_types import END_OF_TURN_TOKENS, ModelLoadError, collect_eos_ids
 from dynaspec.models.tokenizer import Tokenizer
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types

@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 from dynaspec.model_arch import ModelArchConfig
-from dynaspec.models.loader import (
+from dynaspec.models.load_types import (
     PICKLE_SUFFIXES,
     LoadedModel,
     ModelLoadError,
