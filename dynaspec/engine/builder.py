@@ -376,9 +376,13 @@ def _step_cost_model(config: EngineConfig, model: LlamaModel, kv_caches: list[to
     if table.model is None:
         log.warning("step cost table refused (%s): the goodput policy is replaced by the plan's "
                     "table for this run; nothing was saved", "; ".join(table.problems[:3]))
+        # The note says why (the page and /v1/models show it): most often the machine was busy
+        # while the table was measured, which makes the costs non-monotone or not reproducible.
         return None, PolicyInfo("table", sc.k_policy, "refused", None,
-                                "goodput fell back to the table: the measured step costs failed "
-                                "their checks")
+                                "goodput fell back to the table: the step costs measured at "
+                                f"start-up ({table.seconds:.0f} s) failed their checks, as they "
+                                "do when the machine is busy while measuring: "
+                                + "; ".join(table.problems[:2]))
     how = table.source
     if table.num_measured:
         how += f" ({table.num_measured} cells in {table.seconds:.1f} s, the rest estimated)"

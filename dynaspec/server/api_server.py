@@ -11,6 +11,7 @@ would buffer streams and hide client disconnects.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
@@ -71,9 +72,21 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
     still in flight get up to `shutdown_drain_s` to finish, then are aborted; the engine thread
     is stopped and joined. `ui`: serve the page at /ui and its JSON at /ui/live (server/ui/)."""
 
+    history = None
+    if ui:
+        from dynaspec.server.ui.routes import live_history, ui_router
+
+        history = live_history(async_engine)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        yield
+        # The dashboard's server-side history (ui/history.py): sampled while the app runs.
+        sampler = asyncio.create_task(history.run()) if history is not None else None
+        try:
+            yield
+        finally:
+            if sampler is not None:
+                sampler.cancel()
         await async_engine.shutdown(shutdown_drain_s)
 
     app = FastAPI(title="dynaspec", lifespan=lifespan, docs_url=None, redoc_url=None,
@@ -85,11 +98,10 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
     app.include_router(_tokenizer_router(serving, api_key, max_body_bytes))
     _add_open_routes(app, async_engine)
     if ui:
-        from dynaspec.server.ui.routes import ui_router
-
-        app.include_router(ui_router(async_engine, APIError))
+        app.include_router(ui_router(async_engine, APIError, history))
     app.state.serving = serving
     app.state.async_engine = async_engine
+    app.state.live_history = history
     return app
 
 

@@ -26,8 +26,13 @@ class ToolCall(_Strict):
     function: FunctionCall
 
 
+# OpenAI's rule for a function's name; a tool choice naming anything else can never be one of
+# the tools, so the published schema says so too.
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
+
+
 class FunctionDef(_Strict):
-    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    name: str = Field(pattern=FUNCTION_NAME)
     description: str | None = None
     parameters: dict | None = Field(default=None, description="a JSON schema of the arguments")
     strict: bool | None = _ignored("arguments always follow the schema when constrained")
@@ -39,7 +44,7 @@ class ToolDef(_Strict):
 
 
 class NamedFunction(_Strict):
-    name: str
+    name: str = Field(pattern=FUNCTION_NAME, description="one of the tools' names")
 
 
 class NamedToolChoice(_Strict):

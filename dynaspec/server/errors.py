@@ -21,16 +21,18 @@ class APIError(Exception):
               503: "unavailable"}
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None, headers: dict | None = None) -> None:
+                 code: str | None = None, headers: dict | None = None,
+                 detail: dict | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
         self.code = code or self._CODES.get(status, "invalid_value")
         self.headers = headers
+        self.detail = detail  # more keys of the error object (a failed generation's text)
 
     def body(self) -> dict:
         kind = self._TYPES.get(self.status, "invalid_request_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param,
-                          "code": self.code}}
+                          "code": self.code, **(self.detail or {})}}
 
 
 def parse_body(model: type[BaseModel], raw: bytes) -> Any:
@@ -42,7 +44,7 @@ def parse_body(model: type[BaseModel], raw: bytes) -> Any:
 
 
 def validation_error(exc: ValidationError) -> APIError:
-    err = exc.errors(include_url=False)[0]
+    err = _deepest(exc.errors(include_url=False))
     kind, msg = err["type"], err["msg"].removeprefix("Value error, ")
     if kind == "json_invalid":
         return APIError(400, f"request body is not valid JSON: {msg}", None, "invalid_json")
@@ -63,6 +65,18 @@ def validation_error(exc: ValidationError) -> APIError:
     return APIError(400, f"'{param}': {msg}{detail}", param, "invalid_value")
 
 
+def _deepest(errors: list) -> dict:
+    """The first field's error from the union member that got furthest: an object sent as
+    tool_choice fails the string choices at `tool_choice` and the named choice at
+    `tool_choice.function.name`, and only the second says what to fix."""
+    first = errors[0]
+    same = [e for e in errors if e["loc"][:1] == first["loc"][:1]]
+    return max(same, key=lambda e: sum(not _is_type_tag(p) for p in e["loc"]))
+
+
 def _is_type_tag(part: Any) -> bool:
+    # Union members name themselves in the location: a type ("str", "list[...]", a validator's
+    # "function-after[...]") or a model's class name ("NamedToolChoice": fields are snake_case).
     return isinstance(part, str) and (part in ("str", "int", "float", "bool", "list", "dict")
-                                      or "[" in part or part.startswith("function-"))
+                                      or "[" in part or part.startswith("function-")
+                                      or (part[:1].isupper() and part.isidentifier()))

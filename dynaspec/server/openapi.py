@@ -28,10 +28,28 @@ def openapi_components(vocab: int | None = None, max_model_len: int | None = Non
                             "code": {"type": ["string", "null"]}}}
     out = {**defs["$defs"], "ErrorResponse": {"type": "object", "required": ["error"],
                                               "properties": {"error": error}}}
+    _drop_null_defaults(out)
     _set_limits(out, vocab, max_model_len)
     if unspellable:
         _exclude_chars(out["StructuredOutputsBody"]["properties"], unspellable)
     return out
+
+
+def _drop_null_defaults(schemas: dict) -> None:
+    """pydantic writes `"default": null` for every optional field, also for the fields a body may
+    leave out but not send as null (structured_outputs' one-of fields): OpenAPI 3.1 requires a
+    default to be valid against its schema, so those say nothing about a default."""
+    for schema in schemas.values():
+        for prop in schema.get("properties", {}).values():
+            if "default" in prop and prop["default"] is None and not _admits_null(prop):
+                del prop["default"]
+
+
+def _admits_null(schema: dict) -> bool:
+    types = schema.get("type")
+    if types == "null" or (isinstance(types, list) and "null" in types):
+        return True
+    return any(_admits_null(b) for b in schema.get("anyOf", []) + schema.get("oneOf", []))
 
 
 def _exclude_chars(props: dict, cls: str) -> None:

@@ -69,6 +69,10 @@ _TOOL_RULES: list[dict[str, Any]] = [
      "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}},
     {"not": {"allOf": [_FORCING, {"anyOf": list(_GIVEN.values())}]}}]
 _TOKEN_KEY = r"^[0-9]{1,9}$"
+# Said in the schema because a client capping generation must cap floats too: a fuzzer that
+# lowered only int max_tokens let `123.0` through, which generated 123 tokens (26 s on 2 cores).
+_TOKEN_LIMIT = ("tokens generated at most; a whole-number float is that integer (JSON Schema's "
+                "rule): 123.0 generates up to 123 tokens")
 
 
 class _Common(_Strict):
@@ -160,7 +164,7 @@ class _Common(_Strict):
 class CompletionRequest(_Common):
     model_config = ConfigDict(json_schema_extra={"allOf": [_ONE_GRAMMAR]})
     prompt: PromptField
-    max_tokens: _Positive | None = Field(default=16)  # OpenAI's legacy default
+    max_tokens: _Positive | None = Field(default=16, description=_TOKEN_LIMIT)  # OpenAI's
     logprobs: _TopLogprobs | None = Field(default=None)
     echo: bool | None = Field(default=False, description="the prompt's text before each choice's")
     best_of: _NumChoices | None = Field(default=None, description=(
@@ -203,8 +207,9 @@ def _is_ids(v: Any) -> bool:
 class ChatCompletionRequest(_Common):
     model_config = ConfigDict(json_schema_extra={"allOf": [_ONE_GRAMMAR, *_TOOL_RULES]})
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: _Positive | None = Field(default=None)  # None: up to the context limit
-    max_completion_tokens: _Positive | None = Field(default=None)
+    max_tokens: _Positive | None = Field(default=None, description=_TOKEN_LIMIT + "; null: "
+                                         "up to the context length")
+    max_completion_tokens: _Positive | None = Field(default=None, description=_TOKEN_LIMIT)
     logprobs: bool | None = False
     top_logprobs: _TopLogprobs | None = Field(
         default=None, description="read only when logprobs is true")

@@ -34,6 +34,8 @@ BODIES = [  # (schema, body, valid)
     (CHAT, {"tool_choice": "auto", "tools": T}, True),
     (CHAT, {"tool_choice": NAMED}, False),
     (CHAT, {"tool_choice": NAMED, "tools": T}, True),
+    # No tool is named "": the schema says a choice names like a tool (the fuzzer's find).
+    (CHAT, {"tool_choice": {"type": "function", "function": {"name": ""}}, "tools": T}, False),
     (CHAT, {"tool_choice": "required", "tools": T, "structured_outputs": {"regex": "a"}}, False),
     (CHAT, {"tool_choice": "required", "tools": T, "structured_outputs": None}, True),
     (CHAT, {"tool_choice": NAMED, "tools": T, "response_format": JSON_FMT}, False),

@@ -47,10 +47,13 @@ LIVE_SCHEMA: dict[str, Any] = {
             "end in _total, histogram buckets in _bucket) -> its samples as [labels, value] "
             "pairs, model_name left out of the labels; the series the dashboard draws: "
             + ", ".join(DASHBOARD_SERIES),
+            # Each pair's items as anyOf, not prefixItems: schemathesis 4 rewrites prefixItems
+            # to the pre-2020 list form of `items`, which its OpenAPI 3.1 check then refuses.
             "additionalProperties": {"type": "array", "items": {
-                "type": "array", "minItems": 2, "maxItems": 2,
-                "prefixItems": [{"type": "object", "additionalProperties": {"type": "string"}},
-                                {"type": ["number", "null"]}]}},
+                "type": "array", "minItems": 2, "maxItems": 2, "description": "[labels, value]",
+                "items": {"anyOf": [
+                    {"type": "object", "additionalProperties": {"type": "string"}},
+                    {"type": ["number", "null"]}]}}},
         },
         "state": {"type": "object", "description": "the engine state /health publishes"},
     },

@@ -1,7 +1,9 @@
 """The page's routes: `/` redirects to `/ui`, `/ui` is the page, `/ui/<asset>` its scripts and
-style (read from the package once, at start-up: nothing is fetched at run time, no CDN), and
-`/ui/live` the JSON its dashboard polls (ui/live.py). Open like /metrics and /health: the page
-asks for the API key itself (kept in the tab's sessionStorage) and sends it only to /v1."""
+style (read from the package once, at start-up: nothing is fetched at run time, no CDN),
+`/ui/live` the JSON its dashboard polls (ui/live.py) and `/ui/history` the last minutes of it
+the server kept (ui/history.py), read once when the page opens. Open like /metrics and /health:
+the page asks for the API key itself (kept in the tab's sessionStorage) and sends it only to
+/v1."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, RedirectResponse, Response
 
+from dynaspec.server.ui.history import HISTORY_SCHEMA, LiveHistory, goodput_note
 from dynaspec.server.ui.live import LIVE_SCHEMA, live_stats
 
 _TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
@@ -46,9 +49,19 @@ def _quiet_access_log() -> None:
         access.addFilter(QuietPolls())
 
 
-def ui_router(async_engine: Any, error: Any) -> APIRouter:
-    """`error(status, message)` builds the API's error exception (api_server.APIError)."""
+def live_history(async_engine: Any) -> LiveHistory | None:
+    """The ring /ui/history serves (None without metrics); the app's lifespan runs its sampler."""
+    if async_engine.metrics is None:
+        return None
+    return LiveHistory(lambda: live_stats(async_engine.metrics, async_engine.metrics_lock,
+                                          async_engine.state))
+
+
+def ui_router(async_engine: Any, error: Any, history: LiveHistory | None = None) -> APIRouter:
+    """`error(status, message)` builds the API's error exception (api_server.APIError);
+    `history`: the samples /ui/history serves (none kept: an empty list)."""
     assets = _assets()
+    note = goodput_note(async_engine.engine.model_card())  # fixed once the engine has started
     _quiet_access_log()
     router = APIRouter()
     headers = {"Cache-Control": "no-cache", "Content-Security-Policy": _CSP,
@@ -77,6 +90,19 @@ def ui_router(async_engine: Any, error: Any) -> APIRouter:
             raise error(404, "metrics are not enabled")
         return JSONResponse(live_stats(async_engine.metrics, async_engine.metrics_lock,
                                        async_engine.state), headers={"Cache-Control": "no-store"})
+
+    @router.get("/ui/history", responses={
+        200: {"description": "the last minutes of /ui/live samples the server kept, and why "
+              "goodput is not modelled when it is not",
+              "content": {"application/json": {"schema": HISTORY_SCHEMA}}},
+        404: {"description": "metrics are not enabled"}})
+    async def past() -> JSONResponse:
+        if async_engine.metrics is None:
+            raise error(404, "metrics are not enabled")
+        kept = history if history is not None else LiveHistory(dict)
+        return JSONResponse({"interval_s": kept.interval_s, "span_s": kept.span_s,
+                             "samples": kept.samples(), "goodput_note": note},
+                            headers={"Cache-Control": "no-store"})
 
     @router.get("/ui/{name}", include_in_schema=False)
     async def static(name: str) -> Response:

@@ -1,5 +1,6 @@
-// The dashboard: polls /ui/live once a second (one small GET: no engine work), keeps the last
-// five minutes of snapshots in the tab and redraws the charts from them.
+// The dashboard: starts from the last minutes the server kept (/ui/history: one sample every
+// few seconds), then polls /ui/live once a second (one small GET: no engine work), keeps the
+// last five minutes of snapshots in the tab and redraws the charts from them.
 "use strict";
 
 const DSDashboard = (() => {
@@ -7,6 +8,8 @@ const DSDashboard = (() => {
   const S = DSSeries;
   const history = [];
   let timer = null, lastError = null;
+  // Why the goodput chart is empty when the goodput policy is not running (from /ui/history).
+  let goodputNote = null;
 
   function box(id) { return document.getElementById(id); }
 
@@ -61,7 +64,8 @@ const DSDashboard = (() => {
       }
     }
     DSCharts.lines(box("chart-goodput"), lines,
-      {...opts, emptyText: "the K policy running does not model goodput (goodput policy only)"});
+      {...opts, emptyText: goodputNote || "no goodput estimate yet (the goodput policy " +
+                                          "publishes one once requests decode)"});
   }
 
   function drawSkips(h, now, want, opts) {
@@ -128,11 +132,27 @@ const DSDashboard = (() => {
     }
   }
 
-  function start() {
+  // The samples the server kept before this page opened, so the charts show the last minutes
+  // at once; a failure only means starting from the first poll, as before.
+  async function loadHistory() {
+    try {
+      const r = await fetch("/ui/history", {cache: "no-store"});
+      if (!r.ok) return;
+      const past = await r.json();
+      goodputNote = past.goodput_note;
+      history.push(...past.samples);
+    } catch (e) {
+      lastError = String(e);
+    }
+  }
+
+  async function start() {
     document.getElementById("window-s").textContent = WINDOW_S;
+    await loadHistory();
     poll();
     timer = setInterval(poll, POLL_MS);
   }
 
-  return {start, draw, history: () => history, stop: () => clearInterval(timer)};
+  return {start, draw, history: () => history, goodputNote: () => goodputNote,
+          stop: () => clearInterval(timer)};
 })();
