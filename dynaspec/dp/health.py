@@ -28,5 +28,6 @@ def health_detail(roster: Roster) -> dict:
         # Read on the HTTP thread while the pump writes: copies made in one C call each.
         out["ranks_starting"] = sorted({*list(roster.starting), *list(roster.joining)})
         out["ranks_given_up"] = sorted(list(roster.given_up))
+        out["ranks_awaiting_their_machine"] = sorted(list(roster.awaiting_remote))
         out["last_loss"] = roster.last_loss
     return out

@@ -51,6 +51,7 @@ from dynaspec.dp.messages import (
 )
 from dynaspec.dp.process import die_with_parent
 from dynaspec.dp.regroup import GroupSwitch
+from dynaspec.dp.roster import rejoin_key
 from dynaspec.metrics.records import EngineSnapshot
 
 log = logging.getLogger("dynaspec.dp")
@@ -70,6 +71,8 @@ def rank_main(spec: RankSpec) -> None:
     code = 0
     try:
         engine, agreement, store = _start(spec)
+        if not spec.joining and store.check([rejoin_key(spec.rank)]):
+            spec = replace(spec, joining=True)  # its machine restarted it after a loss
         hb_timeout = spec.config.parallel.dp_heartbeat_timeout_s
         if hb_timeout:  # from before ready: a replacement is judged while it joins, too
             HeartbeatSender(conn, spec.rank, beat_interval_s(hb_timeout)).start()

@@ -10,7 +10,9 @@ serving ranks move at one step boundary (dp/regroup.py).
 Replacements are bounded: a slot whose replacement dies (or does not get ready) before it joins
 is retried after 1, 2, 4... s, and given up with a log line after ``MAX_START_ATTEMPTS``
 failures in a row; a rank that joined resets its count. A rank started on another machine
-(``dynaspec dp-worker``) is not restarted from here: its survivors serve without it.
+(``dynaspec dp-worker``) cannot be restarted from here: its slot waits for that machine to start
+it again (``awaiting_remote``; the rank learns it is a replacement from the store, see
+``rejoin_key``), and its survivors serve without it meanwhile.
 """
 
 from __future__ import annotations
@@ -25,6 +27,12 @@ from dynaspec.dp.messages import Regroup
 log = logging.getLogger("dynaspec.dp")
 
 MAX_START_ATTEMPTS = 3
+
+
+def rejoin_key(rank: int) -> str:
+    """The TCPStore key the front end sets when a rank of another machine is lost: a rank that
+    finds it at start is a replacement (it waits for a Regroup instead of forming group 0)."""
+    return f"dynaspec/rejoin/{rank}"
 BACKOFF_S = (1.0, 2.0, 4.0, 8.0)
 
 
@@ -54,6 +62,7 @@ class Roster:
         self.retry_at: dict[int, float] = {}  # lost slots waiting for a (re)start
         self.attempts: dict[int, int] = {}
         self.given_up: set[int] = set()
+        self.awaiting_remote: set[int] = set()  # lost ranks of other machines, not restarted here
         self.counts = ResilienceCounts()
         self.last_loss: str | None = None  # "data-parallel rank R <why>", for /health
         self.closing = False
@@ -72,8 +81,12 @@ class Roster:
                         "ranks serve)", rank, epoch, len(self.serving), self.world_size)
 
     def ready(self, rank: int) -> None:
-        """A replacement loaded its model: it joins with the next group."""
-        if self.starting.pop(rank, None) is None or self.closing:
+        """A replacement loaded its model (started here, or by its own machine's dp-worker for a
+        slot awaiting it): it joins with the next group."""
+        started_here = self.starting.pop(rank, None) is not None
+        restarted_there = rank in self.awaiting_remote
+        self.awaiting_remote.discard(rank)
+        if not (started_here or restarted_there) or self.closing:
             return
         self.joining.add(rank)
         self._regroup(tuple(sorted({*self.members, rank})), agree=True)
@@ -127,8 +140,9 @@ class Roster:
         if self.closing:
             return
         if rank not in self.local:
-            log.error("data-parallel rank %d ran on another machine: not replaced from here "
-                      "(start a dp-worker for it and restart the front end)", rank)
+            self.awaiting_remote.add(rank)
+            log.error("data-parallel rank %d ran on another machine: it rejoins when that "
+                      "machine starts it again (dynaspec dp-worker with the same ranks)", rank)
             return
         tries = self.attempts.get(rank, 0) if was_starting else 0
         if not was_starting:

@@ -32,7 +32,7 @@ from dynaspec.dp.messages import (
 from dynaspec.dp.process import RankProcess
 from dynaspec.dp.rank import spawn_spec
 from dynaspec.dp.rendezvous import Rendezvous, threads_per_rank
-from dynaspec.dp.roster import Roster
+from dynaspec.dp.roster import Roster, rejoin_key
 
 log = logging.getLogger("dynaspec.dp")
 
@@ -181,6 +181,9 @@ class RankSupervisor:
             self.ready.pop(rank, None)
             self.watch.beats.forget(rank)
         self.roster.lost(culprits)
+        for rank in culprits.keys() & self.roster.awaiting_remote:
+            if self._store is not None:  # its machine's next start of it is a replacement
+                self._store.set(rejoin_key(rank), "1")
         self.watch.restart_clock(self.roster.members)
         for rank, why in culprits.items():
             self.inbox.put(("lost", rank, f"data-parallel rank {rank} {why}"))
