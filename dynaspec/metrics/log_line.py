@@ -1,7 +1,8 @@
 """The periodic engine/speculation log line (docs/design.md §5; vLLM's `SpecDecodingLogging`,
 fixed).
 
-Differences from vLLM (reference/vllm-spec-decode.md §4.4-§4.5), on purpose:
+Differences from vLLM's `SpecDecodingLogging` (vllm/v1/spec_decode/metrics.py) and its known
+inaccuracies, on purpose:
 - per-position rates are *conditional*, accepted_per_pos[i] / drafted_per_pos[i], so deep
   positions do not look worse just because K varied;
 - an interval without drafts says "no drafts" instead of "0.0%" or NaN;

@@ -1,6 +1,6 @@
 """The device run's report.json as a figure and a summary (made on the CPU afterwards).
 
-  python -m dynaspec.train.eagle_report OUT/report.json docs/eagle_gpu_training.png
+  python -m dynaspec.train.eagle_report OUT/report.json OUT/loss.png
 
 Left: the training loss by step; middle: training top-1 per draft position; right: held-out
 acceptance per position (the share of chains whose first j drafts were all right) by prompt

@@ -4,7 +4,7 @@ Scheduler (KV lookahead = ``max_k``, the step's planned width), runner (padding 
 metrics (per-position vectors of length ``max_k``), the execution plan (``widths``: the compile
 grid) and the server card all read one ``SpecPlan``; none of them reads the raw configured K, so
 they cannot disagree about the width
-(the vLLM bug class in reference/vllm-spec-decode.md §2.5).
+(the vLLM bug class where CUDA-graph sizes are derived from the configured K, not the K that runs).
 
 Clamping: every entry becomes ``min(K, ceiling)`` where the ceiling is ``--num-spec-tokens``
 (when > 0; with 0 a schedule sets its own maximum) and the drafter's limit ``drafter_max_k``.

@@ -8,7 +8,7 @@ all of them share the verify forward whose cost the table was measured on.
 
 Context statistic: the **mean context length of the step's decoding requests, rounded up**.
 The context axis exists because long-context decode is memory-bound on KV reads, which a wider
-verify amortises (MagicDec; reference §1.7). A step reads the KV of every request, so its cost
+verify amortises (MagicDec; vLLM RFC #48627). A step reads the KV of every request, so its cost
 follows the *sum* of contexts; with the batch axis already giving the count, the mean is the
 statistic under which a mixed batch and the homogeneous batch ``dynaspec tune`` measured at
 (batch, ctx) read the same KV. The longest context would let one long request move every
