@@ -388,5 +388,5 @@ def server_num_threads() -> int:
     SSE streams and detokenization need (vLLM's CPU backend also leaves cores to its front end).
     An OpenMP team that shares its cores with them loses its barriers to preemption: on 2 cores
     under an aiperf c16 load, one engine thread gave 1.63x the output tokens of two
-    (docs/benchmarks.md, eighth session)."""
+    (docs/history/benchmarks-waves-1-4.md, eighth session)."""
     return max(1, default_num_threads() - 1)

@@ -51,8 +51,8 @@ def release_omp_pool() -> bool:
 # 300,000). With a load generator on the same 2 cores (aiperf, c16), the default spin let the
 # server collapse to 16-100 output tok/s against 125-139 at 2,000 and 150 with no spin; with
 # the cores to itself it ran 647 tok/s at the default, 681 at 2,000 and 350 with no spin
-# (docs/benchmarks.md, "Wave 3, fourth session"). A server shares its machine with its
-# clients, the HTTP loop and tokenizers, so it takes the short spin.
+# (docs/history/benchmarks-waves-1-4.md, "Wave 3, fourth session"). A server shares its machine with
+# its clients, the HTTP loop and tokenizers, so it takes the short spin.
 SERVER_SPIN_COUNT = 2000
 
 

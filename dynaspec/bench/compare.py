@@ -148,7 +148,7 @@ class EngineArm:
         # the sync driver, 1 for the pipelined one (its forward runs on a worker of its own).
         # Arms share the process, so each run restores its own: built after a sync arm, an
         # async arm's 1 ran the sync arm's steps on one core (CPU/wall 1.00 in both arms of
-        # the c8 async-vs-sync compare, docs/benchmarks.md).
+        # the c8 async-vs-sync compare, docs/history/benchmarks-waves-1-4.md).
         self.main_threads = torch.get_num_threads()
 
     @property

@@ -87,7 +87,8 @@ void tile_scalar(const Packed& p, const QuantX& qx, int64_t m0, int64_t M, int64
 // Group gi's weights, scales and minima into L1. A tile is one contiguous run of memory, so each
 // new tile starts a new stream the hardware prefetcher has to detect again: with only the
 // hardware to fetch, a step's weights streamed ~2x slower than they do with the next tile's
-// groups requested while this one computes (measured: docs/benchmarks.md, eighth session).
+// groups requested while this one computes (measured: docs/history/benchmarks-waves-1-4.md,
+// eighth session).
 // always_inline: GCC counts a function of prefetches alone as free of side effects and deletes
 // every call to it (an earlier try at prefetching here measured nothing for that reason).
 __attribute__((always_inline)) inline void prefetch_group(const Packed& p, int64_t gi) {
@@ -124,7 +125,8 @@ __attribute__((always_inline)) AVX2_TARGET inline __m256i bcast4(const int8_t* x
 // once per group (madd with ones). 8-bit weights (u up to 255) would saturate maddubs, so each is
 // split into its nibbles, u = 16 * hi + lo, each product exact, and the int32 dot is the same
 // integer (hi and lo kept apart in int16). The tied Q8_0 lm_head took the scalar loop on
-// AVX2-only CPUs before: 17.5 of a 24 ms decode step (docs/benchmarks.md, wave 4 second session).
+// AVX2-only CPUs before: 17.5 of a 24 ms decode step (docs/history/benchmarks-waves-1-4.md,
+// wave 4 second session).
 // The float sequence per row is the scalar reference's, so the bits are its bits.
 #define AVX2_MADD(W) _mm256_maddubs_epi16((W), xb)
 #define DEFINE_BLOCK_AVX2(NAME, TARGET, VNNI)                                                      \

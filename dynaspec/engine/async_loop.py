@@ -75,7 +75,7 @@ class AsyncStepLoop:
         torch.set_num_threads(1)  # the engine thread's own ops stay on it
         # Released before the worker starts: released after, the worker's parallel regions ran
         # on one thread from then on (the forward at CPU/wall 1.00: 152 against sync's 227
-        # tok/s at c8 chat, docs/benchmarks.md, wave 4 third session).
+        # tok/s at c8 chat, docs/history/benchmarks-waves-1-4.md, wave 4 third session).
         release_omp_pool()
         self.worker = ThreadPoolExecutor(1, "dynaspec-forward", _use_threads, (self.threads,))
         self.worker.submit(lambda: None).result()  # started now, with the engine's count

@@ -4,8 +4,8 @@ A step reads all of the packed weights and, in decode, the KV blocks of every ru
 which sit at random places in a pool of ~1 GB. In 4 KB pages each block is a new TLB miss (a
 nested page walk in a VM) and the hardware prefetchers stop at every page boundary: c64 decode
 attention over a 637 MB pool ran in 0.83x the time with the pool in huge pages
-(docs/benchmarks.md, seventeenth session). Where the system refuses huge pages (THP off, not
-Linux) callers get ordinary allocations.
+(docs/history/benchmarks-waves-1-4.md, seventeenth session). Where the system refuses huge pages
+(THP off, not Linux) callers get ordinary allocations.
 """
 
 from __future__ import annotations

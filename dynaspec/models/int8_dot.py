@@ -172,10 +172,10 @@ class Int8DotHead(KernelModule):
     """The output matrix (lm_head) on the int8 kernel, with its activations in two int8 parts.
 
     The int8 quantization of the lm_head's input cost 0.005 top-1 against the fp32 reference
-    (docs/benchmarks.md, fifth session: 0.9551 with one part, 0.9663 with two, llama.cpp 0.9590).
-    The residual of the first quantization is quantized again and both go through one call as
-    2M rows, so every weight is still read once; logits are the fp32 sum of the two halves.
-    Each row's result depends on that row alone (row invariance holds).
+    (docs/history/benchmarks-waves-1-4.md, fifth session: 0.9551 with one part, 0.9663 with two,
+    llama.cpp 0.9590). The residual of the first quantization is quantized again and both go through
+    one call as 2M rows, so every weight is still read once; logits are the fp32 sum of the two
+    halves. Each row's result depends on that row alone (row invariance holds).
 
     A row read only for its argmax (greedy, no logprobs, nothing processing its logits) skips the
     second part, which doubled the rows of the largest matrix: its tokens within `margin` of its

@@ -4,9 +4,9 @@ A decode step streams every weight once. Each matrix is its own allocation under
 lands in 4 KB pages: ~20,000 page walks a step (costly in a VM, where each is a nested walk), and
 the hardware prefetchers stop at every 4 KB boundary. Thirty layers of SmolLM2's matrices in one
 huge-page block ran 1 / 5 / 16 rows in 0.90 / 0.83 / 0.93x the time of one 4 KB-page block
-(docs/benchmarks.md, sixth session). The values are copied bit for bit, so nothing computed
-changes. Where the system refuses huge pages (THP off, not Linux) the copy is not made and the
-weights stay where they are.
+(docs/history/benchmarks-waves-1-4.md, sixth session). The values are copied bit for bit, so nothing
+computed changes. Where the system refuses huge pages (THP off, not Linux) the copy is not made and
+the weights stay where they are.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""An upper bound for lookup drafters on the agentic workload (docs/benchmarks.md, wave 4
-fourth session): plain greedy outputs first, then at every step the longest context suffix of
+"""An upper bound for lookup drafters on the agentic workload (docs/history/benchmarks-waves-1-4.md,
+wave 4 fourth session): plain greedy outputs first, then at every step the longest context suffix of
 2-16 tokens found anywhere earlier (every earlier prompt and output, this request's prompt and
 output so far), the most recent occurrence's next K tokens verified for free. Prints steps and
 tokens per step per request; no step is priced (the bound is on steps, not seconds).

@@ -1,4 +1,5 @@
-"""A served-like offline run with a per-step census (docs/benchmarks.md, thirteenth session).
+"""A served-like offline run with a per-step census (docs/history/benchmarks-waves-1-4.md,
+thirteenth session).
 
   python scripts/experiments/served_like_census.py THREADS CONCURRENCY REQUESTS
 

@@ -1,7 +1,8 @@
 """`bench reliability --scenario rank-kill`: the scenario runs end to end on the tiny checkpoint
 (2 ranks, a few dozen streams) and its checks that do not read a clock pass. The timed ones
 (the survivor's token gap, the time to full strength) are figures for an idle machine
-(docs/benchmarks.md), not assertions on a shared one; here they must only be measured.
+(docs/history/benchmarks-waves-1-4.md), not assertions on a shared one; here they must only be
+measured.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """`bench reliability`: each scenario's core check, on the tiny checkpoint with small counts.
 
-The figures in docs/benchmarks.md come from the same functions at full size on the default
-model; here every scenario must pass its checks, and the checks must be the ones that matter
-(preemptions really happened, requests really were aborted in the engine, fuzzed requests
-really reached it).
+The figures in docs/history/benchmarks-waves-1-4.md come from the same functions at full size on the
+default model; here every scenario must pass its checks, and the checks must be the ones that matter
+(preemptions really happened, requests really were aborted in the engine, fuzzed requests really
+reached it).
 """
 
 from __future__ import annotations

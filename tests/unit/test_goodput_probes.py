@@ -40,7 +40,8 @@ def test_collapsed_request_stops_drafting_and_is_reprobed():
 def test_a_self_sizing_drafter_is_probed_with_its_whole_cap():
     """Suffix drafts end where their evidence does, so a one-draft probe taught only the first
     position and no draft length: on the agentic workload the policy then held K=0 on 98% of
-    steps although 0.84 of the drafts it did verify were accepted (docs/benchmarks.md)."""
+    steps although 0.84 of the drafts it did verify were accepted
+    (docs/history/benchmarks-waves-1-4.md)."""
     per_width = lambda w: 0.01 * (1 + 0.3 * (w - 1))  # noqa: E731
     p = GoodputPolicy(build_spec_plan("suffix", 8, None), cost_model(per_width),
                       GoodputSettings(whole_cap=True))

@@ -42,7 +42,8 @@ class ProfileSettings:
     num_reprobe: int = 2
     # A failed first attempt is measured again only if it took less than this: a first start on
     # a busy 2-core machine spent 87 s on an attempt the load had made non-monotone, then 68 s
-    # on a second that failed the same way before the table fallback (docs/benchmarks.md).
+    # on a second that failed the same way before the table fallback
+    # (docs/history/benchmarks-waves-1-4.md).
     retry_within_s: float = 20.0
 
 

@@ -4,8 +4,8 @@ Lookup-first drafting (`lookup_first.py`) drafts from a lookup where the context
 a head elsewhere, and the two are accepted at very different rates: on held-out chat the
 lookup's first drafts at 0.58-0.74, the head's at 0.28-0.33. With one history per request the
 head's drafts pulled a request's rate down, the policy cut it to K = 0, and then the lookup's
-matches went undrafted too: eagle + n-gram ran 0.80-0.90x of n-gram alone (docs/benchmarks.md,
-eleventh session).
+matches went undrafted too: eagle + n-gram ran 0.80-0.90x of n-gram alone
+(docs/history/benchmarks-waves-1-4.md, eleventh session).
 
 So the policy keeps the fallback's acceptance and drafting cost apart. The lookup is priced from
 its own matches, as if it drafted alone; the fallback gets a cap of its own per request: the k

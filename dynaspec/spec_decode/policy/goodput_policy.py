@@ -22,12 +22,13 @@ step. The probe's rates are
 ``probe_rate`` until the engine has seen ``probe_evidence`` drafting steps, then the engine's own
 rates plus ``probe_headroom`` (at most ``probe_rate``): an EAGLE head accepted at ~0.3 at c16
 probed every new request at the optimistic rate, and each probe fed the request's whole prompt
-to the head (1.1 s of a 17.9 s run, docs/benchmarks.md, eleventh session) for drafts the policy
-then cut. Between probes, a cut request of a self-sizing drafter still verifies a draft that
-runs as deep as its cap (``strict_probes``; ``StepK.min_depth``, shallower drafts are dropped as
-``short_match``): such a draft comes from a match as long, copied text, whose acceptance the
-request's misses on short matches do not predict (agentic suffix drafts: a failed 2-token draft
-cut a request for 16 tokens, through the start of the passage it then copied at 8 of 8).
+to the head (1.1 s of a 17.9 s run, docs/history/benchmarks-waves-1-4.md, eleventh session) for
+drafts the policy then cut. Between probes, a cut request of a self-sizing drafter still verifies a
+draft that runs as deep as its cap (``strict_probes``; ``StepK.min_depth``, shallower drafts are
+dropped as ``short_match``): such a draft comes from a match as long, copied text, whose
+acceptance the request's misses on short matches do not predict (agentic suffix drafts: a failed
+2-token draft cut a request for 16 tokens, through the start of the passage it then copied at 8
+of 8).
 
 Divergence guard: when the decisions' modelled goodput and the goodput the same steps gave
 stay apart by more than ``divergence_bound`` (a factor) for ``divergence_steps`` decode steps

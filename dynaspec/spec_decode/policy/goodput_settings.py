@@ -45,7 +45,7 @@ class GoodputSettings:
     # A request's own rates: a running mean from the prior (worth request_prior_weight
     # observations) that turns into an EMA at request_alpha. A fixed EMA at 0.3 swung with each
     # draft, and the policy's choices followed the swings: on c1 code edits it ran 0.918x and
-    # 0.924x of always drafting 4 (docs/benchmarks.md, sixth session).
+    # 0.924x of always drafting 4 (docs/history/benchmarks-waves-1-4.md, sixth session).
     request_alpha: float = 0.1
     request_prior_weight: float = 2.0
     # The drafter has a fallback (Proposer.has_fallback: lookup first, a head second): its
