@@ -103,13 +103,34 @@ def parse_cpuinfo(text: str) -> Flags:
     return frozenset()
 
 
-def cpu_flags(path: str = "/proc/cpuinfo") -> Flags:
-    """This CPU's flags; none where the file cannot be read (every choice is then scalar)."""
+def parse_model_name(text: str) -> str | None:
+    """The "model name" of /proc/cpuinfo's first processor (None where none is listed)."""
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() == "model name":
+            return value.strip()
+    return None
+
+
+def _read(path: str) -> str | None:
     try:
         with open(path, encoding="utf-8") as f:
-            return parse_cpuinfo(f.read())
+            return f.read()
     except OSError:
-        return frozenset()
+        return None
+
+
+def cpu_flags(path: str = "/proc/cpuinfo") -> Flags:
+    """This CPU's flags; none where the file cannot be read (every choice is then scalar)."""
+    text = _read(path)
+    return frozenset() if text is None else parse_cpuinfo(text)
+
+
+def cpu_model_name(path: str = "/proc/cpuinfo") -> str | None:
+    """This CPU's model name; None where the file cannot be read or lists none (not Linux, or
+    an architecture whose cpuinfo names it otherwise)."""
+    text = _read(path)
+    return None if text is None else parse_model_name(text)
 
 
 def path(kernel: str, name: str) -> KernelPath:

@@ -2,16 +2,23 @@
 
 The limit is (weight bytes one decode step reads) / (measured read bandwidth): a batch-b decode
 step cannot beat it on a machine that must stream every weight once per step.
+
+With --widths it times verify-shaped steps instead: the widths take turns step by step within
+each round, and each width's cost is reported as a ratio to width 1 formed round by round, with
+its spread, so one run's ratio can be told from noise and compared with the next run's.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import asdict
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 
+from dynaspec.bench.stats import paired_ratio
 from dynaspec.engine.llm_engine import LLMEngine
 from dynaspec.engine.step_recorder import StepTimes
 from dynaspec.models.quant_linear import cpu_info
@@ -152,11 +159,56 @@ def report(engine: LLMEngine, results: list[dict], bandwidth: float) -> str:
     return "\n".join(lines)
 
 
+def interleaved_times(steps_by_width: dict[int, Callable[[], object]], rounds: int, steps: int,
+                      clock: Callable[[], float] = time.perf_counter) -> dict[int, list[float]]:
+    """ms per step of each width, one sample per round: within a round the widths take turns
+    step by step (1 5 9 1 5 9 ...), so drift (clock frequency, a neighbour's load) lands on every
+    width alike, and a width's sample is the median of its `steps` steps in that round."""
+    if rounds < 1 or steps < 1:
+        raise ValueError(f"rounds and steps must be >= 1, got rounds={rounds}, steps={steps}")
+    samples: dict[int, list[float]] = {w: [] for w in steps_by_width}
+    for _ in range(rounds):
+        times: dict[int, list[float]] = {w: [] for w in steps_by_width}
+        for _ in range(steps):
+            for w, step in steps_by_width.items():
+                t0 = clock()
+                step()
+                times[w].append(clock() - t0)
+        for w, t in times.items():
+            samples[w].append(statistics.median(t) * 1e3)
+    return samples
+
+
+@dataclass(frozen=True)
+class WidthRatio:
+    """verify(w) / verify(1) over rounds, each round's ratio formed from its own width-1 time."""
+
+    median: float
+    q1: float  # quartiles of the per-round ratios: their spread
+    q3: float
+    geomean: float  # centre of the paired interval below
+    ci_lo: float | None  # 95% t interval of the mean log ratio; None with one round
+    ci_hi: float | None
+    n: int
+
+    def fmt(self) -> str:
+        ci = "" if self.ci_lo is None else f"; 95% CI {self.ci_lo:.3f}-{self.ci_hi:.3f}"
+        return f"{self.median:.3f} (IQR {self.q1:.3f}-{self.q3:.3f}{ci}, n={self.n})"
+
+
+def width_ratio(width_ms: Sequence[float], base_ms: Sequence[float]) -> WidthRatio:
+    """The ratio of paired per-round samples (width w, width 1) with its spread."""
+    est = paired_ratio(base_ms, width_ms)
+    ratios = [w / b for w, b in zip(width_ms, base_ms)]
+    q1, med, q3 = (float(np.percentile(ratios, q)) for q in (25, 50, 75))
+    return WidthRatio(med, q1, q3, est.ratio, est.lo, est.hi, est.n)
+
+
 def run_widths(engine: LLMEngine, batches: list[int], contexts: list[int], widths: list[int],
                rounds: int = 5, steps: int = 5) -> list[dict]:
-    """Step time per (batch, context, width): the widths of one shape alternate within each round
-    (A B C A B C ...) and each sample is the median of `steps` steps; the result is the median
-    over rounds, with the ratio to width 1 in the same rounds."""
+    """Step time per (batch, context, width), the widths of one shape interleaved step by step
+    (interleaved_times); a width's time is the median over rounds, its ratio to width 1 is
+    width_ratio over the same rounds (None where width 1 was not timed)."""
     p = engine.parts
     cc = engine.config.cache
     out = []
@@ -168,34 +220,31 @@ def run_widths(engine: LLMEngine, batches: list[int], contexts: list[int], width
                 )
                 for w in widths
             }
-            for f in fns.values():
-                f()  # warm-up: oneDNN primitives, caches
-            samples: dict[int, list[float]] = {w: [] for w in widths}
-            for _ in range(rounds):
-                for w, f in fns.items():
-                    times = []
-                    for _ in range(steps):
-                        t0 = time.perf_counter()
-                        f()
-                        times.append(time.perf_counter() - t0)
-                    samples[w].append(statistics.median(times) * 1e3)
-            base = samples.get(1)
+            interleaved_times(fns, rounds=2, steps=1)  # warm-up: oneDNN primitives, caches
+            samples = interleaved_times(fns, rounds, steps)
             for w in widths:
-                ratios = [a / b_ for a, b_ in zip(samples[w], base)] if base else []
-                out.append(
-                    {
-                        "batch": b,
-                        "context_len": c,
-                        "width": w,
-                        "step_ms": statistics.median(samples[w]),
-                        "ratio_to_width_1": statistics.median(ratios) if ratios else None,
-                        "samples_ms": samples[w],
-                    }
-                )
+                out.append(_width_row(b, c, w, samples[w], samples.get(1)))
     return out
 
 
-def report_widths(engine: LLMEngine, results: list[dict], bandwidth: float) -> str:
+def _width_row(batch: int, ctx: int, width: int, ms: list[float],
+               base_ms: list[float] | None) -> dict:
+    ratio = width_ratio(ms, base_ms) if base_ms else None
+    q1, q3 = (float(np.percentile(ms, q)) for q in (25, 75))
+    return {
+        "batch": batch,
+        "context_len": ctx,
+        "width": width,
+        "step_ms": statistics.median(ms),
+        "step_ms_iqr": [q1, q3],
+        "ratio_to_width_1": ratio.median if ratio else None,
+        "ratio": asdict(ratio) if ratio else None,
+        "samples_ms": ms,
+    }
+
+
+def report_widths(engine: LLMEngine, results: list[dict], bandwidth: float,
+                  machine: dict | None = None) -> str:
     from dynaspec.models.quant_linear import linear_kernel_summary
 
     m = engine.parts.model
@@ -205,15 +254,31 @@ def report_widths(engine: LLMEngine, results: list[dict], bandwidth: float) -> s
         f"model {engine.parts.model_name}, {torch.get_num_threads()} threads, linear kernel "
         f"{linear_kernel_summary(m)}, attention {m.attn.name}",
         f"CPU: {cpu_info().summary()}",
+    ]
+    if machine:
+        paths = " ".join(f"{k}={v}" for k, v in machine["kernel_paths"].items())
+        git = machine["git"]
+        rev = "no checkout" if git is None else \
+            f"{git['commit'][:12]}{' (uncommitted changes)' if git['dirty'] else ''}"
+        lines.append(f"kernel paths: {paths}; commit {rev}; torch {machine['torch']}")
+    lines += [
         f"weights read per step: {wbytes / 1e6:.1f} MB; read bandwidth {bandwidth / 1e9:.1f} GB/s; "
         f"bandwidth-limited step {limit_ms:.2f} ms",
-        "| batch | context | width | step ms | / width 1 | bandwidth limit ms |",
-        "|---|---|---|---|---|---|",
+        "| batch | context | width | step ms | step ms IQR | / width 1 | ratio IQR | ratio 95% CI "
+        "| bandwidth limit ms |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        ratio = "" if r["ratio_to_width_1"] is None else f"{r['ratio_to_width_1']:.2f}"
         lines.append(
-            f"| {r['batch']} | {r['context_len']} | {r['width']} | {r['step_ms']:.2f} | {ratio} | "
+            f"| {r['batch']} | {r['context_len']} | {r['width']} | {r['step_ms']:.2f} | "
+            f"{r['step_ms_iqr'][0]:.2f}-{r['step_ms_iqr'][1]:.2f} | {_ratio_cells(r['ratio'])} | "
             f"{limit_ms:.2f} |"
         )
     return "\n".join(lines)
+
+
+def _ratio_cells(ratio: dict | None) -> str:
+    if ratio is None:
+        return " | | "
+    ci = "" if ratio["ci_lo"] is None else f"{ratio['ci_lo']:.3f}-{ratio['ci_hi']:.3f}"
+    return f"{ratio['median']:.3f} | {ratio['q1']:.3f}-{ratio['q3']:.3f} | {ci}"

@@ -20,13 +20,17 @@ def register(sub) -> None:
     d.add_argument(
         "--widths",
         default=None,
-        help="comma-separated verify widths (e.g. 1,2,3,4,5,8,9,16): time synthetic steps of "
-        "each width per batch size and context instead of decoding (widths alternate "
-        "within rounds; median of --rounds)",
+        help="comma-separated verify widths (e.g. 1,5,9): time synthetic steps of each width "
+        "per batch size and context instead of decoding; the widths take turns step by step "
+        "(1 5 9 1 5 9 ...) and each is reported as its ratio to width 1 (always timed) per "
+        "round: median, IQR and 95%% CI over --rounds",
     )
     d.add_argument(
         "--rounds", type=int, default=5, help="rounds of the --widths sweep (default: 5)"
     )
+    d.add_argument("--steps", type=int, default=5,
+                   help="steps per width in each round of the --widths sweep; a round's "
+                   "sample is their median (default: 5)")
     d.add_argument("--json", action="store_true")
     d.add_argument("--peer-hf", default=None, metavar="ARMS",
                    help="also run HF transformers generate on the same HF folder, same batches "
@@ -47,7 +51,15 @@ def register(sub) -> None:
                    help="output JSON (default: next to a --k-schedule file, else admission.json)")
     add_engine_args(a)
     a.set_defaults(func=run_admission_cmd)
-    from dynaspec.bench import async_cmd, census, compare_cmd, reliability, served, structured_cmd
+    from dynaspec.bench import (
+        async_cmd,
+        census,
+        compare_cmd,
+        matrix_cmd,
+        reliability,
+        served,
+        structured_cmd,
+    )
 
     async_cmd.register(bsub)
     served.register(bsub)
@@ -55,6 +67,7 @@ def register(sub) -> None:
     reliability.register(bsub)
     structured_cmd.register(bsub)
     census.register(bsub)
+    matrix_cmd.register(bsub)
 
 
 def run_admission_cmd(args: argparse.Namespace) -> int:
@@ -76,19 +89,37 @@ def run_admission_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_widths_cmd(args: argparse.Namespace, engine, contexts: list[int]) -> int:
+def _parse_widths(text: str, rounds: int, steps: int) -> list[int]:
+    """The widths to time, ascending, width 1 included (every ratio is to width 1)."""
+    try:
+        widths = {int(w) for w in text.split(",") if w.strip()}
+    except ValueError:
+        raise ValueError(f"--widths takes comma-separated integers, got {text!r}") from None
+    if not widths or min(widths) < 1:
+        raise ValueError(f"--widths takes widths >= 1, got {text!r}")
+    if rounds < 1 or steps < 1:
+        raise ValueError(f"--rounds and --steps must be >= 1, got {rounds} and {steps}")
+    return sorted(widths | {1})
+
+
+def _run_widths_cmd(args: argparse.Namespace, engine, contexts: list[int],
+                    widths: list[int]) -> int:
     from dynaspec.bench.decode import measure_read_bandwidth, report_widths, run_widths
+    from dynaspec.bench.machine import machine_record
     from dynaspec.models.quant_linear import cpu_info, linear_kernel_summary
 
-    widths = sorted({int(w) for w in args.widths.split(",")})
     batches = [int(b) for b in args.batch_sizes.split(",")]
-    results = run_widths(engine, batches, contexts, widths, rounds=args.rounds)
+    results = run_widths(engine, batches, contexts, widths, rounds=args.rounds, steps=args.steps)
     bw = measure_read_bandwidth()
     m = engine.parts.model
+    machine = machine_record(m.device)
     if args.json:
         print(
             json.dumps(
                 {
+                    "machine": machine,
+                    "rounds": args.rounds,
+                    "steps_per_round": args.steps,
                     "bandwidth_bytes_per_s": bw,
                     "weight_bytes_per_step": m.weight_bytes_per_step(),
                     "bandwidth_limited_step_ms": m.weight_bytes_per_step() / bw * 1e3,
@@ -100,7 +131,7 @@ def _run_widths_cmd(args: argparse.Namespace, engine, contexts: list[int]) -> in
             )
         )
     else:
-        print(report_widths(engine, results, bw))
+        print(report_widths(engine, results, bw, machine))
     return 0
 
 
@@ -109,14 +140,16 @@ def run_decode_cmd(args: argparse.Namespace) -> int:
     from dynaspec.config import EngineConfig
     from dynaspec.engine.llm_engine import LLMEngine
 
+    # Bad widths fail before the model loads.
+    widths = _parse_widths(args.widths, args.rounds, args.steps) if args.widths else None
     engine = LLMEngine(EngineConfig.from_kwargs(**engine_kwargs(args)))
     from dynaspec.models.quant_linear import cpu_info
 
     contexts = (
         [int(c) for c in args.context_lens.split(",")] if args.context_lens else [args.prompt_len]
     )
-    if args.widths:
-        return _run_widths_cmd(args, engine, contexts)
+    if widths:
+        return _run_widths_cmd(args, engine, contexts, widths)
     run_decode(engine, 1, args.prompt_len, 8)  # warm-up
     results = [run_decode(engine, int(b), c, args.gen_tokens)
                for c in contexts for b in args.batch_sizes.split(",")]
@@ -128,10 +161,13 @@ def run_decode_cmd(args: argparse.Namespace) -> int:
     else:
         bw = measure_read_bandwidth()
     if args.json:
+        from dynaspec.bench.machine import machine_record
+
         m = engine.parts.model
         print(
             json.dumps(
                 {
+                    "machine": machine_record(m.device),
                     "bandwidth_bytes_per_s": bw,
                     "weight_bytes_per_step": m.weight_bytes_per_step(),
                     "quantization": m.weights.mode,

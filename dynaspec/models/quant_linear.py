@@ -20,6 +20,7 @@ from functools import lru_cache
 
 import torch
 
+from dynaspec import cpu_features
 from dynaspec.models import int8_dot
 from dynaspec.models.int8_dot import Int8DotLinear
 from dynaspec.models.layers import KernelModule, Linear, keep
@@ -55,19 +56,13 @@ class CpuInfo:
 
 @lru_cache(maxsize=1)
 def cpu_info() -> CpuInfo:
-    model, flags = "unknown", set[str]()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name" and model == "unknown":
-                    model = value.strip()
-                elif key.strip() == "flags" and not flags:
-                    flags = set(value.split())
-    except OSError:  # not Linux: the model name stays unknown, torch still reports its dispatch
-        pass
+    # cpu_features is the one reader of /proc/cpuinfo; where it cannot be read (not Linux) the
+    # model name stays unknown and torch still reports its dispatch.
+    flags = cpu_features.cpu_flags()
     return CpuInfo(
-        model, torch.backends.cpu.get_cpu_capability(), tuple(f for f in _ISA_FLAGS if f in flags)
+        cpu_features.cpu_model_name() or "unknown",
+        torch.backends.cpu.get_cpu_capability(),
+        tuple(f for f in _ISA_FLAGS if f in flags),
     )
 
 

@@ -119,3 +119,15 @@ def test_compiler_options_follow_the_build_flags():
         "-mavx", "-mavx2", "-mavx512bw", "-mavx512f", "-mavx512vl", "-mf16c", "-mfma"]
     assert cf.select(_flags("zen3")).compiler_options() == ["-mavx", "-mavx2", "-mf16c", "-mfma"]
     assert cf.select(_flags("sandy_bridge")).compiler_options() == []
+
+
+def test_the_model_name_is_read_from_the_first_processor(tmp_path):
+    text = ("processor\t: 0\nmodel name\t: AMD EPYC 9R14 96-Core Processor\nflags\t\t: avx2\n"
+            "processor\t: 1\nmodel name\t: another\n")
+    assert cf.parse_model_name(text) == "AMD EPYC 9R14 96-Core Processor"
+    assert cf.parse_model_name(cpuinfo("zen4")) is None  # the recorded excerpts list none
+    f = tmp_path / "cpuinfo"
+    f.write_text(text)
+    assert cf.cpu_model_name(str(f)) == "AMD EPYC 9R14 96-Core Processor"
+    assert cf.cpu_model_name(str(tmp_path / "missing")) is None
+    assert cf.cpu_flags(str(tmp_path / "missing")) == frozenset()

@@ -22,6 +22,8 @@ import platform
 from dataclasses import dataclass
 from pathlib import Path
 
+from dynaspec.cpu_features import cpu_model_name
+
 # The cost tables' own root, read before DYNASPEC_CACHE_DIR (every cache's root): the test
 # suite isolates its measured tables without also moving the kernels' build cache (a fresh JIT
 # build of every kernel, minutes, for each run and each process it starts).
@@ -220,14 +222,7 @@ class StepCostModel:
 
 
 def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpu_model_name() or platform.processor() or platform.machine()
 
 
 def cache_dir() -> Path:
