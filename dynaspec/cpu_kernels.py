@@ -40,15 +40,41 @@ SOURCES = ("module.cpp", "paged_decode.cpp", "fused_ops.cpp", "int8_gemm.cpp", "
            "head_step.cpp")
 HEADERS = ("cpu_paths.h", "vec_exp.h", "attn_avx2.h", "attn_avx2_item.h", "attn_call.h",
            "attn_fp32.h", "attn_pairs.h", "attn_prefetch.h", "attn_reference.h", "attn_rows.h",
-           "attn_schedule.h", "row_max.h", "int8_quant.h", "int8_tiles.h", "qlinear.h")
+           "attn_schedule.h", "row_max.h", "int8_quant.h", "int8_tiles.h", "qlinear.h", "simd.h",
+           "simd_emulated.h")
 EXT_MODULE = "dynaspec._cpu_kernels"
 BUILD_WAIT_S = float(os.environ.get("DYNASPEC_KERNEL_BUILD_WAIT", "900"))
 
 
 @lru_cache(maxsize=1)
-def selection() -> cpu_features.Selection:
-    """The kernel paths for this CPU's flags, chosen once (cpu_features)."""
+def _cpu_selection() -> cpu_features.Selection:
     return cpu_features.select(cpu_features.cpu_flags())
+
+
+# Kernels serving in place of this CPU's own, with the selection they run (kernel_emulation's
+# test-only build, where every path is allowed); None: this CPU's module and selection.
+_serving: tuple[object, cpu_features.Selection] | None = None
+
+
+def selection() -> cpu_features.Selection:
+    """The kernel paths for this CPU's flags, chosen once (cpu_features); the serving module's
+    inside `serving`."""
+    return _serving[1] if _serving is not None else _cpu_selection()
+
+
+@contextmanager
+def serving(mod, sel: cpu_features.Selection):
+    """Every caller of extension() and selection() gets `mod` and `sel` until exit: how the
+    tests run the kernel wrappers (attention, int8 GEMM, fused ops) on the emulated build. Not
+    reentrant, not for the engine."""
+    global _serving
+    if _serving is not None:
+        raise RuntimeError("the kernels are already being served by another module")
+    _serving = (mod, sel)
+    try:
+        yield mod
+    finally:
+        _serving = None
 
 
 def _options(tag: str) -> list[str]:
@@ -161,14 +187,14 @@ def paths_without(*names: str):
         _configured(mod)
 
 
-def build_dir(tag: str) -> str:
-    """This install's own JIT directory: keyed by the package's path and the source hash, so two
-    installs (or checkouts) never build over each other's files."""
+def build_dir(tag: str, key: str | None = None) -> str:
+    """This install's own JIT directory: keyed by the package's path and the source hash (or
+    `key`), so two installs (or checkouts) never build over each other's files."""
     root = os.environ.get("DYNASPEC_CACHE_DIR") or os.path.join(
         os.path.expanduser("~"), ".cache", "dynaspec"
     )
     install = hashlib.sha256(os.path.abspath(os.path.dirname(__file__)).encode()).hexdigest()[:10]
-    return os.path.join(root, "kernels", f"{tag}-{source_hash(tag)}-{install}")
+    return os.path.join(root, "kernels", f"{tag}-{key or source_hash(tag)}-{install}")
 
 
 def _lock(path: str, wait_s: float):
@@ -198,9 +224,13 @@ def _lock(path: str, wait_s: float):
 
 
 def _jit(tag: str):
+    return jit_build(f"dynaspec_cpu_kernels_{tag}", compile_flags(tag), build_dir(tag), tag)
+
+
+def jit_build(name: str, cflags: list[str], where: str, what: str):
+    """csrc built as module `name` with these flags into `where`, once, under the lock."""
     from torch.utils.cpp_extension import load
 
-    where = build_dir(tag)
     os.makedirs(where, exist_ok=True)
     fd = _lock(os.path.join(where, "dynaspec.lock"), BUILD_WAIT_S)
     try:
@@ -212,14 +242,14 @@ def _jit(tag: str):
             log.info(
                 "building the dynaspec CPU kernels for %s into %s (not built at install; ~1-4 min "
                 "once)",
-                tag,
+                what,
                 where,
             )
         t0 = time.perf_counter()
         mod = load(
-            name=f"dynaspec_cpu_kernels_{tag}",
+            name=name,
             sources=[os.path.join(_CSRC, s) for s in SOURCES],
-            extra_cflags=compile_flags(tag),
+            extra_cflags=cflags,
             extra_ldflags=["-fopenmp"],
             build_directory=where,
             verbose=False,
@@ -244,15 +274,19 @@ def _load():
         return f"{type(exc).__name__}: {lines[-1] if lines else ''}"
 
 
+def _module():
+    return _serving[0] if _serving is not None else _load()
+
+
 def available() -> tuple[bool, str]:
-    mod = _load()
+    mod = _module()
     return (False, mod) if isinstance(mod, str) else (True, "")
 
 
 def extension():
     """The module (paged_decode, rms_norm, add_rms_norm, silu_mul, rope_inplace, int8_gemm);
     raises if unavailable."""
-    mod = _load()
+    mod = _module()
     if isinstance(mod, str):
         raise RuntimeError(f"the dynaspec CPU kernels could not be built: {mod}")
     return mod
@@ -261,6 +295,8 @@ def extension():
 def loaded():
     """The module if something has already loaded it, else None: never builds (callers outside
     the model, such as the sampler, must not start a build the model itself did not need)."""
+    if _serving is not None:
+        return _serving[0]
     if _load.cache_info().currsize == 0:
         return None
     mod = _load()

@@ -10,7 +10,7 @@
 
 #include <torch/extension.h>
 
-#include <immintrin.h>
+#include "simd.h"
 
 #include "vec_exp.h"
 
@@ -20,7 +20,7 @@
 #include <type_traits>
 #include <vector>
 
-#define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
+#define AVX2_TARGET DYNASPEC_TARGET("avx2,fma,f16c")
 
 namespace {
 

@@ -7,7 +7,7 @@
 
 #include "attn_rows.h"
 
-#include <immintrin.h>
+#include "simd.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -42,7 +42,7 @@ inline void transpose_keys(const float* __restrict kf, float* __restrict kt, int
     for (int64_t d = 0; d < D; ++d) kt[d * KEY_LANES + t] = kf[t * D + d];
 }
 
-#if defined(__AVX512F__)
+#if defined(DYNASPEC_AVX512)
 template <typename T>
 inline __m512 load16(const T* p) {
   if constexpr (std::is_same_v<T, float>) {
@@ -68,7 +68,7 @@ inline void transpose_keys_from(const T* __restrict src, int64_t stride, int64_t
 // One cached row to fp32 (exact), 16 values per instruction where D allows.
 template <typename T>
 inline void row_to_float(const T* src, float* dst, int64_t D) {
-#if defined(__AVX512F__)
+#if defined(DYNASPEC_AVX512)
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
     if (D % 16 == 0) {
       for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(dst + d, load16(src + d));
@@ -82,7 +82,7 @@ inline void row_to_float(const T* src, float* dst, int64_t D) {
 // 16 keys of one KV head, converted to fp32 and transposed to kt (rows n.. zero).
 template <typename T>
 inline void load_keys(const T* src, int64_t stride, int64_t n, float* kf, float* kt, int64_t D) {
-#if defined(__AVX512F__)
+#if defined(DYNASPEC_AVX512)
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
     if (D % 16 == 0) {
       transpose_keys_from(src, stride, n, kt, D);

@@ -16,7 +16,7 @@
 #include "row_max.h"
 #include "vec_exp.h"
 
-#include <immintrin.h>
+#include "simd.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -24,7 +24,7 @@
 
 namespace {
 
-#if defined(__AVX512F__)
+#if defined(DYNASPEC_AVX512)
 // A row's D / 16 accumulators hold its dims interleaved as vpunpck{l,h}wd leave them: lane
 // 4i + l of accumulator 2c + hi is dim 32c + 8i + 4hi + l (store_pairs_row puts them back).
 

@@ -3,7 +3,7 @@
 // no result depends on them.
 #pragma once
 
-#include <immintrin.h>
+#include "simd.h"
 
 #include <algorithm>
 #include <cstdint>

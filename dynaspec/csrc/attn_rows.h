@@ -8,7 +8,7 @@
 #include "row_max.h"
 #include "vec_exp.h"
 
-#include <immintrin.h>
+#include "simd.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -37,7 +37,7 @@ inline void axpy_rows(float* __restrict acc, const float* __restrict p, const fl
 // L, L + 16, ... in order; the lanes then add in one tree (see reduce16). Every row of every step
 // runs this sequence, so the path keeps row invariance. (The fp32 path it replaces ran one
 // 64-long dependent FMA chain per row and 16 keys, plus a transpose: ~5x the time at batch 32.)
-#define BF16DOT_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
+#define BF16DOT_TARGET DYNASPEC_TARGET("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")
 // Run only on the attention.avx512_bf16 path (dynaspec/cpu_features.py), where the CPU has them.
 
 // out lane t = the 16 lanes of a[t] summed as ((b0 + b1) + (b2 + b3)) over 128-bit blocks bk,
@@ -112,7 +112,7 @@ BF16DOT_TARGET inline void scores_bf16(const c10::BFloat16* q, const c10::BFloat
 
 // Row i of a 16 x 16 block of 32-bit values to column i of out (out[c * 16 + i] = r[i] lane c).
 // Only data moves (the lanes may hold fp32 or bf16 pairs alike).
-__attribute__((target("avx512f"))) inline void transpose16x16(const __m512* r, float* out) {
+DYNASPEC_TARGET("avx512f") inline void transpose16x16(const __m512* r, float* out) {
   __m512 t[16], u[16];
   for (int i = 0; i < 16; i += 2) {
     t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
@@ -164,8 +164,12 @@ BF16DOT_TARGET inline void transpose_key_pairs(const c10::BFloat16* k0, int64_t 
 // broadcast, which GCC does not fold from _mm512_set1_epi32. Which operand holds q does not
 // matter: each lane adds its two exact products in the same order either way.
 BF16DOT_TARGET inline __m512 dpbf16_bcast(__m512 acc, __m512bh k, const int32_t* q) {
+#if defined(DYNASPEC_EMULATED)  // the instruction's operation, through the intrinsic
+  return _mm512_dpbf16_ps(acc, k, (__m512bh)_mm512_set1_epi32(*q));
+#else
   asm("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(k), "m"(*q));
   return acc;
+#endif
 }
 
 // s(r)[t] = scale * q(r) . k_t for R rows and the n <= 16 keys of kt (D = 32 * NC), row r's
@@ -234,7 +238,7 @@ BF16DOT_TARGET void scores_rows_bf16(const float* kt, int64_t R, QRow&& qrow, fl
   }
 }
 
-#if defined(__AVX512F__)
+#if defined(DYNASPEC_AVX512)
 // 16 values of a value row as fp32: fp32 rows as they are, bf16 rows widened exactly.
 template <typename VT>
 inline __m512 vload16(const VT* p) {
@@ -284,7 +288,7 @@ inline void pv_rows_block(float* const* acc, const float* const* p, const VT* __
 // registers by fma where D allows, else acc + p * v as plain loops (the fp32 path's rounding).
 inline void accumulate_v(float* acc, const float* p, const float* v, int64_t n, int64_t D,
                          bool v512) {
-#if defined(__AVX512F__)
+#if defined(DYNASPEC_AVX512)
   if (v512) switch (D) {
       case 64: return pv_rows<4>(acc, p, v, D, n);
       case 128: return pv_rows<8>(acc, p, v, D, n);
@@ -295,7 +299,7 @@ inline void accumulate_v(float* acc, const float* p, const float* v, int64_t n, 
   axpy_rows(acc, p, v, n, D);
 }
 
-#if defined(__AVX512F__)
+#if defined(DYNASPEC_AVX512)
 // RB rows over the values they all see, together; the rest of a longer row alone after them.
 template <int NV, int RB, typename VT>
 inline void pv_group(float* const* a, const float* const* p, const int64_t* seen, const VT* v,
@@ -317,7 +321,7 @@ inline void pv_group(float* const* a, const float* const* p, const int64_t* seen
 template <typename VT, typename Acc, typename Prob, typename Seen>
 inline bool accumulate_v_rows(int64_t R, Acc&& acc, Prob&& prob, Seen&& seen, const VT* v,
                               int64_t vs, int64_t D) {
-#if defined(__AVX512F__)
+#if defined(DYNASPEC_AVX512)
   if (D != 64 && D != 128) return false;
   const int64_t rb = D == 64 ? 4 : 2;
   for (int64_t r = 0; r < R; r += rb) {
@@ -354,7 +358,7 @@ inline bool accumulate_v_rows(int64_t R, Acc&& acc, Prob&& prob, Seen&& seen, co
 inline float exp_shifted_sum(float* e, int64_t n, float mx) {
   float lanes[16] = {0.f};
   int64_t t = 0;
-#if defined(__AVX512F__)
+#if defined(DYNASPEC_AVX512)
   // The rows' last n % 16 keys (7.5 on average: a prefill tile's rows end at every position)
   // as a masked vector too: the scalar exps of those tails cost as much as the vector ones.
   const __m512 m = _mm512_set1_ps(mx);
@@ -389,7 +393,7 @@ inline void softmax_row(float* srow, int64_t Ct, int64_t lo, int64_t pos) {
   const float inv = 1.f / exp_shifted_sum(e, n, row_max(e, n));
   std::fill(srow, e, 0.f);
   int64_t t = 0;
-#if defined(__AVX512F__)
+#if defined(DYNASPEC_AVX512)
   const __m512 v = _mm512_set1_ps(inv);
   for (; t + 16 <= n; t += 16) _mm512_storeu_ps(e + t, _mm512_mul_ps(_mm512_loadu_ps(e + t), v));
   if (t < n) {

@@ -2,12 +2,14 @@
 // CPU's flags: set once through set_cpu_paths when the module is loaded, and until then every
 // choice is the scalar one. Nothing here asks the CPU itself: one selection, made in Python from
 // sets of flags (never a ladder of ISAs), decides every path. Paths compiled only into an
-// AVX-512 build (#if defined(__AVX512F__)) are not switched here: a module built with flags the
+// AVX-512 build (#if defined(DYNASPEC_AVX512)) are not switched here: a module built with flags the
 // CPU lacks is refused before it is imported (cpu_kernels.py), and set_cpu_paths checks that
 // the build paths it is told of are the ones compiled in.
 #pragma once
 
 #include <torch/extension.h>
+
+#include "simd.h"
 
 #include <cstdint>
 #include <string>
@@ -40,7 +42,7 @@ enum class AttnPath : int64_t { Scalar = 0, Fp32 = 1, Avx2 = 2, Avx512 = 3, Avx5
 inline constexpr const char* kAttnPaths[] = {"scalar", "fp32", "avx2", "avx512", "avx512_bf16"};
 inline constexpr int kNumAttnPaths = 5;
 
-#if defined(__AVX512F__)
+#if defined(DYNASPEC_AVX512)
 inline constexpr bool kAvx512Build = true;
 #else
 inline constexpr bool kAvx512Build = false;

@@ -8,7 +8,7 @@
 #include "row_max.h"
 #include "vec_exp.h"
 
-#include <immintrin.h>
+#include "simd.h"
 
 #include <cmath>
 #include <cstdint>
@@ -86,7 +86,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
       for (int64_t r = begin; r < end; ++r) {
         const scalar_t* gate = g + r * 2 * inter;
         const scalar_t* up = gate + inter;
-#if defined(__AVX512F__)
+#if defined(DYNASPEC_AVX512)
         if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
           if (inter % 16 == 0) {  // the scalar loop below, 16 lanes at a time (the same bits)
             for (int64_t i = 0; i < inter; i += 16) {
@@ -96,7 +96,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
             continue;
           }
         }
-#elif defined(__AVX2__)
+#elif defined(DYNASPEC_AVX2)
         if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
           if (inter % 8 == 0) {  // the scalar loop below, 8 lanes at a time (the same bits)
             for (int64_t i = 0; i < inter; i += 8) {
@@ -140,7 +140,7 @@ void rope_inplace(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64
         const S* s = sp + t * half;
         for (int64_t h = 0; h < heads; ++h) {
           S* x = base + t * stride + h * head_dim;
-#if defined(__AVX512F__)
+#if defined(DYNASPEC_AVX512)
           if constexpr (std::is_same_v<S, c10::BFloat16>) {
             if (half % 16 == 0) {  // the loop below on 16 lanes: the same roundings
               for (int64_t i = 0; i < half; i += 16) {
@@ -203,7 +203,7 @@ void exact_near_max(torch::Tensor logits, torch::Tensor rows, torch::Tensor x, t
       const float thr = row_max(y, N) - static_cast<float>(margin);
       hits.clear();
       int64_t i = 0;
-#if defined(__AVX512F__)
+#if defined(DYNASPEC_AVX512)
       const __m512 t = _mm512_set1_ps(thr);
       for (; i + 16 <= N; i += 16) {  // hits are a handful per row: test 16 at a time
         __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(y + i), t, _CMP_GE_OQ);
@@ -244,7 +244,7 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
       float mx = -std::numeric_limits<float>::infinity();
       bool nan = false;
       int64_t i = 0;
-#if defined(__AVX512F__)
+#if defined(DYNASPEC_AVX512)
       __m512 m = _mm512_set1_ps(mx);
       __mmask16 un = 0;
       for (; i + 16 <= N; i += 16) {  // the maximum, and whether any lane was NaN
@@ -266,7 +266,7 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
         op[r] = i;
         continue;
       }
-#if defined(__AVX512F__)
+#if defined(DYNASPEC_AVX512)
       const __m512 t = _mm512_set1_ps(mx);
       for (; i + 16 <= N && best < 0; i += 16) {
         const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(y + i), t, _CMP_EQ_OQ);

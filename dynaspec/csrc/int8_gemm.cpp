@@ -19,7 +19,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include <immintrin.h>
+#include "simd.h"
 
 #include "cpu_paths.h"
 #include "int8_quant.h"
@@ -42,8 +42,12 @@ namespace {
 // broadcast, which GCC does not fold from _mm512_set1_epi32 (a separate broadcast per row and
 // step cost issue slots the dot products needed).
 AVX512_TARGET inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int32_t* x) {
+#if defined(DYNASPEC_EMULATED)  // the instruction's operation, through the intrinsic
+  return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(*x));
+#else
   asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
   return acc;
+#endif
 }
 
 // 16 scales (or minima) from i on as fp32: the conversion from fp16 is exact.
@@ -224,7 +228,7 @@ void store_rows(const float* acc, int64_t M, int64_t tile, int64_t N, T* y, bool
     }
 }
 
-#if defined(__AVX512F__)
+#if defined(DYNASPEC_AVX512)
 // Output tile `tile` of silu(gate) * up from a gate tile's and its up tile's accumulators: each
 // rounded to bf16 as int8_gemm stores them, then silu_mul16 as silu_mul runs on those stores.
 BF16CVT_TARGET void store_silu_rows_cvt(const float* g, const float* u, int64_t M, int64_t tile,
@@ -303,7 +307,7 @@ void gemm(const T* x, const Packed& p, int64_t M, T* y, Isa isa, bool silu = fal
             const int64_t m0 = u / nt * ROW_CHUNK, tile = t0 + u % nt;
             const int64_t rows = std::min<int64_t>(ROW_CHUNK, M - m0);
             dispatch_tile(isa, p, qx, m0, rows, tile, acc.data());
-#if defined(__AVX512F__)
+#if defined(DYNASPEC_AVX512)
             if constexpr (std::is_same_v<T, c10::BFloat16>) {
               if (silu) {
                 dispatch_tile(isa, p, qx, m0, rows, tile + outs, acc.data() + chunk);
@@ -378,7 +382,7 @@ torch::Tensor int8_gemm_silu(torch::Tensor x, torch::Tensor w, torch::Tensor d,
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x: a contiguous [M, K] matrix");
   TORCH_CHECK(N % 2 == 0, "int8_gemm_silu: N must stack gate and up rows (even)");
   bool fused = false;
-#if defined(__AVX512F__)
+#if defined(DYNASPEC_AVX512)
   fused = selected_isa() == Isa::Avx512Vnni && x.scalar_type() == torch::kBFloat16 &&
           N % (2 * TILE) == 0;
 #endif

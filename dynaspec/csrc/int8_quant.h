@@ -6,7 +6,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include <immintrin.h>
+#include "simd.h"
 
 #include "vec_exp.h"
 
@@ -19,7 +19,7 @@
 #include <vector>
 
 #ifndef AVX512_TARGET
-#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma")))
+#define AVX512_TARGET DYNASPEC_TARGET("avx512f,avx512bw,avx512vl,avx512vnni,fma")
 #endif
 
 namespace int8q {
@@ -181,7 +181,7 @@ AVX512_TARGET inline void quantize_lanes_bf16(const c10::BFloat16* x, int64_t K,
 }
 
 // The sum of 8 int32 lanes (a function: a lambda would not inherit the caller's target).
-__attribute__((target("avx2"))) inline int32_t hsum8_epi32(__m256i a) {
+DYNASPEC_TARGET("avx2") inline int32_t hsum8_epi32(__m256i a) {
   __m128i t = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
   t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
   t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
@@ -193,9 +193,8 @@ __attribute__((target("avx2"))) inline int32_t hsum8_epi32(__m256i a) {
 // scalar's own divisions, and v * id, its rounding to nearest even and the clamp are each one
 // IEEE step, so the bytes, scales and sums are the scalar's.
 template <typename T>
-__attribute__((target("avx2,fma,f16c"))) inline void quantize_block_avx2(const T* xb, int8_t* qb,
-                                                                         int G, float* d,
-                                                                         int32_t* sum) {
+DYNASPEC_TARGET("avx2,fma,f16c")
+inline void quantize_block_avx2(const T* xb, int8_t* qb, int G, float* d, int32_t* sum) {
   __m256 v[4];
   for (int j = 0; j < 4; ++j) {
     if constexpr (std::is_same_v<T, float>) {

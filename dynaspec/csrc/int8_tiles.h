@@ -5,7 +5,7 @@
 
 #include <torch/extension.h>
 
-#include <immintrin.h>
+#include "simd.h"
 
 #include "int8_quant.h"
 
@@ -100,7 +100,7 @@ __attribute__((always_inline)) inline void prefetch_group(const Packed& p, int64
 }
 
 // ---- AVX2 (with AVX-VNNI where present, else maddubs + madd) -----------------------------------
-#define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
+#define AVX2_TARGET DYNASPEC_TARGET("avx2,fma,f16c")
 
 AVX2_TARGET inline __m256 scales8(const Packed& p, const void* a, int64_t i) {
   if (!p.half) return _mm256_loadu_ps(static_cast<const float*>(a) + i);
@@ -131,8 +131,9 @@ __attribute__((always_inline)) AVX2_TARGET inline __m256i bcast4(const int8_t* x
 #define AVX2_MADD(W) _mm256_maddubs_epi16((W), xb)
 #define DEFINE_BLOCK_AVX2(NAME, TARGET, VNNI)                                                      \
   template <int RB, int BITS, int G, bool MN>                                                      \
-  __attribute__((target(TARGET))) void NAME(const Packed& p, const QuantX& qx, int64_t m0,         \
-                                            int64_t tile, int half, float* acc, bool pf) {         \
+  DYNASPEC_TARGET(TARGET)                                                                          \
+  void NAME(const Packed& p, const QuantX& qx, int64_t m0, int64_t tile, int half, float* acc,     \
+            bool pf) {                                                                             \
     constexpr int STEPS = G / 4, HALF = STEPS / 2;                                                 \
     const int64_t ng = p.K / G;                                                                    \
     const __m256i lo = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);                        \
@@ -202,8 +203,8 @@ constexpr int RB_AVX2 = 4;  // 4 rows: 8 accumulators (+4 for 8-bit) and 4 for w
 // M rows of a tile in register blocks; pf as rows_avx512: the first pass over the tile only.
 #define DEFINE_TILE_AVX2(NAME, BLOCK, TARGET)                                                     \
   template <int BITS, int G, bool MN>                                                             \
-  __attribute__((target(TARGET))) void NAME(const Packed& p, const QuantX& qx, int64_t m0,        \
-                                            int64_t M, int64_t tile, float* acc) {                \
+  DYNASPEC_TARGET(TARGET)                                                                         \
+  void NAME(const Packed& p, const QuantX& qx, int64_t m0, int64_t M, int64_t tile, float* acc) { \
     const bool pf = m0 == 0 && tile + 1 < p.N / TILE;                                             \
     for (int half = 0; half < 2; ++half) {                                                        \
       int64_t r = 0;                                                                              \

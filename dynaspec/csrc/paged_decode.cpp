@@ -37,7 +37,7 @@
 #include "cpu_paths.h"
 #include "vec_exp.h"
 
-#include <immintrin.h>
+#include "simd.h"
 
 #include <algorithm>
 #include <array>
@@ -137,7 +137,7 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
     std::vector<float> kf(KEY_LANES * D), kt(KEY_LANES * D), vf(block_size * D);
     std::vector<float> part;  // scores_rows_bf16's block sums: [4][R][16], sized when first used
     std::vector<const T*> qptr;
-#if defined(__AVX512F__)
+#if defined(DYNASPEC_AVX512)
     std::vector<c10::BFloat16> pb;  // bf16 probabilities: [R][Ct rounded up to a pair]
     std::vector<float> inv;         // [R]: 1 / each row's sum of exps
     std::vector<int32_t> vpairs;    // V_CHUNK blocks of value pairs: [pairs][D / 16][16]
@@ -302,7 +302,7 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
         }
       }
       auto acc = [&](int64_t r) { return accf.data() + r * D; };
-#if defined(__AVX512F__)
+#if defined(DYNASPEC_AVX512)
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
         if (pairs_pv && tree[b]) {
           if (D == 64) tree_rows_in_pairs(std::integral_constant<int, 4>{}, b, h, j0, R, Ct);

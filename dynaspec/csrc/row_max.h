@@ -2,12 +2,12 @@
 // search (fused_ops.cpp exact_near_max).
 #pragma once
 
-#include <immintrin.h>
+#include "simd.h"
 
 #include <cstdint>
 #include <limits>
 
-#if defined(__AVX512F__)
+#if defined(DYNASPEC_AVX512)
 // The first k (< 16) lanes: a row's tail as one masked vector.
 inline __mmask16 first_lanes(int64_t k) { return static_cast<__mmask16>((1u << k) - 1u); }
 #endif
@@ -17,7 +17,7 @@ inline __mmask16 first_lanes(int64_t k) { return static_cast<__mmask16>((1u << k
 inline float row_max(const float* x, int64_t n) {
   float mx = -std::numeric_limits<float>::infinity();
   int64_t t = 0;
-#if defined(__AVX512F__)
+#if defined(DYNASPEC_AVX512)
   __m512 m = _mm512_set1_ps(mx);
   for (; t + 16 <= n; t += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(x + t));
   if (t < n) {  // the tail as a masked load: -inf in the lanes past n

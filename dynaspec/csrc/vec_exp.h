@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-#include <immintrin.h>
+#include "simd.h"
 
 // The constants of every form (scalar, 8 and 16 lanes): one copy, so the forms keep one result.
 namespace expc {
@@ -35,7 +35,7 @@ inline float exp_vec(float x) {
 
 // The 8-lane forms: target-attributed, so any build compiles them and a path chosen at run time
 // (attention's AVX2 rows) or an AVX2 build's loops can call them.
-#define VEC8_TARGET __attribute__((target("avx2,fma,f16c")))
+#define VEC8_TARGET DYNASPEC_TARGET("avx2,fma,f16c")
 
 // exp_vec above on 8 lanes: the same operations in the same order, so the same bits for
 // any finite x.
@@ -91,7 +91,7 @@ VEC8_TARGET inline __m256 silu_mul8(__m256 gate, __m256 up) {
   return _mm256_mul_ps(bf16x8_round(silu), up);
 }
 
-#if defined(__AVX512F__)
+#if defined(DYNASPEC_AVX512)
 // exp_vec on 16 lanes, the same operations in the same order (so the same bits for any finite
 // x; the compiler left the scalar loop unvectorised, and softmax's exps were then ~40% of an
 // attention step).
@@ -118,7 +118,7 @@ inline __m512 exp16(__m512 x) {
 // bf16 <-> fp32 on 16 lanes as c10::BFloat16 converts (exact up; down to nearest even, NaN to
 // 0x7FC0), so vector loops round exactly where the scalar ones did. Target-attributed rather than
 // guarded: the int8 GEMM's AVX-512 path is chosen at run time and calls them from any build.
-#define BF16X16_TARGET __attribute__((target("avx512f,avx512bw")))
+#define BF16X16_TARGET DYNASPEC_TARGET("avx512f,avx512bw")
 
 BF16X16_TARGET inline __m512 bf16x16_load(const void* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -146,7 +146,7 @@ BF16X16_TARGET inline void bf16x16_store(void* p, __m512 v) {
 // It takes subnormal inputs as zero and keeps a NaN's sign and payload, so lanes holding either
 // (fpclass: QNaN 0x01, subnormal 0x20, SNaN 0x80; rare) take the integer path, which rounds
 // them as c10::BFloat16 does. For callers allowed bf16_convert.avx512_bf16 (cpu_paths.h).
-#define BF16CVT_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+#define BF16CVT_TARGET DYNASPEC_TARGET("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
 
 BF16CVT_TARGET inline __m256i bf16x16_pack_cvt(__m512 v) {
   if (_mm512_fpclass_ps_mask(v, 0xA1) == 0) return (__m256i)_mm512_cvtneps_pbh(v);
@@ -161,7 +161,7 @@ BF16CVT_TARGET inline void bf16x16_store_cvt(void* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16x16_pack_cvt(v));
 }
 
-#if defined(__AVX512F__)
+#if defined(DYNASPEC_AVX512)
 // silu(gate) * up on 16 lanes of bf16 values (as fp32), rounded as the eager ops round: silu to
 // bf16, then the product (the caller's store rounds it). silu_mul and the gate|up GEMM's fused
 // epilogue both call this, so the two give the same bits.

@@ -1,0 +1,99 @@
+"""Each C++ kernel path's tests on any CPU: natively where the CPU has the path's flags, emulated
+(dynaspec.kernel_emulation: the same source against SIMDe) where it does not, and both where it
+does, the emulated run then required to give the native run's bits (the test of the emulation).
+
+A test takes `path, mode` from `cases(kernel, paths)` and runs its body through `run`, which
+records what ran for the suite's summary (tests/conftest.py prints, per kernel path, natively,
+emulated, or not at all)."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from dynaspec import cpu_features as cf
+from dynaspec import cpu_kernels, kernel_emulation
+
+# "kernel.path" -> the modes its tests ran in this session (read by tests/conftest.py).
+RAN: dict[str, set[str]] = {}
+
+
+def native_lacks(kernel: str, path: str) -> list[str]:
+    """The flags this CPU (or its build) lacks for `path`; ["the kernels"] where none are built."""
+    if not cpu_kernels.available()[0]:
+        return ["the kernels"]
+    sel = cpu_kernels.selection()
+    return cf.missing(cf.path(kernel, path), sel.flags, sel.build.flags)
+
+
+def modes(kernel: str, path: str) -> list[str]:
+    """native where this CPU runs `path`; emulated wherever the path needs any CPU flag (a plain
+    path is the same code either way)."""
+    out = [] if native_lacks(kernel, path) else ["native"]
+    if kernel_emulation.emulated(kernel, path):
+        out.append("emulated")
+    return out or ["native"]  # a plain path with no kernels built: skips as every test does
+
+
+def cases(kernel: str, paths) -> list:
+    """(path, mode) parameters: every path in each mode it can run in on this machine."""
+    return [pytest.param(p, m, id=f"{p}-{m}") for p in paths for m in modes(kernel, p)]
+
+
+@contextmanager
+def mode_of(mode: str):
+    """The kernels of `mode` serving cpu_kernels' callers; an emulated run skips (naming what to
+    install) where SIMDe or a compiler is missing."""
+    if mode == "native":
+        if not cpu_kernels.available()[0]:
+            pytest.skip(f"the C++ kernels are not built: {cpu_kernels.available()[1]}")
+        yield
+        return
+    ok, why = kernel_emulation.available()
+    if not ok:
+        pytest.skip(f"the emulated kernels cannot be built here: {why}")
+    with kernel_emulation.active():
+        yield
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().flatten().view(torch.uint8)
+
+
+def _same(a, b) -> bool:
+    """Equal bits (NaNs included), tensor by tensor."""
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a), _bits(b))
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def run(kernel: str, path: str, mode: str, body):
+    """body() with `mode`'s kernels serving; an emulated run of a path this CPU also runs natively
+    must give the native run's bits."""
+    with mode_of(mode):
+        got = body()
+    RAN.setdefault(f"{kernel}.{path}", set()).add(mode)
+    if mode == "emulated" and not native_lacks(kernel, path):
+        assert _same(got, body()), f"{kernel}.{path}: the emulation differs from this CPU's bits"
+    return got
+
+
+def build_path(kernel: str, mode: str) -> str:
+    """The path of a build-wide kernel (exp, row_max) that `mode`'s module runs."""
+    sel = kernel_emulation.selection() if mode == "emulated" else cpu_kernels.selection()
+    return sel.chosen[kernel]
+
+
+# The fused ops run their build's paths: the emulated build's are AVX-512's on every CPU.
+BUILD_MODES = ["native", "emulated"]
+
+
+def run_build(mode: str, body):
+    """run() for code on the build's own paths (exp and row_max: the fused ops, softmax)."""
+    got = run("exp", build_path("exp", mode), mode, body)
+    RAN.setdefault(f"row_max.{build_path('row_max', mode)}", set()).add(mode)
+    return got
