@@ -155,6 +155,10 @@ class SpecConfig:
     # Token trees (docs/design.md §4c): the request's draft budget becomes a node budget.
     draft_tree: bool = opt(False, "ngram/suffix draft token trees (several continuations, "
                            "verified in one step) instead of chains")
+    # The replay oracle's input (spec_decode/drafters/oracle.py); a dict is its JSON object.
+    oracle_recording: str | dict | None = opt(
+        None, "oracle: the target's recorded outputs it replays, a JSON file or text "
+        '({"requests": [{"prompt": [ids], "output": [ids]}]}); bench and tests only', type=str)
     rejection_mode: str = opt("strict", "verification", choices=reg.REJECTION_MODES)
     # Per-position conditional rates; the last applies to every later position.
     synthetic_acceptance: str | float | tuple[float, ...] | None = opt(
@@ -187,6 +191,9 @@ class SpecConfig:
                              f"{self.speculator}")
         if self.speculator == "draft" and not self.draft_model:
             raise ValueError("--speculator draft needs --draft-model PATH")
+        if (self.speculator == "oracle") != (self.oracle_recording is not None):
+            raise ValueError("--speculator oracle needs --oracle-recording, which applies to it "
+                             f"only (got --speculator {self.speculator})")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(
                 "need 1 <= prompt_lookup_min <= prompt_lookup_max, got "

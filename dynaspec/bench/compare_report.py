@@ -81,6 +81,11 @@ def build_report(arms: Mapping[str, Arm], records: list[RunRecord], settings: di
             est = paired_ratio([r.tokens_per_s for r in base], [r.tokens_per_s for r in recs])
             ratios[name] = {**est.to_dict(), "ci95": [est.lo, est.hi], "text": est.fmt(),
                             "outputs_vs_a": same_outputs(recs, base)}
+    for name, oracle in settings.get("oracles", {}).items():  # arm -> its oracle arm
+        if name in ratios and oracle in ratios:
+            ratios[name]["oracle"] = oracle
+            ratios[name]["gain_capture"] = gain_capture(ratios[name]["ratio"],
+                                                        ratios[oracle]["ratio"])
     for s in summary.values():
         wb = s.get("weight_bytes_per_step")
         if bandwidth and wb:
@@ -108,6 +113,15 @@ def build_report(arms: Mapping[str, Arm], records: list[RunRecord], settings: di
             for r in records
         ],
     }
+
+
+def gain_capture(speedup: float | None, oracle: float | None) -> float | None:
+    """(speedup - 1) / (oracle - 1), both against own plain (docs/design.md §8): the share of
+    what the replay oracle gains that an arm captures. None where the oracle gains nothing (the
+    share is then undefined) or a ratio is missing."""
+    if speedup is None or oracle is None or oracle <= 1.0:
+        return None
+    return (speedup - 1.0) / (oracle - 1.0)
 
 
 def _ms(x: float | None) -> str:
@@ -200,13 +214,16 @@ def markdown_report(report: dict, arm_names: Sequence[str]) -> str:
             )
     lines += [
         "",
-        "| ratio (tok/s) | paired geometric mean | 95% CI | outputs identical to A |",
-        "|---|---|---|---|",
+        "| ratio (tok/s) | paired geometric mean | 95% CI | outputs identical to A | gain "
+        "capture (vs its oracle) |",
+        "|---|---|---|---|---|",
     ]
     for n, r in report["ratios"].items():
         o = r["outputs_vs_a"]
         ci = "-" if r["lo"] is None else f"[{r['lo']:.3f}, {r['hi']:.3f}]"
-        lines.append(f"| {n}/a | {r['ratio']:.3f}x | {ci} | {o['identical']}/{o['total']} |")
+        gc = f"{_num(r.get('gain_capture'), '.1%')} ({r['oracle']})" if "oracle" in r else "-"
+        lines.append(f"| {n}/a | {r['ratio']:.3f}x | {ci} | {o['identical']}/{o['total']} | "
+                     f"{gc} |")
     lines += [
         "",
         f"runs (load = 1-minute load average before / after, on {os.cpu_count()} CPUs; "

@@ -50,6 +50,10 @@ def build_async_engine(served_model_name: str | None = None, metrics_prefix: str
     from dynaspec.metrics.prometheus import PrometheusMetrics
 
     config = EngineConfig.from_kwargs(**engine_kwargs)
+    if config.spec.speculator == "oracle":
+        # It drafts outputs recorded for known prompts: a measuring device, not a drafter to serve.
+        raise ValueError("--speculator oracle replays recorded outputs for benchmarks and tests "
+                         "only; the server does not run it (choose ngram, suffix, draft or eagle)")
 
     def build() -> tuple[Any, Any]:
         if config.parallel.data_parallel_size > 1 or config.parallel.engine_process:  # dp/
