@@ -57,6 +57,9 @@ class CpuPagedBackend:
     """Every row through the in-place C++ kernel."""
 
     name = "cpu_paged"
+    # The kernel windows a tree's row by its depth (its root path's chain position), so trees
+    # verify on sliding-window models too (dynaspec/engine/tree_setting.py).
+    tree_windows = True
 
     def __init__(self) -> None:
         ok, why = available()
@@ -118,8 +121,6 @@ class CpuPagedBackend:
         q = q.contiguous()
         out = torch.empty_like(q)
         if md.block_tables.shape[0]:
-            if md.tree_mask is not None and window:
-                raise NotImplementedError("token trees are not verified on sliding-window layers")
             self._op(q, kv_cache, md.block_tables, md.context_lens, md.query_start, md.query_lens,
                      md.block_size, scale, out, window or 0, md.tree_mask, forced, like)
         return out

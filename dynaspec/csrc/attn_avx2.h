@@ -10,6 +10,7 @@
 
 #include <torch/extension.h>
 
+#include "attn_tree.h"
 #include "simd.h"
 
 #include "vec_exp.h"
@@ -184,18 +185,11 @@ AVX2_TARGET inline void softmax_row_avx2(float* srow, int64_t Ct, int64_t lo, in
 }
 
 // softmax_row_tree (attn_rows.h) with softmax_row_avx2: the visible keys packed in key order.
-AVX2_TARGET inline void softmax_row_tree_avx2(float* srow, int64_t Ct, int64_t lo, int64_t pos,
-                                              int64_t step0, const uint8_t* visible,
+AVX2_TARGET inline void softmax_row_tree_avx2(float* srow, int64_t Ct, int64_t pos, int64_t step0,
+                                              const uint8_t* visible, int64_t window,
                                               std::vector<float>& packed) {
-  packed.resize(pos + 1 - lo);
-  int64_t n = 0;
-  for (int64_t k = lo; k <= pos; ++k)
-    if (k < step0 || visible[k - step0]) packed[n++] = srow[k];
-  softmax_row_avx2(packed.data(), n, 0, n - 1);
-  std::fill(srow, srow + Ct, 0.f);
-  n = 0;
-  for (int64_t k = lo; k <= pos; ++k)
-    if (k < step0 || visible[k - step0]) srow[k] = packed[n++];
+  softmax_tree_row(srow, Ct, pos, step0, visible, window, packed,
+                   [](float* p, int64_t n) AVX2_TARGET { softmax_row_avx2(p, n, 0, n - 1); });
 }
 
 // acc(r)[dc, dc + 8 NV) = fma(p(r)[t], v[t], acc(r)) for t < m in order, for RB rows (acc(r) at

@@ -64,8 +64,8 @@ AVX2_TARGET void avx2_softmax(const AttnCall<T>& c, const AttnItem& it, Avx2Scra
     const int64_t pos = it.first + r / c.G;
     float* srow = s.sf.data() + r * it.Ct;
     if (c.tree[it.b])
-      softmax_row_tree_avx2(srow, it.Ct, c.first_key(pos), pos, step0,
-                            c.tm + (c.qs[it.b] + it.j0 + r / c.G) * c.tmw, s.packed);
+      softmax_row_tree_avx2(srow, it.Ct, pos, step0, c.tm + (c.qs[it.b] + it.j0 + r / c.G) * c.tmw,
+                            c.window, s.packed);
     else softmax_row_avx2(srow, it.Ct, c.first_key(pos), pos);
   }
 }

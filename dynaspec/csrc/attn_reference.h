@@ -107,8 +107,18 @@ void attend_reference(const T* qp, int64_t qstride, const T* kp, const T* vp, T*
                     tok = qs[b] + j;
       const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
       keys.clear();
-      for (int64_t k = lo; k <= pos; ++k)
-        if (tm == nullptr || k < step0 || tm[tok * tmw + k - step0]) keys.push_back(k);
+      if (tm == nullptr) {
+        for (int64_t k = lo; k <= pos; ++k) keys.push_back(k);
+      } else {  // what the row's root path sees as a chain: its window in chain positions
+        const uint8_t* seen = tm + tok * tmw;
+        int64_t depth = -1;
+        for (int64_t k = 0; k <= j; ++k) depth += seen[k] != 0;
+        const int64_t cpos = step0 + depth;
+        const int64_t clo = window > 0 ? std::max<int64_t>(0, cpos - window + 1) : 0;
+        for (int64_t k = clo; k < step0; ++k) keys.push_back(k);
+        for (int64_t k = 0, at = step0; k <= j; ++k)
+          if (seen[k] && at++ >= clo) keys.push_back(step0 + k);
+      }
       auto row = [&](const T* cache, int64_t k) {
         return cache + ((tb[b * NB + k / block_size] * block_size + k % block_size) * Hkv + h) * D;
       };

@@ -5,6 +5,7 @@
 
 #include <torch/extension.h>
 
+#include "attn_tree.h"
 #include "row_max.h"
 #include "vec_exp.h"
 
@@ -406,22 +407,10 @@ inline void softmax_row(float* srow, int64_t Ct, int64_t lo, int64_t pos) {
   std::fill(srow + pos + 1, srow + Ct, 0.f);
 }
 
-// softmax_row for a token-tree row (docs/design.md §4c): of the keys lo..pos, those at or past
-// `step0` (this step's rows) count only where `visible[k - step0]` is set (the row's ancestors
-// and itself). The visible scores are packed in key order and go through softmax_row, so the
-// row's max, exps and sum are those of a plain row over exactly those keys; the others get
-// probability 0, which pass 2 adds as nothing. Same bits as verifying the path as a chain.
-inline void softmax_row_tree(float* srow, int64_t Ct, int64_t lo, int64_t pos, int64_t step0,
-                             const uint8_t* visible, std::vector<float>& packed) {
-  packed.resize(pos + 1 - lo);
-  int64_t n = 0;
-  for (int64_t k = lo; k <= pos; ++k)
-    if (k < step0 || visible[k - step0]) packed[n++] = srow[k];
-  softmax_row(packed.data(), n, 0, n - 1);
-  std::fill(srow, srow + Ct, 0.f);
-  n = 0;
-  for (int64_t k = lo; k <= pos; ++k)
-    if (k < step0 || visible[k - step0]) srow[k] = packed[n++];
+inline void softmax_row_tree(float* srow, int64_t Ct, int64_t pos, int64_t step0,
+                             const uint8_t* visible, int64_t window, std::vector<float>& packed) {
+  softmax_tree_row(srow, Ct, pos, step0, visible, window, packed,
+                   [](float* p, int64_t n) { softmax_row(p, n, 0, n - 1); });
 }
 
 }  // namespace

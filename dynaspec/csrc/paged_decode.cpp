@@ -94,8 +94,7 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
   for (int64_t b = 0; b < B; ++b) any_tree = any_tree || tree[b];
   if (path == AttnPath::Scalar) {
     attend_reference(qp, qstride, kp, vp, op, tb, NB, cl, qs, ql, B, H, Hkv, D, block_size, sc,
-                     window, any_tree ? tm : nullptr, tmw,
-                     numerics<T>(numerics_of, D, block_size));
+                     window, any_tree ? tm : nullptr, tmw, numerics<T>(numerics_of, D, block_size));
     return;
   }
   // The AVX-512 intrinsics of the value sums (and the bf16 probabilities) run on the AVX-512 paths.
@@ -220,7 +219,9 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
         for (int64_t k = 0; k <= j; ++k)
           if (visible[k]) keys[n++] = step0 + k;
         for (int64_t t = 0; t < n; ++t) vs[t] = sf[r * Ct + keys[t]];
-        const float row_inv = exp_row_bf16(vs.data(), 0, n - 1, n + (n & 1), pb.data());
+        // n - 1: the row's chain position (its window counts in those)
+        const float row_inv =
+            exp_row_bf16(vs.data(), first_key(n - 1), n - 1, n + (n & 1), pb.data());
         auto value = [&](int64_t t) {
           const int64_t k = keys[t];
           return head_rows(vp, b, h, k / block_size, Ct).first + (k % block_size) * rs;
@@ -321,8 +322,8 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
       for (int64_t r = 0; r < R; ++r) {
         const int64_t pos = C - W + j0 + r / G;
         if (tree[b])
-          softmax_row_tree(sf.data() + r * Ct, Ct, first_key(pos), pos, C - W,
-                           tm + (qs[b] + j0 + r / G) * tmw, packed);
+          softmax_row_tree(sf.data() + r * Ct, Ct, pos, C - W, tm + (qs[b] + j0 + r / G) * tmw,
+                           window, packed);
         else softmax_row(sf.data() + r * Ct, Ct, first_key(pos), pos);
       }
       // Pass 2: weighted sum of V, in key order (a zero weight adds exactly nothing), a span of
@@ -427,7 +428,6 @@ void paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor tables, torch
   if (tree_mask.has_value() && tree_mask->numel() > 0) {
     m = tree_mask->to(torch::kUInt8).contiguous();
     TORCH_CHECK(m.dim() == 2 && m.size(0) == q.size(0), "tree_mask: [T, W] expected");
-    TORCH_CHECK(window == 0, "token trees are not verified on sliding-window layers");
     for (int64_t b = 0; b < l.size(0); ++b)
       TORCH_CHECK(l.data_ptr<int64_t>()[b] <= m.size(1),
                   "tree_mask narrower than a request's rows");

@@ -29,6 +29,7 @@ from dynaspec.sample.synthetic import make_synthetic_verifier
 from dynaspec.scheduler.scheduler import Scheduler
 from dynaspec.spec_decode.drafters.base import Proposer
 from dynaspec.spec_decode.drafters.drafters import DrafterTarget, build_drafter
+from dynaspec.spec_decode.drafters.grammar_draft import GrammarDrafter
 from dynaspec.spec_decode.plan.execution_plan import (
     AdmissionTable,
     ExecutionPlan,
@@ -294,10 +295,12 @@ def _runner(config: EngineConfig, model: LlamaModel, kv_caches: list, blocks: in
         ec = config.execution
         executor = make_executor(model, kv_caches, model.device, ec.compile_budget_s, len(ep.grid),
                                  ec.compile_backend)
+    grammar = GrammarDrafter(structured) \
+        if proposer is not None and config.spec.grammar_drafts else None
     runner = ModelRunner(model, kv_caches, cc.block_size, proposer, config.model.seed, buffers,
                          executor, verifier, structured, eos_token_ids,
                          hidden_sink=proposer if proposer is not None
-                         and proposer.reads_hidden_states else None)
+                         and proposer.reads_hidden_states else None, grammar_drafter=grammar)
     if executor is not None and config.execution.precompile:
         shapes = [s for s in ep.grid if ep.path_for(*s)[0] != "eager"]
         log.info("precompiling %d %s shapes", len(shapes), ep.graph_path)
@@ -335,6 +338,7 @@ def _k_policy(config: EngineConfig, plan: SpecPlan, model: LlamaModel, kv_caches
                                widths_follow_drafts=_widths_follow_drafts(config, model.device),
                                whole_cap=proposer.sizes_own_drafts,
                                prices_fallback=proposer.has_fallback,
+                               prices_grammar=sc.grammar_drafts,
                                # trees run as trees only under strict verification (tree_step)
                                drafts_trees=proposer.drafts_trees and sc.lossless)
     # Only widths the plan produces (plus plain decode, K=0): the execution plan's grid,

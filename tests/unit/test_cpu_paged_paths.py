@@ -3,10 +3,10 @@ reproducing that path's numerics: `numerics_of`), and the reference against PyTo
 paged cache (the eager backend) as the semantic check.
 
 Bit for bit: fp32 (the reference's own numerics), avx2 and avx512 (fused value sums) and the bf16
-dot-product scores of avx512_bf16. Within a stated bound: avx512_bf16's bf16 probabilities (bf16 KV
-at D = 64 / 128, even block size, trees included), whose polynomial exp, bf16 rounding, pair order and lane
-tree the reference does not reproduce (PAIRS_BOUND). A path this CPU or build lacks runs emulated
-(tests/kernel_modes.py); forcing it natively is PathUnavailable."""
+dot-product scores of avx512_bf16. Within a stated bound: avx512_bf16's bf16 probabilities (bf16
+KV at D = 64 / 128, even block size, trees included), whose polynomial exp, bf16 rounding, pair
+order and lane tree the reference does not reproduce (PAIRS_BOUND). A path this CPU or build
+lacks runs emulated (tests/kernel_modes.py); forcing it natively is PathUnavailable."""
 
 from __future__ import annotations
 
@@ -44,6 +44,7 @@ CASES = {
     "d256": ([2, 1], [19, 40], 1, 2, 256, 16, None, False),  # value sums in 16 registers
     "window": ([12, 1], [30, 25], 2, 2, 64, 16, 8, False),  # (the SDPA check: test_cpu_paged)
     "tree": ([8, 1], [30, 17], 2, 3, 64, 16, None, True),
+    "tree_window": ([8, 1], [30, 17], 2, 3, 64, 16, 4, True),  # windows in chain positions
 }
 
 
@@ -90,7 +91,7 @@ def test_every_path_equals_the_reference(path, mode, dtype, case):
 
 @pytest.mark.parametrize("numerics_of", cpu_paged.PATHS)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("case", [c for c in CASES if c != "window"])
+@pytest.mark.parametrize("case", [c for c in CASES if "window" not in c])
 def test_the_reference_matches_sdpa_on_the_paged_cache(numerics_of, dtype, tol, case):
     """The reference with any path's numerics (it needs none of that path's CPU flags, so every
     emulation runs on every CPU) against the eager backend's SDPA over the same paged cache."""
