@@ -155,6 +155,10 @@ class SpecConfig:
     # Token trees (docs/design.md §4c): the request's draft budget becomes a node budget.
     draft_tree: bool = opt(False, "ngram/suffix draft token trees (several continuations, "
                            "verified in one step) instead of chains")
+    # Structured output: the tokens a request's grammar forces are drafts before the drafter's
+    # (spec_decode/drafters/grammar_draft.py); off for A/B runs against lookup drafts alone.
+    grammar_drafts: bool = opt(True, "structured output: draft the tokens the grammar forces "
+                               "before the drafter's own (with a --speculator)")
     # The replay oracle's input (spec_decode/drafters/oracle.py); a dict is its JSON object.
     oracle_recording: str | dict | None = opt(
         None, "oracle: the target's recorded outputs it replays, a JSON file or text "

@@ -56,6 +56,11 @@ class ScheduledRequest:
     # A drafter with a fallback (lookup first, then a head): the fallback's own cap, <=
     # draft_budget; None, the same cap (a policy that does not price the fallback apart).
     fallback_budget: int | None = None
+    # Structured output with grammar drafts (docs/design.md §4d), where the policy prices them
+    # apart: the cap of the grammar's forced drafts and that of the request's own drafter, each
+    # <= draft_budget; None, draft_budget for both.
+    grammar_budget: int | None = None
+    drafter_budget: int | None = None
     # Draft a tree of up to draft_budget nodes where the drafter can (docs/design.md §4c); False:
     # the K policy chose a chain for this request this step.
     draft_tree: bool = True

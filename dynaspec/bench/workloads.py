@@ -15,6 +15,9 @@ candidates are gathered in a fixed order, then `random.Random(seed)` picks n of 
   ``long``: three solved problems come first as examples.
 - ``agentic``: traffic that repeats across requests (edit chains, retried tasks, multi-turn chat
   quoting earlier turns), in groups of adjacent requests; see agentic.py. No long variant.
+- ``json_extract`` and ``tool_call``: structured output (each item carries its grammar): fill a
+  JSON schema from a passage; call one of a list of tools. See structured_workloads.py. No long
+  variant.
 """
 
 from __future__ import annotations
@@ -28,7 +31,10 @@ import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 
-WORKLOADS = ("code_edit", "chat", "summarize", "humaneval", "agentic")
+from dynaspec.structured_params import StructuredOutputParams
+
+WORKLOADS = ("code_edit", "chat", "summarize", "humaneval", "agentic", "json_extract",
+             "tool_call")
 LONG_TOKENS = 3000  # prompt size the long variants aim at (the default model allows 8192)
 
 # Modules read as files (never imported, so nothing runs); missing ones are skipped.
@@ -94,6 +100,7 @@ class WorkItem:
     prompt_ids: list[int]
     max_tokens: int
     label: str
+    structured: StructuredOutputParams | None = None  # the grammar its output must follow
 
 
 class WorkloadUnavailable(RuntimeError):
@@ -317,9 +324,23 @@ def _agentic(tokenizer, n: int, seed: int, long: bool) -> list[WorkItem]:
     return build_agentic(tokenizer, n, seed, stdlib_functions(), module_docs(), _pick, WorkItem)
 
 
+def _json_extract(tokenizer, n: int, seed: int, long: bool) -> list[WorkItem]:
+    if long:
+        raise WorkloadUnavailable("workload json_extract has no long variant")
+    from dynaspec.bench.structured_workloads import json_extract
+    return json_extract(tokenizer, n, seed, _chat_ids, _pick, module_docs(), WorkItem)
+
+
+def _tool_call(tokenizer, n: int, seed: int, long: bool) -> list[WorkItem]:
+    if long:
+        raise WorkloadUnavailable("workload tool_call has no long variant")
+    from dynaspec.bench.structured_workloads import tool_call
+    return tool_call(tokenizer, n, seed, _chat_ids, WorkItem)
+
+
 _BUILDERS: dict[str, Callable[..., list[WorkItem]]] = {
     "code_edit": _code_edit, "chat": _chat, "summarize": _summarize, "humaneval": _humaneval,
-    "agentic": _agentic,
+    "agentic": _agentic, "json_extract": _json_extract, "tool_call": _tool_call,
 }
 
 

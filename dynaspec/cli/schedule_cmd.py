@@ -68,6 +68,8 @@ def register(subparsers) -> None:
                          help="engine ranks: describe how the plan applies across them")
     explain.add_argument("--draft-tree", action="store_true",
                          help="ngram/suffix draft token trees: how K becomes a node budget")
+    explain.add_argument("--no-grammar-drafts", dest="grammar_drafts", action="store_false",
+                         help="structured output: no forced drafts from the grammar")
     explain.add_argument("--json", action="store_true", help="print the plan as a JSON object")
     explain.set_defaults(func=run_explain)
 
@@ -104,6 +106,7 @@ def explain(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                     "execution": execution_rows_json(plan, ep),
                     "data_parallel": {"size": dp, "text": format_dp(plan, policy, dp)},
                     "draft_tree": format_tree(args, plan).strip() or None,
+                    "grammar_drafts": format_grammar(args, plan, policy).strip() or None,
                 }
             ),
             file=out,
@@ -114,7 +117,29 @@ def explain(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             out.write(format_execution(plan, ep))
         out.write(format_policy(policy) + format_dp(plan, policy, dp) + "\n")
         out.write(format_tree(args, plan))
+        out.write(format_grammar(args, plan, policy))
     return 0
+
+
+def format_grammar(args: argparse.Namespace, plan: SpecPlan, policy: str | None) -> str:
+    """What grammar drafts do for structured-output requests (docs/design.md §4d)."""
+    if not plan.speculating:
+        return ""
+    if not getattr(args, "grammar_drafts", True):
+        return "grammar drafts: off (structured output drafts from the drafter alone)\n"
+    text = ("grammar drafts: on. For a request with structured output (response_format, regex, "
+            "grammar, a required or named tool call) the tokens its grammar forces from its "
+            "state (the jump-forward text spelled by the longest tokens, or the one token "
+            "allowed) are its first drafts, with no drafter call; the drafter continues after "
+            "them in the same chain, or drafts alone where the grammar forces nothing. The "
+            "verify logits stay masked by the grammar, so a forced draft the model would spell "
+            "otherwise costs one row, never a wrong token.")
+    if policy == "goodput":
+        text += (" The goodput policy prices forced drafts apart: their own acceptance (prior "
+                 "0.95, learned per request) and no drafting cost give them a cap of their own, "
+                 "so K widens through forced spans while the drafter keeps its own cap.")
+    return text + (" Counted in /metrics as spec_decode_num_draft_tokens_by_source"
+                   "{source=\"grammar\"} and _num_accepted_tokens_by_source.\n")
 
 
 def format_tree(args: argparse.Namespace, plan: SpecPlan) -> str:

@@ -270,9 +270,14 @@ class LockstepPolicy:
         return self.inner.decide(view)
 
     def observe(self, request_id: str, num_drafted: int, num_accepted: int, ctx: int,
-                cap: int = 0, fallback: bool = False, walk: TreeWalk | None = None) -> None:
-        """`walk`: never set under DP (trees are refused there, config.py)."""
-        self.inner.observe(request_id, num_drafted, num_accepted, ctx, cap, fallback)
+                cap: int = 0, fallback: bool = False, walk: TreeWalk | None = None,
+                grammar: bool = False) -> None:
+        """`walk`: a tree verified as one; it teaches this rank's per-request history and tree
+        rates, which a DP decision never reads (goodput prices trees only without a global view).
+        `grammar`: forced drafts, priced apart by this rank alone (their caps never widen the
+        agreed K)."""
+        self.inner.observe(request_id, num_drafted, num_accepted, ctx, cap, fallback,
+                           walk=walk, grammar=grammar)
 
     def observe_step(self, num_reqs: int, ctx: int, width: int, target_seconds: float,
                      draft_seconds: float, num_drafted: int, num_emitted: int,

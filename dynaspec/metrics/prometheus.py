@@ -11,6 +11,8 @@ counters, so the two always agree):
   _num_accepted_tokens_per_pos{position}, _num_drafted_tokens_per_pos{position},
   _steps{k} (k="0" included; steps with speculation off are not counted here),
   _draft_skips{reason}, _invalid_draft_tokens{reason},
+  _num_draft_tokens_by_source{source}, _num_accepted_tokens_by_source{source} (source="grammar":
+  drafts a request's grammar forced, docs/design.md §4d; "drafter": its drafter's),
   _draft_seconds, _verify_seconds, _scheduler_seconds.
 Token trees (docs/design.md §4c; request-steps whose drafts were a tree verified as one):
   counters spec_decode_tree_steps (engine steps with >= 1 tree), _num_tree_drafts,
@@ -113,6 +115,8 @@ _SPEC_LABELLED = {
     "spec_decode_steps": ("k", "steps_by_k"),
     "spec_decode_draft_skips": ("reason", "draft_skips"),
     "spec_decode_invalid_draft_tokens": ("reason", "invalid_draft_tokens"),
+    "spec_decode_num_draft_tokens_by_source": ("source", "draft_tokens_by_source"),
+    "spec_decode_num_accepted_tokens_by_source": ("source", "accepted_tokens_by_source"),
 }
 _DOCS = {
     "spec_decode_num_drafts": "Request-steps that verified >= 1 valid draft token.",
@@ -130,6 +134,9 @@ _DOCS = {
     "spec_decode_steps": "Engine steps by the K chosen (k=0 included).",
     "spec_decode_draft_skips": "Request-steps without a valid draft, by reason.",
     "spec_decode_invalid_draft_tokens": "Draft tokens excluded as invalid, by reason.",
+    "spec_decode_num_draft_tokens_by_source": "Valid draft tokens verified, by source (grammar: "
+                                              "forced by the request's grammar; drafter).",
+    "spec_decode_num_accepted_tokens_by_source": "Draft tokens accepted, by source.",
     "spec_decode_tree_steps": "Engine steps that verified >= 1 draft token tree.",
     "spec_decode_num_tree_drafts": "Request-steps whose drafts were a tree verified as one.",
     "spec_decode_num_tree_nodes": "Draft tree nodes verified.",

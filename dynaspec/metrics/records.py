@@ -79,6 +79,7 @@ class RequestStepSpec:
     skip_reason: str | None  # why no valid draft was verified (None when it verified >= 1)
     invalid_draft_tokens: Mapping[str, int] = NO_COUNTS
     num_tree_nodes: int = 0  # its drafts were a tree of this many nodes, verified as one (0: not)
+    num_forced_tokens: int = 0  # of its valid drafts, the first ones its grammar forced (§4d)
 
     def __post_init__(self) -> None:  # built per request per step: plain ints take a fast path
         rid, d, a, e = self.request_id, *self.counts
@@ -101,6 +102,8 @@ class RequestStepSpec:
         d, a, e = self.counts
         if a > d:
             return f"accepted {a} > valid draft tokens {d}"
+        if not 0 <= self.num_forced_tokens <= d:
+            return f"{self.num_forced_tokens} forced drafts of {d} valid draft tokens"
         if self.num_tree_nodes not in (0, d):
             return f"a tree of {self.num_tree_nodes} nodes but {d} valid draft tokens"
         if e > a + 1:

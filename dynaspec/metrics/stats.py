@@ -39,7 +39,10 @@ _INT_FIELDS = (
 )  # fmt: skip
 _FLOAT_FIELDS = ("draft_seconds", "verify_seconds", "scheduler_seconds")
 _POS_FIELDS = ("accepted_per_pos", "drafted_per_pos")
-_MAP_FIELDS = ("steps_by_k", "draft_skips", "invalid_draft_tokens")
+_MAP_FIELDS = ("steps_by_k", "draft_skips", "invalid_draft_tokens", "draft_tokens_by_source",
+               "accepted_tokens_by_source")
+# Where valid drafts came from: the request's grammar (forced, docs/design.md §4d) or its drafter.
+GRAMMAR_SOURCE, DRAFTER_SOURCE = "grammar", "drafter"
 _TREE_FIELDS = ("num_tree_steps", "num_tree_drafts", "num_tree_nodes", "num_tree_accepted_tokens")
 _DICT_FIELDS = _INT_FIELDS[:8] + _FLOAT_FIELDS  # to_dict() leaves the engine-only ones out
 _STEP_TOTALS = [(n, n) for n in _INT_FIELDS[8:] + _FLOAT_FIELDS[:2]]
@@ -68,6 +71,8 @@ class SpecCounters:
     steps_by_k: Mapping[int, int] = NO_COUNTS
     draft_skips: Mapping[str, int] = NO_COUNTS
     invalid_draft_tokens: Mapping[str, int] = NO_COUNTS
+    draft_tokens_by_source: Mapping[str, int] = NO_COUNTS  # num_draft_tokens by source
+    accepted_tokens_by_source: Mapping[str, int] = NO_COUNTS  # num_accepted_tokens by source
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     scheduler_seconds: float = 0.0
@@ -179,6 +184,7 @@ class _Builder:
                 continue
             a = r.num_accepted_tokens
             drafts, dtok, atok = drafts + 1, dtok + d, atok + a
+            self._by_source(d, a, r.num_forced_tokens)
             if r.num_tree_nodes:
                 self.v["num_tree_drafts"] += 1
                 self.v["num_tree_nodes"] += r.num_tree_nodes
@@ -191,6 +197,14 @@ class _Builder:
             self.v[name] += x
         self._add_runs("drafted_per_pos", hist_d)
         self._add_runs("accepted_per_pos", hist_a)
+
+    def _by_source(self, d: int, a: int, forced: int) -> None:
+        """Forced drafts lead the row: they are accepted first, the drafter's after them."""
+        for source, n, got in ((GRAMMAR_SOURCE, forced, min(a, forced)),
+                               (DRAFTER_SOURCE, d - forced, max(0, a - forced))):
+            if n:
+                self.bump("draft_tokens_by_source", source, n)
+                self.bump("accepted_tokens_by_source", source, got)
 
     def _add_runs(self, pos_name: str, hist: Mapping[int, int]) -> None:
         """A run of length L adds 1 to positions 0..L-1 (run lengths histogrammed)."""
@@ -305,6 +319,10 @@ def _check_identities(c: SpecCounters) -> list[str]:
         (c.num_tree_nodes <= dt, "tree nodes > draft tokens"),
         (c.num_tree_accepted_tokens <= min(acc, c.num_tree_nodes), "tree accepted > nodes"),
         (c.num_tree_steps <= c.num_steps, "tree steps > steps"),
+        (not c.draft_tokens_by_source or sum(c.draft_tokens_by_source.values()) == dt,
+         "sum(draft_tokens_by_source) != num_draft_tokens"),
+        (not c.draft_tokens_by_source or sum(c.accepted_tokens_by_source.values()) == acc,
+         "sum(accepted_tokens_by_source) != num_accepted_tokens"),
     ]  # fmt: skip
     return [msg for ok, msg in checks if not ok] + _per_pos_violations(c)
 

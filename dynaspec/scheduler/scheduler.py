@@ -164,16 +164,20 @@ class Scheduler:
             decision = width.decide(decisions, view, reserved_k)
         entries = []
         for r in rows:
-            budget, reason, fallback = r.lookahead, r.reason, None
+            budget, reason, fallback, grammar = r.lookahead, r.reason, None, None
             if decision is not None:
                 rid = r.request.request_id
                 budget, reason = width.cap(r.lookahead, r.reason, decision, rid)
                 if rid in decision.fallback:
                     fallback = min(budget, decision.fallback[rid])
+                if rid in decision.grammar:  # forced drafts' cap, the drafter's own
+                    grammar = tuple(min(budget, c) for c in decision.grammar[rid])
             entries.append(ScheduledRequest(
                 request=r.request, num_new_tokens=r.num_new_tokens, draft_budget=budget,
                 skip_reason=reason, block_table=self.kv.block_table(r.request.request_id),
                 sampling=r.sampling, num_lookahead=r.lookahead, fallback_budget=fallback,
+                grammar_budget=None if grammar is None else grammar[0],
+                drafter_budget=None if grammar is None else grammar[1],
                 draft_tree=decision is None or decision.drafts_tree(r.request.request_id),
                 min_draft_depth=0 if decision is None else decision.min_depth.get(
                     r.request.request_id, 0)))
@@ -244,7 +248,8 @@ class Scheduler:
         room = None if self.drafter_max_len is None else self.drafter_max_len - ctx
         return RequestView(r.request_id, ctx,
                            r.sampling_params.max_tokens - r.num_output_tokens - inflight,
-                           self.max_model_len - ctx, room)
+                           self.max_model_len - ctx, room,
+                           structured=r.sampling_params.structured_output is not None)
 
     # ---- update -------------------------------------------------------------------------
     def update(self, out: StepPlan, res: RunnerOutput) -> list[StepUpdate]:
@@ -276,16 +281,30 @@ class Scheduler:
             if status is None:
                 self.kv.cache_full_blocks(req, req.num_computed_tokens)
                 if self.policy is not None:
-                    cap = s.draft_budget - s.num_async_invalid
-                    if r.drafts_from_fallback and s.fallback_budget is not None:
-                        cap = min(cap, s.fallback_budget)
-                    self.policy.observe(req.request_id, r.num_draft_tokens, r.num_accepted_tokens,
-                                        req.num_tokens, cap, fallback=r.drafts_from_fallback,
-                                        walk=r.tree_walk)
+                    self._observe_request(s, r)
             else:
                 self.finish_request(req.request_id, status)
             updates.append(StepUpdate(req, emitted, r, status is not None))
         return updates
+
+    def _observe_request(self, s: ScheduledRequest, r: RequestResult) -> None:
+        """The request's drafts to the policy, by source: its grammar's forced prefix, then
+        what its drafter drafted (after that prefix, seen only where the prefix was accepted)."""
+        assert self.policy is not None
+        rid, ctx, f = s.request.request_id, s.request.num_tokens, r.num_forced_tokens
+        cap = s.draft_budget - s.num_async_invalid
+        drafted, accepted = r.num_draft_tokens - f, r.num_accepted_tokens - f
+        if f:
+            self.policy.observe(rid, f, min(f, r.num_accepted_tokens), ctx, 0, grammar=True)
+            if accepted < 0:
+                return  # the drafter's continuation was never verified
+            cap = 0  # after a forced prefix the drafter's own stops are not told apart
+        elif s.drafter_budget is not None:
+            cap = min(cap, s.drafter_budget)
+        if r.drafts_from_fallback and s.fallback_budget is not None:
+            cap = min(cap, s.fallback_budget)
+        self.policy.observe(rid, drafted, accepted, ctx, cap, fallback=r.drafts_from_fallback,
+                            walk=r.tree_walk)
 
     def _finish_dead_end(self, req: Request, r) -> StepUpdate:
         """No token continues the request's grammar: keep what it accepted, then end it (it
@@ -308,10 +327,12 @@ class Scheduler:
         # The width the runner laid out from the plan before the forward, not re-derived here.
         fallback = [r for r in res.results if r.drafts_from_fallback]
         assert self.policy is not None  # called only with a policy
+        # Forced drafts cost no drafter call: the drafter's per-token cost leaves them out.
         self.policy.observe_step(len(out.scheduled), ctx, res.verified_width, res.forward_seconds
                                  + res.sample_seconds + res.prepare_seconds,
                                  res.draft_seconds - res.draft_setup_seconds,
-                                 sum(r.num_draft_tokens for r in res.results),
+                                 sum(r.num_draft_tokens - r.num_forced_tokens
+                                     for r in res.results),
                                  sum(len(r.token_ids) for r in res.results),
                                  fallback_seconds=res.draft_fallback_seconds,
                                  fallback_drafted=sum(r.num_draft_tokens for r in fallback),
@@ -365,8 +386,10 @@ class Scheduler:
             if plan.step_k is not None and s.draft_budget > 0:
                 cap, why, cut = width.recap_cap(plan.step_k, self._view(s.request), s.draft_budget)
                 if cut:
-                    fb = None if s.fallback_budget is None else min(s.fallback_budget, cap)
+                    fb, gb, db = (None if b is None else min(b, cap) for b in (
+                        s.fallback_budget, s.grammar_budget, s.drafter_budget))
                     s = replace(s, draft_budget=cap, skip_reason=why, fallback_budget=fb,
+                                grammar_budget=gb, drafter_budget=db,
                                 num_async_invalid=s.num_async_invalid + cut)
             kept.append(s)
         return replace(plan, scheduled=tuple(kept))

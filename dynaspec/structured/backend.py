@@ -38,6 +38,12 @@ class Matcher(Protocol):
 
     def is_terminated(self) -> bool: ...
 
+    def jump_forward_tokens(self) -> list[int]:
+        """Tokens spelling the continuation the grammar forces from this state (empty where it
+        forces nothing); the state is unchanged. The library's tokenization of that text, which
+        may not be the one the model would choose."""
+        ...
+
 
 class GrammarBackend(Protocol):
     vocab_size: int
@@ -77,6 +83,19 @@ def apply_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor,
 def is_allowed(bitmask: torch.Tensor, row: int, token_id: int) -> bool:
     # Python's >> on a negative int is arithmetic, so the sign bit (token 31 of a word) tests right.
     return (int(bitmask[row, token_id >> 5]) >> (token_id & 31)) & 1 == 1
+
+
+def single_allowed(bitmask: torch.Tensor, row: int) -> int | None:
+    """The one token row `row` allows, or None where it allows none or several."""
+    words = bitmask[row]  # [words] int32
+    nonzero = torch.nonzero(words).flatten()
+    if nonzero.numel() != 1:
+        return None
+    w = int(nonzero[0])
+    bits = int(words[w]) & 0xFFFFFFFF  # the word as unsigned: bit 31 is token 32w + 31
+    if bits & (bits - 1):
+        return None
+    return 32 * w + bits.bit_length() - 1
 
 
 def load_backend(name: str, tokenizer, vocab_size: int, stop_token_ids: Sequence[int],

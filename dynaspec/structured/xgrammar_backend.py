@@ -62,6 +62,9 @@ class _XMatcher:
     def is_terminated(self) -> bool:
         return self._m.is_terminated()
 
+    def jump_forward_tokens(self) -> list[int]:
+        return list(self._m.find_jump_forward_tokens())
+
 
 class XGrammarBackend:
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Sequence[int],

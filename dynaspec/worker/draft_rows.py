@@ -1,14 +1,16 @@
-"""A step's drafts as frozen rows: what the drafter proposed, cut to each request's cap, then
-(after the grammar's cut) padded to the planned width, one `DraftRow` per scheduled request.
+"""A step's drafts as frozen rows: what the grammar forced and the drafter proposed, cut to each
+request's cap, then (after the grammar's cut) padded to the planned width, one `DraftRow` per
+scheduled request.
 
-`propose` asks the drafter; the runner then admits trees (worker/tree_step.py) and lets the
+`propose` takes the grammar's forced drafts (spec_decode/drafters/grammar_draft.py) and asks
+the drafter; the runner then admits trees (worker/tree_step.py) and lets the
 grammar cut drafts it rejects (structured/step.py); `build` lays the survivors out as the rows
 the forward computes and `worker/verify.py` verifies. Nothing changes a row once built.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -16,8 +18,14 @@ from dynaspec.draft_tree import DraftTree
 from dynaspec.sample.metadata import SamplingMetadata
 from dynaspec.sample.synthetic import SyntheticVerifier
 from dynaspec.spec_decode.drafters.base import Drafts, Proposer
+from dynaspec.spec_decode.drafters.grammar_draft import (
+    GrammarDrafter,
+    drafter_cap,
+    propose_with_grammar,
+    without_forced,
+)
 from dynaspec.spec_decode.plan import step_width as width
-from dynaspec.step_plan import StepPlan
+from dynaspec.step_plan import ScheduledRequest, StepPlan
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,6 +39,7 @@ class StepDrafts:
     fallback: frozenset[str] = frozenset()  # requests the fallback drafted
     setup_seconds: float = 0.0  # Drafts.setup_seconds
     fallback_seconds: float = 0.0
+    forced: dict[str, int] = field(default_factory=dict)  # request id -> drafts its grammar forced
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +55,7 @@ class DraftRow:
     num_cut: int = 0  # drafts the grammar cut
     num_async_invalid: int = 0  # budgeted slots found invalid under async scheduling
     from_fallback: bool = False  # drafted by the drafter's fallback
+    num_forced: int = 0  # of the valid drafts, the first ones its grammar forced (§4d)
     skip_reason: str | None = None  # the plan's reason, else the drafter's when it drafted none
 
 
@@ -68,19 +78,46 @@ class DraftRows:
         return {r.request_id: list(r.tokens) for r in self.rows if r.tokens}
 
 
-def propose(proposer: Proposer | None, out: StepPlan,
-            synthetic: SyntheticVerifier | None) -> StepDrafts:
-    """Real drafts only, at most each request's cap; padding comes after the grammar."""
+def propose(proposer: Proposer | None, out: StepPlan, synthetic: SyntheticVerifier | None,
+            grammar: GrammarDrafter | None = None) -> StepDrafts:
+    """Real drafts only, at most each request's cap; padding comes after the grammar. With a
+    grammar drafter, forced tokens come first (grammar_draft.py) and the drafter drafts the
+    requests the grammar forced nothing for, under its own cap."""
+    sched = [s for s in out.scheduled if s.draft_budget > 0]
+    if not sched or (proposer is None and grammar is None):
+        return StepDrafts(tokens={}, probs={}, skips={}, trees={})
+    forced = propose_with_grammar(grammar, proposer, sched) if grammar is not None else None
+    if forced is not None:
+        sched = without_forced(sched, forced)
+    got = _propose_drafter(proposer, sched, synthetic, grammar is not None)
+    if forced is None:
+        return got
+    for rid, d in forced.tokens.items():
+        got.tokens[rid], got.probs[rid] = d, None  # forced drafts are one-hot (deterministic)
+    return replace(got, forced=forced.num_forced,
+                   setup_seconds=got.setup_seconds + forced.setup_seconds)
+
+
+def _propose_drafter(proposer: Proposer | None, sched: list[ScheduledRequest],
+                     synthetic: SyntheticVerifier | None, own_caps: bool) -> StepDrafts:
+    """The request's own drafter's drafts (`own_caps`: under its own cap, which the policy may
+    set below the grammar's)."""
     tokens: dict[str, list[int]] = {}
     probs: dict[str, torch.Tensor | None] = {}
     skips: dict[str, str] = {}
     trees: dict[str, DraftTree] = {}
-    sched = [s for s in out.scheduled if s.draft_budget > 0]
+    if own_caps:
+        for s in sched:
+            if drafter_cap(s) <= 0:
+                skips[s.request.request_id] = "adaptive"  # the grammar's cap only: it forced none
+        sched = [s for s in sched if drafter_cap(s) > 0]
     if not sched or proposer is None:
         return StepDrafts(tokens=tokens, probs=probs, skips=skips, trees=trees)
-    reqs, ks = [s.request for s in sched], [s.draft_budget for s in sched]
+    reqs = [s.request for s in sched]
+    ks = [drafter_cap(s) if own_caps else s.draft_budget for s in sched]
     if proposer.has_fallback:
-        fks = [k if s.fallback_budget is None else s.fallback_budget for s, k in zip(sched, ks)]
+        fks = [k if s.fallback_budget is None else min(k, s.fallback_budget)
+               for s, k in zip(sched, ks)]
         drafts: Drafts = proposer.propose(reqs, ks, fallback_k=fks)
     elif proposer.drafts_trees:  # the K policy chose each request's shape
         drafts = proposer.propose(reqs, ks, trees=[s.draft_tree for s in sched])
@@ -137,6 +174,7 @@ def build(out: StepPlan, got: StepDrafts, drafts: dict[str, list[int]], probs: d
             probs=width.pad_probs(q, len(d)) if q is not None else None,
             num_valid=valid, num_cut=num_real.get(rid, 0) - valid,
             num_async_invalid=s.num_async_invalid, from_fallback=valid > 0 and rid in got.fallback,
+            num_forced=min(valid, got.forced.get(rid, 0)),
             skip_reason=skip))
         k += 1
     return DraftRows(tuple(rows), md)

@@ -31,6 +31,7 @@ from dynaspec.sample.metadata import SamplingMetadata
 from dynaspec.sample.synthetic import SyntheticVerifier
 from dynaspec.spec_decode.drafters.base import Proposer
 from dynaspec.spec_decode.drafters.eagle import HiddenStates
+from dynaspec.spec_decode.drafters.grammar_draft import GrammarDrafter
 from dynaspec.step_plan import BatchDescriptor, StepPlan
 from dynaspec.structured.manager import StructuredOutputManager
 from dynaspec.structured.step import GrammarStep
@@ -101,7 +102,8 @@ class ModelRunner:
                  executor: FixedShapeExecutor | None = None,
                  synthetic: SyntheticVerifier | None = None,
                  structured: StructuredOutputManager | None = None,
-                 eos_token_ids: tuple[int, ...] = (), hidden_sink: Proposer | None = None) -> None:
+                 eos_token_ids: tuple[int, ...] = (), hidden_sink: Proposer | None = None,
+                 grammar_drafter: GrammarDrafter | None = None) -> None:
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         # An EAGLE-style proposer: gets the hidden states of each step's verified tokens.
         self.hidden_sink = hidden_sink
@@ -111,6 +113,7 @@ class ModelRunner:
         self._seed_source = torch.Generator().manual_seed(seed)
         self.synthetic = synthetic  # --rejection-mode synthetic: NOT lossless
         self.structured = structured
+        self.grammar_drafter = grammar_drafter  # forced drafts first (docs/design.md §4d)
         self.buffers = buffers
         self.executor = executor
         self.eos_token_ids = eos_token_ids  # min_tokens bans them
@@ -147,7 +150,7 @@ class ModelRunner:
         if self.proposer is not None:
             for rid in out.preempted_ids:
                 self.proposer.preempt(rid)  # a preempted request must not keep drafter KV blocks
-        got = draft_rows.propose(self.proposer, out, self.synthetic)
+        got = draft_rows.propose(self.proposer, out, self.synthetic, self.grammar_drafter)
         drafts, probs = dict(got.tokens), dict(got.probs)  # cut below, before the rows exist
         # The step's trees that run as trees (worker/tree_step.py); the rest become chains.
         trees = tree_step.admit(out, got.trees, probs, drafts, plain=self.synthetic is None

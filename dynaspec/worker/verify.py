@@ -77,6 +77,7 @@ def verify(logits: torch.Tensor, rows: DraftRows, *, grammar: GrammarStep | None
             grammar_terminated=g.terminated if g else False,
             grammar_dead_end=g.dead_end if g else False,
             num_async_invalid_tokens=r.num_async_invalid, drafts_from_fallback=r.from_fallback,
+            num_forced_tokens=r.num_forced,
             num_tree_nodes=len(r.tree) if r.tree else 0, tree_depth=r.tree.depth if r.tree else 0,
             tree_path=path,
             tree_walk=None if r.tree is None or path is None else tree_walk(r.tree, list(path))))

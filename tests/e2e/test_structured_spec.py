@@ -156,8 +156,9 @@ class _FakeProposer(Proposer):
 
 
 def _fake_engine(model: str, fn):
+    # Without grammar drafts: the forced tokens would be drafted in place of the fake's.
     llm = LLM(cost_table=FREE_VERIFY, model=model, dtype="float32", num_kv_blocks=256,
-              speculator="ngram", num_spec_tokens=3)
+              speculator="ngram", num_spec_tokens=3, grammar_drafts=False)
     llm.engine.runner.proposer = _FakeProposer(fn)
     return llm
 

@@ -78,6 +78,22 @@ class Proposer:
         engine passes them only to drafters that declare them; others ignore them."""
         raise NotImplementedError
 
+    def continue_after(self, requests: Sequence[Request], prefixes: Sequence[Sequence[int]],
+                       k_per_request: Sequence[int]) -> Drafts:
+        """Chains of at most k_per_request[i] tokens that follow request i's context and then
+        prefixes[i], tokens not in it yet (those its grammar forces: grammar_draft.py). Here:
+        the request's own draft of prefix + k tokens, its tail kept where it begins with the
+        prefix (nothing otherwise, and nothing from a drafter with probabilities); a drafter
+        that can match on the prefix itself overrides this."""
+        got = self.propose(requests, [len(p) + k for p, k in zip(prefixes, k_per_request)])
+        tails: list[list[int]] = []
+        for d, p, k in zip(got.token_ids, prefixes, k_per_request):
+            agrees = got.probs is None and list(d[: len(p)]) == list(p)
+            tails.append(list(d[len(p): len(p) + k]) if agrees else [])
+        return Drafts(token_ids=tails, probs=None, skip_reasons=[None if t else "no_match"
+                                                                  for t in tails],
+                      setup_seconds=got.setup_seconds)
+
     def forget(self, request_id: str) -> None:
         """Drop the request's state (buffers, drafter KV); called when it finishes, is aborted
         or preempted. Unknown ids are ignored."""

@@ -217,6 +217,15 @@ class NgramProposer(Proposer):
             return ngram_tree(self._tokens(request), self.min_n, self.max_n, k)
         return ngram_match(self._tokens(request), self.min_n, self.max_n, k).tolist()
 
+    def continue_after(self, requests: Sequence[Request], prefixes: Sequence[Sequence[int]],
+                       k_per_request: Sequence[int]) -> Drafts:
+        """The match rule on the context with the prefix appended (one copy per request)."""
+        token_ids = [ngram_match(np.concatenate([self._tokens(r), np.asarray(p, np.int64)]),
+                                 self.min_n, self.max_n, k).tolist() if k > 0 else []
+                     for r, p, k in zip(requests, prefixes, k_per_request)]
+        return Drafts(token_ids=token_ids, probs=None,
+                      skip_reasons=[None if d else "no_match" for d in token_ids])
+
     def forget(self, request_id: str) -> None:
         """Drop a finished request's buffer. Unknown ids are ignored (idempotent)."""
         self._buffers.pop(request_id, None)

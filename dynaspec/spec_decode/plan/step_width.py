@@ -48,6 +48,7 @@ class RequestView:
     max_model_len_room: int  # max_model_len - context_len
     drafter_room: int | None = None  # positions the drafter can still take; None = unlimited
     history: AcceptanceHistory | None = None
+    structured: bool = False  # it has a grammar, which may force drafts (docs/design.md §4d)
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,10 @@ class StepK:
     # request_id -> the shallowest draft worth verifying: a request the policy cut verifies its
     # self-sizing drafter's draft only where the match runs as deep as its cap (copied text).
     min_depth: Mapping[str, int] = field(default_factory=dict)
+    # request_id -> (the grammar's cap, the request's drafter's cap), both <= per_request, for
+    # structured-output requests where the policy prices forced drafts apart (docs/design.md
+    # §4d); absent: per_request's for both.
+    grammar: Mapping[str, tuple[int, int]] = field(default_factory=dict)
 
     def drafts_tree(self, request_id: str) -> bool:
         return self.trees is None or request_id in self.trees
@@ -238,7 +243,7 @@ def decide(policy: Decider, view: StepView, reserved_k: int) -> StepK:
 def clamp(d: StepK, k: int) -> StepK:
     """The decision with its K lowered to `k` (a K the plan produced for the reservation)."""
     per = {rid: min(c, k) for rid, c in d.per_request.items()}
-    return replace(d, k=k, per_request=per, fallback={})
+    return replace(d, k=k, per_request=per, fallback={}, grammar={})
 
 
 def cap(reserved: int, reason: str | None, d: StepK, request_id: str) -> tuple[int, str | None]:

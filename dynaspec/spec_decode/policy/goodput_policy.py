@@ -54,6 +54,15 @@ width 1 + nodes, priced from the same cost table. A tree step teaches the reques
 history what its first path (the chain it holds) would have, and the engine-wide branch rates
 what its other children did.
 
+Grammar drafts (docs/design.md §4d): under structured output a request's grammar may force
+its first drafts, which cost no drafter call and which the masked target accepts unless the
+library spelled a forced text otherwise. They are priced apart (``prices_grammar``): their own
+acceptance histories, from ``grammar_prior``, and a cap of their own per structured request
+(``fallback_pricing.FallbackPricer`` with no drafting cost), merged into the request's K like a
+fallback's; the request's drafter keeps its own cap (``StepK.grammar``), so K widens through
+forced spans while free choices stay priced at the drafter's acceptance. Under DP the grammar's
+caps never exceed the agreed K.
+
 ``decide`` returns its report in the decision (``StepK.modelled_goodput`` and the goodput of
 every candidate K), so the policy holds no record of its decisions; the scheduler hands the
 modelled value back to ``observe_step`` with the step's timing. One formula
@@ -144,6 +153,9 @@ class GoodputPolicy(TablePolicy):
             FixedRates(*settings.synthetic_rates) if settings.synthetic_rates else None
         )
         self.fallback = FallbackPricer(settings) if settings.prices_fallback else None
+        # Forced drafts (docs/design.md §4d): their own acceptance, near 1, and a free drafter.
+        self.grammar = FallbackPricer(replace(settings, prior_rate=settings.grammar_prior)) \
+            if settings.prices_grammar else None
 
     # ---- writers: called with a step's results --------------------------------------------
     def new_history(self) -> AcceptanceHistory:
@@ -160,8 +172,13 @@ class GoodputPolicy(TablePolicy):
                                  prior_weight=self.settings.request_prior_weight)
 
     def observe(self, request_id: str, num_drafted: int, num_accepted: int, ctx: int,
-                cap: int = 0, fallback: bool = False, walk: TreeWalk | None = None) -> None:
-        """`walk`: the drafts were a tree, verified as one (tree_pricing.py)."""
+                cap: int = 0, fallback: bool = False, walk: TreeWalk | None = None,
+                grammar: bool = False) -> None:
+        """`walk`: the drafts were a tree, verified as one (tree_pricing.py); `grammar`: the
+        request's grammar forced them."""
+        if grammar and self.grammar is not None:
+            self.grammar.observe(request_id, num_drafted, num_accepted, ctx)
+            return
         if fallback and self.fallback is not None:
             self.fallback.observe(request_id, num_drafted, num_accepted, ctx)
             return
@@ -184,12 +201,13 @@ class GoodputPolicy(TablePolicy):
         super().forget(request_id)
         self.last_draft_ctx.pop(request_id, None)
         self.lengths.pop(request_id, None)
-        if self.fallback is not None:
-            self.fallback.forget(request_id)
+        for source in (self.fallback, self.grammar):
+            if source is not None:
+                source.forget(request_id)
 
     def num_cached(self) -> int:
         own = len(self.histories.keys() | self.last_draft_ctx.keys() | self.lengths.keys())
-        return own + (self.fallback.num_cached() if self.fallback is not None else 0)
+        return own + sum(s.num_cached() for s in (self.fallback, self.grammar) if s is not None)
 
     def observe_step(self, num_reqs: int, ctx: int, width: int, target_seconds: float,
                      draft_seconds: float, num_drafted: int, num_emitted: int,
@@ -264,7 +282,10 @@ class GoodputPolicy(TablePolicy):
         fallback = {} if self.fallback is None or g is not None else {
             r.request_id: self.fallback.cap(r, caps[r.request_id][0], cost)
             for r in view.requests}
-        d = self._step_k(best_k, ctx, caps, fixed, g is not None, fallback)
+        grammar = {} if self.grammar is None else {
+            r.request_id: self.grammar.cap(r, caps[r.request_id][0], cost)
+            for r in view.requests if r.structured}
+        d = self._step_k(best_k, ctx, caps, fixed, g is not None, fallback, grammar)
         return replace(d, modelled_goodput=best, goodput_by_k=by_k,
                        trees=trees if self.settings.drafts_trees else None,
                        min_depth={rid: caps[rid][0] for rid in strict if d.per_request[rid] > 0})
@@ -393,7 +414,8 @@ class GoodputPolicy(TablePolicy):
         return price_row(rates, FULL_LENGTHS.survival(ceiling), ceiling, True)
 
     def _step_k(self, k: int, ctx: int, caps: dict, fixed: dict[str, int],
-                agreed: bool = False, fallback: dict[str, int] | None = None) -> StepK:
+                agreed: bool = False, fallback: dict[str, int] | None = None,
+                grammar: dict[str, int] | None = None) -> StepK:
         per = {rid: min(fixed.get(rid, k), cap) for rid, (cap, _) in caps.items()}
         if agreed:  # a probe cannot widen the step the ranks agreed on (K=0: no forward width)
             per = {rid: min(n, k) for rid, n in per.items()}
@@ -401,6 +423,9 @@ class GoodputPolicy(TablePolicy):
         # is its own, no wider than its hard cap).
         fallback = fallback or {}
         per = {rid: max(n, fallback.get(rid, 0)) for rid, n in per.items()}
+        # Forced drafts have a cap of their own too; under DP never past the agreed K.
+        both = {rid: (min(g, k) if agreed else g, per[rid]) for rid, g in (grammar or {}).items()}
+        per = {rid: max(n, both[rid][0]) if rid in both else n for rid, n in per.items()}
         reasons = {}
         for rid, (cap, why) in caps.items():
             if per[rid] < cap:
@@ -410,4 +435,4 @@ class GoodputPolicy(TablePolicy):
         # The step's K: the widest any request verifies, rounded up to a width the plan runs;
         # under DP it is the K every rank agreed on (this rank's requests may all verify less).
         k = k if agreed else runnable_k(max(per.values(), default=0), self.allowed_widths)
-        return StepK(k, per, reasons, ctx, fallback)
+        return StepK(k, per, reasons, ctx, fallback, grammar=both)

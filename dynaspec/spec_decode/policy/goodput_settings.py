@@ -51,6 +51,12 @@ class GoodputSettings:
     # The drafter has a fallback (Proposer.has_fallback: lookup first, a head second): its
     # acceptance, cost and cap are priced apart (fallback_pricing.py).
     prices_fallback: bool = False
+    # Structured output drafts its grammar's forced tokens first (grammar_draft.py): their
+    # acceptance and cap are priced apart, from grammar_prior (the masked target cannot pick
+    # another token where one is allowed; only the library's spelling of a forced text may
+    # differ from the model's).
+    prices_grammar: bool = False
+    grammar_prior: float = 0.95
     # The drafter can give a tree under a node budget (Proposer.drafts_trees, --draft-tree): each
     # request is priced as a chain and as a tree (tree_pricing.py) and drafts the better shape.
     drafts_trees: bool = False
@@ -60,7 +66,8 @@ class GoodputSettings:
     branch_prior_weight: float = 2.0
 
     def __post_init__(self) -> None:
-        for name in ("prior_rate", "probe_rate", "probe_headroom", "branch_prior"):
+        for name in ("prior_rate", "probe_rate", "probe_headroom", "branch_prior",
+                     "grammar_prior"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if any(not 0.0 <= r <= 1.0 for r in self.synthetic_rates):

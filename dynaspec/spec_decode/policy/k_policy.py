@@ -53,7 +53,8 @@ class KPolicy(Protocol):
     def decide(self, view: StepView) -> StepK: ...
 
     def observe(self, request_id: str, num_drafted: int, num_accepted: int, ctx: int,
-                cap: int = 0, fallback: bool = False, walk: TreeWalk | None = None) -> None: ...
+                cap: int = 0, fallback: bool = False, walk: TreeWalk | None = None,
+                grammar: bool = False) -> None: ...
 
     def observe_step(self, num_reqs: int, ctx: int, width: int, target_seconds: float,
                      draft_seconds: float, num_drafted: int, num_emitted: int,
@@ -100,10 +101,12 @@ class TablePolicy:
         return AcceptanceHistory()
 
     def observe(self, request_id: str, num_drafted: int, num_accepted: int, ctx: int,
-                cap: int = 0, fallback: bool = False, walk: TreeWalk | None = None) -> None:
+                cap: int = 0, fallback: bool = False, walk: TreeWalk | None = None,
+                grammar: bool = False) -> None:
         """A verified step's outcome for one request; `cap` is the drafts it was allowed
         (0: unknown), so a drafter's own stops can be told from the cap's; `fallback`: the
-        drafter's fallback drafted them (kept apart only by a policy that prices it); `walk`:
+        drafter's fallback drafted them (kept apart only by a policy that prices it);
+        `grammar`: the request's grammar forced them (likewise); `walk`:
         its drafts were a tree verified as one (learned apart only by a policy that prices
         trees; here the tree counts as its nodes)."""
         if self.keeps_history and num_drafted:
