@@ -37,19 +37,17 @@ BuildArm = Callable[[str, str], Arm]  # (label, engine flag string) -> arm
 LoadItems = Callable[[str, object, int, int], list[WorkItem]]  # (workload, tokenizer, n, seed)
 
 
-def build_engine_arm(label: str, flags: str) -> Arm:
-    """An engine arm from a flag string, prefix caching off (as in bench compare)."""
+def _engine_kwargs(label: str, flags: str) -> dict:
     from dynaspec.engine_flags import parse_engine_args
     try:
-        kw = parse_engine_args(shlex.split(flags))
+        return parse_engine_args(shlex.split(flags))
     except SystemExit:  # argparse already printed what is wrong with the flags
         raise ValueError(f"{label}: not valid engine flags: {flags!r}") from None
-    return EngineArm(flags, {**kw, "enable_prefix_caching": False})
 
 
-def _speculates(flags: str) -> bool:
-    from dynaspec.engine_flags import parse_engine_args
-    return parse_engine_args(shlex.split(flags))["speculator"] != "none"
+def build_engine_arm(label: str, flags: str) -> Arm:
+    """An engine arm from a flag string, prefix caching off (as in bench compare)."""
+    return EngineArm(flags, {**_engine_kwargs(label, flags), "enable_prefix_caching": False})
 
 
 def oracle_of(arm: Arm, recording: dict) -> Arm:
@@ -136,9 +134,9 @@ class MatrixRun:
         if all(isinstance(w, str) for w in self.workloads.values()):
             return None, ""
         flags = f"{self.s.engine_flags} {self.s.drafter_flags[drafter]}".strip()
-        if not _speculates(flags):
-            return None, "default flags do not speculate (--speculator none)"
         try:
+            if _engine_kwargs(drafter, flags)["speculator"] == "none":
+                return None, "default flags do not speculate (--speculator none)"
             self.say(f"loading drafter {drafter}: {flags}")
             return self.build(drafter, flags), ""
         except (ValueError, FileNotFoundError, MissingExtraError) as exc:

@@ -132,3 +132,13 @@ def test_the_cli_writes_the_markdown_with_every_cell(tmp_path, capsys):
     assert md.count("| n/a: no ") == 2 * 2 * len(MISSING)
     assert main(["bench", "matrix", "--drafters", "magic", "--out", str(out)]) == 2
     assert "unknown matrix drafter 'magic'" in capsys.readouterr().err
+
+
+def test_a_drafter_with_flags_the_engine_does_not_take_is_an_na_cell():
+    from dynaspec.bench.matrix import DRAFTER_FLAGS
+
+    s = MatrixSettings(concurrencies=(1,), workloads=("code_edit",), drafters=("bad",),
+                       drafter_flags={**DRAFTER_FLAGS, "bad": "--no-such-flag"}, num_prompts=2,
+                       min_pairs=2, max_pairs=2)
+    (cell,) = _run(s, [], [])
+    assert cell.status == "n/a" and "cannot build: bad: not valid engine flags" in cell.reason
