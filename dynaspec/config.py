@@ -350,22 +350,12 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
-        if self.scheduler.async_scheduling and (self.parallel.data_parallel_size > 1
-                                                or self.parallel.engine_process):
-            # DP ranks step in lockstep on one K decision per step; the async pipeline forms a
-            # step before the previous one lands, which that agreement does not cover yet.
-            raise ValueError("--async-scheduling cannot be combined with --data-parallel-size > 1 "
-                             "or --engine-process")
-        if self.spec.draft_tree:
-            if self.spec.speculator not in ("ngram", "suffix"):
-                raise ValueError(f"--draft-tree needs --speculator ngram or suffix, got "
-                                 f"{self.spec.speculator!r}")
-            # Not carried yet (docs/design.md §4c): trees run on the synchronous single-rank step.
-            if self.scheduler.async_scheduling:
-                raise ValueError("--draft-tree cannot be combined with --async-scheduling yet")
-            if self.parallel.data_parallel_size > 1 or self.parallel.engine_process:
-                raise ValueError("--draft-tree cannot be combined with --data-parallel-size > 1 "
-                                 "or --engine-process yet")
+        # Trees compose with async scheduling and data parallelism (docs/design.md §4c, §7b):
+        # a tree's node budget is its row's draft cap, so holds, recaps and the agreed width
+        # treat it as a chain of that many drafts. Only the drafter limits trees.
+        if self.spec.draft_tree and self.spec.speculator not in ("ngram", "suffix"):
+            raise ValueError(f"--draft-tree needs --speculator ngram or suffix, got "
+                             f"{self.spec.speculator!r}")
 
     @staticmethod
     def parts() -> dict[str, type[DataclassInstance]]:

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # The C++ CPU kernels on this machine's CPU, in about two minutes on 16 cores: prints the CPU's
 # model and flags and the kernel paths dynaspec selects for them, builds the kernels afresh (a
-# JIT build with torch's tooling; a direct compiler build where ninja is missing), and runs the
-# kernel tests: path selection and build facts, int8 dot products with every path this CPU can
-# run against the scalar reference, attention, fused ops. Nothing is installed and the checkout
+# JIT build with torch's tooling; a direct compiler build where ninja is missing), builds them a
+# second time against SIMDe (dynaspec/kernel_emulation.py: every ISA path, emulated; needs
+# libsimde-dev), and runs every kernel test file: path selection and build facts, int8 dot
+# products, attention (paths, trees), fused ops, the layer stack, each ISA path natively where
+# this CPU has it and emulated everywhere (the pytest summary and the JSON say which ran how).
+# Nothing is installed and the checkout
 # is not written to: the package and tests are copied to a temporary directory and used from
 # PYTHONPATH. No network. With $OUT set, a short JSON summary goes to $OUT/cpu_kernels.json.
 # Usage: scripts/cpu_kernel_check.sh   (PYTHON=... picks the interpreter; BUILD_TIMEOUT and
@@ -90,11 +93,24 @@ facts["errors"] = facts_errors[:80]
 json.dump(facts, open(os.path.join(os.environ["DYNASPEC_CACHE_DIR"], "..", "build.json"), "w"))
 EOF
 
+echo "== emulated build (SIMDe)"
+timeout "${BUILD_TIMEOUT:-300}" "$PY" - <<'EOF' 2>&1 | tee -a "$WORK/build.log"
+import logging, time
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+from dynaspec import kernel_emulation as ke
+t0 = time.perf_counter()
+ok, why = ke.available()
+print("emulated kernels:", "built" if ok else f"NOT available: {why}", f"in {time.perf_counter() - t0:.0f} s")
+EOF
+
 echo "== tests"
 CONF=""
 "$PY" -c "import hypothesis" 2>/dev/null || CONF="--noconftest"  # the kernel tests need no fixtures
 TESTS="tests/unit/test_cpu_features.py tests/unit/test_cpu_kernels_build.py tests/model/test_int8_dot.py \
-tests/unit/test_kernel_paths.py tests/unit/test_cpu_paged_attention.py tests/unit/test_fused_ops.py"
+tests/unit/test_kernel_paths.py tests/unit/test_cpu_paged_attention.py tests/unit/test_cpu_paged_paths.py \
+tests/unit/test_cpu_paged_tree.py tests/unit/test_fused_ops.py tests/unit/test_kernel_emulation.py \
+tests/model/test_layer_stack.py"
+export DYNASPEC_KERNEL_PATHS_OUT="$WORK/kernel_paths.json"  # tests/conftest.py: how each path ran
 # shellcheck disable=SC2086
 timeout "${TEST_TIMEOUT:-240}" "$PY" -m pytest -q -rs -p no:cacheprovider $CONF --junitxml="$WORK/junit.xml" $TESTS 2>&1 \
   | tee "$WORK/pytest.log" | tail -40
@@ -130,6 +146,10 @@ try:
 except (OSError, ET.ParseError) as exc:
     summary["junit"] = f"unreadable: {exc}"
 summary.update(tests=counts, failed=failed[:40], skip_reasons=skipped)
+try:  # per kernel path: native, emulated, both, or not run (tests/conftest.py)
+    summary["kernel_paths"] = json.load(open(os.path.join(work, "kernel_paths.json")))
+except (OSError, ValueError):
+    summary["kernel_paths"] = "not recorded (pytest ran without tests/conftest.py)"
 # green only where the kernels built (else every kernel test skipped) and no test failed
 summary["ok"] = bool(summary["build"].get("ok")) and rc == 0 and counts["passed"] > 0
 print(json.dumps(summary, indent=1))

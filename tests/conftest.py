@@ -320,3 +320,27 @@ def _isolated_cost_cache(tmp_path_factory):
         os.environ.pop(CACHE_ENV, None)
     else:
         os.environ[CACHE_ENV] = old
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Per C++ kernel path, how its tests ran in this session: natively, emulated (SIMDe), both,
+    or not at all (tests/kernel_modes.py records them; silent where no kernel test ran)."""
+    import sys
+
+    modes = sys.modules.get("tests.kernel_modes")
+    if modes is None or not modes.RAN:
+        return
+    from dynaspec import cpu_features
+
+    terminalreporter.section("kernel paths: how their tests ran")
+    table = {}
+    for kernel, paths in cpu_features.KERNELS.items():
+        if kernel == "build":
+            continue
+        for p in paths:
+            name = f"{kernel}.{p.name}"
+            table[name] = [m for m in ("native", "emulated") if m in modes.RAN.get(name, ())]
+            terminalreporter.write_line(f"  {name:<26} {' and '.join(table[name]) or 'NOT RUN'}")
+    if os.environ.get("DYNASPEC_KERNEL_PATHS_OUT"):  # scripts/cpu_kernel_check.sh's summary
+        with open(os.environ["DYNASPEC_KERNEL_PATHS_OUT"], "w", encoding="utf-8") as f:
+            json.dump(table, f, indent=1)

@@ -8,7 +8,7 @@ emulated, or not at all)."""
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import pytest
 import torch
@@ -77,9 +77,20 @@ def run(kernel: str, path: str, mode: str, body):
     with mode_of(mode):
         got = body()
     RAN.setdefault(f"{kernel}.{path}", set()).add(mode)
+    RAN.setdefault(f"{kernel}.scalar", set()).add(mode)  # the reference each body compares with
     if mode == "emulated" and not native_lacks(kernel, path):
         assert _same(got, body()), f"{kernel}.{path}: the emulation differs from this CPU's bits"
     return got
+
+
+def enter(request, kernel: str, path: str, mode: str) -> None:
+    """`mode`'s kernels serving until the test ends, for a body too long to pass to run() (no
+    native comparison: such tests check a property within one mode, as tree rows against their
+    chains)."""
+    stack = ExitStack()
+    stack.enter_context(mode_of(mode))
+    request.addfinalizer(stack.close)
+    RAN.setdefault(f"{kernel}.{path}", set()).add(mode)
 
 
 def build_path(kernel: str, mode: str) -> str:

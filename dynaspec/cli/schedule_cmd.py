@@ -168,7 +168,7 @@ def format_tree(args: argparse.Namespace, plan: SpecPlan) -> str:
                  "2 or more nodes drafts a tree where its drafter finds branches.")
     return (text + " Tree steps are counted in /metrics (spec_decode_tree_steps, "
             "_num_tree_drafts, _num_tree_nodes, _num_tree_accepted_tokens, "
-            "_tree_acceptance_length). Refused with --async-scheduling and data parallel.\n")
+            "_tree_acceptance_length). Composes with --async-scheduling and data parallelism.\n")
 
 
 def format_dp(plan: SpecPlan, policy: str | None, dp: int) -> str:

@@ -4,11 +4,21 @@
 // - absent: the AVX512-BF16 conversion, the AVX-VNNI (VEX) dot product, the 512-bit int/float and
 //   half conversions, fpclass, masked loads and stores, the reductions (and _mm512_shuffle_f32x4's
 //   native alias);
-// - other bits: fmadd/fmsub (SIMDe's fallback rounds the product, then the sum: two roundings
-//   where the instruction has one) and dpbf16 (SIMDe's adds the even product first and keeps
-//   denormals; vdpbf16ps adds the odd one first, reads denormals as zero and flushes results).
+// - other bits (each found against the hardware on a Zen 4, intrinsic by intrinsic): fmadd/fmsub
+//   (SIMDe's fallback rounds the product, then the sum: two roundings where the instruction has
+//   one), dpbf16 (SIMDe's adds the even product first and keeps denormals; vdpbf16ps adds the odd
+//   one first, reads denormals as zero and flushes results), roundscale (SIMDe's ignores the
+//   rounding mode when _MM_FROUND_NO_EXC is set: a floor came out as a round), scalef (SIMDe's
+//   flushes denormal results), abs_ps (SIMDe's keeps a NaN's sign) and cvtph_ps (SIMDe's keeps
+//   a signalling half NaN signalling).
+// Not held: which NaN a fused multiply-add returns when several inputs are NaN (the compiler's
+// choice of operand order decides it natively).
 // A later SIMDe that has one of the absent ones keeps its own (#ifndef on the native name).
 #pragma once
+
+// The compiler's own header first, as torch's headers include it in every kernel source: its
+// _MM_ constants, and SIMDe's aliases then take one form (macros over the native names).
+#include <immintrin.h>
 
 #define SIMDE_ENABLE_NATIVE_ALIASES
 #include <simde/x86/avx512.h>
@@ -64,7 +74,48 @@ inline int32_t to_i32(float x) {
 template <typename V>
 inline V fmadd(V a, V b, V c, float sign_c) {
   auto x = lanes<float>(a), y = lanes<float>(b), z = lanes<float>(c);
-  for (size_t i = 0; i < x.size(); ++i) x[i] = std::fma(x[i], y[i], sign_c * z[i]);
+  for (size_t i = 0; i < x.size(); ++i)  // (fmsub: a NaN c is returned as it is, not negated)
+    x[i] = std::fma(x[i], y[i], std::isnan(z[i]) ? z[i] : sign_c * z[i]);
+  return vec<V>(x);
+}
+
+// vroundscaleps with M = imm >> 4 fraction bits kept, rounded by imm's low two bits (bit 2:
+// MXCSR's mode, nearest even here); a NaN comes back quiet.
+inline float roundscale(float x, int imm) {
+  if (std::isnan(x)) return bits_f32(f32_bits(x) | 0x400000u);
+  const int m = (imm >> 4) & 15, mode = (imm & 4) ? 0 : (imm & 3);
+  const float y = std::ldexp(x, m);
+  const float r = mode == 0   ? std::nearbyint(y)
+                  : mode == 1 ? std::floor(y)
+                  : mode == 2 ? std::ceil(y)
+                              : std::trunc(y);
+  return std::ldexp(r, -m);
+}
+
+// vscalefps: a * 2^floor(b), rounded once (denormal results kept, as MXCSR's defaults do).
+inline float scalef(float a, float b) {
+  if (std::isnan(a)) return bits_f32(f32_bits(a) | 0x400000u);
+  if (std::isnan(b)) return bits_f32(f32_bits(b) | 0x400000u);
+  if (std::isinf(b)) {
+    if ((b > 0 && a == 0.f) || (b < 0 && std::isinf(a))) return bits_f32(0xFFC00000u);  // QNaN
+    return b > 0 ? a * INFINITY : a * 0.f;
+  }
+  const float e = std::floor(b);
+  return std::ldexp(a, e > 1000.f ? 1000 : (e < -1000.f ? -1000 : static_cast<int>(e)));
+}
+
+// vcvtph2ps: exact; a NaN comes back quiet.
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = uint32_t{h & 0x8000u} << 16, e = (h >> 10) & 31, m = h & 1023u;
+  if (e == 31) return bits_f32(sign | 0x7F800000u | (m << 13) | (m ? 0x400000u : 0u));
+  if (e == 0) return std::copysign(std::ldexp(static_cast<float>(m), -24), sign ? -1.f : 1.f);
+  return bits_f32(sign | ((e + 112) << 23) | (m << 13));
+}
+
+template <typename V>
+inline V map_f32(V a, float (*f)(float, int), int imm) {
+  auto x = lanes<float>(a);
+  for (float& v : x) v = f(v, imm);
   return vec<V>(x);
 }
 
@@ -128,6 +179,30 @@ inline bool fpclass(float x, int imm) {
 #define _mm512_fmsub_ps(a, b, c) dsim::fmadd<simde__m512>((a), (b), (c), -1.f)
 #undef _mm512_dpbf16_ps
 #define _mm512_dpbf16_ps(src, a, b) dsim::dpbf16((src), (a), (b))
+#undef _mm512_roundscale_ps
+#define _mm512_roundscale_ps(a, imm) dsim::map_f32<simde__m512>((a), dsim::roundscale, (imm))
+
+inline simde__m512 dsim_mm512_scalef_ps(simde__m512 a, simde__m512 b) {
+  auto x = dsim::lanes<float>(a);
+  const auto y = dsim::lanes<float>(b);
+  for (int i = 0; i < 16; ++i) x[i] = dsim::scalef(x[i], y[i]);
+  return dsim::vec<simde__m512>(x);
+}
+#undef _mm512_scalef_ps
+#define _mm512_scalef_ps(a, b) dsim_mm512_scalef_ps((a), (b))
+#undef _mm512_abs_ps
+#define _mm512_abs_ps(a)    \
+  simde_mm512_castsi512_ps( \
+      simde_mm512_and_si512(simde_mm512_castps_si512(a), simde_mm512_set1_epi32(0x7FFFFFFF)))
+
+inline simde__m256 dsim_mm256_cvtph_ps(simde__m128i a) {
+  const auto h = dsim::lanes<uint16_t>(a);
+  std::array<float, 8> r;
+  for (int i = 0; i < 8; ++i) r[i] = dsim::half_to_float(h[i]);
+  return dsim::vec<simde__m256>(r);
+}
+#undef _mm256_cvtph_ps
+#define _mm256_cvtph_ps(a) dsim_mm256_cvtph_ps((a))
 
 // ---- absent in SIMDe 0.7.4 -----------------------------------------------------------------
 // SIMDe has it under its own name only (no native alias).
@@ -200,11 +275,10 @@ inline simde__m256i dsim_mm512_cvtepi32_epi16(simde__m512i a) {  // vpmovdw: tru
 
 #ifndef _mm512_cvtph_ps
 #define _mm512_cvtph_ps(a) dsim_mm512_cvtph_ps((a))
-inline simde__m512 dsim_mm512_cvtph_ps(simde__m256i a) {  // each half as the 8-lane conversion
-  const auto h = dsim::lanes<float>(simde_mm256_cvtph_ps(simde_mm256_castsi256_si128(a)));
-  const auto g = dsim::lanes<float>(simde_mm256_cvtph_ps(simde_mm256_extracti128_si256(a, 1)));
+inline simde__m512 dsim_mm512_cvtph_ps(simde__m256i a) {
+  const auto h = dsim::lanes<uint16_t>(a);
   std::array<float, 16> r;
-  for (int i = 0; i < 8; ++i) r[i] = h[i], r[8 + i] = g[i];
+  for (int i = 0; i < 16; ++i) r[i] = dsim::half_to_float(h[i]);
   return dsim::vec<simde__m512>(r);
 }
 #endif

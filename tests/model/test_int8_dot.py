@@ -19,20 +19,24 @@ from dynaspec.models.int8_dot import (
 from dynaspec.models.layers import FusedOps
 from dynaspec.models.quant import QuantizedTensor, quantize_int4
 
+from .. import kernel_modes
+
 pytestmark = pytest.mark.skipif(
     int8_dot.kernel_isa() == "unavailable", reason="the C++ kernels are not built"
 )
-# Every vector path, each run only where this CPU has every flag it needs (the rest skip,
-# naming the flags): forcing one the CPU lacks raised SIGILL on Zen 4 (avx_vnni there).
+# Every vector path, natively where this CPU has every flag it needs (forcing one it lacks
+# raised SIGILL on Zen 4, avx_vnni there) and emulated everywhere (tests/kernel_modes.py).
 VECTOR_PATHS = [p.name for p in cpu_features.KERNELS["int8_gemm"] if p.name != "scalar"]
+PATH_MODES = kernel_modes.cases("int8_gemm", VECTOR_PATHS)
 
 
-def _runnable(path: str) -> str:
-    lacking = cpu_features.missing(cpu_features.path("int8_gemm", path),
-                                   cpu_kernels.selection().flags)
-    if lacking:
-        pytest.skip(f"this CPU lacks {', '.join(lacking)}, which int8_gemm path {path} needs")
-    return path
+def _against_scalar(w: QuantizedTensor, x: torch.Tensor, path: str, mode: str):
+    """(path's output, the scalar reference's) for x @ w^T, with `mode`'s kernels."""
+    def body():
+        lin = Int8DotLinear(w, None)  # binds the serving module's op
+        return lin(x, path=path), lin(x, path="scalar")
+
+    return kernel_modes.run("int8_gemm", path, mode, body)
 
 
 def _weights(kind: str, n: int, k: int, seed: int) -> QuantizedTensor:
@@ -47,15 +51,14 @@ def _weights(kind: str, n: int, k: int, seed: int) -> QuantizedTensor:
     return q
 
 
-@pytest.mark.parametrize("path", VECTOR_PATHS)
+@pytest.mark.parametrize("path,mode", PATH_MODES)
 @pytest.mark.parametrize("kind", ["q4", "q8", "q8g16", "q8zero"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_every_isa_path_equals_the_scalar_reference_bit_for_bit(kind, dtype, path):
+def test_every_isa_path_equals_the_scalar_reference_bit_for_bit(kind, dtype, path, mode):
     w = _weights(kind, 80, 192, seed=1)
-    lin = Int8DotLinear(w, None)
     x = torch.randn(21, 192, generator=torch.Generator().manual_seed(2)).to(dtype)
-    ref = lin(x, path="scalar")
-    assert torch.equal(lin(x, path=_runnable(path)), ref)
+    got, ref = _against_scalar(w, x, path, mode)
+    assert torch.equal(got, ref)
     exact = x.float() @ w.dequantize().t()
     rel = ((ref.float() - exact).abs().max() / exact.abs().max()).item()
     assert rel < 0.03, rel  # int8 activations: ~0.5-1.5% of the largest output here
@@ -242,15 +245,16 @@ def _fp16_exact(kind: str) -> QuantizedTensor:
     return QuantizedTensor("q8", w.q, d, zero, w.group_size)
 
 
-@pytest.mark.parametrize("path", VECTOR_PATHS)
+@pytest.mark.parametrize("path,mode", PATH_MODES)
 @pytest.mark.parametrize("kind", ["q4", "q8", "q8zero"])
-def test_fp16_scales_where_exact_give_the_same_bits_on_every_isa(kind, path):
+def test_fp16_scales_where_exact_give_the_same_bits_on_every_isa(kind, path, mode):
     w = _fp16_exact(kind)
     lin = Int8DotLinear(w, None)
     assert lin.scales.dtype == torch.float16
     assert lin.mins is None or lin.mins.dtype == torch.float16
     x = torch.randn(13, 128, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
-    assert torch.equal(lin(x, path=_runnable(path)), lin(x, path="scalar"))
+    got, ref = _against_scalar(w, x, path, mode)
+    assert torch.equal(got, ref)
     # the same values stored as fp32: the kernel widens fp16 exactly, so not one bit moves
     mins = None if lin.mins is None else lin.mins.float()
     as32 = lin._op(x, lin.packed, lin.scales.float(), mins, lin.out_features, lin.group_size,
@@ -293,10 +297,10 @@ def test_the_kernel_itself_refuses_a_path_it_was_not_allowed(path):
                 lin.group_size, lin.bits, int8_dot.ISA_NAMES.index(path))
 
 
-@pytest.mark.parametrize("path", VECTOR_PATHS)
+@pytest.mark.parametrize("path,mode", PATH_MODES)
 @pytest.mark.parametrize("kind, group", [("q4", 32), ("q4", 16), ("q8", 32), ("q8", 16)])
 @pytest.mark.parametrize("sign", [1.0, -1.0])
-def test_the_largest_integer_dots_stay_exact_on_every_path(kind, group, sign, path):
+def test_the_largest_integer_dots_stay_exact_on_every_path(kind, group, sign, path, mode):
     """Every weight at its extreme and every activation at +-127: the AVX2 tile adds a group's
     4-bit products in int16 (at most 8 steps of 2 * 15 * 127) and splits 8-bit weights into
     nibbles; an overflow or a saturation there would change these dots."""
@@ -308,9 +312,8 @@ def test_the_largest_integer_dots_stay_exact_on_every_path(kind, group, sign, pa
         q = torch.full((n, k), -127, dtype=torch.int8)
         q[1::2] = 127
         w = QuantizedTensor("q8", q, torch.ones(n, k // group), None, group)
-    lin = Int8DotLinear(w, None)
     x = torch.full((7, k), sign)  # quantizes to +-127 in every block
-    ref = lin(x, path="scalar")
-    assert torch.equal(lin(x, path=_runnable(path)), ref)
+    got, ref = _against_scalar(w, x, path, mode)
+    assert torch.equal(got, ref)
     exact = x @ w.dequantize().t()
     assert torch.allclose(ref, exact, rtol=1e-5), (ref[0, :4], exact[0, :4])

@@ -8,6 +8,8 @@ import torch
 from dynaspec import cpu_kernels
 from dynaspec.models.layers import FusedOps, RotaryCache, apply_rope, rms_norm, silu_and_mul
 
+from ..kernel_modes import BUILD_MODES, run_build
+
 ok, why = cpu_kernels.available()
 pytestmark = pytest.mark.skipif(not ok, reason=f"no C++ toolchain for the kernels: {why}")
 DTYPES = [torch.bfloat16, torch.float32]
@@ -22,21 +24,27 @@ def _x(*shape, dtype, seed=0):
     return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * 3).to(dtype)
 
 
+@pytest.mark.parametrize("mode", BUILD_MODES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rms_norm_and_residual_add_match_eager(dtype):
-    ops = FusedOps(enabled=True)
+def test_rms_norm_and_residual_add_match_eager(dtype, mode):
     x, d, w = _x(7, 576, dtype=dtype), _x(7, 576, dtype=dtype, seed=1), _x(576, dtype=dtype, seed=2)
-    torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), rms_norm(x, w, 1e-5), **_tol(dtype))
+
+    def body():
+        ops = FusedOps(enabled=True)
+        return ops.rms_norm(x, w, 1e-5), *ops.add_rms_norm(x.clone(), d, w, 1e-5)
+
+    normed, new_x, h = run_build(mode, body)
+    torch.testing.assert_close(normed, rms_norm(x, w, 1e-5), **_tol(dtype))
     ref_x = x + d
-    new_x, h = ops.add_rms_norm(x.clone(), d, w, 1e-5)
     torch.testing.assert_close(new_x, ref_x, rtol=0, atol=0)
     torch.testing.assert_close(h, rms_norm(ref_x, w, 1e-5), **_tol(dtype))
 
 
+@pytest.mark.parametrize("mode", BUILD_MODES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_mul_matches_eager(dtype):
+def test_silu_mul_matches_eager(dtype, mode):
     gu = _x(5, 2 * 96, dtype=dtype, seed=3)
-    got, ref = FusedOps(enabled=True).silu_and_mul(gu), silu_and_mul(gu)
+    got, ref = run_build(mode, lambda: FusedOps(enabled=True).silu_and_mul(gu)), silu_and_mul(gu)
     # exp differs from torch's vectorised one in the last bit at most; bf16 rounding hides it
     torch.testing.assert_close(
         got,
@@ -61,8 +69,9 @@ def _exp_vec(x: torch.Tensor) -> torch.Tensor:
     return p * scale
 
 
+@pytest.mark.parametrize("mode", BUILD_MODES)
 @pytest.mark.parametrize("inter", [96, 100])  # 96: every vector width's path; 100: the scalar loop
-def test_silu_mul_bf16_has_the_scalar_loops_bits(inter):
+def test_silu_mul_bf16_has_the_scalar_loops_bits(inter, mode):
     # silu(gate) rounded to bf16, times up, rounded: the 8- and 16-lane loops (chosen by the
     # build) must give the scalar loop's bits, which this rebuilds from its C operations.
     g = torch.Generator().manual_seed(inter)
@@ -71,20 +80,26 @@ def test_silu_mul_bf16_has_the_scalar_loops_bits(inter):
     gate, up = gu[:, :inter].float(), gu[:, inter:].float()
     silu = (gate / (1.0 + _exp_vec(-gate))).bfloat16().float()
     ref = (silu * up).bfloat16()
-    got = FusedOps(enabled=True).silu_and_mul(gu)
+    got = run_build(mode, lambda: FusedOps(enabled=True).silu_and_mul(gu))
     assert torch.equal(got, ref)
 
 
+@pytest.mark.parametrize("mode", BUILD_MODES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("D", [16, 64])  # 64: the 16-lane path (half a head a multiple of 16)
-def test_rope_in_place_matches_eager(dtype, D):
+def test_rope_in_place_matches_eager(dtype, D, mode):
     T, H, Hkv = 6, 4, 2
     rope = RotaryCache(D, 10000.0, None, 64, torch.device("cpu"))
     cos, sin = rope.lookup(torch.tensor([0, 3, 7, 8, 30, 63]), dtype)
     qkv = _x(T, (H + 2 * Hkv) * D, dtype=dtype, seed=4)
     ref = apply_rope(qkv[:, : (H + Hkv) * D].reshape(T, H + Hkv, D), cos, sin)
     v_before = qkv[:, (H + Hkv) * D:].clone()
-    got = FusedOps(enabled=True).rope_qk(qkv, cos, sin, H + Hkv, D)
+
+    def body():  # in place: each run on its own copy (an emulated one is repeated natively)
+        c = qkv.clone()
+        return FusedOps(enabled=True).rope_qk(c, cos, sin, H + Hkv, D), c
+
+    got, qkv = run_build(mode, body)
     torch.testing.assert_close(got, ref, rtol=0, atol=0)
     torch.testing.assert_close(qkv[:, (H + Hkv) * D:], v_before, rtol=0, atol=0)  # v untouched
 

@@ -15,6 +15,8 @@ from dynaspec.models.int8_dot import Int8DotLinear
 from dynaspec.models.layers import FusedOps
 from dynaspec.models.quant import quantize_int4
 
+from .. import kernel_modes
+
 ok, why = cpu_kernels.available()
 pytestmark = pytest.mark.skipif(not ok, reason=f"the C++ kernels are not built: {why}")
 
@@ -38,20 +40,26 @@ def _reach(kernel: str, name: str):
     return cpu_kernels.paths_without(*[f"{kernel}.{p.name}" for p in ahead])
 
 
-@pytest.mark.parametrize("path", ["avx512_bf16", "avx512"])
-def test_every_bf16_store_path_gives_the_scalar_references_bits(path):
-    sel = cpu_kernels.selection()
-    if sel.chosen["int8_gemm"] != "avx512_vnni":
-        pytest.skip(f"the int8 GEMM stores bf16 with vector code only on its avx512_vnni path; "
-                    f"this CPU runs {sel.chosen['int8_gemm']}")
+@pytest.mark.parametrize("path,mode", kernel_modes.cases("bf16_convert", ["avx512_bf16", "avx512"]))
+def test_every_bf16_store_path_gives_the_scalar_references_bits(path, mode):
     g = torch.Generator().manual_seed(41)
-    lin = Int8DotLinear(quantize_int4(torch.randn(64, 128, generator=g) * 1e-4), None)
+    w = quantize_int4(torch.randn(64, 128, generator=g) * 1e-4)
     # outputs from ~1e-38 (subnormal in bf16: vcvtneps2bf16 alone would flush them) to ~1e2
     x = (torch.randn(24, 128, generator=g) * torch.logspace(-35, 2, 24)[:, None]).bfloat16()
-    ref = lin(x, path="scalar")
-    composed = FusedOps(enabled=True).silu_and_mul(ref)
-    with _reach("bf16_convert", path):
-        got, fused = lin(x), lin.silu_mul(x)
+
+    def body():
+        sel = cpu_kernels.selection()
+        if sel.chosen["int8_gemm"] != "avx512_vnni":  # (native only: the emulation has it)
+            pytest.skip(f"the int8 GEMM stores bf16 with vector code only on its avx512_vnni "
+                        f"path; this CPU runs {sel.chosen['int8_gemm']}")
+        lin = Int8DotLinear(w, None)
+        ref = lin(x, path="scalar")
+        composed = FusedOps(enabled=True).silu_and_mul(ref)
+        with _reach("bf16_convert", path):
+            got, fused = lin(x), lin.silu_mul(x)
+        return got, fused, ref, composed
+
+    got, fused, ref, composed = kernel_modes.run("bf16_convert", path, mode, body)
     assert torch.equal(got.view(torch.int16), ref.view(torch.int16))
     assert torch.equal(fused.view(torch.int16), composed.view(torch.int16))
 
