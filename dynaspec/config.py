@@ -129,6 +129,11 @@ def parse_rates(value: object) -> tuple[float, ...]:
     return rates
 
 
+# What SpecConfig.draft_tree=None means: chains today; a later default of trees falls back to
+# chains wherever trees cannot run instead of refusing the engine.
+DRAFT_TREE_DEFAULT = False
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     speculator: str = opt("none", "drafter", choices=reg.SPECULATORS)
@@ -153,8 +158,12 @@ class SpecConfig:
                                          "recently used evicted (0 = off)")
     suffix_cache_max_tokens: int = opt(1_000_000, "suffix: tokens kept in the global cache")
     # Token trees (docs/design.md §4c): the request's draft budget becomes a node budget.
-    draft_tree: bool = opt(False, "ngram/suffix draft token trees (several continuations, "
-                           "verified in one step) instead of chains")
+    # None: not asked either way, DRAFT_TREE_DEFAULT applies, and a model or attention backend
+    # that cannot verify trees falls back to chains; an explicit True there is refused
+    # (dynaspec/engine/tree_setting.py).
+    draft_tree: bool | None = opt(None, "ngram/suffix draft token trees (several continuations, "
+                                  "verified in one step) instead of chains (not given: "
+                                  "chains)", type=bool)
     # Structured output: the tokens a request's grammar forces are drafts before the drafter's
     # (spec_decode/drafters/grammar_draft.py); off for A/B runs against lookup drafts alone.
     grammar_drafts: bool = opt(True, "structured output: draft the tokens the grammar forces "

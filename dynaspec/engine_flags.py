@@ -29,6 +29,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         md, default = f.metadata, f.default
         if default is MISSING:
             raise TypeError(f"engine flag field {f.name} has no default")
+        if default is None and md.get("type") is bool:
+            # Three states: --x, --no-x, or neither (None: the engine's default, which may
+            # differ by model: dynaspec/engine/tree_setting.py).
+            group.add_argument(_flag(f), dest=f.name, default=None, help=md["help"],
+                               action=argparse.BooleanOptionalAction)
+            continue
         if isinstance(default, bool):
             # A --no-x switch: say what its field is when absent, not a bare "default: True".
             help_ = md["help"] + (" (without the flag: %(dest)s=%(default)s)" if default else "")

@@ -39,6 +39,9 @@ class ShortGroup:
     packed_mask: torch.Tensor | None = None  # [B, 1, W*G, C], built by the first layer, reused
     # sliding window -> its packed mask, built by the first layer with that window, reused
     window_masks: dict = field(default_factory=dict)
+    # With a tree in the group: (query, key) positions, [B, W] and [B, C] long, as the model
+    # sees them (a tree's rows at their depth, docs/design.md §4c): the window counts these.
+    tree_pos: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -60,6 +63,13 @@ class AttentionMetadata:
     long: list[LongSeq]
     num_tokens: int
     has_tree: bool = False  # some request's rows are a draft tree (masks built in)
+
+
+def row_positions(tree: torch.Tensor, context_len: int) -> torch.Tensor:
+    """[q] long: the position of each of a request's q rows given its [q, q] visibility; a row
+    sits one past the last row it sees (a tree node at its depth, a causal row at its index)."""
+    q = tree.shape[0]
+    return context_len - q + tree.sum(dim=1).to(torch.long) - 1
 
 
 def build_metadata(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
@@ -130,14 +140,24 @@ def _build_short(
         q_pos = ctx - q_len + torch.arange(W)[None, :, None]  # absolute position of each query
         k_pos = torch.arange(C)[None, None, :]
         mask = ((k_pos <= q_pos) & (k_pos < ctx)).unsqueeze(1)  # [B, 1, W, C]
+        tree_pos = None
         for j, i in enumerate(ids if trees is not None else ()):
             tree = trees[i] if trees is not None else None
             if tree is not None:  # a tree's rows see the context and their ancestors only
                 q, c = qs[j], cs[j]
                 mask[j, 0, :q, c - q:c] = tree
+                if tree_pos is None:  # physical positions, clamped (pad rows: the last key)
+                    tree_pos = (torch.minimum(q_pos[:, :, 0], ctx[:, :, 0] - 1),
+                                torch.arange(C).repeat(B, 1))
+                rows = row_positions(tree.cpu(), c)
+                tree_pos[0][j, :q] = rows
+                tree_pos[0][j, q:] = rows.max()  # pad rows see the deepest node, never nothing
+                tree_pos[1][j, c - q:c] = rows
         mask = mask.to(device)
     return ShortGroup(token_index, token_valid, kv_slots.to(device), mask, B, W,
-                      starts[ids[0]] if uniform else 0, tuple(cs), tuple(qs))
+                      starts[ids[0]] if uniform else 0, tuple(cs), tuple(qs),
+                      tree_pos=None if mask is None or tree_pos is None
+                      else (tree_pos[0].to(device), tree_pos[1].to(device)))
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -145,9 +165,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     """q: [T, H, D]; k, v: [T, Hkv, D]; kv_cache: [2, num_slots, Hkv, D]. Returns [T, H, D].
     window: a query at position p sees keys max(0, p - window + 1)..p (None: all up to p). The
     cache keeps every position either way, so prefix caching and rollback are unaffected."""
-    if md.has_tree and window is not None:
-        # Window masks are laid out by row; a tree's rows sit at positions by depth.
-        raise NotImplementedError("token trees are not verified on sliding-window layers")
     kv_cache[0].index_copy_(0, md.slot_mapping, k)
     kv_cache[1].index_copy_(0, md.slot_mapping, v)
     out = torch.empty_like(q)
@@ -178,10 +195,10 @@ def long_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: 
         windowed = window is not None and seq.context_len > window  # else the window hides nothing
         mask: torch.Tensor | None
         if seq.tree_mask is not None:
-            q_pos = torch.arange(seq.context_len - seq.query_len, seq.context_len, device=q.device)
-            mask = torch.arange(seq.context_len, device=q.device)[None, :] <= q_pos[:, None]
-            mask[:, seq.context_len - seq.query_len:] = seq.tree_mask  # [q, ctx]
-            causal = False
+            mask, causal = seq.window_masks.get(window if windowed else None), False
+            if mask is None:
+                mask = seq.window_masks[window if windowed else None] = _long_tree_mask(
+                    seq, window if windowed else None)
         elif windowed and window is not None:  # (windowed implies a window: for the checker)
             mask = seq.window_masks.get(window)
             if mask is None:
@@ -200,6 +217,37 @@ def long_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: 
                                            vi.transpose(0, 1).unsqueeze(0), attn_mask=mask,
                                            is_causal=causal, scale=scale, enable_gqa=True)
         out[s:e] = o[0].transpose(0, 1)
+
+
+def _long_tree_mask(seq: LongSeq, window: int | None) -> torch.Tensor:
+    """[q, ctx] bool: a tree's rows see the context and their ancestors; in a window, only keys
+    within `window` positions of the row's own (positions by depth, not by row)."""
+    assert seq.tree_mask is not None  # a tree's sequence
+    c, q, dev = seq.context_len, seq.query_len, seq.tree_mask.device
+    k_pos = torch.arange(c, device=dev)
+    mask = (k_pos < c - q).expand(q, c).clone()  # [q, ctx]: the context before the step
+    mask[:, c - q:] = seq.tree_mask
+    if window is not None:
+        rows = row_positions(seq.tree_mask, c)  # [q]
+        k_pos[c - q:] = rows
+        mask &= k_pos[None, :] > rows[:, None] - window
+    return mask
+
+
+def _short_window_mask(g: ShortGroup, window: int, G: int, device: torch.device) -> torch.Tensor:
+    """[B, 1, W*G, C] bool: the group's mask with a sliding window (pad rows, past a request's
+    query, see keys up to its last position only)."""
+    B, W = g.num_reqs, g.width
+    if g.tree_pos is not None and g.mask is not None:  # positions by depth (docs/design.md §4c)
+        q_pos, k_pos = g.tree_pos
+        m = g.mask & (k_pos[:, None, None, :] > q_pos[:, None, :, None] - window)
+    else:
+        ctx = torch.tensor(g.ctx_lens, device=device)[:, None]
+        q_pos = ctx - torch.tensor(g.query_lens, device=device)[:, None] + torch.arange(
+            W, device=device)
+        m = window_mask(torch.minimum(q_pos, ctx - 1), g.kv_slots.shape[1], window).unsqueeze(1)
+    C = m.shape[-1]
+    return m.unsqueeze(3).expand(B, 1, W, G, C).reshape(B, 1, W * G, C)
 
 
 def _short_attention(q: torch.Tensor, kv_cache: torch.Tensor, g: ShortGroup, scale: float,
@@ -223,16 +271,8 @@ def _short_attention(q: torch.Tensor, kv_cache: torch.Tensor, g: ShortGroup, sca
     mask = g.packed_mask
     if window is not None and C > window:  # with C <= window the window hides nothing
         mask = g.window_masks.get(window)
-        if mask is None:  # pad rows (past a request's query) see keys <= its last position only
-            ctx = torch.tensor(g.ctx_lens, device=q.device)[:, None]
-            q_pos = (
-                ctx
-                - torch.tensor(g.query_lens, device=q.device)[:, None]
-                + torch.arange(W, device=q.device)
-            )
-            m = window_mask(torch.minimum(q_pos, ctx - 1), C, window).unsqueeze(1)  # [B, 1, W, C]
-            mask = m.unsqueeze(3).expand(B, 1, W, G, C).reshape(B, 1, W * G, C)
-            g.window_masks[window] = mask
+        if mask is None:
+            mask = g.window_masks[window] = _short_window_mask(g, window, G, q.device)
     o = F.scaled_dot_product_attention(qp, kb, vb, attn_mask=mask, scale=scale)
     o = o.view(B, Hkv, W, G, D).permute(0, 2, 1, 3, 4).reshape(B, W, H, D)
     if g.token_index is None:
@@ -245,6 +285,7 @@ class EagerPagedBackend:
     """Any flat mixed batch; padded rows of a fixed-shape batch are not needed (it is ragged)."""
 
     name = "eager"
+    tree_windows = True  # tree rows windowed by their depth (dynaspec/engine/tree_setting.py)
 
     def supports(self, batch: AttentionBatch) -> bool:
         return True

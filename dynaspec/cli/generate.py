@@ -41,15 +41,22 @@ def run(args: argparse.Namespace) -> int:
     out = llm.generate(prompt, params)[0]
     elapsed = time.perf_counter() - t0
     n = len(out.token_ids)
+    failed = out.finish_reason == "error"
     if args.json:
         obj = {"text": out.text, "token_ids": out.token_ids,
                "num_prompt_tokens": len(out.prompt_token_ids), "num_output_tokens": n,
                "finish_reason": out.finish_reason, "elapsed_s": round(elapsed, 4),
                "tokens_per_s": round(n / elapsed, 2) if elapsed > 0 else None}
+        if failed:
+            obj["error"] = out.error or "engine error"
         if out.spec is not None:
             obj["spec"] = out.spec.to_json()
         print(json.dumps(obj))
     else:
         print(out.text)
         print(f"[{n} tokens in {elapsed:.2f}s, {n / elapsed:.1f} tok/s]", file=sys.stderr)
+    if failed:  # what it produced is printed above; the run still failed
+        print(f"dynaspec: error: generation failed after {n} tokens: "
+              f"{out.error or 'engine error'}", file=sys.stderr)
+        return 1
     return 0

@@ -6,16 +6,17 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from dynaspec.config import EngineConfig, default_num_threads
 from dynaspec.engine.output_processor import OutputProcessor
+from dynaspec.engine.tree_setting import resolve_draft_tree
 from dynaspec.kv.kv_cache_manager import KVCacheManager
 from dynaspec.kv.sizing import num_kv_blocks
 from dynaspec.model_arch import ModelArchConfig
-from dynaspec.models.gemma3 import create_model
+from dynaspec.models.gemma3 import create_model, model_attention
 from dynaspec.models.llama import LlamaModel
 from dynaspec.models.loader import load_model_files
 from dynaspec.models.quant_linear import (
@@ -169,6 +170,10 @@ def build_engine_parts(config: EngineConfig,
     loaded = load_model_files(mc.model, keep_quantized=quant != "none")
     arch = loaded.arch
     max_model_len = _max_model_len(mc, arch.max_position_embeddings)
+    # The backend first: whether drafts may be trees depends on it (refused here, not mid-run).
+    attn = model_attention(arch, resolve_attention(mc.attention_backend, device))
+    config = replace(config, spec=replace(sc, draft_tree=resolve_draft_tree(sc, arch, attn)))
+    sc = config.spec
     # The grammar library loads on the first structured request, not here.
     so = config.structured
     structured = StructuredOutputManager(so.structured_output_backend, loaded.tokenizer,
@@ -184,7 +189,7 @@ def build_engine_parts(config: EngineConfig,
     )
     del loaded.state_dict
     _release_load_memory()
-    model.attn = resolve_attention(mc.attention_backend, device)
+    model.attn = attn
     if proposer is not None and proposer.reads_hidden_states:  # the target captures its layers
         proposer.attach(model)
     log.info(

@@ -116,10 +116,11 @@ class LLMEngine:
 
     def emit(self, landed: Landed) -> list[RequestOutput]:
         """Record a landed step's metrics and return its outputs (error outputs if it failed)."""
-        if landed.error is not None:
+        if landed.error is not None:  # their outputs first: they keep the text produced so far
+            failed = [self.outputs.error(req, landed.error) for req in landed.failed]
             for req in landed.failed:
                 self._forget(req.request_id)
-            return [self.outputs.error(req, landed.error) for req in landed.failed]
+            return failed
         landed = drop_ended(landed)
         self.recorder.record(landed)
         # A request aborted since the step landed has no output state left: nothing to emit.

@@ -90,9 +90,20 @@ class OutputProcessor:
         return out
 
     def error(self, req: Request, exc: Exception) -> RequestOutput:
-        """The final output of a request a failed step ended."""
+        """The final output of a request a failed step ended: the message, and the text of the
+        tokens it produced before (cut before a stop string as ever)."""
+        st = self.states.pop(req.request_id, None)
+        text = ""
+        if st is not None:
+            if not st.stop_hit:  # pending bytes come out, as at any end of stream
+                prev = len(st.detok.text)
+                st.detok.flush()
+                self._cut(st, req, prev)
+            text = st.text
+        elif req.output_token_ids:
+            text = self.tokenizer.decode(list(req.output_token_ids))
         return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids), [],
-                             finished=True, finish_reason="error",
+                             text=text, finished=True, finish_reason="error",
                              error=f"{type(exc).__name__}: {exc}")
 
     @staticmethod

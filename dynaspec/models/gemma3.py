@@ -156,12 +156,7 @@ class Gemma3Model(LlamaModel):
 
     @attn.setter
     def attn(self, backend: AttentionBackend) -> None:
-        # Local layers need the `window` keyword; a backend without it would fail mid-generation.
-        if "window" not in inspect.signature(backend.forward).parameters:
-            log.info("attention backend %s has no sliding window; Gemma-3 runs the eager backend",
-                     getattr(backend, "name", type(backend).__name__))
-            backend = EagerPagedBackend()
-        self._attn = backend
+        self._attn = windowed_attention(backend)
 
     def forward_traceable(self, input_ids: torch.Tensor, positions: torch.Tensor,
                           kv_caches: list[torch.Tensor], md, logits_indices: torch.Tensor | None,
@@ -190,6 +185,22 @@ class Gemma3Model(LlamaModel):
         logits = self.lm_head(h).float()  # [R, vocab]
         cap = self.cfg.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def windowed_attention(backend: AttentionBackend) -> AttentionBackend:
+    """The backend Gemma-3's layers run on: `backend`, or the eager one where it has no window."""
+    # Local layers need the `window` keyword; a backend without it would fail mid-generation.
+    if "window" in inspect.signature(backend.forward).parameters:
+        return backend
+    log.info("attention backend %s has no sliding window; Gemma-3 runs the eager backend",
+             getattr(backend, "name", type(backend).__name__))
+    return EagerPagedBackend()
+
+
+def model_attention(cfg: ModelArchConfig, backend: AttentionBackend) -> AttentionBackend:
+    """The backend the model `create_model(cfg, ...)` runs its layers on when given `backend`
+    (known before the model is built: the tree setting depends on it)."""
+    return windowed_attention(backend) if cfg.architecture == "gemma3" else backend
 
 
 def create_model(cfg: ModelArchConfig, state_dict: dict, dtype: torch.dtype, device: torch.device,

@@ -223,6 +223,11 @@ class OpenAIServing:
                 if c is None or delta is None:  # the client disconnected
                     return
                 if delta.finished and delta.finish_reason in ("abort", "error"):
+                    tail = ("" if c.index in tool_streams
+                            else texts[c.index].update(delta.text, True))
+                    if tail:  # the text produced before the failure, not streamed yet
+                        yield sse(fmt.chunk(c.index, {"content": tail} if fmt.chat else tail,
+                                            None, None, include_usage))
                     yield sse(_failure(delta).body())
                     break
                 chunk = self._chunk(fmt, c, delta, texts[c.index], tool_streams.get(c.index),
@@ -298,9 +303,10 @@ def _best(done: list[Finished], n: int) -> list[Finished]:
 def _failure(delta: OutputDelta) -> APIError:
     if delta.finish_reason == "error" and (delta.error or "").startswith(GRAMMAR_DEAD_END):
         return APIError(400, f"structured output: {delta.error}", None, "grammar_dead_end")
-    if delta.finish_reason == "error":
+    if delta.finish_reason == "error":  # what it produced before the failure is kept
         return APIError(500, f"generation failed: {delta.error or 'engine error'}", None,
-                        "engine_error")
+                        "engine_error", detail={"text": delta.text,
+                                                "num_output_tokens": delta.num_output_tokens})
     return APIError(503, delta.error or "the request was aborted", None, "aborted")
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from dynaspec import LLM, SamplingParams
 from tests.model.tiny_gemma3 import build_tiny_gemma3
@@ -94,3 +95,74 @@ def test_gemma3_compiled_uniform_path_with_windows_is_exact(gemma, prompts, base
         assert_greedy_equal(gemma, p, a, b, f"compiled prompt {i}")
     steps = llm.engine.recorder.execution_steps
     assert sum(n for (path, _), n in steps.items() if path == "compiled") > 0
+
+
+def test_gemma3_draft_tree_is_refused_where_the_backend_cannot_window_trees(gemma, monkeypatch):
+    from dynaspec.attention.paged import EagerPagedBackend
+    from dynaspec.engine import tree_setting
+
+    # As a backend that windows a tree's rows by index, not depth, would be.
+    monkeypatch.setattr(EagerPagedBackend, "tree_windows", False)
+    kw = {"model": gemma, "dtype": "float32", "num_kv_blocks": 64, "speculator": "suffix",
+          "num_spec_tokens": 4, "k_policy": "table", "attention_backend": "eager"}
+    with pytest.raises(ValueError, match=r"--draft-tree cannot run here: this model's "
+                                         r"sliding-window layers \(window 4\)"):
+        LLM(draft_tree=True, **kw)  # when the engine is built, before any request
+    # A tree setting not asked for falls back to chains, even under a default of trees.
+    monkeypatch.setattr(tree_setting, "DRAFT_TREE_DEFAULT", True)
+    llm = LLM(**kw)
+    assert llm.engine.runner.proposer.drafts_trees is False
+    out = llm.generate([list(range(5, 30))], greedy(6, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 6
+
+
+def _branching_prompts(plain: LLM, n: int = 3) -> list[list[int]]:
+    """43-token prompts ending in "a b" where "a b t" occurred before, followed three times by
+    r0 and twice by r1, t being the token the model emits first (found by iterating to a fixed
+    point): the first drafting step's tree is r0 and then the r1 branch."""
+    g = torch.Generator().manual_seed(15)
+
+    def prompt(a: int, b: int, rs: list[list[int]], first: list[int]) -> list[int]:
+        seq = []
+        for i, r in enumerate([*rs, *rs, rs[0]]):  # a fresh token before each "a b t"
+            seq += [3 + i, a, b, *first, *r]
+        return seq + [9, a, b]
+
+    out = []
+    for _ in range(n):
+        a, b = torch.randint(3, 400, (2,), generator=g).tolist()
+        rs = [torch.randint(3, 400, (4,), generator=g).tolist() for _ in range(2)]
+        first: list[int] = []
+        for _ in range(6):
+            got = plain.generate([prompt(a, b, rs, first)], greedy(1, ignore_eos=True))[0]
+            if got.token_ids == first:
+                break
+            first = got.token_ids
+        out.append(prompt(a, b, rs, first))
+    return out
+
+
+@pytest.mark.parametrize("backend,speculator", [("eager", "ngram"), ("eager", "suffix"),
+                                                ("cpu_paged", "suffix")])
+def test_gemma3_draft_tree_is_greedy_exact_past_the_window(gemma, backend, speculator,
+                                                          check_integrity):
+    """Every prompt is longer than the 4-token window: a tree's rows are windowed by depth."""
+    if backend == "cpu_paged":
+        from dynaspec.attention import cpu_paged
+
+        ok, why = cpu_paged.available()
+        if not ok:
+            pytest.skip(f"no in-place CPU kernel: {why}")
+    plain = LLM(model=gemma, dtype="float32", num_kv_blocks=256, attention_backend=backend,
+                enable_prefix_caching=False)
+    prompts = _branching_prompts(plain)
+    base = [o.token_ids for o in plain.generate(prompts, greedy(MAX_TOKENS, ignore_eos=True))]
+    llm = LLM(model=gemma, dtype="float32", num_kv_blocks=256, attention_backend=backend,
+              speculator=speculator, num_spec_tokens=8, draft_tree=True, k_policy="table")
+    check_integrity(llm.engine)
+    outs = llm.generate(prompts, greedy(MAX_TOKENS, ignore_eos=True))
+    for i, (p, ref, o) in enumerate(zip(prompts, base, outs)):
+        assert o.finish_reason == "length", o.error
+        assert_greedy_equal(gemma, p, ref, o.token_ids, f"{speculator} tree {i}")
+    c = llm.engine.counters
+    assert c.num_tree_steps > 0 and c.num_tree_nodes > 0, "trees were verified"

@@ -127,3 +127,56 @@ def test_out_of_range_sampling_value_is_a_400_and_fails_no_one_else(server, fiel
     # whole engine step, so every request batched with it got a 500.
     r = httpx.post(server.url + "/v1/completions", json={**GOOD, field: value}, timeout=60)
     assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
+
+
+def _fail_forward(server, at: int) -> None:
+    """The engine's `at`-th forward from now raises (a failing step; the engine keeps serving)."""
+    def install(e):  # type: ignore[no-untyped-def]
+        run, calls = e.runner.run, []
+
+        def flaky(prepared):  # type: ignore[no-untyped-def]
+            calls.append(1)
+            if len(calls) == at:
+                raise RuntimeError("injected forward failure")
+            return run(prepared)
+
+        e.runner.run = flaky
+
+    server.on_engine(install)
+
+
+def _restore_forward(server) -> None:
+    server.on_engine(lambda e: e.runner.__dict__.pop("run", None))
+
+
+FAILING = {**GOOD, "max_tokens": 12, "ignore_eos": True}
+
+
+def test_a_failed_generation_is_a_500_that_keeps_its_text(server, http):
+    _fail_forward(server, 4)  # the prefill and two decodes ran: 3 tokens
+    try:
+        r = http.post(C, json=FAILING)
+    finally:
+        _restore_forward(server)
+    assert r.status_code == 500, r.text
+    err = r.json()["error"]
+    assert err["code"] == "engine_error" and err["type"] == "server_error"
+    assert "injected forward failure" in err["message"]
+    assert err["num_output_tokens"] == 3 and err["text"], err
+    ok = http.post(C, json=FAILING)  # the same request again, unbroken: the same first tokens
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"].startswith(err["text"])
+
+
+def test_a_failed_stream_sends_its_text_then_an_error_event(server, http):
+    _fail_forward(server, 4)
+    try:
+        r = http.post(C, json={**FAILING, "stream": True})
+    finally:
+        _restore_forward(server)
+    events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    err = json.loads(events[-2])["error"]
+    assert err["code"] == "engine_error" and err["num_output_tokens"] == 3
+    streamed = "".join(c["text"] for e in events[:-2] for c in json.loads(e)["choices"])
+    assert streamed == err["text"] and streamed, events
+    server.on_engine(lambda e: e.check_integrity())

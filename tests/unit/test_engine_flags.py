@@ -48,3 +48,10 @@ def test_flags_parse_to_config_values_and_choices_come_from_the_registry():
     assert config.parallel.dp_rank_timeout_s == 4.0
     action = next(a for a in _parser()._actions if a.dest == "speculator")
     assert tuple(action.choices) == ("none", "ngram", "draft", "suffix", "eagle", "oracle")
+
+
+def test_a_three_state_switch_tells_not_given_from_off():
+    # --draft-tree: None when not given (the engine's default, which may differ by model).
+    assert parse_engine_args([])["draft_tree"] is None
+    assert parse_engine_args(["--draft-tree"])["draft_tree"] is True
+    assert parse_engine_args(["--no-draft-tree"])["draft_tree"] is False

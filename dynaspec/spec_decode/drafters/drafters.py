@@ -51,7 +51,7 @@ def build_ngram(config: EngineConfig, target: DrafterTarget) -> DrafterBuild:
 
     sc = config.spec
     return DrafterBuild(NgramProposer(sc.prompt_lookup_min, sc.prompt_lookup_max,
-                                      tree=sc.draft_tree))
+                                      tree=bool(sc.draft_tree)))
 
 
 def build_suffix(config: EngineConfig, target: DrafterTarget) -> DrafterBuild:
@@ -65,7 +65,7 @@ def build_suffix(config: EngineConfig, target: DrafterTarget) -> DrafterBuild:
     prop = SuffixProposer(SuffixParams(sc.suffix_max_depth, sc.suffix_spec_factor,
                                        sc.suffix_min_token_prob),
                           sc.suffix_cache_max_requests, sc.suffix_cache_max_tokens,
-                          tree=sc.draft_tree)
+                          tree=bool(sc.draft_tree))
     log.info("suffix drafter: global cache of %d outputs / %d tokens (at most %.1f MiB)",
              sc.suffix_cache_max_requests, sc.suffix_cache_max_tokens,
              memory_bound_bytes(sc.suffix_cache_max_tokens, sc.suffix_cache_max_requests) / 2**20)

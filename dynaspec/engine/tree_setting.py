@@ -1,0 +1,45 @@
+"""Whether an engine's drafts run as token trees (docs/design.md §4c), decided once at build.
+
+A model with sliding-window layers (Gemma-3) verifies a tree only on an attention backend that
+applies the window to a tree's rows by their depth, not their row index (it declares
+`tree_windows`). On any other backend an explicit `--draft-tree` is refused before any request
+runs, naming both parts; a tree setting that was not asked for (`draft_tree=None` under a
+default of trees) falls back to chains.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from dynaspec.config import DRAFT_TREE_DEFAULT, SpecConfig
+from dynaspec.model_arch import ModelArchConfig
+
+log = logging.getLogger("dynaspec")
+
+TREE_SPECULATORS = ("ngram", "suffix")
+
+
+def model_window(arch: ModelArchConfig) -> int | None:
+    """The model's sliding window when some layer has one, else None."""
+    windows = [w for i in range(arch.num_hidden_layers) if (w := arch.layer_window(i))]
+    return min(windows, default=None)
+
+
+def resolve_draft_tree(spec: SpecConfig, arch: ModelArchConfig, attn) -> bool:
+    """The tree setting the engine runs with. `attn`: the attention backend the model's layers
+    will call (after any swap the model makes). ValueError for an explicit --draft-tree that
+    this model and backend cannot verify."""
+    explicit = spec.draft_tree is not None
+    wanted = spec.draft_tree if explicit else (DRAFT_TREE_DEFAULT
+                                               and spec.speculator in TREE_SPECULATORS)
+    window = model_window(arch)
+    if not wanted or window is None or getattr(attn, "tree_windows", False):
+        return bool(wanted)
+    name = getattr(attn, "name", type(attn).__name__)
+    why = (f"this model's sliding-window layers (window {window}) need token-tree rows "
+           f"windowed by depth, which the {name} attention backend does not do")
+    if explicit:
+        raise ValueError(f"--draft-tree cannot run here: {why}; drop --draft-tree (chains) or "
+                         "pass --attention-backend eager")
+    log.info("draft trees off (chains): %s", why)
+    return False
