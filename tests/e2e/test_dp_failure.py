@@ -1,10 +1,9 @@
 """Data parallelism with 3 local ranks: the seed case keeps K=2, then a rank is killed.
 
-The seed bug (vLLM's global gating in `VllmConfig.__post_init__`): vLLM drops the K schedule under data
-parallelism and runs the raw maximum, so --num-spec-tokens 3 with a schedule whose entries all
-resolve to 2 ran K=3 on every rank. Here every rank must run K=2, read from its own counters,
-before a rank is lost, while two ranks serve, and after its replacement joined (§7d).
-"""
+The seed bug (vLLM's global gating in `VllmConfig.__post_init__`): vLLM drops the K schedule under
+data parallelism and runs the raw maximum, so --num-spec-tokens 3 with a schedule whose entries
+all resolve to 2 ran K=3 on every rank. Here every rank must run K=2, read from its own counters,
+before a rank is lost, while two ranks serve, and after its replacement joined (§7d)."""
 
 from __future__ import annotations
 
