@@ -52,6 +52,7 @@ from dynaspec.dp.messages import (
 from dynaspec.dp.process import die_with_parent
 from dynaspec.dp.regroup import GroupSwitch
 from dynaspec.dp.roster import rejoin_key
+from dynaspec.engine.async_loop import AsyncStepLoop
 from dynaspec.metrics.records import EngineSnapshot
 
 log = logging.getLogger("dynaspec.dp")
@@ -195,16 +196,17 @@ class RankLoop:
             if groups.group is None:
                 continue  # lost: waiting for the front end's Regroup, requests kept
             a.exchanged = False
-            a.num_unfinished = eng.num_running + eng.num_waiting
+            # a step in flight or outputs not yet emitted (async) keep every rank stepping
+            a.num_unfinished = eng.num_running + eng.num_waiting + int(eng.driver.busy)
             a.stopping = self.stop_requested
             a.join_epoch = groups.join_epoch
-            steps, t0 = eng.times.steps, time.perf_counter()
+            steps, t0 = self._steps_done(), time.perf_counter()
             try:
                 outs = self._step()
             except CollectiveError as exc:  # a peer died or went silent: keep our requests
                 self._lost(str(exc))
                 continue
-            ran = eng.times.steps > steps
+            ran = self._steps_done() > steps
             a.step_seconds = time.perf_counter() - t0 if ran else 0.0
             a.ran_step = ran
             self._report(outs, ran)
@@ -214,6 +216,12 @@ class RankLoop:
                 return 0
             groups.after_tick(tick)
             idle = tick.num_unfinished == 0 and not eng.has_unfinished_requests()
+
+    def _steps_done(self) -> int:
+        """Steps whose observation this rank holds for the next exchange: landed ones (async
+        scheduling lands a step one call before it emits it), else emitted ones."""
+        driver = self.engine.driver
+        return driver.num_landed if isinstance(driver, AsyncStepLoop) else self.engine.times.steps
 
     def _switch(self) -> None:
         def stop() -> bool:
@@ -247,17 +255,26 @@ class RankLoop:
         _send(self.conn, GroupLost(self.rank, epoch, reason))
 
     def _step(self) -> list:
-        """One lockstep step: the exchange, then the engine's phases on the agreed view."""
+        """One lockstep step: the exchange, then the engine's phases on the agreed view (under
+        --async-scheduling pipelined by the engine's driver: the step scheduled on this tick's
+        view is launched after the previous one lands, engine/async_loop.py)."""
         a, eng = self.agreement, self.engine
         view = eng.step_view()
         tick = a.exchange(view.num_reqs, [r.context_len for r in view.requests])
         policy = eng.scheduler.policy
         if policy is not None:
             policy.apply_tick(tick)
-        plan = eng.schedule(tick.view)
-        if plan.step_k is not None:
-            a.decisions.append((tick.index, plan.step_k, tick.view.num_reqs, tick.view.ctx_stat,
-                                view.num_reqs))
+
+        def schedule():
+            plan = eng.schedule(tick.view)
+            if plan.step_k is not None:
+                a.decisions.append((tick.index, plan.step_k, tick.view.num_reqs,
+                                    tick.view.ctx_stat, view.num_reqs))
+            return plan
+
+        if isinstance(eng.driver, AsyncStepLoop):
+            return eng.driver.step(schedule)
+        plan = schedule()
         if not plan.scheduled:
             return []
         launched = eng.launch(plan)

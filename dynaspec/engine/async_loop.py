@@ -43,6 +43,7 @@ forward runs on the same worker thread (no separate stream yet).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -51,6 +52,7 @@ import torch
 from dynaspec.engine.phases import Landed, Launched
 from dynaspec.omp_threads import release_omp_pool
 from dynaspec.outputs import RequestOutput
+from dynaspec.step_plan import StepPlan
 
 
 def _use_threads(n: int) -> None:
@@ -82,6 +84,7 @@ class AsyncStepLoop:
         self.inflight: Launched | None = None
         self.pending: Landed | None = None  # landed, outputs not emitted yet
         self._forgets: list[str] = []  # runner state to drop once no step is in flight
+        self.num_landed = 0  # steps landed so far (a DP rank reports what it observed)
 
     @property
     def busy(self) -> bool:
@@ -101,12 +104,16 @@ class AsyncStepLoop:
         self.worker.shutdown(wait=True)
         torch.set_num_threads(self.threads)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, schedule: Callable[[], StepPlan] | None = None) -> list[RequestOutput]:
+        """`schedule`: how the next plan is formed (a data-parallel rank passes one that
+        schedules on the view its ranks agreed, dp/rank.py); the engine's own by default."""
         outs = self._emit()  # overlapped with the step in flight
-        nxt = self.engine.schedule()  # ditto; placeholders stand for its tokens
+        # ditto; placeholders stand for its tokens
+        nxt = self.engine.schedule() if schedule is None else schedule()
         if self.inflight is not None:
             launched, self.inflight = self.inflight, None
             self.pending = self.engine.land(launched)
+            self.num_landed += 1
             for rid in self._forgets:
                 self.engine.release_runner_state(rid)
             self._forgets.clear()

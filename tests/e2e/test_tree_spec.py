@@ -231,8 +231,6 @@ def test_goodput_prices_trees_greedy_exact_and_metrics_show_tree_steps(
 
 
 def test_draft_tree_refuses_what_it_cannot_carry(tiny_llama_dir):
-    with pytest.raises(ValueError, match="--draft-tree cannot be combined with --async"):
-        LLM(model=tiny_llama_dir, speculator="ngram", num_spec_tokens=4, draft_tree=True,
-            async_scheduling=True)
+    # async scheduling and data parallelism compose with trees (test_composition_matrix.py)
     with pytest.raises(ValueError, match="--draft-tree needs --speculator ngram or suffix"):
         LLM(model=tiny_llama_dir, speculator="none", draft_tree=True)
