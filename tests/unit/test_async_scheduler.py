@@ -14,8 +14,6 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import pytest
-
 from dynaspec.config import SchedulerConfig
 from dynaspec.engine.async_loop import AsyncStepLoop
 from dynaspec.engine.phases import StepPhases, drop_ended
@@ -320,8 +318,10 @@ def test_async_scheduling_flag_reaches_the_engine_config():
     assert on.scheduler.async_scheduling is True and off.scheduler.async_scheduling is False
 
 
-def test_async_scheduling_with_data_parallel_is_refused():
+def test_async_scheduling_composes_with_data_parallel_and_trees():
+    """Accepted at configuration (run: tests/e2e/test_dp_async.py, test_composition_matrix.py)."""
     from dynaspec.config import EngineConfig
 
-    with pytest.raises(ValueError, match="async-scheduling cannot be combined"):
-        EngineConfig.from_kwargs(async_scheduling=True, data_parallel_size=2)
+    cfg = EngineConfig.from_kwargs(async_scheduling=True, data_parallel_size=2,
+                                   speculator="ngram", num_spec_tokens=4, draft_tree=True)
+    assert cfg.scheduler.async_scheduling and cfg.parallel.data_parallel_size == 2
