@@ -57,6 +57,7 @@ class CpuPagedBackend:
     """Every row through the in-place C++ kernel."""
 
     name = "cpu_paged"
+    verifies_trees = True  # token-tree rows see only their ancestors (the kernel's tree mask)
     # The kernel windows a tree's row by its depth (its root path's chain position), so trees
     # verify on sliding-window models too (dynaspec/engine/tree_setting.py).
     tree_windows = True

@@ -285,6 +285,7 @@ class EagerPagedBackend:
     """Any flat mixed batch; padded rows of a fixed-shape batch are not needed (it is ragged)."""
 
     name = "eager"
+    verifies_trees = True  # token-tree rows see only their ancestors (the tree mask)
     tree_windows = True  # tree rows windowed by their depth (dynaspec/engine/tree_setting.py)
 
     def supports(self, batch: AttentionBatch) -> bool:

@@ -32,12 +32,20 @@ def resolve_draft_tree(spec: SpecConfig, arch: ModelArchConfig, attn) -> bool:
     explicit = spec.draft_tree is not None
     wanted = spec.draft_tree if explicit else (DRAFT_TREE_DEFAULT
                                                and spec.speculator in TREE_SPECULATORS)
-    window = model_window(arch)
-    if not wanted or window is None or getattr(attn, "tree_windows", False):
-        return bool(wanted)
+    if not wanted:
+        return False
     name = getattr(attn, "name", type(attn).__name__)
-    why = (f"this model's sliding-window layers (window {window}) need token-tree rows "
-           f"windowed by depth, which the {name} attention backend does not do")
+    window = model_window(arch)
+    if not getattr(attn, "verifies_trees", False):
+        # A backend that ignores the tree mask would let a row see its sibling branches: wrong
+        # tokens, not an error (the GPU backends today).
+        why = (f"the {name} attention backend does not apply token-tree masks (a tree's rows "
+               "would see their sibling branches)")
+    elif window is None or getattr(attn, "tree_windows", False):
+        return True
+    else:
+        why = (f"this model's sliding-window layers (window {window}) need token-tree rows "
+               f"windowed by depth, which the {name} attention backend does not do")
     if explicit:
         raise ValueError(f"--draft-tree cannot run here: {why}; drop --draft-tree (chains) or "
                          "pass --attention-backend eager")

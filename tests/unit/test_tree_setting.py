@@ -24,6 +24,7 @@ class RowWindowed:
     """A backend whose windows count rows (as the in-place CPU kernel's do)."""
 
     name = "cpu_paged"
+    verifies_trees = True
     tree_windows = False
 
     def forward(self, q, k, v, kv_cache, md, scale, window=None):
@@ -74,3 +75,20 @@ def test_a_default_of_trees_falls_back_to_chains_where_they_cannot_run(monkeypat
     assert resolve_draft_tree(_spec(None), _arch("llama"), RowWindowed()) is True
     none = SpecConfig(speculator="none", draft_tree=None)  # no drafter that drafts trees
     assert resolve_draft_tree(none, _arch("llama"), RowWindowed()) is False
+
+
+class MaskBlind:
+    """A backend that ignores tree masks (as the GPU backends do today)."""
+
+    name = "gpu_paged"
+
+    def forward(self, q, k, v, kv_cache, md, scale, window=None):
+        raise AssertionError("not called")
+
+
+def test_a_backend_that_ignores_tree_masks_never_verifies_a_tree(monkeypatch):
+    with pytest.raises(ValueError, match="gpu_paged attention backend does not apply token-tree"):
+        resolve_draft_tree(_spec(True), _arch("llama"), MaskBlind())
+    monkeypatch.setattr(tree_setting, "DRAFT_TREE_DEFAULT", True)
+    assert resolve_draft_tree(_spec(None), _arch("llama"), MaskBlind()) is False
+    assert resolve_draft_tree(_spec(False), _arch("llama"), MaskBlind()) is False
