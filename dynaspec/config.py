@@ -104,6 +104,11 @@ class SchedulerConfig:
 
 
 EAGLE_DEFAULT_K = 3  # drafts per step the shipped EAGLE head was trained for
+# The lookup drafters' cap when the user names no K: cheap to ask, so the cap only bounds the
+# verify width; the goodput policy picks each step's K (0 included) under it from the width
+# costs it measured at start. 8: the widest verify that still paid at concurrency 1 on the
+# machines measured (verify(9) 1.5-1.6x a plain step: 9 tokens for the price of 1.6).
+LOOKUP_DEFAULT_K = 8
 
 
 def parse_rates(value: object) -> tuple[float, ...]:
@@ -137,7 +142,8 @@ DRAFT_TREE_DEFAULT = False
 @dataclass(frozen=True)
 class SpecConfig:
     speculator: str = opt("none", "drafter", choices=reg.SPECULATORS)
-    num_spec_tokens: int = opt(0, "maximum drafts per request per step (K)")
+    num_spec_tokens: int = opt(0, "maximum drafts per request per step (K); ngram/suffix "
+                               "without it: 8, the goodput policy choosing each step's K")
     k_schedule: str | None = opt(None, "K schedule: JSON text or a JSON file", type=str)
     k_policy: str = opt("auto", "who picks K each step", choices=reg.K_POLICIES)
     draft_model: str | None = opt(None, "draft model (HF folder or .gguf) for --speculator draft",
@@ -193,6 +199,9 @@ class SpecConfig:
         if self.speculator == "eagle" and self.num_spec_tokens == 0 and self.k_schedule is None:
             # The depth the shipped head was trained to draft, when the user names no K.
             object.__setattr__(self, "num_spec_tokens", EAGLE_DEFAULT_K)
+        if (self.speculator in ("ngram", "suffix") and self.num_spec_tokens == 0
+                and self.k_schedule is None):
+            object.__setattr__(self, "num_spec_tokens", LOOKUP_DEFAULT_K)
         if self.speculator != "none" and self.num_spec_tokens == 0 and self.k_schedule is None:
             raise ValueError(f"--speculator {self.speculator} needs --num-spec-tokens K >= 1")
         if self.eagle_lookup not in ("none", "ngram", "suffix"):

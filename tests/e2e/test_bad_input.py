@@ -32,7 +32,7 @@ def test_bad_sampling_params(kwargs, match):
     ({"device": "tpu"}, "unknown device 'tpu'"),
     ({"speculator": "magic"}, "unknown speculator 'magic'"),
     ({"speculator": "draft", "num_spec_tokens": 2}, "needs --draft-model"),
-    ({"speculator": "ngram"}, "needs --num-spec-tokens"),
+    ({"speculator": "draft", "draft_model": "d.gguf"}, "needs --num-spec-tokens"),
     ({"speculator": "eagle", "eagle_lookup": "trie"}, "eagle_lookup must be none, ngram or suffix"),
     ({"speculator": "ngram", "num_spec_tokens": 2, "eagle_lookup": "ngram"},
      "--eagle-lookup applies to --speculator eagle only"),

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields
 
+import pytest
+
 from dynaspec.config import EngineConfig
 from dynaspec.engine_flags import add_engine_args, engine_kwargs, parse_engine_args
 
@@ -55,3 +57,15 @@ def test_a_three_state_switch_tells_not_given_from_off():
     assert parse_engine_args([])["draft_tree"] is None
     assert parse_engine_args(["--draft-tree"])["draft_tree"] is True
     assert parse_engine_args(["--no-draft-tree"])["draft_tree"] is False
+
+
+def test_a_lookup_drafter_without_k_gets_the_default_cap_and_others_still_need_one():
+    from dynaspec.config import LOOKUP_DEFAULT_K, SpecConfig
+
+    for name in ("ngram", "suffix"):
+        assert SpecConfig(speculator=name).num_spec_tokens == LOOKUP_DEFAULT_K
+        assert SpecConfig(speculator=name, num_spec_tokens=3).num_spec_tokens == 3
+    # a schedule sets its own maximum; a drafter that costs a model call still needs its K
+    assert SpecConfig(speculator="ngram", k_schedule="[[1, 4, 2]]").num_spec_tokens == 0
+    with pytest.raises(ValueError, match="needs --num-spec-tokens"):
+        SpecConfig(speculator="draft", draft_model="d.gguf")
