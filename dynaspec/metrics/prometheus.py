@@ -17,7 +17,9 @@ counters, so the two always agree):
 Token trees (docs/design.md §4c; request-steps whose drafts were a tree verified as one):
   counters spec_decode_tree_steps (engine steps with >= 1 tree), _num_tree_drafts,
   _num_tree_nodes (nodes verified), _num_tree_accepted_tokens, and the histogram
-  spec_decode_tree_acceptance_length (1 + drafts accepted, one observation per tree verified).
+  spec_decode_tree_acceptance_length (1 + drafts accepted, one observation per tree verified);
+  spec_decode_tree_nodes{batch}: the size of each tree verified, by the step's batch bucket
+  (what the goodput policy chose where: trees shrink to chains or nothing under load).
 K policy: gauge k_policy_goodput_tokens_per_second{kind="modelled"|"observed"} (goodput policy),
   k_policy_info{policy} (1 for the policy that runs), k_policy_reprobes (the divergence guard's
   forced K>0 steps, total).
@@ -143,6 +145,13 @@ _DOCS = {
     "spec_decode_num_tree_accepted_tokens": "Draft tree nodes accepted (the accepted path).",
 }
 TREE_LENGTH_BUCKETS = tuple(range(1, 18))  # 1 + accepted: a tree of <= 16 nodes, one per depth
+TREE_NODE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+BATCH_BUCKETS = ((1, "1"), (4, "2-4"), (16, "5-16"), (64, "17-64"))  # larger: "65+"
+
+
+def batch_bucket(n: int) -> str:
+    """The label of a step's batch size (requests in the step)."""
+    return next((name for hi, name in BATCH_BUCKETS if n <= hi), "65+")
 
 
 class PrometheusMetrics:
@@ -224,6 +233,10 @@ class PrometheusMetrics:
             name: Histogram(p + name, doc, names, buckets=buckets, registry=reg)
             for name, doc, buckets in hist
         }
+        self._tree_nodes = Histogram(
+            p + "spec_decode_tree_nodes", "Nodes of each draft tree verified, by the step's "
+            "batch size (requests in the step): the tree sizes the K policy chose.",
+            names + ["batch"], buckets=TREE_NODE_BUCKETS, registry=reg)
         self._masked_rows = Counter(p + "structured_output_masked_rows",
                                     "Logits rows masked by a grammar.", names, registry=reg)
 
@@ -234,10 +247,12 @@ class PrometheusMetrics:
     def observe_step(self, step: StepStats) -> None:
         """Add one engine step. Validates (through the fold) before touching any series."""
         self._add(fold_step(SpecCounters(), step))
+        batch = batch_bucket(len(step.requests))
         for r in step.requests:
             if r.num_tree_nodes:
                 self._child(self._hist["spec_decode_tree_acceptance_length"]).observe(
                     1 + r.num_accepted_tokens)
+                self._child(self._tree_nodes, batch=batch).observe(r.num_tree_nodes)
         g = step.grammar
         if g is not None:
             for dt in g.compile_seconds:

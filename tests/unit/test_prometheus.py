@@ -288,5 +288,16 @@ def test_tree_steps_fold_and_export():
     assert got[(P + "spec_decode_num_tree_accepted_tokens_total", ())] == 2
     assert got[(P + "spec_decode_tree_acceptance_length_count", ())] == 1
     assert got[(P + "spec_decode_tree_acceptance_length_sum", ())] == 3
+    # the tree's size under its step's batch bucket (2 requests: "2-4"); chains add nothing
+    assert got[(P + "spec_decode_tree_nodes_count", (("batch", "2-4"),))] == 1
+    assert got[(P + "spec_decode_tree_nodes_sum", (("batch", "2-4"),))] == 6
+    assert (P + "spec_decode_tree_nodes_count", (("batch", "1"),)) not in got
     with pytest.raises(ValueError, match="a tree of 5 nodes"):
         RequestStepSpec("t", 6, 2, 3, None, num_tree_nodes=5)
+
+
+def test_batch_buckets_name_every_size():
+    from dynaspec.metrics.prometheus import batch_bucket
+
+    assert [batch_bucket(n) for n in (1, 2, 4, 5, 16, 17, 64, 65, 500)] == \
+        ["1", "2-4", "2-4", "5-16", "5-16", "17-64", "17-64", "65+", "65+"]
