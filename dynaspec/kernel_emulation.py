@@ -33,8 +33,12 @@ _SEARCH = ("/usr/include", "/usr/local/include")
 # Every flag any path needs: the emulated module runs them all.
 ALL_FLAGS = frozenset(f for paths in cpu_features.KERNELS.values() for p in paths for f in p.flags)
 # Not -O3: the operations and their order are the source's at any level (no -ffast-math, no
-# contraction); -O1 halves a build that is several minutes on two cores.
-CFLAGS = ("-O1", "-ffp-contract=off", "-fopenmp", "-fopenmp-simd", "-DDYNASPEC_EMULATED")
+# contraction); -O1 halves a build that is several minutes on two cores. Its symbols are its own:
+# GCC makes an inline variable (cpu_paths.h's g_cpu_paths) a process-wide "unique" symbol, so the
+# two modules in one process shared their allowed paths (the native module's set_cpu_paths took
+# avx_vnni from the emulated one on a Zen 4).
+CFLAGS = ("-O1", "-ffp-contract=off", "-fopenmp", "-fopenmp-simd", "-fno-gnu-unique",
+          "-fvisibility=hidden", "-DDYNASPEC_EMULATED")
 
 
 def simde_include() -> str | None:

@@ -33,7 +33,9 @@ def test_rms_norm_and_residual_add_match_eager(dtype, mode):
         ops = FusedOps(enabled=True)
         return ops.rms_norm(x, w, 1e-5), *ops.add_rms_norm(x.clone(), d, w, 1e-5)
 
-    normed, new_x, h = run_build(mode, body)
+    # fp32: the sum of squares is an omp simd reduction, in the order of the build's vector width
+    # (16 lanes natively on AVX-512, 4 in the emulated plain x86-64 build): held to _tol, not bits
+    normed, new_x, h = run_build(mode, body, _tol(dtype) if dtype == torch.float32 else None)
     torch.testing.assert_close(normed, rms_norm(x, w, 1e-5), **_tol(dtype))
     ref_x = x + d
     torch.testing.assert_close(new_x, ref_x, rtol=0, atol=0)

@@ -72,3 +72,22 @@ def test_an_emulated_run_of_a_path_the_cpu_has_must_give_its_bits(path, mode):
     with pytest.raises(AssertionError, match="the emulation differs from this CPU's bits"):
         kernel_modes.run("attention", path, mode, body)
     assert calls[0] == "emulated" and calls[1] != "emulated"
+
+
+def test_the_native_modules_paths_never_reach_the_emulated_ones():
+    """Two kernel modules in one process keep their own allowed paths (an inline variable built
+    as a process-wide unique symbol once made them share them: the native module's set_cpu_paths
+    took avx_vnni from the emulated one on a Zen 4)."""
+    ok, why = kernel_emulation.available()
+    if not ok or not cpu_kernels.available()[0]:
+        pytest.skip(f"needs both modules: {why or cpu_kernels.available()[1]}")
+    with kernel_emulation.active() as emulated:
+        pass
+    every = emulated.cpu_paths()
+    chosen = cpu_kernels.selection().chosen["int8_gemm"]
+    if chosen == "scalar":
+        pytest.skip("this CPU runs no int8 vector path to withhold")
+    with cpu_kernels.paths_without(f"int8_gemm.{chosen}") as native:
+        assert f"int8_gemm.{chosen}" not in native.cpu_paths()
+        assert emulated.cpu_paths() == every
+    assert "int8_gemm.avx_vnni" in every
