@@ -172,8 +172,9 @@ class SpecConfig:
                                   "chains)", type=bool)
     # Structured output: the tokens a request's grammar forces are drafts before the drafter's
     # (spec_decode/drafters/grammar_draft.py); off for A/B runs against lookup drafts alone.
-    grammar_drafts: bool = opt(True, "structured output: draft the tokens the grammar forces "
-                               "before the drafter's own (with a --speculator)")
+    grammar_drafts: bool = opt(True, "structured output: do not draft the tokens the grammar "
+                               "forces before the drafter's own (lookup drafts alone, for A/B)",
+                               flag="--no-grammar-drafts")
     # The replay oracle's input (spec_decode/drafters/oracle.py); a dict is its JSON object.
     oracle_recording: str | dict | None = opt(
         None, "oracle: the target's recorded outputs it replays, a JSON file or text "

@@ -69,3 +69,14 @@ def test_a_lookup_drafter_without_k_gets_the_default_cap_and_others_still_need_o
     assert SpecConfig(speculator="ngram", k_schedule="[[1, 4, 2]]").num_spec_tokens == 0
     with pytest.raises(ValueError, match="needs --num-spec-tokens"):
         SpecConfig(speculator="draft", draft_model="d.gguf")
+
+
+def test_every_default_on_switch_can_be_turned_off():
+    """A field that defaults to True is a --no-x flag (a store_true --x could never turn it off:
+    --grammar-drafts was one)."""
+    assert parse_engine_args(["--no-grammar-drafts"])["grammar_drafts"] is False
+    assert parse_engine_args([])["grammar_drafts"] is True
+    for part in EngineConfig.parts().values():
+        for f in (f for f in fields(part) if f.default is True and f.metadata.get("cli", True)):
+            flag = f.metadata.get("flag", "")
+            assert flag.startswith("--no-"), f"{f.name}: a default-on switch needs a --no- flag"
