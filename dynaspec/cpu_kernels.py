@@ -39,9 +39,9 @@ _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 SOURCES = ("module.cpp", "paged_decode.cpp", "fused_ops.cpp", "int8_gemm.cpp", "layer_stack.cpp",
            "head_step.cpp")
 HEADERS = ("cpu_paths.h", "vec_exp.h", "attn_avx2.h", "attn_tree.h", "attn_avx2_item.h",
-           "attn_call.h", "attn_fp32.h", "attn_pairs.h", "attn_prefetch.h", "attn_reference.h",
-           "attn_rows.h", "attn_schedule.h", "row_max.h", "int8_quant.h", "int8_tiles.h",
-           "qlinear.h", "simd.h", "simd_emulated.h")
+           "attn_bf16_item.h", "attn_call.h", "attn_fp32.h", "attn_fp32_item.h", "attn_item.h",
+           "attn_pairs.h", "attn_prefetch.h", "attn_reference.h", "attn_rows.h", "attn_schedule.h",
+           "row_max.h", "int8_quant.h", "int8_tiles.h", "qlinear.h", "simd.h", "simd_emulated.h")
 EXT_MODULE = "dynaspec._cpu_kernels"
 BUILD_WAIT_S = float(os.environ.get("DYNASPEC_KERNEL_BUILD_WAIT", "900"))
 

@@ -15,6 +15,34 @@
 namespace {
 
 template <typename T>
+struct AttnCall;
+
+// Work item: request b's query tokens j0..j1 (rows r = (token j0 + r / G, head h * G + r % G))
+// against KV head h.
+struct AttnItem {
+  int64_t b, h, j0, j1;
+  int64_t R;      // query rows: (j1 - j0) * G
+  int64_t Ct;     // keys the tile's last row sees
+  int64_t first;  // the position of token j0 (it sees keys up to it)
+  int64_t last;   // the last block read
+
+  template <typename T>
+  static AttnItem of(const AttnCall<T>& c, int64_t b, int64_t h, int64_t j0, int64_t j1) {
+    const int64_t first = c.cl[b] - c.ql[b] + j0, Ct = c.cl[b] - c.ql[b] + j1;
+    const int64_t nblk = (Ct + c.block_size - 1) / c.block_size;
+    return {b, h, j0, j1, (j1 - j0) * c.G, Ct, first, std::min(nblk, c.NB) - 1};
+  }
+  // Keys in block blk (fewer in the last).
+  int64_t keys_in(int64_t blk, int64_t block_size) const {
+    return std::min(block_size, Ct - blk * block_size);
+  }
+  // Keys row r sees in the n keys from key k0 on (its causal end, clipped to them).
+  int64_t seen(int64_t G, int64_t r, int64_t k0, int64_t n) const {
+    return std::max<int64_t>(0, std::min(n, first + r / G + 1 - k0));
+  }
+};
+
+template <typename T>
 struct AttnCall {
   const T* qp;        // [T, H, D] queries, token stride qstride
   int64_t qstride;    // elements between tokens' queries
@@ -40,30 +68,12 @@ struct AttnCall {
   int64_t first_key(int64_t pos) const {
     return window > 0 ? std::max<int64_t>(0, pos - window + 1) : int64_t{0};
   }
-};
-
-// Work item: request b's query tokens j0..j1 (rows r = (token j0 + r / G, head h * G + r % G))
-// against KV head h.
-struct AttnItem {
-  int64_t b, h, j0, j1;
-  int64_t R;      // query rows: (j1 - j0) * G
-  int64_t Ct;     // keys the tile's last row sees
-  int64_t first;  // the position of token j0 (it sees keys up to it)
-  int64_t last;   // the last block read
-
-  template <typename T>
-  static AttnItem of(const AttnCall<T>& c, int64_t b, int64_t h, int64_t j0, int64_t j1) {
-    const int64_t first = c.cl[b] - c.ql[b] + j0, Ct = c.cl[b] - c.ql[b] + j1;
-    const int64_t nblk = (Ct + c.block_size - 1) / c.block_size;
-    return {b, h, j0, j1, (j1 - j0) * c.G, Ct, first, std::min(nblk, c.NB) - 1};
+  // Row r of an item (token j0 + r / G, head h * G + r % G): its queries and its output.
+  const T* q_row(const AttnItem& it, int64_t r) const {
+    return qp + (qs[it.b] + it.j0 + r / G) * qstride + (it.h * G + r % G) * D;
   }
-  // Keys in block blk (fewer in the last).
-  int64_t keys_in(int64_t blk, int64_t block_size) const {
-    return std::min(block_size, Ct - blk * block_size);
-  }
-  // Keys row r sees in the n keys from key k0 on (its causal end, clipped to them).
-  int64_t seen(int64_t G, int64_t r, int64_t k0, int64_t n) const {
-    return std::max<int64_t>(0, std::min(n, first + r / G + 1 - k0));
+  T* out_row(const AttnItem& it, int64_t r) const {
+    return op + ((qs[it.b] + it.j0 + r / G) * H + it.h * G + r % G) * D;
   }
 };
 

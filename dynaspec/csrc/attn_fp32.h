@@ -54,9 +54,12 @@ inline __m512 load16(const T* p) {
 
 // The same kt as converting then transpose_keys, straight from the cache: 16 key rows (row t at
 // src + t * stride; rows n.. are zero) go through a 16x16 in-register transpose per 16 dims.
+// Forced inline: pass 1 runs it for every 16 keys, and out of line it would add a call to each
+// (the compiler inlined it while pass 1 was one function with the rest of the item).
 template <typename T>
-inline void transpose_keys_from(const T* __restrict src, int64_t stride, int64_t n,
-                                float* __restrict kt, int64_t D) {
+__attribute__((always_inline)) inline void transpose_keys_from(const T* __restrict src,
+                                                               int64_t stride, int64_t n,
+                                                               float* __restrict kt, int64_t D) {
   for (int64_t d0 = 0; d0 < D; d0 += 16) {
     __m512 r[16];
     for (int i = 0; i < 16; ++i) r[i] = i < n ? load16(src + i * stride + d0) : _mm512_setzero_ps();
@@ -79,9 +82,11 @@ inline void row_to_float(const T* src, float* dst, int64_t D) {
   to_float(src, dst, D);
 }
 
-// 16 keys of one KV head, converted to fp32 and transposed to kt (rows n.. zero).
+// 16 keys of one KV head, converted to fp32 and transposed to kt (rows n.. zero). Forced inline
+// for the same reason as transpose_keys_from.
 template <typename T>
-inline void load_keys(const T* src, int64_t stride, int64_t n, float* kf, float* kt, int64_t D) {
+__attribute__((always_inline)) inline void load_keys(const T* src, int64_t stride, int64_t n,
+                                                     float* kf, float* kt, int64_t D) {
 #if defined(DYNASPEC_AVX512)
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
     if (D % 16 == 0) {
