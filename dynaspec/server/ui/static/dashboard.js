@@ -8,6 +8,8 @@ const DSDashboard = (() => {
   const S = DSSeries;
   const history = [];
   let timer = null, lastError = null;
+  // stop() may come while start() still awaits the history: then nothing more is polled or added.
+  let stopped = false;
   // Why the goodput chart is empty when the goodput policy is not running (from /ui/history).
   let goodputNote = null;
 
@@ -121,6 +123,7 @@ const DSDashboard = (() => {
       const r = await fetch("/ui/live", {cache: "no-store"});
       if (!r.ok) throw new Error(`/ui/live answered ${r.status}`);
       const snap = await r.json();
+      if (stopped) return;  // a poll in flight when the page stopped polling adds nothing
       history.push(snap);
       while (history.length && snap.time - history[0].time > SPAN_S + WINDOW_S) history.shift();
       lastError = null;
@@ -140,7 +143,7 @@ const DSDashboard = (() => {
       if (!r.ok) return;
       const past = await r.json();
       goodputNote = past.goodput_note;
-      history.push(...past.samples);
+      if (!stopped) history.push(...past.samples);
     } catch (e) {
       lastError = String(e);
     }
@@ -149,10 +152,11 @@ const DSDashboard = (() => {
   async function start() {
     document.getElementById("window-s").textContent = WINDOW_S;
     await loadHistory();
+    if (stopped) return;
     poll();
     timer = setInterval(poll, POLL_MS);
   }
 
   return {start, draw, history: () => history, goodputNote: () => goodputNote,
-          stop: () => clearInterval(timer)};
+          stop: () => { stopped = true; clearInterval(timer); }};
 })();
