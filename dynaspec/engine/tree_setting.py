@@ -1,10 +1,10 @@
 """Whether an engine's drafts run as token trees (docs/design.md §4c), decided once at build.
 
-A model with sliding-window layers (Gemma-3) verifies a tree only on an attention backend that
-applies the window to a tree's rows by their depth, not their row index (it declares
-`tree_windows`). On any other backend an explicit `--draft-tree` is refused before any request
-runs, naming both parts; a tree setting that was not asked for (`draft_tree=None` under a
-default of trees) falls back to chains.
+A tree verifies only on an attention backend that applies the tree mask (`verifies_trees`),
+and on a model with sliding-window layers (Gemma-3) only where the backend also windows a tree's
+rows by their depth, not their row index (`tree_windows`). Elsewhere an explicit `--draft-tree`
+is refused before any request runs, naming both parts; a tree setting that was not asked for
+(`draft_tree=None` under a default of trees) falls back to chains.
 """
 
 from __future__ import annotations
