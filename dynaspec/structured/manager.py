@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -128,11 +128,10 @@ class StructuredOutputManager:
             self.matchers[rid].rollback(n)
         self._draft_fed.clear()
 
-    def begin_step(self, scheduled: Sequence[ScheduledRequest], drafts: dict[str, list[int]],
-                   draft_probs: dict) -> GrammarStep | None:
+    def begin_step(self, scheduled: Sequence[ScheduledRequest],
+                   drafts: Mapping[str, Sequence[int]]) -> GrammarStep | None:
         """Check drafts and build bitmasks for this step's grammar requests; None if it has none.
-
-        Cuts `drafts`/`draft_probs` in place at each request's first grammar-rejected draft."""
+        The step's `cuts` say where each request's drafts stop being grammatical."""
         if not any(s.request.sampling_params.structured_output is not None and s.sampling
                    for s in scheduled):
             return None
@@ -140,5 +139,6 @@ class StructuredOutputManager:
         for i, s in enumerate(scheduled):
             m = self.matcher_for(s.request) if s.sampling else None
             if m is not None:
-                step.add(i, s.request.request_id, m, drafts, draft_probs)
+                rid = s.request.request_id
+                step.add(i, rid, m, drafts.get(rid, ()))
         return step

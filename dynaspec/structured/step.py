@@ -5,9 +5,11 @@ must be masked with the grammar state after the accepted output plus d_0..d_{j-1
 state non-speculative decoding would be in at that position, so constrained greedy output with
 speculation equals constrained greedy output without it. `add` walks the drafts through the
 matcher: at position j it fills row j's bitmask, and stops at the first draft that mask rejects
-(the rest are cut and counted `invalid{grammar}`). Drafts reach `add` unpadded: on a fixed-shape
-step the runner pads the row back to the planned width after the cut, and `mask` leaves the pad
-rows past the first one unmasked (their logits are never sampled). The matcher then holds the
+(the rest are cut and counted `invalid{grammar}`; `add` returns how many it keeps and `cuts`
+collects them, so the step's rows take the drafts up to there and nothing edits a draft list).
+Drafts reach `add` unpadded: on a fixed-shape step the rows are padded to the planned width after
+the cut, and `mask` leaves the pad rows past the first one unmasked (their logits are never
+sampled). The matcher then holds the
 state after the valid drafts; `commit` rolls back the drafts the verifier rejected and accepts
 the one recovered/bonus token, so the state only ever covers accepted output.
 """
@@ -15,6 +17,7 @@ the one recovered/bonus token, so the state only ever covers accepted output.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -49,10 +52,16 @@ class GrammarStep:
         self.seconds = 0.0  # bitmask filling, draft checks, masking and state updates
         self.num_rows = 0
 
-    def add(self, index: int, request_id: str, m: Matcher, drafts: dict[str, list[int]],
-            draft_probs: dict) -> None:
+    @property
+    def cuts(self) -> dict[str, int]:
+        """Request id -> the drafts it keeps, for each request whose drafts the grammar cut."""
+        return {e.request_id: e.num_fed for e in self.entries.values() if e.num_invalid}
+
+    def add(self, index: int, request_id: str, m: Matcher, drafts: Sequence[int]) -> int:
+        """Walk the request's drafts through its matcher, filling one bitmask row per position;
+        returns how many of them it keeps (the rest are cut)."""
         t0 = time.perf_counter()
-        d = drafts.get(request_id, [])
+        d = drafts
         bitmask = allocate_bitmask(len(d) + 1, self.backend.vocab_size)  # [n + 1, words]
         fed = 0
         for j in range(len(d) + 1):
@@ -66,17 +75,10 @@ class GrammarStep:
             fed += 1
         invalid = len(d) - fed
         if invalid:
-            d = d[:fed]
             bitmask = bitmask[: fed + 1]
-            if d:
-                drafts[request_id] = d
-                p = draft_probs.get(request_id)
-                draft_probs[request_id] = None if p is None else p[:fed]
-            else:
-                drafts.pop(request_id, None)
-                draft_probs.pop(request_id, None)
         self.entries[index] = _Entry(index, request_id, m, fed, invalid, bitmask)
         self.seconds += time.perf_counter() - t0
+        return fed
 
     def mask(self, logits: torch.Tensor, sampling: list[tuple[int, int]]) -> None:
         """Mask grammar rows of `logits` [R, vocab] in place; `sampling` is the runner's row

@@ -3,13 +3,15 @@ request's cap, then (after the grammar's cut) padded to the planned width, one `
 scheduled request.
 
 `propose` takes the grammar's forced drafts (spec_decode/drafters/grammar_draft.py) and asks
-the drafter; the runner then admits trees (worker/tree_step.py) and lets the
-grammar cut drafts it rejects (structured/step.py); `build` lays the survivors out as the rows
-the forward computes and `worker/verify.py` verifies. Nothing changes a row once built.
+the drafter; the runner then admits trees (worker/tree_step.py: the chains that stand in for the
+others) and lets the grammar check the drafts (structured/step.py: where it cuts each); `build`
+lays the survivors out as the rows the forward computes and `worker/verify.py` verifies. Each of
+those returns a value: no one edits the drafter's drafts, and nothing changes a row once built.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -92,9 +94,9 @@ def propose(proposer: Proposer | None, out: StepPlan, synthetic: SyntheticVerifi
     got = _propose_drafter(proposer, sched, synthetic, grammar is not None)
     if forced is None:
         return got
-    for rid, d in forced.tokens.items():
-        got.tokens[rid], got.probs[rid] = d, None  # forced drafts are one-hot (deterministic)
-    return replace(got, forced=forced.num_forced,
+    # Forced drafts are one-hot (deterministic): no probs.
+    return replace(got, tokens={**got.tokens, **forced.tokens},
+                   probs={**got.probs, **dict.fromkeys(forced.tokens)}, forced=forced.num_forced,
                    setup_seconds=got.setup_seconds + forced.setup_seconds)
 
 
@@ -149,30 +151,31 @@ def _propose_drafter(proposer: Proposer | None, sched: list[ScheduledRequest],
                       fallback_seconds=drafts.fallback_seconds)
 
 
-def build(out: StepPlan, got: StepDrafts, drafts: dict[str, list[int]], probs: dict,
-          trees: dict[str, DraftTree], num_real: dict[str, int],
+def build(out: StepPlan, got: StepDrafts, drafts: Mapping[str, Sequence[int]],
+          trees: Mapping[str, DraftTree], cuts: Mapping[str, int],
           md: SamplingMetadata | None) -> DraftRows:
-    """The step's rows from `drafts`/`probs` as they stand after the tree admission and the
-    grammar's cut (`num_real`: drafts per request before the cut). On a fixed-shape step every
-    sampling row verifies exactly the planned width: its drafts are padded with -1."""
+    """The step's rows from `drafts` (the drafter's, with the chains that stand in for trees
+    not admitted) up to the grammar's `cuts` (request id -> drafts kept). On a fixed-shape step
+    every sampling row verifies exactly the planned width: its drafts are padded with -1."""
     rows, k = [], 0
     for s in out.scheduled:
         rid = s.request.request_id
         if not s.sampling:
             rows.append(DraftRow(request_id=rid, sample=None, skip_reason=s.skip_reason))
             continue
-        d = drafts.get(rid, [])
-        valid = len(d)
+        drafted = drafts.get(rid, ())
+        valid = cuts.get(rid, len(drafted))
+        d = list(drafted[:valid])
         if out.batch.fixed_shape and out.batch.width is not None:
             d = width.pad_row(d, out.batch.width)
-        q = probs.get(rid)
+        q = got.probs.get(rid) if valid else None
         skip = s.skip_reason
         if skip is None and not d:
             skip = got.skips.get(rid)
         rows.append(DraftRow(
             request_id=rid, sample=k, tokens=tuple(d), tree=trees.get(rid),
-            probs=width.pad_probs(q, len(d)) if q is not None else None,
-            num_valid=valid, num_cut=num_real.get(rid, 0) - valid,
+            probs=width.pad_probs(q[:valid], len(d)) if q is not None else None,
+            num_valid=valid, num_cut=len(drafted) - valid,
             num_async_invalid=s.num_async_invalid, from_fallback=valid > 0 and rid in got.fallback,
             num_forced=min(valid, got.forced.get(rid, 0)),
             skip_reason=skip))

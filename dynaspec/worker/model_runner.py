@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -29,8 +30,7 @@ from dynaspec.request import Request
 from dynaspec.sample.logits_processor import LogitsProcessing
 from dynaspec.sample.metadata import SamplingMetadata
 from dynaspec.sample.synthetic import SyntheticVerifier
-from dynaspec.spec_decode.drafters.base import Proposer
-from dynaspec.spec_decode.drafters.eagle import HiddenStates
+from dynaspec.spec_decode.drafters.base import HiddenStates, Proposer
 from dynaspec.spec_decode.drafters.grammar_draft import GrammarDrafter
 from dynaspec.step_plan import BatchDescriptor, StepPlan
 from dynaspec.structured.manager import StructuredOutputManager
@@ -61,7 +61,7 @@ class StepInputs:
     tree_masks: list[torch.Tensor | None] | None = None  # per request: its rows' tree visibility
 
 
-def argmax_only_rows(reqs: list, sampling: list[tuple[int, int]]) -> torch.Tensor | None:
+def argmax_only_rows(reqs: list[Request], sampling: list[tuple[int, int]]) -> torch.Tensor | None:
     """[R] bool over the step's logit rows (request after request, drafts + 1 each): True where
     only the row's argmax is read (greedy, no logprobs, no logits processing, no grammar), so the
     model may leave its logits away from the maximum approximate (`LlamaModel.head`). None when
@@ -96,6 +96,18 @@ class PreparedStep:
         return self.rows.drafts()
 
 
+@dataclass(frozen=True)
+class Forward:
+    """What one target forward returns: the logits rows, the path it ran, when the model started
+    (after the inputs were loaded) and what it captured on the way."""
+
+    logits: torch.Tensor  # [R, vocab], the step's logit rows
+    batch: BatchDescriptor  # the path it ran (eager when a fixed-shape step could not)
+    started: float  # perf_counter when the model call began
+    hidden: torch.Tensor | None = None  # [T, features] for a hidden-state drafter, else None
+    argmax: torch.Tensor | None = None  # [R] each row's argmax, on the device (a CUDA graph's)
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv_caches: list[torch.Tensor], block_size: int,
                  proposer: Proposer | None, seed: int, buffers: InputBuffers | None = None,
@@ -117,7 +129,6 @@ class ModelRunner:
         self.buffers = buffers
         self.executor = executor
         self.eos_token_ids = eos_token_ids  # min_tokens bans them
-        self._graph_top: torch.Tensor | None = None
 
     def forget(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
@@ -151,27 +162,26 @@ class ModelRunner:
             for rid in out.preempted_ids:
                 self.proposer.preempt(rid)  # a preempted request must not keep drafter KV blocks
         got = draft_rows.propose(self.proposer, out, self.synthetic, self.grammar_drafter)
-        drafts, probs = dict(got.tokens), dict(got.probs)  # cut below, before the rows exist
         # The step's trees that run as trees (worker/tree_step.py); the rest become chains.
-        trees = tree_step.admit(out, got.trees, probs, drafts, plain=self.synthetic is None
-                                and self.hidden_sink is None) if got.trees else {}
+        admitted = tree_step.admit(out, got.trees, got.probs, plain=self.synthetic is None
+                                   and self.hidden_sink is None)
+        drafts = {**got.tokens, **admitted.chains}
         t1 = time.perf_counter()
-        num_real = {rid: len(d) for rid, d in drafts.items()}
-        # Structured output: cut grammar-invalid drafts before they are verified (docs/design.md
-        # §7c); the row is padded back to the planned width after the cut.
-        grammar = self.structured.begin_step(out.scheduled, drafts, probs) \
+        # Structured output: the grammar checks the drafts before they are verified
+        # (docs/design.md §7c); the rows keep them up to its cuts, padded to the planned width.
+        grammar = self.structured.begin_step(out.scheduled, drafts) \
             if self.structured is not None else None
         reqs = [s.request for s in out.scheduled if s.sampling]
         md = SamplingMetadata.from_params([r.sampling_params for r in reqs],
                                           [self._generator(r) for r in reqs], self.device) \
             if reqs else None
-        rows = draft_rows.build(out, got, drafts, probs, {r: t.tree for r, t in trees.items()},
-                                num_real, md)
-        inputs = self._flatten(out, rows, trees)
+        rows = draft_rows.build(out, got, drafts, {r: t.tree for r, t in admitted.trees.items()},
+                                grammar.cuts if grammar is not None else {}, md)
+        inputs = self._flatten(out, rows, admitted.trees)
         # After the grammar cut: rows are processed with the drafts they actually verify.
         proc = LogitsProcessing.build(reqs, inputs.sampling, rows.drafts(), self.eos_token_ids)
-        return PreparedStep(out=out, inputs=inputs, rows=rows, trees=trees, grammar=grammar,
-                            logits_proc=proc, draft_seconds=t1 - t0,
+        return PreparedStep(out=out, inputs=inputs, rows=rows, trees=admitted.trees,
+                            grammar=grammar, logits_proc=proc, draft_seconds=t1 - t0,
                             prepare_seconds=time.perf_counter() - t1,
                             draft_setup_seconds=got.setup_seconds,
                             draft_fallback_seconds=got.fallback_seconds)
@@ -179,19 +189,16 @@ class ModelRunner:
     def run(self, p: PreparedStep) -> RunnerOutput:
         """The target forward and verification of a prepared step."""
         t_run = time.perf_counter()
-        self._graph_top = None  # set by a CUDA-graph step: each row's argmax, on the device
-        if self.hidden_sink is not None:
-            self.model.aux_hidden = None  # a path that captures nothing leaves it None
-        logits, batch, t2 = self._forward(p.inputs, p.out.batch)  # [R, vocab]
-        t3 = time.perf_counter()
-        results = verify(logits, p.rows, grammar=p.grammar, processing=p.logits_proc,
-                         synthetic=self.synthetic, graph_argmax=self._graph_top)
+        fwd = self._forward(p.inputs, p.out.batch)
+        t2, t3 = fwd.started, time.perf_counter()
+        results = verify(fwd.logits, p.rows, grammar=p.grammar, processing=p.logits_proc,
+                         synthetic=self.synthetic, graph_argmax=fwd.argmax)
         if p.trees:
             tree_step.move_accepted(self.kv_caches, self.block_size, [
                 (p.trees[r.request_id], r.tree_path) for r in results
                 if r.request_id in p.trees and r.tree_path])
-        if self.hidden_sink is not None:
-            self._observe(p, results)
+        if self.hidden_sink is not None and fwd.hidden is not None:
+            self._observe(self.hidden_sink, p, results, fwd.hidden)
         t4 = time.perf_counter()
         g = p.grammar
         return RunnerOutput(results=results, prepare_seconds=p.prepare_seconds + (t2 - t_run),
@@ -200,14 +207,16 @@ class ModelRunner:
                             draft_fallback_seconds=p.draft_fallback_seconds,
                             forward_seconds=t3 - t2, sample_seconds=t4 - t3,
                             grammar_seconds=g.seconds if g is not None else 0.0,
-                            grammar_rows=g.num_rows if g is not None else 0, batch=batch,
+                            grammar_rows=g.num_rows if g is not None else 0, batch=fwd.batch,
                             verified_width=1 + max((n for _, n in p.inputs.sampling), default=0))
 
-    def _observe(self, p: PreparedStep, results: tuple[RequestResult, ...]) -> None:
-        """Hand the drafter the hidden states of each request's verified tokens: its new tokens
-        and the drafts it accepted (rows of rejected drafts and pads are left out)."""
-        hidden = self.model.aux_hidden  # [T, features], or None where the path captured nothing
-        if self.hidden_sink is None or hidden is None or hidden.shape[0] != len(p.inputs.ids):
+    @staticmethod
+    def _observe(sink: Proposer, p: PreparedStep, results: tuple[RequestResult, ...],
+                 hidden: torch.Tensor) -> None:
+        """Hand the drafter the hidden states [T, features] of each request's verified tokens:
+        its new tokens and the drafts it accepted (rows of rejected drafts and pads are left
+        out)."""
+        if hidden.shape[0] != len(p.inputs.ids):
             return
         drafted = dict(p.inputs.sampling)  # scheduled index -> drafts verified
         ids, starts, positions, valid = [], [], [], []
@@ -220,7 +229,7 @@ class ModelRunner:
                 positions.append(p.inputs.positions[o])
                 valid.append(q if n is None else q - n + results[i].num_accepted_tokens)
             o += q
-        self.hidden_sink.observe_hidden(HiddenStates(ids, starts, positions, valid, hidden))
+        sink.observe_hidden(HiddenStates(ids, starts, positions, valid, hidden))
 
     def _flatten(self, out: StepPlan, rows: DraftRows,
                  trees: dict[str, TreeRows] | None = None) -> StepInputs:
@@ -248,8 +257,16 @@ class ModelRunner:
         return replace(x, argmax_rows=argmax_only_rows(
             [out.scheduled[i].request for i, _ in x.sampling], x.sampling))
 
-    def _forward(self, x: StepInputs, batch: BatchDescriptor
-                 ) -> tuple[torch.Tensor, BatchDescriptor, float]:
+    def _forward(self, x: StepInputs, batch: BatchDescriptor) -> Forward:
+        """The step's forward, with the hidden states a hidden-state drafter reads (the model
+        keeps its last capture; a path that captures nothing leaves None)."""
+        if self.hidden_sink is None:
+            return self._run_path(x, batch)
+        self.model.aux_hidden = None
+        fwd = self._run_path(x, batch)
+        return replace(fwd, hidden=self.model.aux_hidden)
+
+    def _run_path(self, x: StepInputs, batch: BatchDescriptor) -> Forward:
         """Runs the step on the descriptor's path; a fixed-shape step whose executor cannot run it
         (budget spent, build failed) runs eager and reports the eager descriptor."""
         if batch.fixed_shape:
@@ -267,18 +284,20 @@ class ModelRunner:
             batch = replace(batch, path="eager", num_tokens_padded=len(x.ids))
         return self._run_eager(x, batch)
 
-    def _run_eager(self, x: StepInputs, batch: BatchDescriptor):
+    def _run_eager(self, x: StepInputs, batch: BatchDescriptor) -> Forward:
         attn = self.model.attn
         md = attn.build_metadata(AttentionBatch(x.query_lens, x.context_lens, x.block_tables,
                                                 self.block_size, self.device,
                                                 tree_masks=x.tree_masks))
         ids, pos, rows = self._load(x.ids, x.positions, x.logit_rows)
+        assert rows is not None  # the logit rows were given
         t2 = time.perf_counter()
         logits = self.model.forward(ids, pos, self.kv_caches, md, rows, attn,
                                     argmax_rows=x.argmax_rows)
-        return logits, batch, t2
+        return Forward(logits, batch, t2)
 
-    def _forward_fixed(self, x: StepInputs, batch: BatchDescriptor, ex: FixedShapeExecutor):
+    def _forward_fixed(self, x: StepInputs, batch: BatchDescriptor,
+                       ex: FixedShapeExecutor) -> Forward:
         W, B, n = batch.width, batch.num_reqs_padded, len(x.query_lens)
         assert W is not None and self.buffers is not None  # fixed shape; the builder gives both
         if any(q != W for q in x.query_lens) or n > B:
@@ -295,9 +314,10 @@ class ModelRunner:
         t2 = time.perf_counter()
         h = ex.run(ids_v, pos_v, md)  # [B*W, hidden]: every row, real and padded
         rows = torch.tensor(x.logit_rows, dtype=torch.long, device=h.device)
-        return self.model.head(h[rows], x.argmax_rows), batch, t2
+        return Forward(self.model.head(h[rows], x.argmax_rows), batch, t2)
 
-    def _forward_graph(self, x: StepInputs, batch: BatchDescriptor, ex: FixedShapeExecutor):
+    def _forward_graph(self, x: StepInputs, batch: BatchDescriptor,
+                       ex: FixedShapeExecutor) -> Forward:
         """CUDA: every real row is a logit row (W per request), so the logits are the first
         n*W rows of the graph's output; its argmax is kept for a greedy `_sample`."""
         B, W, n = batch.num_reqs_padded, batch.width, len(x.query_lens)
@@ -310,10 +330,9 @@ class ModelRunner:
         ids[: n * W].copy_(host, non_blocking=True)
         t2 = time.perf_counter()
         logits, top = ex.run(ids, None, md)
-        self._graph_top = top[: n * W]
-        return logits[: n * W], batch, t2
+        return Forward(logits[: n * W], batch, t2, argmax=top[: n * W])
 
-    def precompile(self, shapes) -> float:
+    def precompile(self, shapes: Sequence[tuple[int, int]]) -> float:
         """Build the fixed-shape executor for each (padded requests, width) now, with steps made
         only of padded rows (they write only the scratch block). Returns the seconds spent."""
         ex, t0 = self.executor, time.perf_counter()
@@ -330,7 +349,8 @@ class ModelRunner:
                 ex.fail((b, w), exc)
         return time.perf_counter() - t0
 
-    def _load(self, ids: list[int], positions: list[int], rows: list[int] | None):
+    def _load(self, ids: list[int], positions: list[int], rows: list[int] | None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         if self.buffers is None or len(ids) > self.buffers.max_tokens:
             t = lambda v: torch.tensor(v, dtype=torch.long, device=self.device)  # noqa: E731
             return t(ids).clamp_(min=0), t(positions), None if rows is None else t(rows)

@@ -11,11 +11,14 @@ exact too. A tree that is a chain runs as the chain it is, so chains keep today'
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
 from dynaspec.draft_tree import DraftTree, kv_moves
+from dynaspec.request import Request
+from dynaspec.step_plan import StepPlan
 
 
 @dataclass(frozen=True)
@@ -28,21 +31,29 @@ class TreeRows:
     block_table: tuple[int, ...]
 
 
-def tree_allowed(req, *, eager: bool, plain_verify: bool,
-                 has_probs: bool) -> bool:
+@dataclass(frozen=True)
+class Admitted:
+    """The step's trees as admitted: those that run as trees, and the chains that stand in for
+    the others (each its tree's first root path, verified by the chain rule)."""
+
+    trees: dict[str, TreeRows]
+    chains: dict[str, list[int]]
+
+
+def tree_allowed(req: Request, *, eager: bool, plain_verify: bool, has_probs: bool) -> bool:
     """Whether `req`'s tree can be verified as a tree this step (module docstring)."""
     sp = req.sampling_params
     return (eager and plain_verify and not has_probs and sp.structured_output is None
             and not sp.processes_logits and sp.logprobs is None)
 
 
-def admit(out, trees: dict[str, DraftTree], probs: dict,
-          drafts: dict[str, list[int]], plain: bool) -> dict[str, TreeRows]:
-    """The trees of step `out` (a StepPlan) that run as trees, with their rows; each other one
-    is replaced in `drafts` by its first root path (a chain, verified by today's rule).
-    `plain`: strict verification and no hidden-state drafter."""
+def admit(out: StepPlan, trees: Mapping[str, DraftTree],
+          probs: Mapping[str, torch.Tensor | None], plain: bool) -> Admitted:
+    """The trees of step `out` that run as trees, with their rows, and the chain each other one
+    becomes. `plain`: strict verification and no hidden-state drafter."""
     by_id = {s.request.request_id: s for s in out.scheduled}
-    kept = {}
+    kept: dict[str, TreeRows] = {}
+    chains: dict[str, list[int]] = {}
     for rid, tree in trees.items():
         s = by_id[rid]
         if tree_allowed(s.request, eager=not out.batch.fixed_shape, plain_verify=plain,
@@ -50,8 +61,8 @@ def admit(out, trees: dict[str, DraftTree], probs: dict,
             base = s.request.num_computed_tokens + s.num_new_tokens - 1
             kept[rid] = TreeRows(tree, base, tuple(s.block_table))
         else:
-            drafts[rid] = tree.first_path()
-    return kept
+            chains[rid] = tree.first_path()
+    return Admitted(kept, chains)
 
 
 def positions(start: int, num_new: int, tree: DraftTree) -> list[int]:

@@ -4,15 +4,31 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from dynaspec.draft_tree import DraftTree
 from dynaspec.request import Request
 
+if TYPE_CHECKING:
+    from dynaspec.models.llama import LlamaModel
+
 # Pending tokens a drafter feeds along with a request's drafts; older ones (a prompt, on the
 # request's first drafts) are its prefill, fed in a pass of their own and timed as setup.
 FRESH_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class HiddenStates:
+    """One target forward's hidden states, as an EAGLE-style drafter reads them (runner ->
+    proposer)."""
+
+    request_ids: list[str]
+    starts: list[int]  # row in `hidden` of each request's first token this step
+    positions: list[int]  # that token's position
+    num_valid: list[int]  # leading rows whose tokens are verified (accepted drafts included)
+    hidden: torch.Tensor  # [T, feature_size] the captured layers, concatenated
 
 
 @dataclass
@@ -115,11 +131,11 @@ class Proposer:
     def reset_cache(self) -> None:
         """Empty the cross-request cache, if it keeps one."""
 
-    def attach(self, model) -> None:
+    def attach(self, model: LlamaModel) -> None:
         """Bind the target model (drafters that read its hidden states)."""
 
-    def observe_hidden(self, hs) -> None:
-        """The hidden states of a step's verified tokens (spec_decode/eagle.HiddenStates)."""
+    def observe_hidden(self, hs: HiddenStates) -> None:
+        """The hidden states of a step's verified tokens."""
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -25,26 +25,14 @@ import torch
 import torch.nn.functional as F
 
 from dynaspec.request import Request
-from dynaspec.spec_decode.drafters.base import FRESH_TOKENS, Drafts, Proposer
-from dynaspec.spec_decode.drafters.eagle_head import EagleHead, HeadLayer
+from dynaspec.spec_decode.drafters.base import FRESH_TOKENS, Drafts, HiddenStates, Proposer
+from dynaspec.spec_decode.drafters.eagle_head import EagleHead, HeadLayer, HeadStep
 
 if TYPE_CHECKING:
     from dynaspec.models.llama import LlamaModel
 
 HEADS_DIR = os.path.join(os.path.dirname(__file__), "heads")
 DEFAULT_HEAD = os.path.join(HEADS_DIR, "smollm2-135m-instruct")
-
-
-@dataclass(frozen=True)
-class HiddenStates:
-    """One target forward's hidden states, as an EAGLE-style drafter reads them (runner ->
-    proposer)."""
-
-    request_ids: list[str]
-    starts: list[int]  # row in `hidden` of each request's first token this step
-    positions: list[int]  # that token's position
-    num_valid: list[int]  # leading rows whose tokens are verified (accepted drafts included)
-    hidden: torch.Tensor  # [T, feature_size] the captured layers, concatenated
 
 
 CATCH_UP_ROWS = 256  # rows per head pass when a backlog (a prompt) is fed
@@ -114,7 +102,7 @@ class EagleProposer(Proposer):
 
     def __init__(
         self, head: EagleHead, max_len: int, embed_table: torch.Tensor | None = None,
-        step=None,
+        step: HeadStep | None = None,
     ) -> None:
         self.head, self.max_len = head, max_len
         # The head's layer and drafts as C++ calls (eagle_head.compiled_step), or None: torch.
@@ -128,7 +116,7 @@ class EagleProposer(Proposer):
     def k_limit(self) -> int:
         return max(0, self.max_len - 1)
 
-    def attach(self, model) -> None:
+    def attach(self, model: LlamaModel) -> None:
         """Bind the target: it captures the head's layers from now on."""
         self.model = model
         model.aux_layers = self.head.cfg.aux_layers
@@ -284,6 +272,7 @@ class EagleProposer(Proposer):
         # Accepted drafts and most bonus tokens are in the draft vocabulary: rows of its table
         # (the same values) instead of the target's quantized lookup, ~100 us a call.
         emb = emb_rows[idx] if bool((idx >= 0).all()) else self._embed(toks).float()
+        assert self.step is not None  # only the compiled path drafts here
         drafts = self.step.draft(feats.contiguous(), emb.contiguous(), pos, sizes,
                                  [k for k, _ in bufs], [v for _, v in bufs],
                                  [st.klen for st in states], ks, emb_rows, self.head.rope.cos,
@@ -308,7 +297,9 @@ class EagleProposer(Proposer):
         embedding again (its fc always sees [embedding | hidden])."""
         return out if self.head.cfg.kind == "eagle3" else self.head.fuse(out, emb)
 
-    def _layers(self, h, emb, pos, states, sizes, chain_at) -> torch.Tensor:
+    def _layers(self, h: torch.Tensor, emb: torch.Tensor | None, pos: torch.Tensor,
+                states: Sequence[_HeadSeq], sizes: Sequence[int], chain_at: int | None
+                ) -> torch.Tensor:
         """The head's layers over rows grouped by request (`sizes` each). chain_at None: catch-up
         rows, appended to each request's KV; else one draft row each, the chain's draft
         chain_at, kept in the scratch rows after the KV."""
@@ -342,7 +333,10 @@ class EagleProposer(Proposer):
         return h
 
 
-def _pieces(items: list, rows: int):
+Piece = list[tuple[_HeadSeq, list[int], int]]  # (state, tokens, rows) fed in one pass
+
+
+def _pieces(items: Sequence[tuple[_HeadSeq, list[int], int]], rows: int) -> Iterator[Piece]:
     """(state, tokens, n) items in passes of at most `rows` rows, a long one split across passes
     in order (a pass attends to the KV the earlier ones wrote). 16 prompts fed in one pass took
     0.4-0.8 s for 6,100 rows where 256-row passes take ~0.14 s: its fp32 intermediates (a 75 MB

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -92,7 +93,8 @@ class HeadLayer(nn.Module):
         self.gate_up_proj = joined(self.gate_proj, self.up_proj)
         del self.q_proj, self.k_proj, self.v_proj, self.gate_proj, self.up_proj
 
-    def qkv(self, h: torch.Tensor, emb: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor):
+    def qkv(self, h: torch.Tensor, emb: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """h, emb: [..., H]; cos/sin: [..., 1, D/2]. Returns q [..., Hq, D], k, v [..., Hkv, D]."""
         if self.wide:  # eagle3: both norms exist and the embedding is given
             assert emb is not None and self.input_layernorm is not None
@@ -162,11 +164,12 @@ class EagleHead(nn.Module):
         assert emb is not None  # eagle1 reads the token embeddings
         return self.fc(torch.cat((emb, features), -1))
 
-    def logits(self, out: torch.Tensor, target_head=None) -> torch.Tensor:
+    def logits(self, out: torch.Tensor, target_head: torch.nn.Module | None = None) -> torch.Tensor:
         """Draft-vocabulary logits [..., draft_vocab] from layer outputs [..., H]."""
         if self.lm_head is not None:
             assert self.norm is not None  # eagle3 has both
             return self.lm_head(rms_norm(out, self.norm, self.cfg.rms_norm_eps))
+        assert target_head is not None  # eagle1 reads the target's lm_head
         return target_head(out.to(target_head_dtype(target_head))).float()
 
     # -- training: whole sequences, with EAGLE-3's training-time unrolling ----------------------
@@ -247,7 +250,14 @@ def drafting_form(head: EagleHead) -> EagleHead:
     return fast
 
 
-def compiled_step(head: EagleHead):
+class HeadStep(Protocol):
+    """csrc/head_step.cpp's HeadStep: catch-up and a whole greedy chain of the head in one
+    call; `draft` returns the drafts [B, max k] (its arguments: EagleProposer._compiled_draft)."""
+
+    def draft(self, *args: object) -> torch.Tensor: ...
+
+
+def compiled_step(head: EagleHead) -> HeadStep | None:
     """The drafting-form head's layer and its greedy drafts as one C++ call each
     (csrc/head_step.cpp: fc, catch-up and the whole chain in one call), or None where the head
     is not on that path: eagle1 (the target's lm_head), several layers, or a linear left fp32."""
@@ -278,7 +288,7 @@ def compiled_step(head: EagleHead):
                         c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps)
 
 
-def target_head_dtype(head) -> torch.dtype:
+def target_head_dtype(head: torch.nn.Module) -> torch.dtype:
     """The activation dtype a target lm_head kernel takes (its parameters' or buffers' float
     dtype)."""
     for t in list(head.parameters()) + list(head.buffers()):
