@@ -25,6 +25,14 @@ class LLM:
             self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
 
+    @classmethod
+    def of(cls, engine: LLMEngine) -> LLM:
+        """The facade over an engine built elsewhere (parts injected, as a test's drafter is:
+        `build_engine_parts(config, wrap_proposer=...)`)."""
+        llm = cls.__new__(cls)
+        llm.engine, llm.tokenizer = engine, engine.tokenizer
+        return llm
+
     def shutdown(self) -> None:
         """Stop data-parallel ranks now (otherwise at interpreter exit); a no-op without DP."""
         self.engine.shutdown()

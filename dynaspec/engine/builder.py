@@ -10,7 +10,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from dynaspec.config import EngineConfig, default_num_threads
+from dynaspec.attention.backend import AttentionBackend
+from dynaspec.config import EngineConfig, ModelConfig, default_num_threads
 from dynaspec.engine.output_processor import OutputProcessor
 from dynaspec.engine.tree_setting import resolve_draft_tree
 from dynaspec.kv.kv_cache_manager import KVCacheManager
@@ -26,7 +27,7 @@ from dynaspec.models.quant_linear import (
     resolve_quantization,
 )
 from dynaspec.models.tokenizer import Tokenizer
-from dynaspec.sample.synthetic import make_synthetic_verifier
+from dynaspec.sample.synthetic import SyntheticVerifier, make_synthetic_verifier
 from dynaspec.scheduler.scheduler import Scheduler
 from dynaspec.spec_decode.drafters.base import Proposer
 from dynaspec.spec_decode.drafters.drafters import DrafterTarget, build_drafter
@@ -119,7 +120,7 @@ def _release_load_memory() -> None:
         pass
 
 
-def resolve_attention(name: str, device: torch.device):
+def resolve_attention(name: str, device: torch.device) -> AttentionBackend:
     """The target model's attention backend; auto prefers the in-place CPU kernel."""
     from dynaspec.attention.backend import get_backend
 
@@ -147,7 +148,7 @@ def resolve_attention(name: str, device: torch.device):
     return get_backend(name)
 
 
-def _max_model_len(mc, trained: int) -> int:
+def _max_model_len(mc: ModelConfig, trained: int) -> int:
     """The model's own context unless asked for less; more only with the explicit override
     (positions past the trained context give the model inputs it never saw)."""
     if mc.max_model_len is None:
@@ -159,10 +160,13 @@ def _max_model_len(mc, trained: int) -> int:
 
 
 def build_engine_parts(config: EngineConfig,
-                       wrap_policy: Callable[[KPolicy], KPolicy] | None = None) -> EngineParts:
+                       wrap_policy: Callable[[KPolicy], KPolicy] | None = None,
+                       wrap_proposer: Callable[[Proposer], Proposer] | None = None
+                       ) -> EngineParts:
     """Every part of an engine, wired by construction. `wrap_policy`: a data-parallel rank's
     wrapper around the K policy (dp/agreement.LockstepPolicy), applied before the scheduler
-    is built with it."""
+    is built with it. `wrap_proposer`: what drafts in place of the configured drafter (given
+    it), before the policy and the runner are built with it (a test's drafter)."""
     mc, cc, sc = config.model, config.cache, config.spec
     torch.set_num_threads(config.parallel.num_threads or default_num_threads())
     device, dtype = resolve_device(mc.device), resolve_dtype(mc.dtype)
@@ -181,6 +185,8 @@ def build_engine_parts(config: EngineConfig,
                                          so.structured_any_whitespace)
     plan, proposer, drafter_tokens, drafter_max_len = _plan_and_proposer(
         config, arch.vocab_size, device, dtype, structured, arch, max_model_len)
+    if wrap_proposer is not None and proposer is not None:
+        proposer = wrap_proposer(proposer)
     weights = WeightPlan(
         quant, mc.quant_dense_above, dtype, device, mc.dense_row_buckets, mc.linear_kernel
     )
@@ -209,6 +215,7 @@ def build_engine_parts(config: EngineConfig,
              f"; drafter pool {drafter_tokens} tokens" if drafter_tokens else "")
     policy, info = None, None
     if plan.speculating:
+        assert proposer is not None  # a speculating plan loaded its drafter
         policy, plan, info = _k_policy(config, plan, model, kv_caches, blocks, max_model_len,
                                        proposer)
     if policy is not None and wrap_policy is not None:
@@ -232,7 +239,8 @@ def build_engine_parts(config: EngineConfig,
 
 def _plan_and_proposer(config: EngineConfig, vocab_size: int, device: torch.device,
                        dtype: torch.dtype, structured: StructuredOutputManager,
-                       arch: ModelArchConfig, max_model_len: int):
+                       arch: ModelArchConfig, max_model_len: int
+                       ) -> tuple[SpecPlan, Proposer | None, int, int | None]:
     """The plan is built before the drafter (always_zero loads none), then rebuilt with the
     drafter's own K limit so clamping and classification see it; a drafter whose limit makes
     the plan always_zero is dropped again."""
@@ -280,15 +288,15 @@ def _execution_plan(config: EngineConfig, plan: SpecPlan, device: torch.device) 
     ep = ExecutionPlan.build(
         plan, config.scheduler.max_num_seqs, ec.execution, device.type, admission
     )
-    fixed = [s for s in ep.grid if ep.path_for(*s)[0] != "eager"]
     log.info("execution plan: --execution %s, %d of %d grid shapes on %s%s", ec.execution,
-             len(fixed), len(ep.grid), ep.graph_path,
+             len(ep.fixed_shapes), len(ep.grid), ep.graph_path,
              f" (admission {admission.source})" if admission else "")
     return ep
 
 
-def _runner(config: EngineConfig, model: LlamaModel, kv_caches: list, blocks: int, proposer,
-            ep: ExecutionPlan, max_positions: int, verifier, structured,
+def _runner(config: EngineConfig, model: LlamaModel, kv_caches: list[torch.Tensor], blocks: int,
+            proposer: Proposer | None, ep: ExecutionPlan, max_positions: int,
+            verifier: SyntheticVerifier | None, structured: StructuredOutputManager,
             eos_token_ids: tuple[int, ...]) -> ModelRunner:
     cc, sc = config.cache, config.scheduler
     max_tokens = max(sc.max_num_batched_tokens, max(ep.buckets) * max(ep.widths))
@@ -296,7 +304,7 @@ def _runner(config: EngineConfig, model: LlamaModel, kv_caches: list, blocks: in
     max_blocks = -(-max_positions // cc.block_size)
     buffers = InputBuffers.allocate(max_tokens, max_reqs, max_blocks, blocks, model.device)
     executor = None
-    if any(ep.path_for(*s)[0] != "eager" for s in ep.grid):
+    if ep.fixed_shapes:
         ec = config.execution
         executor = make_executor(model, kv_caches, model.device, ec.compile_budget_s, len(ep.grid),
                                  ec.compile_backend)
@@ -307,9 +315,8 @@ def _runner(config: EngineConfig, model: LlamaModel, kv_caches: list, blocks: in
                          hidden_sink=proposer if proposer is not None
                          and proposer.reads_hidden_states else None, grammar_drafter=grammar)
     if executor is not None and config.execution.precompile:
-        shapes = [s for s in ep.grid if ep.path_for(*s)[0] != "eager"]
-        log.info("precompiling %d %s shapes", len(shapes), ep.graph_path)
-        secs = runner.precompile(shapes)
+        log.info("precompiling %d %s shapes", len(ep.fixed_shapes), ep.graph_path)
+        secs = runner.precompile(ep.fixed_shapes)
         log.info("precompiled %d shapes in %.1f s", len(executor.build_seconds), secs)
     return runner
 
@@ -346,10 +353,9 @@ def _k_policy(config: EngineConfig, plan: SpecPlan, model: LlamaModel, kv_caches
                                prices_grammar=sc.grammar_drafts,
                                # trees run as trees only under strict verification (tree_step)
                                drafts_trees=proposer.drafts_trees and sc.lossless)
-    # Only widths the plan produces (plus plain decode, K=0): the execution plan's grid,
-    # metrics and buffers are sized for them, so the policy never steps off it.
-    widths = tuple(sorted({1, *plan.widths}))
-    policy = make_policy(plan, name, cost_model=cost, allowed_widths=widths, settings=settings)
+    # Only widths the plan produces, so the policy never steps off the execution plan's grid.
+    policy = make_policy(plan, name, cost_model=cost, allowed_widths=plan.policy_widths,
+                         settings=settings)
     log.info("%s; plan as run: %s", info.describe(), plan.summary())
     return policy, plan, info
 

@@ -10,6 +10,7 @@ benchmarks) read its fields; nothing here changes a request or the step.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from dynaspec.engine.phases import Landed
@@ -21,7 +22,7 @@ from dynaspec.metrics.records import (
     StepStats,
 )
 from dynaspec.metrics.stats import RequestSpecSummary, SpecCounters, fold_step
-from dynaspec.outputs import RequestTimings
+from dynaspec.outputs import RequestTimings, RunnerOutput
 from dynaspec.request import Request, RequestStatus
 
 
@@ -39,7 +40,7 @@ class StepTimes:
 
 
 class StepRecorder:
-    def __init__(self, drain_compile_seconds) -> None:
+    def __init__(self, drain_compile_seconds: Callable[[], tuple[float, ...]]) -> None:
         """`drain_compile_seconds()`: grammar compile time since the last call (structured)."""
         self._drain_compile_seconds = drain_compile_seconds
         self.counters = SpecCounters()
@@ -47,8 +48,6 @@ class StepRecorder:
         self.last_step: StepStats | None = None
         self._step_taken: StepStats | None = None  # the last one take_step handed out
         self.execution_steps: Counter = Counter()  # (path, width label) -> steps
-        self.num_prompt_tokens_total = 0
-        self.num_generation_tokens_total = 0
         self.finished_times: list[FinishedRequestTimes] = []  # take_finished_times drains it
         self.aborts_by_phase: dict[str, int] = {}  # where aborted requests were (reliability)
         self._request_records: dict[str, list[tuple[RequestStepSpec, int | None]]] = {}
@@ -98,8 +97,6 @@ class StepRecorder:
         # A request whose drafts were all invalid is an `all_invalid` skip (in the fold).
         specs = [request_spec(u.result, len(u.new_token_ids)) for u in updates]
         num_gen = sum(len(u.new_token_ids) for u in updates)
-        self.num_prompt_tokens_total += landed.num_prompt_tokens
-        self.num_generation_tokens_total += num_gen
         batch = res.batch
         step = StepStats(
             k=plan.step_k,
@@ -124,7 +121,7 @@ class StepRecorder:
                 records.append((spec, plan.step_k))
         return step
 
-    def _grammar_stats(self, res) -> GrammarStepStats | None:
+    def _grammar_stats(self, res: RunnerOutput) -> GrammarStepStats | None:
         compiled = self._drain_compile_seconds()
         if not res.grammar_rows and not compiled:
             return None

@@ -125,7 +125,7 @@ class Scheduler:
         room = max(0, self.cfg.max_num_seqs - len(self.running))
         num_reqs = len(self.running) + min(len(self.waiting), room)
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        return StepView(tuple(map(self._view, decoding)), num_reqs, planned=True)
+        return StepView(tuple(map(self._view, decoding)), num_reqs)
 
     def schedule(self, global_view: GlobalStepView | None = None) -> StepPlan:
         """The step's plan. `global_view`: under data parallelism, the step view agreed with the
@@ -306,7 +306,7 @@ class Scheduler:
         self.policy.observe(rid, drafted, accepted, ctx, cap, fallback=r.drafts_from_fallback,
                             walk=r.tree_walk)
 
-    def _finish_dead_end(self, req: Request, r) -> StepUpdate:
+    def _finish_dead_end(self, req: Request, r: RequestResult) -> StepUpdate:
         """No token continues the request's grammar: keep what it accepted, then end it (it
         alone) with an error the server turns into a 400."""
         req.num_computed_tokens = req.num_tokens + r.num_accepted_tokens

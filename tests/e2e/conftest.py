@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import pytest
 import torch
 
 from dynaspec import LLM, SamplingParams
+from dynaspec.config import EngineConfig
+from dynaspec.engine.builder import build_engine_parts
+from dynaspec.engine.llm_engine import LLMEngine
+from dynaspec.spec_decode.drafters.base import Proposer
 
 NEAR_TIE = 1e-4
 
@@ -51,6 +56,13 @@ def assert_greedy_equal(model: str, prompt_ids: list[int], ref: list[int], got: 
         raise AssertionError(f"{label}: diverged at output token {i}: {ref[i]} vs {got[i]}; "
                              f"reference top-2 gap {gap:.3g} is not a near tie")
     print(f"NEAR TIE {label}: diverged at token {i}, top-2 gap {gap:.2e} (allowed)")
+
+
+def llm_drafting_with(wrap: Callable[[Proposer], Proposer], model: str, **engine_args) -> LLM:
+    """An LLM whose drafter is `wrap(the configured drafter)`, injected as the engine is built
+    (the policy and the runner see the same drafter)."""
+    config = EngineConfig.from_kwargs(model=model, **engine_args)
+    return LLM.of(LLMEngine(config, build_engine_parts(config, wrap_proposer=wrap)))
 
 
 def greedy(max_tokens: int = 24, **kw) -> SamplingParams:

@@ -73,8 +73,8 @@ def test_async_equals_sync_batched(tiny_llama_dir, prompts12, spec):
         sync_llm.engine.scheduler.num_preemptions == async_llm.engine.scheduler.num_preemptions == 0
     )
     prompt_total = sum(len(p) for p in prompts12)
-    assert sync_llm.engine.recorder.num_prompt_tokens_total == prompt_total
-    assert async_llm.engine.recorder.num_prompt_tokens_total == prompt_total
+    assert sync_llm.engine.counters.num_prompt_tokens == prompt_total
+    assert async_llm.engine.counters.num_prompt_tokens == prompt_total
     if spec:
         c = async_llm.engine.counters
         assert c.num_accepted_tokens > 0, "the workload must exercise acceptance"

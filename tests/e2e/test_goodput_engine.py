@@ -10,7 +10,7 @@ from dynaspec import LLM, SamplingParams
 from dynaspec.spec_decode.drafters.base import Proposer
 from dynaspec.spec_decode.policy.goodput_policy import GoodputPolicy
 from dynaspec.spec_decode.policy.k_policy import TablePolicy
-from tests.e2e.conftest import random_prompts
+from tests.e2e.conftest import llm_drafting_with, random_prompts
 
 WIDTHS = tuple(range(1, 6))
 
@@ -35,14 +35,15 @@ class CountingProposer(Proposer):
 
 
 def _run(tiny_llama_dir, per_width, check_integrity):
-    llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=256, speculator="ngram",
-              num_spec_tokens=4, prompt_lookup_min=1, cost_table=cost_table(per_width))
+    llm = llm_drafting_with(CountingProposer, tiny_llama_dir, dtype="float32", num_kv_blocks=256,
+                            speculator="ngram", num_spec_tokens=4, prompt_lookup_min=1,
+                            cost_table=cost_table(per_width))
     check_integrity(llm.engine)
     policy = llm.engine.scheduler.policy
     assert isinstance(policy, GoodputPolicy)  # the default with a drafter
     assert llm.engine.parts.policy_info.table_source.startswith("injected")
-    counting = CountingProposer(llm.engine.runner.proposer)
-    llm.engine.runner.proposer = counting
+    counting = llm.engine.runner.proposer
+    assert isinstance(counting, CountingProposer)
     prompts = random_prompts(6, 280, seed=5, lo=5, hi=30, repetitive=True)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24))
     return llm, counting, outs, prompts

@@ -20,7 +20,7 @@ from dynaspec.structured import StructuredOutputParams  # noqa: E402
 from dynaspec.structured.backend import allocate_bitmask  # noqa: E402
 from tests.cost_tables import FREE_VERIFY  # noqa: E402
 
-from .conftest import NEAR_TIE, _reference_llm, last_logits  # noqa: E402
+from .conftest import NEAR_TIE, _reference_llm, last_logits, llm_drafting_with  # noqa: E402
 
 SCHEMA = {
     "type": "object",
@@ -157,10 +157,9 @@ class _FakeProposer(Proposer):
 
 def _fake_engine(model: str, fn):
     # Without grammar drafts: the forced tokens would be drafted in place of the fake's.
-    llm = LLM(cost_table=FREE_VERIFY, model=model, dtype="float32", num_kv_blocks=256,
-              speculator="ngram", num_spec_tokens=3, grammar_drafts=False)
-    llm.engine.runner.proposer = _FakeProposer(fn)
-    return llm
+    return llm_drafting_with(lambda _: _FakeProposer(fn), model, cost_table=FREE_VERIFY,
+                             dtype="float32", num_kv_blocks=256, speculator="ngram",
+                             num_spec_tokens=3, grammar_drafts=False)
 
 
 def test_all_invalid_drafts_are_a_skip_never_a_draft(tiny_llama_dir, prompts, baseline):
@@ -261,10 +260,10 @@ def test_grammar_cut_on_a_compiled_step_keeps_the_compiled_path(tiny_llama_dir, 
         n = r.num_output_tokens
         return ref[n: n + 2] + [SPECIAL, ref[min(n + 2, len(ref) - 1)]]
 
-    llm = LLM(cost_table=FREE_VERIFY, model=tiny_llama_dir, dtype="float32", num_kv_blocks=256,
-              speculator="ngram", num_spec_tokens=3, k_policy="table", max_num_seqs=1,
-              execution="compiled", compile_backend="aot_eager")
-    llm.engine.runner.proposer = _FakeProposer(valid_then_special)
+    llm = llm_drafting_with(lambda _: _FakeProposer(valid_then_special), tiny_llama_dir,
+                            cost_table=FREE_VERIFY, dtype="float32", num_kv_blocks=256,
+                            speculator="ngram", num_spec_tokens=3, k_policy="table",
+                            max_num_seqs=1, execution="compiled", compile_backend="aot_eager")
     out = llm.generate([prompts[1]], _params())[0]
     _assert_equal(tiny_llama_dir, prompts[1], ref, out.token_ids, "compiled cut drafts")
     eng = llm.engine

@@ -13,7 +13,7 @@ from dynaspec.sampling_params import SamplingParams
 from dynaspec.spec_decode.drafters.base import Drafts, Proposer
 from tests.cost_tables import FREE_VERIFY
 
-from .conftest import assert_greedy_equal, greedy, random_prompts, watch_steps
+from .conftest import assert_greedy_equal, greedy, llm_drafting_with, random_prompts, watch_steps
 
 MAX_TOKENS = 24
 # The in-place kernel where it builds (its ancestor mask), else the eager reference.
@@ -80,10 +80,9 @@ def baseline(tiny_llama_dir, prompts):
 
 
 def _engine(model: str, proposer: Proposer, k: int) -> LLM:
-    llm = LLM(model=model, dtype="float32", speculator="ngram", num_spec_tokens=k,
-              cost_table=FREE_VERIFY, num_kv_blocks=256, attention_backend=BACKEND)
-    llm.engine.runner.proposer = proposer  # a test drafter in the drafter's seat
-    return llm
+    return llm_drafting_with(lambda _: proposer, model, dtype="float32", speculator="ngram",
+                             num_spec_tokens=k, cost_table=FREE_VERIFY, num_kv_blocks=256,
+                             attention_backend=BACKEND)
 
 
 @pytest.mark.parametrize("k", [4, 9])

@@ -98,7 +98,7 @@ def test_the_fast_decision_equals_the_long_way(seed):
         reqs = tuple(RequestView(f"r{i}", 50 + step + i, rng.choice([1, 3, 1000]), 10**6,
                                  rng.choice([None, None, 2, 100]))
                      for i in range(n) if rng.random() < 0.9)
-        view = StepView(reqs, len(reqs) + rng.randint(0, 2), planned=rng.random() < 0.5)
+        view = StepView(reqs, len(reqs) + rng.randint(0, 2))
         d = fast.decide(view)
         assert d == slow.decide(view)
         assert d.goodput_by_k == slow.decide(view).goodput_by_k  # the floats, not approximately

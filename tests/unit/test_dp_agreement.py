@@ -68,7 +68,7 @@ def _run_ranks(make_policy, world: int, steps: int, seed: int):
                 pol.apply_tick(tick)
                 # The scheduler's two decisions on the agreed view: the expected batch
                 # (reservation), then the formed one, which may have lost requests.
-                planned = pol.decide(StepView(views, expected, tick.view, planned=True))
+                planned = pol.decide(StepView(views, expected, tick.view))
                 n = rng.randrange(0, n + 1)
                 d = pol.decide(StepView(views[:n], n, tick.view))
                 assert d.k == planned.k, "one agreed view: the formed batch's K is the reserved K"

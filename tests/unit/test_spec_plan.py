@@ -67,7 +67,7 @@ def test_entries_clamped_to_one_k_normalise_to_constant():
     # The example: --num-spec-tokens 3 with [[1,8,5],[9,16,4]] -> constant(3).
     plan = build_spec_plan("ngram", 3, "[[1, 8, 5], [9, 16, 4]]")
     assert (plan.kind, plan.max_k, plan.widths, plan.uniform_width) == ("constant", 3, (4,), 4)
-    assert [r[4] for r in plan.table] == [3, 3]
+    assert [r.k for r in plan.table] == [3, 3]
     text = "\n".join(plan.clamped)
     assert "entry 0 [1, 8, 5]: K 5 -> 3" in text and "entry 1 [9, 16, 4]: K 4 -> 3" in text
     assert "constant(3)" in text

@@ -52,7 +52,7 @@ def test_one_step_decisions_price_a_view_seen_again_once():
 
     memo = width.OneStepDecisions(Counting(build_spec_plan("ngram", 4, None)))
     views = (_view("a"), _view("b"))
-    res = width.reserve(memo, StepView(views, 2, planned=True))
+    res = width.reserve(memo, StepView(views, 2))
     d = width.decide(memo, StepView(views, 2), reserved_k=res.k)
     assert len(calls) == 1 and d.k == res.k == 4
     width.decide(memo, StepView(views[:1], 1), reserved_k=res.k)

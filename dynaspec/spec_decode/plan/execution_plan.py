@@ -98,13 +98,14 @@ def bucket_ks(plan: SpecPlan, buckets: tuple[int, ...]) -> list[tuple[int, tuple
     out: list[tuple[int, tuple[int, int], int]] = []
     prev = 0
     for b in buckets:
-        ks = sorted({r[4] for r in plan.table if r[0] <= b and (r[1] is None or r[1] > prev)})
+        ks = sorted({r.k for r in plan.table
+                     if r.batch_lo <= b and (r.batch_hi is None or r.batch_hi > prev)})
         out.extend((b, (prev + 1, b), k) for k in ks)
         prev = b
     return out
 
 
-def default_admission_path(k_schedule) -> str | None:
+def default_admission_path(k_schedule: object) -> str | None:
     """Next to the K table when the schedule is a file (tuned.json -> tuned.admission.json);
     an inline schedule (a list of entries, as `LLM(k_schedule=[...])` takes) has no file."""
     if isinstance(k_schedule, (str, os.PathLike)) and k_schedule and os.path.isfile(k_schedule):
@@ -138,6 +139,11 @@ class ExecutionPlan:
         """Every (padded request count, width) a fixed-shape step can have: per bucket, the
         widths of the K values the table gives anywhere in the bucket's batch range."""
         return self.shapes
+
+    @property
+    def fixed_shapes(self) -> tuple[tuple[int, int], ...]:
+        """The grid shapes that run fixed-shape (compiled or CUDA graphs), not eager."""
+        return tuple(s for s in self.shapes if self.path_for(*s)[0] != "eager")
 
     def bucket_for(self, num_reqs: int) -> int | None:
         i = bisect.bisect_left(self.buckets, num_reqs)

@@ -25,15 +25,25 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
+from dynaspec.config import SpecConfig
 from dynaspec.spec_decode.plan.k_schedule import ParsedSchedule, ScheduleError, parse_schedule
 
 __all__ = ["ScheduleError", "SpecPlan", "build_spec_plan", "plan_for_policy", "plan_from_config"]
 
 KINDS = ("off", "always_zero", "constant", "variable")
 
-# (batch_lo, batch_hi | None, ctx_lo, ctx_hi | None, k); None = open-ended.
-Row = tuple[int, "int | None", int, "int | None", int]
+
+class Row(NamedTuple):
+    """One entry of the K table: K for batches in [batch_lo, batch_hi) and contexts in
+    [ctx_lo, ctx_hi); None = open-ended. A tuple, so it reads and writes as a JSON list."""
+
+    batch_lo: int
+    batch_hi: int | None
+    ctx_lo: int
+    ctx_hi: int | None
+    k: int
 
 
 @dataclass(frozen=True)
@@ -53,12 +63,14 @@ class SpecPlan:
             raise ValueError(f"unknown plan kind {self.kind!r}: one of {', '.join(KINDS)}")
         if not self.table:
             raise ValueError("a SpecPlan needs at least one table row")
-        batch_los = tuple(sorted({r[0] for r in self.table}))
-        ctx_los = tuple(sorted({r[2] for r in self.table}))
+        object.__setattr__(self, "table", tuple(Row(*r) for r in self.table))
+        batch_los = tuple(sorted({r.batch_lo for r in self.table}))
+        ctx_los = tuple(sorted({r.ctx_lo for r in self.table}))
         # k_for indexes the table as row-major (batch, ctx), so the order is part of the contract.
-        if [(r[0], r[2]) for r in self.table] != [(b, c) for b in batch_los for c in ctx_los]:
+        if ([(r.batch_lo, r.ctx_lo) for r in self.table]
+                != [(b, c) for b in batch_los for c in ctx_los]):
             raise ValueError("SpecPlan table must be a rectangular grid ordered by batch, then ctx")
-        ks = {r[4] for r in self.table}
+        ks = {r.k for r in self.table}
         if self.max_k != max(ks) or (self.kind != "variable" and len(ks) != 1):
             raise ValueError(
                 f"SpecPlan {self.kind} max_k {self.max_k} disagrees with its table K values "
@@ -70,7 +82,7 @@ class SpecPlan:
     # Factories for code (and tests) that need a plan without a schedule.
     @staticmethod
     def off() -> SpecPlan:
-        return SpecPlan("off", 0, (1,), ((1, None, 1, None, 0),))
+        return SpecPlan("off", 0, (1,), (Row(1, None, 1, None, 0),))
 
     @staticmethod
     def constant(k: int) -> SpecPlan:
@@ -93,12 +105,18 @@ class SpecPlan:
     def max_width(self) -> int:
         return 1 + self.max_k
 
+    @property
+    def policy_widths(self) -> tuple[int, ...]:
+        """The widths a K policy may choose: the plan's and plain decode (K=0). The execution
+        plan's grid, the metrics and the buffers are sized for them."""
+        return tuple(sorted({1, *self.widths}))
+
     def k_for(self, num_reqs: int, ctx_len: int) -> int:
         """The table's K for a step; values below 1 are looked up as 1, values above the last
         range use the last (open-ended) range."""
         bi = bisect.bisect_right(self._batch_los, max(1, num_reqs)) - 1
         ci = bisect.bisect_right(self._ctx_los, max(1, ctx_len)) - 1
-        return self.table[bi * len(self._ctx_los) + ci][4]
+        return self.table[bi * len(self._ctx_los) + ci].k
 
     def summary(self) -> str:
         """One line for logs: ``variable (max_k 4, widths 1/3/5)``."""
@@ -169,7 +187,7 @@ def build_spec_plan(
     )
     ceiling, why = _ceiling(num_spec_tokens, drafter_max_k)
     table, clamped = _clamp(parsed, ceiling, why)
-    ks = {row[4] for row in table}
+    ks = {row.k for row in table}
     notes = list(parsed.notes)
     widths: tuple[int, ...]
     if ks == {0}:
@@ -199,7 +217,7 @@ def _clamp(
             k = raw if ceiling is None else min(raw, ceiling)
             if k != raw:
                 lowered[parsed.sources[bi][ci]] = (raw, k)
-            rows.append((b_lo, b_hi, c_lo, c_hi, k))
+            rows.append(Row(b_lo, b_hi, c_lo, c_hi, k))
     notes = [
         f"{parsed.describe_entry(i)}: K {raw} -> {k} ({why})"
         for i, (raw, k) in sorted(lowered.items())
@@ -226,7 +244,7 @@ def plan_for_policy(plan: SpecPlan, policy: str | None) -> SpecPlan:
     return SpecPlan("variable", plan.max_k, widths, plan.table, plan.clamped, (*plan.notes, note))
 
 
-def plan_from_config(spec_config, drafter_max_k: int | None = None) -> SpecPlan:
+def plan_from_config(spec_config: SpecConfig, drafter_max_k: int | None = None) -> SpecPlan:
     """Build the plan from a ``dynaspec.config.SpecConfig``."""
     return build_spec_plan(
         spec_config.speculator, spec_config.num_spec_tokens, spec_config.k_schedule, drafter_max_k

@@ -78,9 +78,6 @@ class StepView:
     requests: tuple[RequestView, ...]  # decoding requests of this step (prefill chunks excluded)
     num_reqs: int  # requests in the step, prefill included
     global_view: GlobalStepView | None = None  # set under data parallelism (dynaspec/dp)
-    # True for the reservation decision (the batch expected, before it forms); False for the
-    # decision on the batch that verifies.
-    planned: bool = False
 
     @property
     def batch_size(self) -> int:
@@ -198,23 +195,23 @@ class OneStepDecisions:
         self._last: tuple[StepView, StepK] | None = None
 
     def decide(self, view: StepView) -> StepK:
-        key = replace(view, planned=False)
-        if self._last is not None and self._last[0] == key:
+        if self._last is not None and self._last[0] == view:
             return self._last[1]
         d = self.policy.decide(view)
-        self._last = (key, d)
+        self._last = (view, d)
         return d
 
 
 def reserve(policy: Decider, view: StepView) -> Reserve:
-    """The K decision for the batch this step will most likely form (`view.planned`)."""
-    d = policy.decide(replace(view, planned=True))
+    """The K decision for the batch this step will most likely form (the view before the batch
+    forms; `decide` prices the batch that did)."""
+    d = policy.decide(view)
     return Reserve(dict(d.per_request), dict(d.reasons), d.k)
 
 
 def may_pad(exec_plan: ExecutionPlan) -> bool:
     """Some grid shape runs fixed-shape: every decoding row may be padded to 1+K."""
-    return any(exec_plan.path_for(*shape)[0] != "eager" for shape in exec_plan.grid)
+    return bool(exec_plan.fixed_shapes)
 
 
 def lookahead(res: Reserve, request_id: str, *, decoding: bool, budget: int,
@@ -236,7 +233,7 @@ def lookahead(res: Reserve, request_id: str, *, decoding: bool, budget: int,
 def decide(policy: Decider, view: StepView, reserved_k: int) -> StepK:
     """The policy's decision for the batch formed (the verifying batch), its K never above the K
     whose slots were reserved (the batch can differ from the expected one)."""
-    d = policy.decide(replace(view, planned=False))
+    d = policy.decide(view)
     return clamp(d, reserved_k) if d.k > reserved_k else d
 
 
