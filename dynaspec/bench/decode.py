@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -159,7 +159,7 @@ def report(engine: LLMEngine, results: list[dict], bandwidth: float) -> str:
     return "\n".join(lines)
 
 
-def interleaved_times(steps_by_width: dict[int, Callable[[], object]], rounds: int, steps: int,
+def interleaved_times(steps_by_width: Mapping[int, Callable[[], object]], rounds: int, steps: int,
                       clock: Callable[[], float] = time.perf_counter) -> dict[int, list[float]]:
     """ms per step of each width, one sample per round: within a round the widths take turns
     step by step (1 5 9 1 5 9 ...), so drift (clock frequency, a neighbour's load) lands on every

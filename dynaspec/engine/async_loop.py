@@ -45,10 +45,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import torch
 
+from dynaspec.engine.driver import EnginePhases
 from dynaspec.engine.phases import Landed, Launched
 from dynaspec.omp_threads import release_omp_pool
 from dynaspec.outputs import RequestOutput
@@ -68,10 +68,9 @@ def _use_threads(n: int) -> None:
 class AsyncStepLoop:
     """The pipelined driver; `step()` is one engine step of it.
 
-    `engine` provides the phases (`schedule`, `launch`, `land`, `emit`) and
-    `release_runner_state`."""
+    `engine` provides the phases (`EnginePhases`, engine/driver.py)."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: EnginePhases) -> None:
         self.engine = engine
         self.threads = torch.get_num_threads()  # the worker keeps the engine's thread count
         torch.set_num_threads(1)  # the engine thread's own ops stay on it

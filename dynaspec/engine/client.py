@@ -74,8 +74,14 @@ class EngineClient(Protocol):
 
     tokenizer: Any
     max_model_len: int
-    counters: SpecCounters  # speculation totals since start (the log line's deltas)
-    log_stats_interval_s: float
+
+    @property
+    def counters(self) -> SpecCounters:
+        """Speculation totals since start (the log line's deltas)."""
+        ...
+
+    @property
+    def log_stats_interval_s(self) -> float: ...
 
     def model_card(self) -> ModelCard: ...
 

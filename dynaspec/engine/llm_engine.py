@@ -16,6 +16,7 @@ from dynaspec.config import EngineConfig
 from dynaspec.engine.async_loop import AsyncStepLoop
 from dynaspec.engine.builder import EngineParts, build_engine_parts
 from dynaspec.engine.client import EngineState, ModelCard, PoolReport
+from dynaspec.engine.driver import Driver
 from dynaspec.engine.phases import Landed, Launched, StepPhases, drop_ended
 from dynaspec.engine.reporter import EngineReporter
 from dynaspec.engine.request_check import check_request
@@ -44,7 +45,8 @@ class LLMEngine:
         self.outputs = parts.outputs  # its check_stop is the scheduler's stop-string hook
         self.phases = StepPhases(self.scheduler, self.runner)
         # The order of the phases: sync, or pipelined with --async-scheduling (async_loop.py).
-        self.driver = (AsyncStepLoop if config.scheduler.async_scheduling else SyncDriver)(self)
+        self.driver: Driver = (AsyncStepLoop(self) if config.scheduler.async_scheduling
+                               else SyncDriver(self))
         self.recorder = StepRecorder(self.structured.drain_compile_seconds)
         self.reporter = EngineReporter(config, parts, self.recorder)
         self._next_id = 0

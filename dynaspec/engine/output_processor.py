@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from dynaspec.models.tokenizer import IncrementalDetokenizer
+from dynaspec.models.tokenizer import IncrementalDetokenizer, Tokenizer
 from dynaspec.outputs import RequestOutput, RequestTimings
 from dynaspec.request import Request
 
@@ -29,7 +29,7 @@ class RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.states: dict[str, RequestState] = {}
 

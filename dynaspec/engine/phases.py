@@ -22,6 +22,7 @@ import logging
 import time
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 from dynaspec.engine.step_records import orphan_spec, prompt_tokens
 from dynaspec.metrics.records import RequestStepSpec
@@ -29,6 +30,7 @@ from dynaspec.outputs import RunnerOutput
 from dynaspec.request import Request, RequestStatus
 from dynaspec.scheduler.scheduler import Hold, Scheduler, StepUpdate
 from dynaspec.step_plan import StepPlan
+from dynaspec.worker.model_runner import PreparedStep
 
 log = logging.getLogger("dynaspec")
 
@@ -57,8 +59,17 @@ class Landed:
     failed: tuple[Request, ...] = ()  # requests the error finished
 
 
+class StepRunner(Protocol):
+    """What the phases hold of the model runner (worker/model_runner.py): a step prepared from
+    the requests on the calling thread, then run, inline or on a driver's worker thread."""
+
+    def prepare(self, plan: StepPlan) -> PreparedStep: ...
+
+    def run(self, prepared: PreparedStep) -> RunnerOutput: ...
+
+
 class StepPhases:
-    def __init__(self, scheduler: Scheduler, runner) -> None:
+    def __init__(self, scheduler: Scheduler, runner: StepRunner) -> None:
         self.scheduler, self.runner = scheduler, runner
 
     def launch(self, plan: StepPlan, worker: Executor | None = None) -> Launched | None:

@@ -1,21 +1,22 @@
 """SyncDriver: the plain order of an engine's phases, one step at a time.
 
-A driver is an object around the engine's phase protocol (`schedule`, `launch`, `land`, `emit`,
-`release_runner_state`): this one, the pipelined `AsyncStepLoop` (engine/async_loop.py) and the
-data-parallel rank's lockstep loop (dp/rank.py). The engine runs whichever it was given; a
-driver calls only the engine's public phases.
+A driver holds the engine's phases (`EnginePhases`, engine/driver.py): this one, the pipelined
+`AsyncStepLoop` (engine/async_loop.py) and the data-parallel rank's lockstep loop (dp/rank.py).
+The engine runs whichever it was given; a driver calls only the engine's public phases.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
 
+from dynaspec.engine.client import EngineClient
+from dynaspec.engine.driver import EnginePhases
 from dynaspec.outputs import RequestOutput
 from dynaspec.sampling_params import SamplingParams
 
 
 class SyncDriver:
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: EnginePhases) -> None:
         self.engine = engine
 
     @property
@@ -38,7 +39,8 @@ class SyncDriver:
         return e.emit(e.land(launched)) if launched is not None else []
 
 
-def generate(engine: Any, prompts: list, params: list[SamplingParams]) -> list[RequestOutput]:
+def generate(engine: EngineClient, prompts: Sequence[str | list[int]],
+             params: Sequence[SamplingParams]) -> list[RequestOutput]:
     """Queue `prompts` on `engine` and step it (by its own driver) until all have finished;
     their final outputs, in order."""
     ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]

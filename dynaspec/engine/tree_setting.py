@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 
+from dynaspec.attention.backend import AttentionBackend
 from dynaspec.config import DRAFT_TREE_DEFAULT, SpecConfig
 from dynaspec.model_arch import ModelArchConfig
 
@@ -25,7 +26,7 @@ def model_window(arch: ModelArchConfig) -> int | None:
     return min(windows, default=None)
 
 
-def resolve_draft_tree(spec: SpecConfig, arch: ModelArchConfig, attn) -> bool:
+def resolve_draft_tree(spec: SpecConfig, arch: ModelArchConfig, attn: AttentionBackend) -> bool:
     """The tree setting the engine runs with. `attn`: the attention backend the model's layers
     will call (after any swap the model makes). ValueError for an explicit --draft-tree that
     this model and backend cannot verify."""

@@ -20,14 +20,17 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from dynaspec.engine.client import EngineClient, EngineUnavailable
 from dynaspec.metrics.log_line import PeriodicLogger
 from dynaspec.metrics.stats import RequestSpecSummary
 from dynaspec.outputs import RequestTimings
+from dynaspec.sampling_params import SamplingParams
 
 log = logging.getLogger("dynaspec.server")
+
+T = TypeVar("T")
 
 _IDLE_WAIT_S = 0.5  # how long the idle thread waits on the command queue before re-checking
 
@@ -120,9 +123,9 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def call(self, fn: Callable[[Any], Any]) -> Future:
+    def call(self, fn: Callable[[EngineClient], T]) -> Future[T]:
         """Run fn(engine) on the engine thread between steps; the Future holds its result."""
-        fut: Future = Future()
+        fut: Future[T] = Future()
 
         def run() -> None:
             if fut.set_running_or_notify_cancel():
@@ -150,7 +153,8 @@ class AsyncEngine:
 
     # ---- API for the event loop ----------------------------------------------------------------
     async def add_request(
-        self, request_id: str, prompt: str | list[int], params: Any, want_steps: bool = False
+        self, request_id: str, prompt: str | list[int], params: SamplingParams,
+        want_steps: bool = False
     ) -> RequestStream:
         """Queue a request; raises ValueError (bad prompt/params) or EngineUnavailable.
         `want_steps`: its deltas carry their step's K and drafts (OutputDelta.step)."""
@@ -159,7 +163,7 @@ class AsyncEngine:
         stream = RequestStream(request_id, asyncio.get_running_loop())
         stream.want_steps = want_steps
 
-        def add(engine: Any) -> None:
+        def add(engine: EngineClient) -> None:
             engine.add_request(prompt, params, request_id)
             self._streams[request_id] = stream
 
@@ -178,7 +182,7 @@ class AsyncEngine:
         while self.alive and self.state.get("num_unfinished") and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if self.alive:
-            def stop(engine: Any) -> None:
+            def stop(engine: EngineClient) -> None:
                 for rid in list(self._streams):
                     self._abort(rid, "abort", "the server is shutting down")
                 self._stop = True

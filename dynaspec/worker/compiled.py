@@ -24,11 +24,16 @@ import logging
 import time
 import types
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from dynaspec.attention.backend import AttentionBackend, AttentionBatch
 from dynaspec.attention.uniform import DecodeMetadata, UniformDecodeBackend
+from dynaspec.models.llama import LlamaModel
+
+if TYPE_CHECKING:
+    from dynaspec.attention.gpu_paged import GpuPagedBackend
 
 log = logging.getLogger("dynaspec")
 
@@ -65,10 +70,10 @@ class FixedShapeExecutor(Protocol):
 class _Base:
     path = "compiled"
 
-    def __init__(self, model, kv_caches: list[torch.Tensor], budget_s: float) -> None:
+    def __init__(self, model: LlamaModel, kv_caches: list[torch.Tensor], budget_s: float) -> None:
         self.model, self.kv_caches, self.budget_s = model, kv_caches, budget_s
-        self.backend: UniformDecodeBackend | _GraphInputsFiller = UniformDecodeBackend(
-            pin_blocks=self.path == "cuda_graph")
+        self.attn: AttentionBackend = UniformDecodeBackend(pin_blocks=self.path == "cuda_graph")
+        self.backend: MetadataBuilder = self.attn  # the runner builds each step's md with it
         self.build_seconds: dict[tuple[int, int], float] = {}
         self.broken: set[tuple[int, int]] = set()
         self.errors: dict[tuple[int, int], str] = {}  # why each broken shape broke
@@ -110,7 +115,7 @@ class _Base:
         width = input_ids.shape[0] // context_lens.shape[0]
         md = DecodeMetadata(slot_mapping, block_tables, context_lens, block_size, width)
         return self.model.forward_traceable(
-            input_ids, positions, self.kv_caches, md, None, self.backend, head=False
+            input_ids, positions, self.kv_caches, md, None, self.attn, head=False
         )
 
     def _built(self, key: tuple[int, int], seconds: float) -> None:
@@ -142,8 +147,8 @@ class CompiledDecode(_Base):
 
     path = "compiled"
 
-    def __init__(self, model, kv_caches: list[torch.Tensor], budget_s: float, num_shapes: int,
-                 backend: str = "inductor") -> None:
+    def __init__(self, model: LlamaModel, kv_caches: list[torch.Tensor], budget_s: float,
+                 num_shapes: int, backend: str = "inductor") -> None:
         super().__init__(model, kv_caches, budget_s)
         import torch._dynamo.config as dcfg
         import torch._inductor.config as icfg
@@ -202,12 +207,18 @@ class _GraphInputsFiller:
 
     name = "gpu_paged"
 
-    def __init__(self, backend) -> None:
+    def __init__(self, backend: GpuPagedBackend) -> None:
         self.backend = backend
 
-    def build_metadata(self, batch) -> GraphStepInputs:
+    def build_metadata(self, batch: AttentionBatch) -> GraphStepInputs:
         tables, ctx = self.backend.fill_fixed(batch)
+        assert batch.width is not None  # a fixed-shape batch has one
         return GraphStepInputs(tables, ctx, batch.width, batch.block_size)
+
+
+_Logits = tuple[torch.Tensor, torch.Tensor]  # logits [B*W, vocab] float32, argmax [B*W]
+# A captured step: the graph, its outputs (replays write them) and the inputs it reads.
+_Captured = tuple[Any, _Logits, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 class CudaGraphDecode(_Base):
@@ -219,20 +230,20 @@ class CudaGraphDecode(_Base):
 
     path = "cuda_graph"
 
-    def __init__(self, model, kv_caches: list[torch.Tensor], budget_s: float,
+    def __init__(self, model: LlamaModel, kv_caches: list[torch.Tensor], budget_s: float,
                  capture: bool = True) -> None:
         super().__init__(model, kv_caches, budget_s)
         from dynaspec.attention.gpu_paged import GpuPagedBackend
 
         self.capture = capture  # False: run the step uncaptured (CPU tests, interpreter)
 
-        self.attn = GpuPagedBackend()
-        self.backend = _GraphInputsFiller(self.attn)
-        self.graphs: dict[tuple[int, int], tuple] = {}
+        attn = GpuPagedBackend()
+        self.attn, self.backend = attn, _GraphInputsFiller(attn)
+        self.graphs: dict[tuple[int, int], _Captured] = {}
         self.pool: Any = None  # the captured graphs' shared memory pool (torch's handle)
 
     def _graph_step(self, input_ids: torch.Tensor, block_tables: torch.Tensor,
-                    context_lens: torch.Tensor, width: int, block_size: int):
+                    context_lens: torch.Tensor, width: int, block_size: int) -> _Logits:
         from dynaspec.attention.gpu_paged import fixed_metadata
 
         md = fixed_metadata(block_tables, context_lens, width, block_size)
@@ -243,7 +254,8 @@ class CudaGraphDecode(_Base):
         logits = self.model.head(h)  # [B*W, vocab] float32
         return logits, logits.argmax(dim=-1)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor | None, md: GraphStepInputs):
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor | None,
+            md: GraphStepInputs) -> _Logits:
         key = (md.context_lens.shape[0], md.width)
         args = (input_ids, md.block_tables, md.context_lens)
         if not self.capture:
@@ -265,7 +277,7 @@ class CudaGraphDecode(_Base):
         return out
 
     def _capture(self, args: tuple[torch.Tensor, torch.Tensor, torch.Tensor], width: int,
-                 block_size: int):
+                 block_size: int) -> _Captured:
         with torch.inference_mode():
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
@@ -282,8 +294,9 @@ class CudaGraphDecode(_Base):
         return graph, out, args
 
 
-def make_executor(model, kv_caches: list[torch.Tensor], device: torch.device, budget_s: float,
-                  num_shapes: int, compile_backend: str = "inductor") -> FixedShapeExecutor | None:
+def make_executor(model: LlamaModel, kv_caches: list[torch.Tensor], device: torch.device,
+                  budget_s: float, num_shapes: int, compile_backend: str = "inductor"
+                  ) -> FixedShapeExecutor | None:
     if device.type == "cuda":
         from dynaspec.attention.gpu_paged import available
 

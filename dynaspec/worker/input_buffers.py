@@ -37,7 +37,8 @@ class InputBuffers:
     def max_tokens(self) -> int:
         return self.input_ids.shape[0]
 
-    def load(self, ids: list[int], positions: list[int], rows: list[int] | None):
+    def load(self, ids: list[int], positions: list[int], rows: list[int] | None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Copy a step's inputs in; returns views (ids [T], positions [T], rows [R] | None)."""
         T = len(ids)
         if T > self.max_tokens:

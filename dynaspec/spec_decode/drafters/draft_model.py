@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dynaspec.attention.paged import build_metadata
+from dynaspec.config import EngineConfig
 from dynaspec.kv.kv_cache_manager import KVCacheManager
 from dynaspec.kv.sizing import num_kv_blocks
 from dynaspec.models.llama import LlamaModel
@@ -23,6 +24,7 @@ from dynaspec.sample.greedy import argmax_rows
 from dynaspec.sample.metadata import SamplingMetadata
 from dynaspec.sample.sampler import processed_probs
 from dynaspec.spec_decode.drafters.base import FRESH_TOKENS, Drafts, Proposer
+from dynaspec.structured.manager import StructuredOutputManager
 
 
 @dataclass
@@ -54,7 +56,7 @@ class DraftModelProposer(Proposer):
     uses_grammar = True
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, max_len: int,
-                 seed: int = 0, grammar=None) -> None:
+                 seed: int = 0, grammar: StructuredOutputManager | None = None) -> None:
         self.model, self.block_size, self.max_len = model, block_size, max_len
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
         self.kv_caches = model.allocate_kv(num_blocks * block_size)
@@ -74,11 +76,11 @@ class DraftModelProposer(Proposer):
     @staticmethod
     def load(
         path: str,
-        config,
+        config: EngineConfig,
         target_vocab: int,
         device: torch.device,
         dtype: torch.dtype,
-        grammar=None,
+        grammar: StructuredOutputManager | None = None,
     ) -> DraftModelProposer:
         from dynaspec.models.loader import load_model_files
 
@@ -162,8 +164,8 @@ class DraftModelProposer(Proposer):
                 out_tokens[r.request_id].append(toks[j])
                 if self.grammar is not None:
                     self.grammar.accept_draft(r, toks[j])
-                if probs[j] is not None:
-                    out_probs[r.request_id].append(probs[j])
+                if (q := probs[j]) is not None:
+                    out_probs[r.request_id].append(q)
                 if len(out_tokens[r.request_id]) < k:
                     seqs[i].fed.append(toks[j])
                     feeds[i] = [toks[j]]
@@ -212,7 +214,8 @@ class DraftModelProposer(Proposer):
         last = torch.tensor(qlens, device=self.model.device).cumsum(0) - 1
         return self.model.forward(ids, pos, self.kv_caches, md, last)
 
-    def _forward(self, seqs: list[_DraftSeq], feeds: list[list[int]], reqs: list[Request]):
+    def _forward(self, seqs: list[_DraftSeq], feeds: list[list[int]], reqs: list[Request]
+                 ) -> tuple[list[int], list[torch.Tensor | None]]:
         logits = self._logits(seqs, feeds)  # [num_reqs, vocab]
         if self.grammar is not None:
             self.grammar.mask_draft_logits(reqs, logits)
@@ -234,7 +237,9 @@ class DraftModelProposer(Proposer):
         return toks, probs
 
     @staticmethod
-    def _pack(requests, k_per_request, out_tokens, out_probs) -> Drafts:
+    def _pack(requests: Sequence[Request], k_per_request: Sequence[int],
+              out_tokens: dict[str, list[int]], out_probs: dict[str, list[torch.Tensor]]
+              ) -> Drafts:
         tokens, probs, skips = [], [], []
         for r, k in zip(requests, k_per_request):
             t = out_tokens.get(r.request_id, [])

@@ -101,7 +101,7 @@ def head_config(path: str, sd: dict, target: ModelArchConfig,
 
 def check_fits(c: HeadConfig, sd: dict, target: ModelArchConfig, path: str) -> None:
     """Refuse a head whose shapes do not fit the target, naming what differs."""
-    def need(what: str, got, want) -> None:
+    def need(what: str, got: object, want: object) -> None:
         if got != want:
             raise HeadMismatchError(
                 f"draft head {path!r} does not fit the target model: {what} is {got}, "

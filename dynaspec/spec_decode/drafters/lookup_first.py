@@ -16,9 +16,13 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from dynaspec.request import Request
-from dynaspec.spec_decode.drafters.base import Drafts, Proposer
+from dynaspec.spec_decode.drafters.base import DrafterCacheStats, Drafts, HiddenStates, Proposer
+
+if TYPE_CHECKING:
+    from dynaspec.models.llama import LlamaModel
 
 
 class LookupFirstProposer(Proposer):
@@ -35,10 +39,10 @@ class LookupFirstProposer(Proposer):
     def k_limit(self) -> int | None:
         return self.head.k_limit
 
-    def attach(self, model) -> None:
+    def attach(self, model: LlamaModel) -> None:
         self.head.attach(model)
 
-    def observe_hidden(self, hs) -> None:
+    def observe_hidden(self, hs: HiddenStates) -> None:
         self.head.observe_hidden(hs)
 
     def propose(self, requests: Sequence[Request], k_per_request: Sequence[int], *,
@@ -75,7 +79,7 @@ class LookupFirstProposer(Proposer):
     def num_cached(self) -> int:
         return self.lookup.num_cached() + self.head.num_cached()
 
-    def cache_stats(self):
+    def cache_stats(self) -> DrafterCacheStats | None:
         return self.lookup.cache_stats()  # the suffix drafter's global cache, if it is the lookup
 
     def reset_cache(self) -> None:

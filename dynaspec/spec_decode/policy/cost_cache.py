@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -84,7 +85,7 @@ def load_cells(key: str) -> dict[Shape, Cell]:
 
 
 @contextmanager
-def _locked(path: Path):
+def _locked(path: Path) -> Iterator[None]:
     import fcntl
 
     with open(path.with_suffix(".lock"), "a") as lock:

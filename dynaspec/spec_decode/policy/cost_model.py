@@ -19,6 +19,7 @@ import json
 import math
 import os
 import platform
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -129,7 +130,7 @@ class StepCostModel:
                     total += bw * cw * ww * self.seconds[bi][ci][wi]
         return max(self.MIN_COST, total)
 
-    def widths_priced(self, num_reqs: int, ctx: int):
+    def widths_priced(self, num_reqs: int, ctx: int) -> Callable[[int], float]:
         """cost(width) at these requests and context, each width priced once: one decision's
         row checks, probes and candidates ask for the same few widths many times."""
         seen: dict[int, float] = {}

@@ -23,10 +23,16 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from dynaspec.spec_decode.policy import cost_cache
 from dynaspec.spec_decode.policy.cost_cache import Cell, Shape
 from dynaspec.spec_decode.policy.cost_model import CostGrid, StepCostModel
+
+if TYPE_CHECKING:
+    import torch
+
+    from dynaspec.models.llama import LlamaModel
 
 log = logging.getLogger("dynaspec")
 
@@ -66,8 +72,8 @@ class CostTable:
     seconds: float = 0.0  # spent measuring and re-probing
 
 
-def synthetic_step(model, kv_caches: list, block_size: int, num_blocks: int, batch: int, ctx: int,
-                   width: int):
+def synthetic_step(model: LlamaModel, kv_caches: list[torch.Tensor], block_size: int,
+                   num_blocks: int, batch: int, ctx: int, width: int) -> Callable[[], None]:
     """A callable running one verify-shaped step: `batch` requests of `width` new tokens after
     `ctx` cached ones (every request aliases the same first blocks of the pool), logits for
     every row and their argmax, as verification reads them. Also `dynaspec bench decode
@@ -95,8 +101,8 @@ def synthetic_step(model, kv_caches: list, block_size: int, num_blocks: int, bat
     return step
 
 
-def measure_cell(model, kv_caches: list, block_size: int, num_blocks: int, batch: int, ctx: int,
-                 width: int, reps: int) -> Cell:
+def measure_cell(model: LlamaModel, kv_caches: list[torch.Tensor], block_size: int,
+                 num_blocks: int, batch: int, ctx: int, width: int, reps: int) -> Cell:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     step = synthetic_step(model, kv_caches, block_size, num_blocks, batch, ctx, width)
     times = []
@@ -204,13 +210,13 @@ def startup_cost_model(prober: Prober, grid: CostGrid, key: str, reprofile: bool
     return CostTable(None, "refused", None, tuple(problems), seconds=time.perf_counter() - t0)
 
 
-def model_prober(model, kv_caches: list, block_size: int, num_blocks: int,
+def model_prober(model: LlamaModel, kv_caches: list[torch.Tensor], block_size: int, num_blocks: int,
                  reps: int = ProfileSettings.reps) -> Prober:
     return lambda b, c, w: measure_cell(model, kv_caches, block_size, num_blocks, b, c, w, reps)
 
 
-def profile_step_costs(model, kv_caches: list, block_size: int, num_blocks: int, grid: CostGrid,
-                       reps: int = 2) -> StepCostModel:
+def profile_step_costs(model: LlamaModel, kv_caches: list[torch.Tensor], block_size: int,
+                       num_blocks: int, grid: CostGrid, reps: int = 2) -> StepCostModel:
     """Every cell of `grid` measured (``dynaspec tune`` and tests; start-up measures fewer)."""
     prober = model_prober(model, kv_caches, block_size, num_blocks, reps)
     cells = _measure(prober, [(b, c, w) for b in grid.batches for c in grid.contexts

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from dynaspec.spec_decode.plan.step_width import RequestView
@@ -65,7 +66,7 @@ class FallbackPricer:
     def num_cached(self) -> int:
         return len(self.histories.keys() | self.last_ctx.keys())
 
-    def cap(self, r: RequestView, limit: int, cost) -> int:
+    def cap(self, r: RequestView, limit: int, cost: Callable[[int], float]) -> int:
         """The fallback's cap for request r, <= limit; cost(width): this step's seconds."""
         if limit <= 0:
             return 0
@@ -79,11 +80,11 @@ class FallbackPricer:
             return best_k
         last = self.last_ctx.get(r.request_id)
         stale = last is None or r.context_len - last >= self.settings.probe_interval
-        rate = self.settings.probe_rates(self.engine_history)(0)
-        probe = (1.0 + rate) / (cost(2) + self.seconds_per_token)
+        probe_rate = self.settings.probe_rates(self.engine_history)(0)
+        probe = (1.0 + probe_rate) / (cost(2) + self.seconds_per_token)
         return 1 if stale and probe > (1.0 / cost(1)) * (1 + 1e-9) else 0
 
-    def _rate(self, request_id: str):
+    def _rate(self, request_id: str) -> Callable[[int], float]:
         """rate(position): the request's own where it has them, the engine's deeper down."""
         prior = self.engine_history if self.engine_history.num_updates else None
         below = prior.rate if prior is not None else (lambda _i: self.settings.prior_rate)

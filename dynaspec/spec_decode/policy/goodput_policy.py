@@ -75,6 +75,7 @@ from __future__ import annotations
 import logging
 import statistics
 from collections import deque
+from collections.abc import Callable
 from dataclasses import replace
 
 from dynaspec.draft_tree import TreeWalk
@@ -106,6 +107,9 @@ from dynaspec.spec_decode.policy.step_pricing import (
     price_row,
 )
 from dynaspec.spec_decode.policy.tree_pricing import BranchRates, TreePricer
+
+# cost(width): the seconds of this step at that verify width.
+StepCost = Callable[[int], float]
 
 log = logging.getLogger("dynaspec")
 _MARGIN = 1 + 1e-9  # a K, a shape or drafting at all must beat the alternative by this factor
@@ -290,7 +294,7 @@ class GoodputPolicy(TablePolicy):
                        trees=trees if self.settings.drafts_trees else None,
                        min_depth={rid: caps[rid][0] for rid in strict if d.per_request[rid] > 0})
 
-    def _request_rows(self, view: StepView, caps: dict, ceiling: int, cost
+    def _request_rows(self, view: StepView, caps: dict, ceiling: int, cost: StepCost
                       ) -> tuple[list[PricedRow], dict[str, int], frozenset[str], set[str]]:
         """Each request priced once, in the shape it would draft (chain or tree), for its own
         check and the step's: its row, the requests whose K does not follow the step's (0, or a
@@ -326,7 +330,7 @@ class GoodputPolicy(TablePolicy):
             rows.append(row)
         return rows, fixed, frozenset(trees), strict
 
-    def _shape(self, r: RequestView, cap: int, cost, trees: TreePricer | None,
+    def _shape(self, r: RequestView, cap: int, cost: StepCost, trees: TreePricer | None,
                prices: DecisionPrices) -> tuple[PricedRow, float, bool]:
         """The request's row as a chain or, where the drafter gives trees (`trees`) and it
         pays more alone, as a tree of as many nodes; with its goodput alone and whether it is
@@ -343,8 +347,8 @@ class GoodputPolicy(TablePolicy):
             return got
         return self._priced(h, own, cap, cost, trees, prices)
 
-    def _priced(self, own_rates: list[float] | None, own_lengths, cap: int, cost,
-                trees: TreePricer | None, prices: DecisionPrices
+    def _priced(self, own_rates: list[float] | None, own_lengths: DraftLengths | None,
+                cap: int, cost: StepCost, trees: TreePricer | None, prices: DecisionPrices
                 ) -> tuple[PricedRow, float, bool]:
         rates = prices.rates(own_rates, cap)
         chain = prices.row(rates, prices.survival(own_lengths, cap), cap)
@@ -365,7 +369,7 @@ class GoodputPolicy(TablePolicy):
                                    else FixedRates(self.settings.prior_rate))
         return [price_row(rates.rate, FULL_LENGTHS.survival(ceiling), ceiling, True)] * num_reqs
 
-    def _pricing(self, rows: list[PricedRow], cost) -> StepPricing:
+    def _pricing(self, rows: list[PricedRow], cost: StepCost) -> StepPricing:
         return StepPricing(rows, cost, self._runnable, self.settings.widths_follow_drafts)
 
     def _candidates(self, ceiling: int) -> list[int]:
@@ -378,7 +382,7 @@ class GoodputPolicy(TablePolicy):
         ks = self._runnable_ks
         return ks[k] if k < len(ks) else runnable_k(k, self.allowed_widths)
 
-    def _prices(self, cost, ceiling: int) -> DecisionPrices:
+    def _prices(self, cost: StepCost, ceiling: int) -> DecisionPrices:
         prior = self.engine_history if self.engine_history.num_updates \
             else FixedRates(self.settings.prior_rate)
         lengths = self.engine_lengths if self.engine_lengths.num_updates else FULL_LENGTHS
@@ -386,7 +390,7 @@ class GoodputPolicy(TablePolicy):
                               (self.synthetic or prior).rate, self.synthetic is None, lengths,
                               ceiling)
 
-    def _alone(self, row: PricedRow, cost, prices: DecisionPrices | None = None) -> float:
+    def _alone(self, row: PricedRow, cost: StepCost, prices: DecisionPrices | None = None) -> float:
         """The row's best goodput over its caps 1..limit (its limit alone where the drafter
         sizes its own drafts) if every request drafted like it; compared with plain decode's
         1 / cost(1) by the same margin decide() needs to prefer a K over plain, so a row that

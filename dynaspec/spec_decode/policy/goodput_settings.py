@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from dynaspec.spec_decode.policy.acceptance import AcceptanceHistory, expected_accepted
 
@@ -101,6 +102,12 @@ def ema(old: float | None, new: float, alpha: float = 0.1) -> float:
     return new if old is None else old + alpha * (new - old)
 
 
+class Rates(Protocol):
+    """Per-position conditional acceptance rates (an AcceptanceHistory, FixedRates, Deeper)."""
+
+    def rate(self, position: int) -> float: ...
+
+
 class FixedRates:
     """A history-shaped set of fixed per-position conditional rates, the last repeating (the
     prior before anything is observed; synthetic mode's simulated acceptance)."""
@@ -118,7 +125,7 @@ class FixedRates:
 class Deeper:
     """Rates observed at the first positions, another estimate's below them."""
 
-    def __init__(self, rates: list[float], below) -> None:
+    def __init__(self, rates: list[float], below: Rates) -> None:
         self._rates, self._below = rates, below
 
     def rate(self, position: int) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dynaspec.registry import K_POLICIES
 from dynaspec.spec_decode.plan.plan import SpecPlan
+from dynaspec.spec_decode.policy.cost_model import StepCostModel
 from dynaspec.spec_decode.policy.goodput_policy import GoodputPolicy, GoodputSettings
 from dynaspec.spec_decode.policy.k_policy import AdaptivePolicy, KPolicy, TablePolicy
 
@@ -22,8 +23,9 @@ def resolve_policy_name(name: str, speculating: bool, has_schedule: bool = False
 
 
 def make_policy(plan: SpecPlan, name: str, cost_per_width: dict[int, float] | None = None,
-                cost_model=None, allowed_widths: tuple[int, ...] | None = None,
-                has_schedule: bool = False, settings=None) -> KPolicy:
+                cost_model: StepCostModel | None = None,
+                allowed_widths: tuple[int, ...] | None = None, has_schedule: bool = False,
+                settings: GoodputSettings | None = None) -> KPolicy:
     resolved = resolve_policy_name(name, plan.speculating, has_schedule) or "table"
     if resolved == "table":
         return TablePolicy(plan)
