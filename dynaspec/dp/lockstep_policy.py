@@ -92,11 +92,12 @@ class LockstepPolicy:
         self.shared.apply(*tick.acceptance(self.agreement.max_k))
         self.state = inner.state()
 
-    def decide(self, view: StepView) -> StepK:
+    def decide(self, view: StepView, state: PolicyState | None = None) -> StepK:
+        """On the agreed view, from the agreed state (`state`: another one, for tests)."""
         if view.global_view is None:
             raise RuntimeError("data parallel: schedule() needs the step view agreed before it "
                                "(StepAgreement.exchange), or ranks would choose different K")
-        return self.inner.decide(view, self.state)
+        return self.inner.decide(view, self.state if state is None else state)
 
     def observe(self, request_id: str, num_drafted: int, num_accepted: int, ctx: int,
                 cap: int = 0, fallback: bool = False, walk: TreeWalk | None = None,

@@ -161,7 +161,7 @@ def _max_model_len(mc, trained: int) -> int:
 def build_engine_parts(config: EngineConfig,
                        wrap_policy: Callable[[KPolicy], KPolicy] | None = None) -> EngineParts:
     """Every part of an engine, wired by construction. `wrap_policy`: a data-parallel rank's
-    wrapper around the K policy (dp/agreement.LockstepPolicy), applied before the scheduler
+    wrapper around the K policy (dp/lockstep_policy.LockstepPolicy), applied before the scheduler
     is built with it."""
     mc, cc, sc = config.model, config.cache, config.spec
     torch.set_num_threads(config.parallel.num_threads or default_num_threads())
