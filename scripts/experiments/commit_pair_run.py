@@ -6,8 +6,10 @@ checkout's root with that checkout on PYTHONPATH, alternating the two checkouts:
 
 Arguments: engine flags (one string), workload, concurrency, prompts, max tokens (0: the
 workload's own). `--data-parallel-size N` in the flags runs the data-parallel front end (its
-ranks are processes of their own; the front end steps them as the engine's step). Prints tok/s of generation (model load and a 2-request warm-up excluded), a
-hash of the greedy outputs (equal hashes: identical outputs) and the process's CPU/wall."""
+ranks are processes of their own; the front end steps them as the engine's step). Prints tok/s
+of generation (model load and a 2-request warm-up excluded), a hash of the greedy outputs (equal
+hashes: identical outputs) and the process's CPU/wall (the front end's alone under DP).
+Used for docs/results/speculation.md's async + DP rows."""
 import hashlib
 import shlex
 import sys
