@@ -292,7 +292,7 @@ class GoodputPolicy(TablePolicy):
         self.last_reprobe_step, self.reprobe_pending = g.last_reprobe_step, g.reprobe_pending
         self.num_reprobes = g.num_reprobes
 
-    # ---- the pure decision: reads the state above, writes nothing ------------------------------
+    # ---- the decision: reads the state above (a given state loaded first), nothing else --------
     def decide(self, view: StepView, state: PolicyState | None = None) -> StepK:
         """`state`: the engine-wide state to price from (data parallel: the value every rank
         holds, dynaspec/dp), loaded first; None: this policy's own."""
