@@ -27,13 +27,14 @@ GREEDY_PARAMETERS = ("logit_bias", "presence_penalty", "frequency_penalty", "rep
 SAMPLED_PARAMETERS = ("temperature", "top_p", "top_k", "min_p", "seed", "logit_bias",
                       "presence_penalty", "frequency_penalty", "repetition_penalty")
 
-# Data-parallel cells cost two rank processes each: the matrix runs this sparse sample of them
-# (greedy only); the rest compose by the same code path and are not run on every suite run.
+# Data-parallel cells cost two rank processes each: the matrix runs this sparse sample of them;
+# the rest compose by the same code path and are not run on every suite run.
 DP_RUN = frozenset({("ngram", "tree"), ("draft", "chain")})
 
 # The sampled check (a few hundred requests per cell) runs on the synchronous cells and on a
-# sample of the async ones; every other run cell is checked greedy.
+# sample of the async and data-parallel ones; every other run cell is checked greedy.
 SAMPLED_ASYNC = frozenset({("ngram", "tree"), ("draft", "chain")})
+SAMPLED_DP = frozenset({("ngram", "tree")})
 
 _LABEL = {"none": "no speculation", "ngram": "n-gram", "suffix": "suffix", "draft": "draft model",
           "eagle": "EAGLE head"}
@@ -47,7 +48,7 @@ class Cell:
     driver: str
     refused: str | None = None  # the start-up error's text (names both parts), when refused
     run: bool = True  # the matrix runs it (data-parallel cells are sampled)
-    sampled: bool = True  # its sampled distribution is checked (in-process cells)
+    sampled: bool = True  # its sampled distribution is checked
 
     @property
     def name(self) -> str:
@@ -70,6 +71,20 @@ class Cell:
         return kw
 
 
+_FLAGS = {"speculator": "--speculator", "k_policy": "--k-policy",
+          "num_spec_tokens": "--num-spec-tokens", "prompt_lookup_min": "--prompt-lookup-min",
+          "draft_tree": "--draft-tree", "async_scheduling": "--async-scheduling",
+          "data_parallel_size": "--data-parallel-size"}
+
+
+def cli_flags(kwargs: dict) -> list[str]:
+    """The `dynaspec serve` flags of a cell's engine kwargs (Cell.engine_kwargs)."""
+    out: list[str] = []
+    for key, value in kwargs.items():
+        out += [_FLAGS[key]] if value is True else [_FLAGS[key], str(value)]
+    return out
+
+
 def cells() -> list[Cell]:
     out = []
     for d in DRAFTERS:
@@ -79,7 +94,8 @@ def cells() -> list[Cell]:
                 if s == "tree" and d not in ("ngram", "suffix"):
                     refused = f"--draft-tree needs --speculator ngram or suffix, got {d!r}"
                 run = refused is None and (drv != "dp2" or (d, s) in DP_RUN)
-                sampled = run and (drv == "sync" or (drv == "async" and (d, s) in SAMPLED_ASYNC))
+                sampled = run and (drv == "sync" or (d, s) in {"async": SAMPLED_ASYNC,
+                                                                "dp2": SAMPLED_DP}.get(drv, ()))
                 out.append(Cell(d, s, drv, refused, run, sampled))
     return out
 

@@ -74,7 +74,8 @@ class RankProcess:
         self._popen.stdin.write(pickle.dumps(spec))
         self._popen.stdin.close()
         self.pid = self._popen.pid
-        self.sentinel = os.pidfd_open(self.pid) if hasattr(os, "pidfd_open") else None
+        # a pidfd where the OS has them (Linux; os.pidfd_open exists only there)
+        self.sentinel = os.pidfd_open(self.pid) if sys.platform == "linux" else None
 
     @property
     def exitcode(self) -> int | None:

@@ -30,9 +30,10 @@ import time
 from dataclasses import replace
 from multiprocessing.connection import Client, Connection
 
-from dynaspec.dp.agreement import CollectiveError, LockstepPolicy, StepAgreement
+from dynaspec.dp.agreement import AgreedK, CollectiveError, StepAgreement
 from dynaspec.dp.group import GroupAbandoned
 from dynaspec.dp.heartbeat import HeartbeatSender, LockedChannel, beat_interval_s
+from dynaspec.dp.lockstep_policy import LockstepPolicy
 from dynaspec.dp.messages import (
     AbortRequest,
     AddRequest,
@@ -50,6 +51,7 @@ from dynaspec.dp.messages import (
     TickReport,
 )
 from dynaspec.dp.process import die_with_parent
+from dynaspec.dp.rank_state import RankState
 from dynaspec.dp.regroup import GroupSwitch
 from dynaspec.dp.roster import rejoin_key
 from dynaspec.engine.async_loop import AsyncStepLoop
@@ -182,6 +184,7 @@ class RankLoop:
         self.errors: list[RankOutput] = []  # adds the engine refused, reported with the next tick
         self.last_snapshot: EngineSnapshot | None = None
         self.quiet_ticks = 0
+        self.last_step = (0.0, False)  # (seconds, whether a step ran) since the last exchange
 
     def run(self) -> int:
         a, eng, groups = self.agreement, self.engine, self.groups
@@ -195,11 +198,7 @@ class RankLoop:
                 continue
             if groups.group is None:
                 continue  # lost: waiting for the front end's Regroup, requests kept
-            a.exchanged = False
-            # a step in flight or outputs not yet emitted (async) keep every rank stepping
-            a.num_unfinished = eng.num_running + eng.num_waiting + int(eng.driver.busy)
-            a.stopping = self.stop_requested
-            a.join_epoch = groups.join_epoch
+            a.begin_step()
             steps, t0 = self._steps_done(), time.perf_counter()
             try:
                 outs = self._step()
@@ -207,8 +206,7 @@ class RankLoop:
                 self._lost(str(exc))
                 continue
             ran = self._steps_done() > steps
-            a.step_seconds = time.perf_counter() - t0 if ran else 0.0
-            a.ran_step = ran
+            self.last_step = (time.perf_counter() - t0 if ran else 0.0, ran)
             self._report(outs, ran)
             tick = a.last
             assert tick is not None  # set by the step's agreement
@@ -231,7 +229,7 @@ class RankLoop:
         target = self.groups.pending
         assert target is not None  # called when a switch is due(), which needs one
         try:
-            self.groups.switch(self.agreement, self.engine.scheduler.policy, stop)
+            self.groups.switch(self.agreement, self._policy(), stop)
         except GroupAbandoned:
             return  # a newer membership (the loop forms it) or stopping
         except CollectiveError as exc:  # a member never came: the front end names it
@@ -260,16 +258,17 @@ class RankLoop:
         view is launched after the previous one lands, engine/async_loop.py)."""
         a, eng = self.agreement, self.engine
         view = eng.step_view()
-        tick = a.exchange(view.num_reqs, [r.context_len for r in view.requests])
-        policy = eng.scheduler.policy
+        tick = a.exchange(self._rank_state([r.context_len for r in view.requests],
+                                           view.num_reqs))
+        policy = self._policy()
         if policy is not None:
             policy.apply_tick(tick)
 
         def schedule():
             plan = eng.schedule(tick.view)
             if plan.step_k is not None:
-                a.decisions.append((tick.index, plan.step_k, tick.view.num_reqs,
-                                    tick.view.ctx_stat, view.num_reqs))
+                a.decisions.append(AgreedK(tick.index, plan.step_k, tick.view.num_reqs,
+                                           tick.view.ctx_stat, view.num_reqs))
             return plan
 
         if isinstance(eng.driver, AsyncStepLoop):
@@ -279,6 +278,22 @@ class RankLoop:
             return []
         launched = eng.launch(plan)
         return eng.emit(eng.land(launched)) if launched is not None else []
+
+    def _policy(self) -> LockstepPolicy | None:
+        policy = self.engine.scheduler.policy
+        assert policy is None or isinstance(policy, LockstepPolicy)  # built by _start's lockstep
+        return policy
+
+    def _rank_state(self, decoding_ctxs: list[int], num_reqs: int) -> RankState:
+        """What this rank says at the exchange: its expected step, its control, and its K
+        policy's report of the previous step."""
+        eng, policy = self.engine, self._policy()
+        obs, acceptance = policy.report() if policy is not None else (None, ())
+        seconds, ran = self.last_step
+        # a step in flight or outputs not yet emitted (async) keep every rank stepping
+        unfinished = eng.num_running + eng.num_waiting + int(eng.driver.busy)
+        return RankState.of_step(num_reqs, decoding_ctxs, unfinished, self.stop_requested,
+                                 self.groups.join_epoch, seconds, ran, obs, acceptance)
 
     # ---- commands ----------------------------------------------------------------------------
     def _commands(self, block: bool) -> None:

@@ -10,8 +10,9 @@ The front end sends ``Regroup(epoch, members, agree)``. A rank moves:
 A newer Regroup replaces a pending one, also while forming (``RankGroup.form`` polls).
 
 The handshake on the new group: every member sends its tick count and longest step; the
-member with the most ticks (the lowest such) sends its K policy's engine-wide state to the
-others (dp/policy_state.py), and every member continues at that tick count. At epoch 0 rank 0's
+member with the most ticks (the lowest such) sends its K policy's engine-wide state, one value
+(``LockstepPolicy.state``), to the others, and every member continues from it at that tick
+count. At epoch 0 rank 0's
 step cost table is shared first, as at every start (``share_cost_model``).
 """
 
@@ -19,10 +20,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from dynaspec.dp.agreement import StepAgreement, Tick, share_cost_model
+from dynaspec.dp.agreement import StepAgreement, Tick
 from dynaspec.dp.group import Membership, RankGroup
+from dynaspec.dp.lockstep_policy import LockstepPolicy, share_cost_model
 from dynaspec.dp.messages import RankSpec, Regroup
-from dynaspec.dp.policy_state import export_state, import_state
+from dynaspec.spec_decode.policy.policy_state import PolicyState
 
 
 class GroupSwitch:
@@ -53,7 +55,8 @@ class GroupSwitch:
         if self.pending is not None and tick.join_epoch == self.pending.epoch:
             self.agreed = True
 
-    def switch(self, agreement: StepAgreement, policy, stop: Callable[[], bool]) -> None:
+    def switch(self, agreement: StepAgreement, policy: LockstepPolicy | None,
+               stop: Callable[[], bool]) -> None:
         """Form the pending group and step in it from now on. ``stop()`` reads the rank's
         commands and says whether it must leave. Raises GroupAbandoned (a newer Regroup, or
         stopping) or CollectiveError (a member did not come)."""
@@ -78,17 +81,19 @@ class GroupSwitch:
         self.group, self.agreed = None, False
 
     @staticmethod
-    def _handshake(group: RankGroup, agreement: StepAgreement, policy, timeout: float) -> None:
+    def _handshake(group: RankGroup, agreement: StepAgreement, policy: LockstepPolicy | None,
+                   timeout: float) -> None:
         rows = group.gather([float(agreement.num_ticks), agreement.longest_step_s], timeout)
         ticks = [r[0] for r in rows]
         leader = ticks.index(max(ticks))
         if group.membership.epoch == 0 and policy is not None:
             share_cost_model(policy, group.rank,
                              lambda obj: group.broadcast_object(obj, 0, timeout))
-        state = group.broadcast_object(export_state(policy) if group.index == leader else None,
-                                       leader, timeout)
-        if group.index != leader:
-            import_state(policy, state)  # type: ignore[arg-type]
+        mine = policy.state if policy is not None and group.index == leader else None
+        state = group.broadcast_object(mine, leader, timeout)
+        if policy is not None and group.index != leader:
+            assert state is None or isinstance(state, PolicyState)  # the leader's policy.state
+            policy.adopt(state)
         agreement.num_ticks = int(max(ticks))
         agreement.longest_step_s = max(r[1] for r in rows)
         agreement.last = None

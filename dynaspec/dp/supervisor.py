@@ -52,6 +52,7 @@ class RankSupervisor:
         self.roster = Roster(self.world_size, set(rdv.local_ranks), self.send, self._spawn,
                              RankSpec.start_timeout_s)
         self.watch = FailureWatch(self)
+        self._listener: Listener | None = None  # the control listener, from start()
 
     # ---- start-up ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -61,10 +62,11 @@ class RankSupervisor:
         self.bind = r.master_addr if r.multi_machine else "127.0.0.1"
         store = dist.TCPStore(self.bind, r.store_port, is_master=True, wait_for_workers=False)
         self._store: dist.TCPStore | None = store  # None once closed
-        self._listener = Listener((self.bind, r.control_port), authkey=r.authkey)
-        self.control_port = self._listener.address[1]
+        self._listener = listener = Listener((self.bind, r.control_port), authkey=r.authkey)
+        self.control_port = listener.address[1]
         self.threads = threads_per_rank(self.config.parallel, len(r.local_ranks))
-        threading.Thread(target=self._accept, name="dynaspec-dp-accept", daemon=True).start()
+        threading.Thread(target=self._accept, args=(listener,), name="dynaspec-dp-accept",
+                         daemon=True).start()
         threading.Thread(target=self._pump, name="dynaspec-dp-pump", daemon=True).start()
         for rank in r.local_ranks:
             self._spawn(rank, joining=False)
@@ -79,10 +81,10 @@ class RankSupervisor:
                         self.bind, self.control_port, self.rdv.authkey, joining=joining)
         self.procs[rank] = RankProcess(spawn_spec(spec, self.threads))
 
-    def _accept(self) -> None:
+    def _accept(self, listener: Listener) -> None:
         while not self._closing:
             try:
-                conn = self._listener.accept()
+                conn = listener.accept()
                 hello = conn.recv()
             except (OSError, EOFError, ValueError):
                 if self._closing:
@@ -215,7 +217,6 @@ class RankSupervisor:
         for conn in list(self.conns.values()):
             conn.close()
         self.conns.clear()
-        listener = getattr(self, "_listener", None)
-        if listener is not None:
-            listener.close()
+        if self._listener is not None:
+            self._listener.close()
         self._store = None

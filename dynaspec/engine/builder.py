@@ -164,7 +164,7 @@ def build_engine_parts(config: EngineConfig,
                        wrap_proposer: Callable[[Proposer], Proposer] | None = None
                        ) -> EngineParts:
     """Every part of an engine, wired by construction. `wrap_policy`: a data-parallel rank's
-    wrapper around the K policy (dp/agreement.LockstepPolicy), applied before the scheduler
+    wrapper around the K policy (dp/lockstep_policy.LockstepPolicy), applied before the scheduler
     is built with it. `wrap_proposer`: what drafts in place of the configured drafter (given
     it), before the policy and the runner are built with it (a test's drafter)."""
     mc, cc, sc = config.model, config.cache, config.spec

@@ -5,8 +5,11 @@ checkout's root with that checkout on PYTHONPATH, alternating the two checkouts:
       (cd $d && PYTHONPATH=. python /path/to/commit_pair_run.py "" code_edit 16 32 64); done; done
 
 Arguments: engine flags (one string), workload, concurrency, prompts, max tokens (0: the
-workload's own). Prints tok/s of generation (model load and a 2-request warm-up excluded), a
-hash of the greedy outputs (equal hashes: identical outputs) and the process's CPU/wall."""
+workload's own). `--data-parallel-size N` in the flags runs the data-parallel front end (its
+ranks are processes of their own; the front end steps them as the engine's step). Prints tok/s
+of generation (model load and a 2-request warm-up excluded), a hash of the greedy outputs (equal
+hashes: identical outputs) and the process's CPU/wall (the front end's alone under DP).
+Used for docs/results/speculation.md's async + DP rows."""
 import hashlib
 import shlex
 import sys
@@ -24,7 +27,13 @@ def main() -> None:
     conc, n, maxt = (int(a) for a in sys.argv[3:6])
     kw = parse_engine_args(shlex.split(flags))
     kw["enable_prefix_caching"] = False
-    e = LLMEngine(EngineConfig.from_kwargs(**kw))
+    cfg = EngineConfig.from_kwargs(**kw)
+    if cfg.parallel.data_parallel_size > 1:
+        from dynaspec.dp.front_end import DPEngine
+
+        e = DPEngine(cfg)
+    else:
+        e = LLMEngine(cfg)
     items = load_workload(workload, e.tokenizer, n, 1234)
     params = make_params(items, maxt, 0.0, 1234)
     run_closed_loop(e, items[:2], params[:2], 2, RunRecord("w", -1, 0, 0.0), "w")  # warm-up
@@ -34,7 +43,9 @@ def main() -> None:
     cpu = (time.process_time() - cpu0) / rec.elapsed_s
     h = hashlib.sha256(repr(rec.outputs).encode()).hexdigest()[:12]
     print(f"RESULT tok/s {rec.tokens / rec.elapsed_s:.2f} tokens {rec.tokens} "
-          f"s {rec.elapsed_s:.2f} hash {h} cpu/wall {cpu:.2f}")
+          f"s {rec.elapsed_s:.2f} hash {h} cpu/wall {cpu:.2f}", flush=True)
+    if cfg.parallel.data_parallel_size > 1:
+        e.shutdown()
 
 
 if __name__ == "__main__":

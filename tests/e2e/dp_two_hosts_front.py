@@ -26,9 +26,10 @@ def say(**msg) -> None:
 
 def lockstep(eng, start: list[int]) -> list[list]:
     """The ticks both ranks logged since `start`: each rank's (K, global requests, context)."""
-    logs = [{t[0]: t for t in log[s:]} for log, s in zip(eng.query("decisions"), start)]
+    logs = [{t.tick: t for t in log[s:]} for log, s in zip(eng.query("decisions"), start)]
     common = sorted(set.intersection(*(set(log) for log in logs)))
-    return [[list(log[t][1:5]) for log in logs] for t in common]
+    return [[[log[t].k, log[t].num_reqs, log[t].ctx_stat, log[t].rank_reqs] for log in logs]
+            for t in common]
 
 
 def finish(eng, timeout_s: float = 120.0) -> dict:

@@ -20,7 +20,7 @@ from scipy.stats import chi2_contingency
 
 from dynaspec import LLM, SamplingParams
 from dynaspec.structured_params import StructuredOutputParams
-from tests.composition_cases import README, cells, readme_table, render_table
+from tests.composition_cases import README, cells, cli_flags, readme_table, render_table
 from tests.e2e.dp_helpers import assert_processes_gone
 from tests.e2e.test_spec_sampling import _tiny_vocab_model
 from tests.e2e.test_tree_spec import _branching_prompts
@@ -171,6 +171,23 @@ def test_refused_cells_name_both_parts(cell, files):
     assert "--draft-tree" in cell.refused and repr(cell.drafter) in cell.refused
 
 
+@pytest.mark.parametrize("cell", REFUSED, ids=lambda c: c.name)
+def test_the_server_refuses_the_refused_cells_naming_both_parts(cell, files, capsys):
+    """The server path: no request field picks a drafter, a draft shape or a driver (they are
+    the server's own flags), so a refused cell is refused when `dynaspec serve` starts, with
+    the same message, before a model is loaded or a port opened (exit status 2). Every request
+    parameter composes with every cell the server can run (tests/server/
+    test_composition_server.py: a speculating server answers none of them with a 400)."""
+    from dynaspec.cli.main import main
+
+    extra = {"draft": ["--draft-model", files["draft"]],
+             "eagle": ["--draft-head", files["eagle"]]}.get(cell.drafter, [])
+    argv = ["serve", "--model", files["model"], "--dtype", "float32", *extra,
+            *cli_flags(cell.engine_kwargs()), "--port", "0"]
+    assert main(argv) == 2
+    assert f"dynaspec: error: {cell.refused}" in capsys.readouterr().err
+
+
 # ---- sampled: the first tokens' distribution ---------------------------------------------
 SAMPLED_SETS = {
     "truncation": dict(temperature=0.8, top_p=0.9, top_k=6, min_p=0.05),
@@ -221,13 +238,21 @@ def test_the_chi_square_rejects_a_wrong_distribution(small, sampled_reference):
 
 @pytest.mark.parametrize("cell", SAMPLED, ids=lambda c: c.name)
 def test_sampled_distribution_equals_speculation_off(cell, small, sampled_reference):
-    llm = _llm(small, cell)
-    got = _first_tokens(llm, SAMPLED_SETS)
-    for name in SAMPLED_SETS:
-        p = min(_p_values(sampled_reference[name], got[name]))
-        assert p > P_MIN, f"{cell.name}, {name}: distribution differs (p={p:.4f})"
-    if cell.drafter != "none":
+    dp = cell.driver == "dp2"
+    llm = _llm(small, cell, **({"dp_rank_timeout_s": 30.0} if dp else {}))
+    pids = set(llm.engine.rank_pids().values()) if dp else set()
+    try:
+        got = _first_tokens(llm, SAMPLED_SETS)
+        for name in SAMPLED_SETS:
+            p = min(_p_values(sampled_reference[name], got[name]))
+            assert p > P_MIN, f"{cell.name}, {name}: distribution differs (p={p:.4f})"
         assert llm.engine.counters.num_draft_tokens > 0, f"{cell.name}: nothing drafted"
+        if dp:  # both ranks sampled (the requests were spread over them)
+            assert all(c.num_emitted_tokens > 0 for c in llm.engine.query("counters"))
+    finally:
+        if dp:
+            llm.shutdown()
+    assert_processes_gone(pids)
 
 
 # ---- the README table ----------------------------------------------------------------------

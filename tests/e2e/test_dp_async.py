@@ -44,14 +44,16 @@ def test_async_trees_dp2_greedy_equal_one_sync_rank_one_k_per_tick(dp2_async, ti
     counters = eng.query("counters")
     assert all(c.num_emitted_tokens > 0 for c in counters), "a rank stayed idle"
     assert sum(c.num_accepted_tokens for c in counters) > 0
-    logs = [{t[0]: t for t in log[s:]} for log, s in zip(eng.query("decisions"), start)]
+    logs = [{t.tick: t for t in log[s:]} for log, s in zip(eng.query("decisions"), start)]
     ticks = sorted(set(logs[0]) & set(logs[1]))
     assert len(ticks) >= 10
     plan = build_spec_plan("ngram", 8, SCHEDULE)
     for t in ticks:
-        (_, k0, n0, c0, local0), (_, k1, n1, c1, local1) = logs[0][t], logs[1][t]
-        assert (k0, n0, c0) == (k1, n1, c1), f"tick {t}: {logs[0][t]} vs {logs[1][t]}"
-        assert k0 == plan.k_for(n0, c0) and n0 == local0 + local1
+        d0, d1 = logs[0][t], logs[1][t]
+        assert (d0.k, d0.num_reqs, d0.ctx_stat) == (d1.k, d1.num_reqs, d1.ctx_stat), \
+            f"tick {t}: {d0} vs {d1}"
+        assert d0.k == plan.k_for(d0.num_reqs, d0.ctx_stat)
+        assert d0.num_reqs == d0.rank_reqs + d1.rank_reqs
     assert sum(c.num_tree_drafts for c in counters) > 0, "no tree was verified"
     for rank_ok in eng.query("integrity"):
         assert rank_ok is True

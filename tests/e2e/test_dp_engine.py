@@ -63,7 +63,7 @@ def test_variable_schedule_same_k_on_every_rank_at_different_load(dp2):
         eng.add_request([5 + i, 6, 7, 5 + i, 6, 7], SamplingParams(
             temperature=0, max_tokens=3 + 8 * i, ignore_eos=True), dp_rank=0)
     finish_all(eng)
-    logs = [{t[0]: t for t in log[s:]} for log, s in zip(eng.query("decisions"), start)]
+    logs = [{t.tick: t for t in log[s:]} for log, s in zip(eng.query("decisions"), start)]
     # Each rank answered the query at its own moment: compare the ticks both had run.
     lo, hi = max(min(log) for log in logs), min(max(log) for log in logs)
     ticks = list(range(lo, hi + 1))
@@ -72,11 +72,13 @@ def test_variable_schedule_same_k_on_every_rank_at_different_load(dp2):
     plan = build_spec_plan("ngram", 3, SCHEDULE)
     ks, uneven = set(), 0
     for t in ticks:
-        (_, k0, n0, c0, local0), (_, k1, n1, c1, local1) = logs[0][t], logs[1][t]
-        assert (k0, n0, c0) == (k1, n1, c1), f"tick {t}: rank 0 {logs[0][t]} vs rank 1 {logs[1][t]}"
-        assert k0 == plan.k_for(n0, c0) and n0 == local0 + local1
-        ks.add(k0)
-        uneven += local0 != local1
+        d0, d1 = logs[0][t], logs[1][t]
+        assert (d0.k, d0.num_reqs, d0.ctx_stat) == (d1.k, d1.num_reqs, d1.ctx_stat), \
+            f"tick {t}: rank 0 {d0} vs rank 1 {d1}"
+        assert d0.k == plan.k_for(d0.num_reqs, d0.ctx_stat)
+        assert d0.num_reqs == d0.rank_reqs + d1.rank_reqs
+        ks.add(d0.k)
+        uneven += d0.rank_reqs != d1.rank_reqs
     print(f"{len(ticks)} lockstep ticks, K values {sorted(ks)}, {uneven} with uneven load")
     assert {1, 2, 3} <= ks, f"the global batch should pass every bucket, K seen {ks}"
     assert uneven >= len(ticks) // 2

@@ -51,12 +51,12 @@ def test_seed_case_runs_k2_on_every_rank(dp3):
 def _all_k2_in_lockstep(eng, start: list[int]) -> int:
     """Every rank ran K=2 in every tick since ``start`` (log lengths), and the ranks agree on
     each common tick's (K, global requests, context), the global count being their sum."""
-    logs = [{t[0]: t for t in log[s:]} for log, s in zip(eng.query("decisions"), start)]
+    logs = [{t.tick: t for t in log[s:]} for log, s in zip(eng.query("decisions"), start)]
     common = sorted(set.intersection(*(set(log) for log in logs)))
     for t in common:
         rows = [log[t] for log in logs]
-        assert len({r[1:4] for r in rows}) == 1, f"tick {t}: {rows}"
-        assert rows[0][1] == 2 and rows[0][2] == sum(r[4] for r in rows), rows
+        assert len({(r.k, r.num_reqs, r.ctx_stat) for r in rows}) == 1, f"tick {t}: {rows}"
+        assert rows[0].k == 2 and rows[0].num_reqs == sum(r.rank_reqs for r in rows), rows
     return len(common)
 
 

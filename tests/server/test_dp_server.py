@@ -76,7 +76,7 @@ def test_metrics_label_each_rank_and_sum_them(server):
     assert _metric(text, steps, "all") == _metric(text, steps, "0") + _metric(text, steps, "1")
     assert text.count("# TYPE dynaspec:spec_decode_steps_total counter") == 1  # one family
     # The goodput policy (the default) decided K from the shared state: one K per tick.
-    logs = [{t[0]: t[1] for t in log} for log in server.on_engine(lambda e: e.query("decisions"))]
+    logs = [{t.tick: t.k for t in log} for log in server.on_engine(lambda e: e.query("decisions"))]
     common = set(logs[0]) & set(logs[1])
     assert len(common) >= 10 and all(logs[0][t] == logs[1][t] for t in common)
     health = httpx.get(server.url + "/health")

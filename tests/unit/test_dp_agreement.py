@@ -12,7 +12,9 @@ import threading
 
 import pytest
 
-from dynaspec.dp.agreement import LockstepPolicy, SharedAcceptance, StepAgreement
+from dynaspec.dp.agreement import SharedAcceptance, StepAgreement, Tick
+from dynaspec.dp.lockstep_policy import LockstepPolicy
+from dynaspec.dp.rank_state import RankState
 from dynaspec.spec_decode.plan.plan import build_spec_plan
 from dynaspec.spec_decode.policy.cost_model import CostGrid, StepCostModel
 from dynaspec.spec_decode.policy.goodput_policy import GoodputPolicy
@@ -36,6 +38,14 @@ class ThreadGroup:
         return gather
 
 
+def exchange(a: StepAgreement, pol: LockstepPolicy | None, num_reqs: int,
+             ctxs: list[int]) -> Tick:
+    """The rank loop's exchange: the expected step and the policy's report of the last one."""
+    obs, acceptance = pol.report() if pol is not None else (None, ())
+    return a.exchange(RankState.of_step(num_reqs, ctxs, ran_step=obs is not None,
+                                        observation=obs, acceptance=acceptance))
+
+
 def _cost() -> StepCostModel:
     grid = CostGrid((1, 4, 16), (16, 512), (1, 2, 3, 4))
     # Verify gets dearer with width and batch: K depends on the shared state, not a constant.
@@ -56,7 +66,7 @@ def _run_ranks(make_policy, world: int, steps: int, seed: int):
         pol = LockstepPolicy(make_policy(), a)
         try:
             for _ in range(steps):
-                a.exchanged = False
+                a.begin_step()
                 n = rng.randrange(0, 6 if rank else 12)  # rank 0 carries more load
                 views = tuple(
                     RequestView(f"r{rank}-{i}", rng.randrange(5, 900), rng.randrange(1, 9), 1000)
@@ -64,7 +74,7 @@ def _run_ranks(make_policy, world: int, steps: int, seed: int):
                 )
                 # The rank loop: the exchange of the expected batch's view, before schedule().
                 expected = n + rng.randrange(0, 2)
-                tick = a.exchange(expected, [v.context_len for v in views])
+                tick = exchange(a, pol, expected, [v.context_len for v in views])
                 pol.apply_tick(tick)
                 # The scheduler's two decisions on the agreed view: the expected batch
                 # (reservation), then the formed one, which may have lost requests.
@@ -148,9 +158,9 @@ def test_shared_acceptance_counts_only_move_on_apply():
 def test_two_exchanges_in_one_step_is_an_error():
     group = ThreadGroup(1)
     a = StepAgreement(group.gather_for(0), 0, 1, 2, grace_s=1, idle_poll_s=0)
-    a.exchange(0, [])
+    exchange(a, None, 0, [])
     with pytest.raises(RuntimeError, match="two step exchanges"):
-        a.exchange(0, [])
+        exchange(a, None, 0, [])
 
 
 def test_decide_without_the_agreed_view_is_refused():
@@ -160,7 +170,7 @@ def test_decide_without_the_agreed_view_is_refused():
     pol = LockstepPolicy(TablePolicy(plan), a)
     with pytest.raises(RuntimeError, match="agreed before it"):
         pol.decide(StepView((RequestView("a", 5, 9, 100),), 1))
-    tick = a.exchange(1, [5])
+    tick = exchange(a, pol, 1, [5])
     assert pol.decide(StepView((RequestView("a", 5, 9, 100),), 1, tick.view)).k == 3
     assert a.num_ticks == 1, "decide made no exchange"
 
@@ -170,7 +180,7 @@ def test_a_rank_whose_table_check_disagreed_follows_rank_0(monkeypatch, rank0_ha
     """A start-up table refused on one rank only: every rank runs what rank 0 runs."""
     import torch.distributed as dist
 
-    from dynaspec.dp.agreement import share_cost_model
+    from dynaspec.dp.lockstep_policy import share_cost_model
 
     plan = build_spec_plan("ngram", 3, None)
     rank0 = _cost().to_json() if rank0_has_table else None
@@ -185,7 +195,8 @@ def test_a_rank_whose_table_check_disagreed_follows_rank_0(monkeypatch, rank0_ha
         assert (
             isinstance(pol.inner, GoodputPolicy) and pol.inner.cost_model.seconds == _cost().seconds
         )
-        assert pol.inner.engine_history is a.shared  # the engine-wide prior is shared again
+        assert pol.inner.engine_history is pol.shared  # the engine-wide prior is shared again
+        assert pol.state == pol.inner.state()  # and the state is the new policy's
     else:
         assert type(pol.inner) is TablePolicy
 
@@ -215,14 +226,17 @@ def test_one_rank_and_the_dp_path_price_the_same_view_the_same(learned):
     if learned:  # the same engine-wide acceptance on both (a rank learns it from the gather)
         for drafted, accepted in ((3, 1), (3, 3), (2, 0), (3, 2)):
             one.observe("old", drafted, accepted, 10)
-            a.shared.update(drafted, accepted)
-            a.shared.apply(*(lambda row: (row[:3], row[3:]))(a.shared.take_pending()))
+            dp.observe("old", drafted, accepted, 10)
+            a.begin_step()
+            dp.apply_tick(exchange(a, dp, 0, []))
         one.forget("old")
-        assert one.engine_history.rates == pytest.approx(a.shared.rates)
-        one.engine_history.rates = list(a.shared.rates)  # the same floats, not just close
+        assert dp.state is not None
+        assert one.engine_history.rates == pytest.approx(dp.state.acceptance.rates)
+        one.engine_history.rates = list(dp.state.acceptance.rates)  # the same floats
     views = tuple(RequestView(f"r{i}", 100 + 37 * i, 50, 1000) for i in range(4))
     local = one.decide(StepView(views, 4))
-    tick = a.exchange(4, [v.context_len for v in views])
+    a.begin_step()
+    tick = exchange(a, dp, 4, [v.context_len for v in views])
     shared = dp.decide(StepView(views, 4, tick.view))
     assert tick.view.max_rank_reqs == 4 and tick.view.ctx_stat == StepView(views, 4).ctx_stat
     assert local.goodput_by_k == shared.goodput_by_k and len(local.goodput_by_k) == 4
@@ -235,11 +249,10 @@ def test_the_modelled_goodput_travels_with_the_step_observation():
     plan = build_spec_plan("ngram", 3, None)
     a = StepAgreement(ThreadGroup(1).gather_for(0), 0, 1, 3, grace_s=1, idle_poll_s=0)
     pol = LockstepPolicy(GoodputPolicy(plan, _cost()), a)
-    a.ran_step = True
     pol.observe_step(2, 300, 3, 0.01, 0.0, 4, 5, modelled_goodput=321.0)
-    pol.apply_tick(a.exchange(2, [300, 300]))
+    pol.apply_tick(exchange(a, pol, 2, [300, 300]))
     assert pol.goodput_report() == (321.0, pytest.approx(500.0))
-    a.exchanged, a.ran_step = False, True
+    a.begin_step()
     pol.observe_step(2, 300, 3, 0.01, 0.0, 4, 5)  # no decision to pair: the EMAs stay
-    pol.apply_tick(a.exchange(2, [300, 300]))
+    pol.apply_tick(exchange(a, pol, 2, [300, 300]))
     assert pol.goodput_report() == (321.0, pytest.approx(500.0))

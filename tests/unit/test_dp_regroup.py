@@ -14,13 +14,15 @@ import threading
 
 import pytest
 
-from dynaspec.dp.agreement import LockstepPolicy, StepAgreement
+from dynaspec.dp.agreement import StepAgreement, Tick
 from dynaspec.dp.group import Membership
+from dynaspec.dp.lockstep_policy import LockstepPolicy
+from dynaspec.dp.rank_state import RankState, StepObservation
 from dynaspec.dp.regroup import GroupSwitch
 from dynaspec.spec_decode.plan.plan import build_spec_plan
 from dynaspec.spec_decode.policy.goodput_policy import GoodputPolicy
-from dynaspec.spec_decode.policy.k_policy import RequestView, StepView
-from tests.unit.test_dp_agreement import ThreadGroup, _cost
+from dynaspec.spec_decode.policy.k_policy import GlobalStepView, RequestView, StepView
+from tests.unit.test_dp_agreement import ThreadGroup, _cost, exchange
 
 PLAN = build_spec_plan("ngram", 3, [[1, 4, 3], [5, 12, 2], [13, 64, 1]])
 
@@ -56,11 +58,11 @@ class Rank:
     def step(self) -> None:
         """The rank loop's order: exchange, apply the gathered observations, decide, observe."""
         a, pol, rng = self.agreement, self.policy, self.rng
-        a.exchanged = False
+        a.begin_step()
         n = rng.randrange(0, 8)
         views = tuple(RequestView(f"r{self.rank}-{i}", rng.randrange(5, 900), rng.randrange(1, 9),
                                   1000) for i in range(n))
-        tick = a.exchange(n, [v.context_len for v in views])
+        tick = exchange(a, pol, n, [v.context_len for v in views])
         pol.apply_tick(tick)
         d = pol.decide(StepView(views, n, tick.view))
         self.log.append(d.k)
@@ -107,6 +109,12 @@ def _phase(ranks: list[Rank], steps: int) -> list[list[int]]:
     return [r.log[s:] for r, s in zip(ranks, start)]
 
 
+def _apply_alone(policy: LockstepPolicy, obs: StepObservation) -> None:
+    """A tick whose gathered rows only this rank saw (its peer died in the exchange)."""
+    row = RankState.of_step(0, [], ran_step=True, observation=obs, acceptance=(0.0,) * 6)
+    policy.apply_tick(Tick(0, GlobalStepView(0, 0, 0, 0, 0), 0, False, 0, 0.0, (row,)))
+
+
 def _regrouped(sync_joiner: bool) -> list[list[list[int]]]:
     r0, r1, r2 = Rank(0), Rank(1), Rank(2)
     _form([r0, r1, r2], 0)
@@ -114,8 +122,8 @@ def _regrouped(sync_joiner: bool) -> list[list[list[int]]]:
     # Rank 2 dies after rank 0 had the last exchange's rows but before rank 1 did: rank 0
     # applies one more tick's observations, so the survivors' shared state differs.
     for _ in range(20):  # (a tick's worth of drastic observations, so the gap shows in K)
-        r0.policy.inner.observe_step(3, 300, 4, 0.5, 0.001, 6, 3)
-        r0.policy.inner.observe_step(7, 300, 3, 0.5, 0.001, 6, 7)
+        _apply_alone(r0.policy, StepObservation(3, 300, 4, 0.5, 0.001, 6, 3))
+        _apply_alone(r0.policy, StepObservation(7, 300, 3, 0.5, 0.001, 6, 7))
     r0.agreement.num_ticks += 1
     _form([r0, r1], 1)
     phases.append(_phase([r0, r1], 60))

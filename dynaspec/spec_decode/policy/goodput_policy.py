@@ -99,6 +99,12 @@ from dynaspec.spec_decode.policy.k_policy import (
     drafter_gate,
     hard_cap,
 )
+from dynaspec.spec_decode.policy.policy_state import (
+    CostTable,
+    EngineAcceptance,
+    GuardState,
+    PolicyState,
+)
 from dynaspec.spec_decode.policy.step_pricing import (
     PricedRow,
     StepPricing,
@@ -261,8 +267,41 @@ class GoodputPolicy(TablePolicy):
                      "at K=0: re-probing a K>0 step to refresh the wider cells", m, o,
                      self.diverged_steps)
 
-    # ---- the pure decision: reads the state above, writes nothing ------------------------------
-    def decide(self, view: StepView) -> StepK:
+    # ---- the engine-wide state as a value (policy_state.py) -------------------------------------
+    def state(self) -> PolicyState:
+        h, cost = self.engine_history, self.cost_model
+        return PolicyState(
+            CostTable.of(cost), self.draft_seconds_per_token, tuple(self.draft_costs),
+            EngineAcceptance(tuple(h.rates), tuple(h.counts), h.num_updates),
+            GuardState(self.modelled_goodput, self.observed_goodput, self.num_decode_steps,
+                       self.diverged_steps, self.last_reprobe_step, self.reprobe_pending,
+                       self.num_reprobes))
+
+    def load(self, state: PolicyState) -> None:
+        """Decide from now on as a policy holding `state` would (its per-request state kept)."""
+        cost, table = self.cost_model, state.cost
+        if table.grid != cost.grid:
+            raise RuntimeError(f"a policy state's cost grid {table.grid} differs from this "
+                               f"policy's {cost.grid}: the ranks were started with different "
+                               "settings")
+        cost.seconds = [[list(c) for c in r] for r in table.seconds]
+        cost.source, cost.learn = table.source, table.learn
+        self.draft_seconds_per_token = state.draft_seconds_per_token
+        self.draft_costs = deque(state.draft_costs, maxlen=self.settings.draft_cost_window)
+        h, a = self.engine_history, state.acceptance
+        h.rates, h.counts, h.num_updates = list(a.rates), list(a.counts), a.num_updates
+        g = state.guard
+        self.modelled_goodput, self.observed_goodput = g.modelled_goodput, g.observed_goodput
+        self.num_decode_steps, self.diverged_steps = g.num_decode_steps, g.diverged_steps
+        self.last_reprobe_step, self.reprobe_pending = g.last_reprobe_step, g.reprobe_pending
+        self.num_reprobes = g.num_reprobes
+
+    # ---- the decision: reads the state above (a given state loaded first), nothing else --------
+    def decide(self, view: StepView, state: PolicyState | None = None) -> StepK:
+        """`state`: the engine-wide state to price from (data parallel: the value every rank
+        holds, dynaspec/dp), loaded first; None: this policy's own."""
+        if state is not None:
+            self.load(state)
         ctx, g = view.ctx_stat, view.global_view
         ceiling = self.plan.k_for(view.batch_size, ctx)
         caps = {r.request_id: drafter_gate(*hard_cap(ceiling, r), r) for r in view.requests}

@@ -43,6 +43,7 @@ from dynaspec.spec_decode.plan.step_width import (  # noqa: F401
     hard_cap,
 )
 from dynaspec.spec_decode.policy.acceptance import AcceptanceHistory
+from dynaspec.spec_decode.policy.policy_state import PolicyState
 
 
 class KPolicy(Protocol):
@@ -50,7 +51,11 @@ class KPolicy(Protocol):
     its report, and writes nothing); the ``observe*``/``forget`` writers run after a step's
     result."""
 
-    def decide(self, view: StepView) -> StepK: ...
+    def decide(self, view: StepView, state: PolicyState | None = None) -> StepK:
+        """`state`: the engine-wide state the decision prices from, as one value (data
+        parallel: the value every rank holds); None: the policy's own. Policies without one
+        (the table's) ignore it."""
+        ...
 
     def observe(self, request_id: str, num_drafted: int, num_accepted: int, ctx: int,
                 cap: int = 0, fallback: bool = False, walk: TreeWalk | None = None,
@@ -131,7 +136,7 @@ class TablePolicy:
         """Requests it holds state for (0 once every request is forgotten: leak checks)."""
         return len(self.histories)
 
-    def decide(self, view: StepView) -> StepK:
+    def decide(self, view: StepView, state: PolicyState | None = None) -> StepK:
         ctx = view.ctx_stat
         k = self.plan.k_for(view.batch_size, ctx)
         caps = {}
