@@ -6,6 +6,15 @@ step cannot beat it on a machine that must stream every weight once per step.
 With --widths it times verify-shaped steps instead: the widths take turns step by step within
 each round, and each width's cost is reported as a ratio to width 1 formed round by round, with
 its spread, so one run's ratio can be told from noise and compared with the next run's.
+
+What made two runs disagree (docs/results/cpu-decode.md): a step's time has a long right tail
+on this VM (5th-95th percentile 4.4-6.3 ms at 4.8 ms median, width 1, an idle machine), so the
+median ratio of 5 rounds varied by up to 14% between groups of rounds of one run (10 rounds: 6%,
+20: under 3%), and a neighbour's load during one run shifted it by up to 20%. So: 30 rounds by
+default (a round's sample is the median of its
+steps, the ratio the median of the rounds'), a whole round of warm-up, and the share of the
+machine others used during the run recorded beside the numbers (LoadMeter), with a warning
+where it is not negligible.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from dynaspec.bench.machine import LoadMeter
 from dynaspec.bench.stats import paired_ratio
 from dynaspec.engine.llm_engine import LLMEngine
 from dynaspec.engine.step_recorder import StepTimes
@@ -204,11 +214,18 @@ def width_ratio(width_ms: Sequence[float], base_ms: Sequence[float]) -> WidthRat
     return WidthRatio(med, q1, q3, est.ratio, est.lo, est.hi, est.n)
 
 
+# Above these shares of the machine's time given to others during a run, its numbers are not an
+# idle machine's: the report says so.
+BUSY_WARN_PCT = 5.0
+STEAL_WARN_PCT = 2.0
+
+
 def run_widths(engine: LLMEngine, batches: list[int], contexts: list[int], widths: list[int],
-               rounds: int = 5, steps: int = 5) -> list[dict]:
+               rounds: int = 30, steps: int = 5) -> list[dict]:
     """Step time per (batch, context, width), the widths of one shape interleaved step by step
     (interleaved_times); a width's time is the median over rounds, its ratio to width 1 is
-    width_ratio over the same rounds (None where width 1 was not timed)."""
+    width_ratio over the same rounds (None where width 1 was not timed); each row also has
+    the machine's load by others while its shape ran (LoadMeter)."""
     p = engine.parts
     cc = engine.config.cache
     out = []
@@ -220,10 +237,12 @@ def run_widths(engine: LLMEngine, batches: list[int], contexts: list[int], width
                 )
                 for w in widths
             }
-            interleaved_times(fns, rounds=2, steps=1)  # warm-up: oneDNN primitives, caches
+            interleaved_times(fns, rounds=1, steps=steps)  # warm-up: oneDNN primitives, caches
+            meter = LoadMeter()
             samples = interleaved_times(fns, rounds, steps)
+            load = meter.read()
             for w in widths:
-                out.append(_width_row(b, c, w, samples[w], samples.get(1)))
+                out.append({**_width_row(b, c, w, samples[w], samples.get(1)), "load": load})
     return out
 
 
@@ -274,7 +293,22 @@ def report_widths(engine: LLMEngine, results: list[dict], bandwidth: float,
             f"{r['step_ms_iqr'][0]:.2f}-{r['step_ms_iqr'][1]:.2f} | {_ratio_cells(r['ratio'])} | "
             f"{limit_ms:.2f} |"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + load_warnings(results))
+
+
+def load_warnings(results: list[dict]) -> list[str]:
+    """A line per shape that ran beside others' work: its numbers are not an idle machine's."""
+    out = []
+    for r in results:
+        load = r.get("load")
+        if r["width"] != 1 or not load:
+            continue
+        if load["others_busy_pct"] > BUSY_WARN_PCT or load["steal_pct"] > STEAL_WARN_PCT:
+            out.append(f"warning: batch {r['batch']}, context {r['context_len']}: other "
+                       f"processes ran {load['others_busy_pct']:.1f}% and the hypervisor took "
+                       f"{load['steal_pct']:.1f}% of the CPUs' time: not an idle machine, "
+                       f"rerun before comparing")
+    return out
 
 
 def _ratio_cells(ratio: dict | None) -> str:
