@@ -7,14 +7,17 @@ With --widths it times verify-shaped steps instead: the widths take turns step b
 each round, and each width's cost is reported as a ratio to width 1 formed round by round, with
 its spread, so one run's ratio can be told from noise and compared with the next run's.
 
-What made two runs disagree (docs/results/cpu-decode.md): a step's time has a long right tail
-on this VM (5th-95th percentile 4.4-6.3 ms at 4.8 ms median, width 1, an idle machine), so the
-median ratio of 5 rounds varied by up to 14% between groups of rounds of one run (10 rounds: 6%,
-20: under 3%), and a neighbour's load during one run shifted it by up to 20%. So: 30 rounds by
-default (a round's sample is the median of its
-steps, the ratio the median of the rounds'), a whole round of warm-up, and the share of the
-machine others used during the run recorded beside the numbers (LoadMeter), with a warning
-where it is not negligible.
+What made two runs disagree (docs/results/cpu-decode.md, 2-vCPU Zen 4 VM): (1) too few rounds:
+a step's time has a long right tail (width 1: 5th-95th percentile 4.4-6.3 ms at a 4.8 ms median),
+and the median ratio of 5 rounds varied by up to 14% between groups of rounds of one idle run,
+of 20 rounds by under 3%: so 30 rounds by default (a round's sample is the median of its steps,
+the ratio the median of the rounds') and a whole round of warm-up; (2) others' work beside the
+run (10-47% of the CPUs' time moved width 9's ratio by up to 25%): LoadMeter records it per
+shape and the report warns. Not removed: with under 1% load by others, width 9 ran at one of
+two levels (6.5 or 8.5 ms at ctx 128, width 1 ~4.2 vs 4.7) for seconds at a time, a whole run
+or part of one: compute-bound steps slowed by ~30%, memory-bound ones ~10%, which steal time
+does not show (another tenant on the host's cores, presumably). Within a run the rounds then
+agree (IQR +-2%), so compare runs with their step times, not their ratios alone.
 """
 
 from __future__ import annotations

@@ -43,13 +43,14 @@ def machine_record(device: torch.device | None = None) -> dict:
     for them and whether the kernels are loaded, torch's version, dispatch and threads, the git
     commit; the GPU's name where `device` is a CUDA device."""
     sel = cpu_kernels.selection()
+    mask = cpu_features.mask()
     record = {
         "cpu_model": cpu_features.cpu_model_name() or platform.processor() or None,
         "machine": platform.machine(),
         "cpu_flags": sorted(sel.flags),
         # $DYNASPEC_CPU_FLAGS: the CPU was masked as another (cpu_features.mask), so its paths
         # are that CPU's, not this one's
-        "cpu_flags_mask": None if cpu_features.mask() is None else sorted(cpu_features.mask()),
+        "cpu_flags_mask": None if mask is None else sorted(mask),
         "kernel_paths": dict(sel.chosen),
         # loaded() never builds: a run that never needed the kernels says so instead of paying
         # a build here.
