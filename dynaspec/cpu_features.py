@@ -15,13 +15,26 @@ build itself (the compiler's -m flags) is chosen here too, from the same flag se
 
 Pure Python, no torch: setup.py loads it in a bare build environment, and the tests feed it
 recorded flag sets of real CPUs.
+
+$DYNASPEC_CPU_FLAGS (flags separated by spaces or commas) masks the CPU: only the flags this CPU
+reports that are also listed are used, so a Zen 4 runs the suite as an AVX2-only or an AVX-VNNI
+machine would (scripts/cpu_kernel_check.sh --as): paths the masked CPU lacks run emulated in the
+tests, and asking for one natively is refused. It only ever withholds flags, never adds one the
+CPU lacks, so it cannot lead to SIGILL and is honoured anywhere (the engine too, which then runs
+slower paths; a warning says so and bench results record it). Listed flags this CPU lacks (the
+masked CPU's avx_vnni on a Zen 4) stay withheld: `masked_as()` is what that CPU would select.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import re
 from dataclasses import dataclass, field
 
 Flags = frozenset[str]
+MASK_ENV = "DYNASPEC_CPU_FLAGS"
+log = logging.getLogger("dynaspec")
 
 # The compiler option for each flag a build can enable (gcc -m names differ from cpuinfo's).
 COMPILER_OPTIONS = {
@@ -90,6 +103,10 @@ KERNELS: dict[str, tuple[KernelPath, ...]] = {
 }
 
 
+# Every flag some path needs (what a mask's warning names).
+_VECTOR_FLAGS = frozenset(f for paths in KERNELS.values() for p in paths for f in p.flags)
+
+
 class PathUnavailable(RuntimeError):
     """A kernel path was asked for on a CPU (or build) without every flag it needs."""
 
@@ -120,10 +137,36 @@ def _read(path: str) -> str | None:
         return None
 
 
+def mask() -> Flags | None:
+    """The flags $DYNASPEC_CPU_FLAGS lists (the CPU it masks this one as); None where unset."""
+    text = os.environ.get(MASK_ENV)
+    return None if text is None else frozenset(f for f in re.split(r"[\s,]+", text) if f)
+
+
+_warned: set[Flags] = set()
+
+
 def cpu_flags(path: str = "/proc/cpuinfo") -> Flags:
-    """This CPU's flags; none where the file cannot be read (every choice is then scalar)."""
+    """This CPU's flags, less those $DYNASPEC_CPU_FLAGS leaves out; none where the file cannot
+    be read (every choice is then scalar)."""
     text = _read(path)
-    return frozenset() if text is None else parse_cpuinfo(text)
+    flags = frozenset() if text is None else parse_cpuinfo(text)
+    masked = mask()
+    if masked is None:
+        return flags
+    if flags - masked and flags not in _warned:
+        _warned.add(flags)
+        log.warning("%s withholds CPU flags %s: the kernels take slower paths", MASK_ENV,
+                    " ".join(sorted(f for f in flags - masked if f in _VECTOR_FLAGS)) or "(none "
+                    "a kernel path uses)")
+    return flags & masked
+
+
+def masked_as() -> Selection | None:
+    """What the CPU $DYNASPEC_CPU_FLAGS describes would select (None where unset): where it
+    lists flags this CPU lacks, more than this CPU runs under the mask."""
+    masked = mask()
+    return None if masked is None else select(masked)
 
 
 def cpu_model_name(path: str = "/proc/cpuinfo") -> str | None:

@@ -9,13 +9,32 @@
 # Nothing is installed and the checkout
 # is not written to: the package and tests are copied to a temporary directory and used from
 # PYTHONPATH. No network. With $OUT set, a short JSON summary goes to $OUT/cpu_kernels.json.
-# Usage: scripts/cpu_kernel_check.sh   (PYTHON=... picks the interpreter; BUILD_TIMEOUT and
-# TEST_TIMEOUT, in seconds, default 300 and 240, for a slower machine; KERNEL_BUILD=direct
-# builds as when ninja is missing)
+# Usage: scripts/cpu_kernel_check.sh [--as avx2|avx_vnni]   (PYTHON=... picks the interpreter;
+# BUILD_TIMEOUT and TEST_TIMEOUT, in seconds, default 300 and 240, for a slower machine;
+# KERNEL_BUILD=direct builds as when ninja is missing; CHECK_DIR=dir works there and keeps it, so
+# a second run reuses its builds)
+# --as runs it all as an AVX2-only (a Zen 3's flags) or an AVX-VNNI machine (an Alder Lake's)
+# would: $DYNASPEC_CPU_FLAGS (dynaspec/cpu_features.py) masks this CPU's flags, so the build and
+# the paths selected are an AVX2 machine's, the paths the mask withholds run emulated, and the
+# summary says what the masked machine itself selects (its avx_vnni is emulated on a CPU without
+# it). Flags can only be withheld, never added: nothing runs that this CPU lacks.
 set -u
+AS=""
+if [ "${1:-}" = "--as" ]; then
+  case "${2:-}" in
+    avx2) AS=zen3 ;;
+    avx_vnni) AS=alder_lake ;;
+    *) echo "usage: $0 [--as avx2|avx_vnni]" >&2; exit 2 ;;
+  esac
+fi
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 PY="${PYTHON:-$(command -v python3 || command -v python)}"
-WORK="$(mktemp -d "${TMPDIR:-/tmp}/dynaspec-cpu-check.XXXXXX")"
+if [ -n "${CHECK_DIR:-}" ]; then
+  WORK="$CHECK_DIR"
+  rm -rf "$WORK/src"
+else
+  WORK="$(mktemp -d "${TMPDIR:-/tmp}/dynaspec-cpu-check.XXXXXX")"
+fi
 START=$(date +%s)
 mkdir -p "$WORK/src"
 cp -r "$ROOT/dynaspec" "$ROOT/tests" "$ROOT/pyproject.toml" "$WORK/src/"
@@ -23,6 +42,10 @@ find "$WORK/src" -name "_cpu_kernels*.so" -delete  # a module built elsewhere: t
 cd "$WORK/src" || exit 1
 export PYTHONPATH="$WORK/src" DYNASPEC_CACHE_DIR="$WORK/cache" PYTHONDONTWRITEBYTECODE=1
 export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
+if [ -n "$AS" ]; then
+  DYNASPEC_CPU_FLAGS="$("$PY" -c "from tests.unit.recorded_cpus import CPUS; print(CPUS['$AS'])")"
+  export DYNASPEC_CPU_FLAGS
+fi
 
 echo "== CPU"
 grep -m1 "model name" /proc/cpuinfo
@@ -30,6 +53,9 @@ grep -m1 "^flags" /proc/cpuinfo
 "$PY" - <<'EOF'
 from dynaspec import cpu_features as cf
 sel = cf.select(cf.cpu_flags())
+if cf.masked_as() is not None:
+    print(f"masked by {cf.MASK_ENV}: that CPU selects",
+          ", ".join(f"{k}={v}" for k, v in cf.masked_as().chosen.items()))
 print("vector flags:", " ".join(sorted(f for f in sel.flags if f.startswith(("avx", "amx", "fma", "f16c")))))
 print("selected:", ", ".join(f"{k}={v}" for k, v in sel.chosen.items()))
 print("compiler options:", " ".join(sel.compiler_options()) or "(none)")
@@ -123,7 +149,8 @@ from dynaspec import cpu_features as cf
 work, rc, seconds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 model = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
 sel = cf.select(cf.cpu_flags())
-summary = {"cpu": model, "vector_flags": sorted(f for f in sel.flags if f.startswith(("avx", "amx", "fma", "f16c"))),
+summary = {"cpu": model, "masked_as": cf.masked_as().chosen if cf.masked_as() else None,
+           "vector_flags": sorted(f for f in sel.flags if f.startswith(("avx", "amx", "fma", "f16c"))),
            "selected": sel.chosen, "pytest_exit": rc, "seconds": seconds}
 try:
     summary["build"] = json.load(open(os.path.join(work, "build.json")))
@@ -162,5 +189,5 @@ print("CPU KERNEL CHECK:", "OK" if summary["ok"] else "FAILED")
 sys.exit(0 if summary["ok"] else 1)
 EOF
 STATUS=$?
-rm -rf "$WORK"
+[ -n "${CHECK_DIR:-}" ] || rm -rf "$WORK"
 exit "$STATUS"

@@ -323,24 +323,35 @@ def _isolated_cost_cache(tmp_path_factory):
 
 
 def pytest_terminal_summary(terminalreporter):
-    """Per C++ kernel path, how its tests ran in this session: natively, emulated (SIMDe), both,
-    or not at all (tests/kernel_modes.py records them; silent where no kernel test ran)."""
+    """Per C++ kernel path, how many of its test cases ran natively and emulated (SIMDe), or
+    that none ran (tests/kernel_modes.py counts them; silent where no kernel test ran); under
+    $DYNASPEC_CPU_FLAGS, also what the masked CPU would select."""
     import sys
 
     modes = sys.modules.get("tests.kernel_modes")
     if modes is None or not modes.RAN:
         return
-    from dynaspec import cpu_features
+    from dynaspec import cpu_features, cpu_kernels
 
     terminalreporter.section("kernel paths: how their tests ran")
+    masked = cpu_features.masked_as()
+    if masked is not None:
+        here = cpu_kernels.selection().chosen
+        terminalreporter.write_line(
+            f"  CPU masked by {cpu_features.MASK_ENV}; that CPU selects "
+            + ", ".join(f"{k}={v}" + ("" if here[k] == v else f" (here {here[k]})")
+                        for k, v in masked.chosen.items()))
     table = {}
     for kernel, paths in cpu_features.KERNELS.items():
         if kernel == "build":
             continue
         for p in paths:
             name = f"{kernel}.{p.name}"
-            table[name] = [m for m in ("native", "emulated") if m in modes.RAN.get(name, ())]
-            terminalreporter.write_line(f"  {name:<26} {' and '.join(table[name]) or 'NOT RUN'}")
+            counts = modes.RAN.get(name, {})
+            table[name] = {m: counts.get(m, 0) for m in ("native", "emulated")}
+            shown = ", ".join(f"{m} {n}" for m, n in table[name].items() if n) or "NOT RUN"
+            terminalreporter.write_line(f"  {name:<26} {shown}")
     if os.environ.get("DYNASPEC_KERNEL_PATHS_OUT"):  # scripts/cpu_kernel_check.sh's summary
         with open(os.environ["DYNASPEC_KERNEL_PATHS_OUT"], "w", encoding="utf-8") as f:
-            json.dump(table, f, indent=1)
+            json.dump({"masked_as": masked.chosen if masked else None, "paths": table}, f,
+                      indent=1)

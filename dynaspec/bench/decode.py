@@ -6,6 +6,18 @@ step cannot beat it on a machine that must stream every weight once per step.
 With --widths it times verify-shaped steps instead: the widths take turns step by step within
 each round, and each width's cost is reported as a ratio to width 1 formed round by round, with
 its spread, so one run's ratio can be told from noise and compared with the next run's.
+
+What made two runs disagree (docs/results/cpu-decode.md, 2-vCPU Zen 4 VM): (1) too few rounds:
+a step's time has a long right tail (width 1: 5th-95th percentile 4.4-6.3 ms at a 4.8 ms median),
+and the median ratio of 5 rounds varied by up to 14% between groups of rounds of one idle run,
+of 20 rounds by under 3%: so 30 rounds by default (a round's sample is the median of its steps,
+the ratio the median of the rounds') and a whole round of warm-up; (2) others' work beside the
+run (10-47% of the CPUs' time moved width 9's ratio by up to 25%): LoadMeter records it per
+shape and the report warns. Not removed: with under 1% load by others, width 9 ran at one of
+two levels (6.5 or 8.5 ms at ctx 128, width 1 ~4.2 vs 4.7) for seconds at a time, a whole run
+or part of one: compute-bound steps slowed by ~30%, memory-bound ones ~10%, which steal time
+does not show (another tenant on the host's cores, presumably). Within a run the rounds then
+agree (IQR +-2%), so compare runs with their step times, not their ratios alone.
 """
 
 from __future__ import annotations
@@ -18,6 +30,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from dynaspec.bench.machine import LoadMeter
 from dynaspec.bench.stats import paired_ratio
 from dynaspec.engine.llm_engine import LLMEngine
 from dynaspec.engine.step_recorder import StepTimes
@@ -204,11 +217,18 @@ def width_ratio(width_ms: Sequence[float], base_ms: Sequence[float]) -> WidthRat
     return WidthRatio(med, q1, q3, est.ratio, est.lo, est.hi, est.n)
 
 
+# Above these shares of the machine's time given to others during a run, its numbers are not an
+# idle machine's: the report says so.
+BUSY_WARN_PCT = 5.0
+STEAL_WARN_PCT = 2.0
+
+
 def run_widths(engine: LLMEngine, batches: list[int], contexts: list[int], widths: list[int],
-               rounds: int = 5, steps: int = 5) -> list[dict]:
+               rounds: int = 30, steps: int = 5) -> list[dict]:
     """Step time per (batch, context, width), the widths of one shape interleaved step by step
     (interleaved_times); a width's time is the median over rounds, its ratio to width 1 is
-    width_ratio over the same rounds (None where width 1 was not timed)."""
+    width_ratio over the same rounds (None where width 1 was not timed); each row also has
+    the machine's load by others while its shape ran (LoadMeter)."""
     p = engine.parts
     cc = engine.config.cache
     out = []
@@ -220,10 +240,12 @@ def run_widths(engine: LLMEngine, batches: list[int], contexts: list[int], width
                 )
                 for w in widths
             }
-            interleaved_times(fns, rounds=2, steps=1)  # warm-up: oneDNN primitives, caches
+            interleaved_times(fns, rounds=1, steps=steps)  # warm-up: oneDNN primitives, caches
+            meter = LoadMeter()
             samples = interleaved_times(fns, rounds, steps)
+            load = meter.read()
             for w in widths:
-                out.append(_width_row(b, c, w, samples[w], samples.get(1)))
+                out.append({**_width_row(b, c, w, samples[w], samples.get(1)), "load": load})
     return out
 
 
@@ -274,7 +296,22 @@ def report_widths(engine: LLMEngine, results: list[dict], bandwidth: float,
             f"{r['step_ms_iqr'][0]:.2f}-{r['step_ms_iqr'][1]:.2f} | {_ratio_cells(r['ratio'])} | "
             f"{limit_ms:.2f} |"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + load_warnings(results))
+
+
+def load_warnings(results: list[dict]) -> list[str]:
+    """A line per shape that ran beside others' work: its numbers are not an idle machine's."""
+    out = []
+    for r in results:
+        load = r.get("load")
+        if r["width"] != 1 or not load:
+            continue
+        if load["others_busy_pct"] > BUSY_WARN_PCT or load["steal_pct"] > STEAL_WARN_PCT:
+            out.append(f"warning: batch {r['batch']}, context {r['context_len']}: other "
+                       f"processes ran {load['others_busy_pct']:.1f}% and the hypervisor took "
+                       f"{load['steal_pct']:.1f}% of the CPUs' time: not an idle machine, "
+                       f"rerun before comparing")
+    return out
 
 
 def _ratio_cells(ratio: dict | None) -> str:

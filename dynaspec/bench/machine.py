@@ -43,10 +43,14 @@ def machine_record(device: torch.device | None = None) -> dict:
     for them and whether the kernels are loaded, torch's version, dispatch and threads, the git
     commit; the GPU's name where `device` is a CUDA device."""
     sel = cpu_kernels.selection()
+    mask = cpu_features.mask()
     record = {
         "cpu_model": cpu_features.cpu_model_name() or platform.processor() or None,
         "machine": platform.machine(),
         "cpu_flags": sorted(sel.flags),
+        # $DYNASPEC_CPU_FLAGS: the CPU was masked as another (cpu_features.mask), so its paths
+        # are that CPU's, not this one's
+        "cpu_flags_mask": None if mask is None else sorted(mask),
         "kernel_paths": dict(sel.chosen),
         # loaded() never builds: a run that never needed the kernels says so instead of paying
         # a build here.
@@ -60,3 +64,39 @@ def machine_record(device: torch.device | None = None) -> dict:
         record["gpu"] = torch.cuda.get_device_name(device)
     return record
 
+
+
+def _cpu_ticks() -> tuple[int, int, int] | None:
+    """(all, idle, stolen) clock ticks of every CPU since boot (/proc/stat); None off Linux."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            v = [int(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    return sum(v), v[3] + v[4], v[7]  # idle + iowait; steal
+
+
+def _own_ticks() -> float:
+    t = os.times()
+    return (t.user + t.system) * os.sysconf("SC_CLK_TCK")
+
+
+class LoadMeter:
+    """How busy the machine was with others' work while a benchmark ran: the share of all CPUs'
+    time the hypervisor gave elsewhere (steal) and the share other processes ran (busy time not
+    this process's). A run whose numbers disagree with the next one's can then be told apart
+    from one that ran beside a neighbour. The tick readers are parameters for the tests."""
+
+    def __init__(self, ticks=_cpu_ticks, own=_own_ticks) -> None:
+        self._ticks, self._own = ticks, own
+        self.start, self.own = ticks(), own()
+
+    def read(self) -> dict | None:
+        """{"steal_pct", "others_busy_pct"} since the meter started; None off Linux."""
+        end = self._ticks()
+        if self.start is None or end is None or end[0] <= self.start[0]:
+            return None
+        total, idle, steal = (e - s for e, s in zip(end, self.start))
+        others = total - idle - steal - (self._own() - self.own)
+        return {"steal_pct": round(100 * steal / total, 2),
+                "others_busy_pct": round(100 * max(others, 0) / total, 2)}

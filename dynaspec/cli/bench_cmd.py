@@ -26,7 +26,8 @@ def register(sub) -> None:
         "round: median, IQR and 95%% CI over --rounds",
     )
     d.add_argument(
-        "--rounds", type=int, default=5, help="rounds of the --widths sweep (default: 5)"
+        "--rounds", type=int, default=30, help="rounds of the --widths sweep (default: 30; "
+        "on an idle 2-vCPU VM the ratio of 5 rounds varied by up to 14%%, of 20 by <= 3%%)"
     )
     d.add_argument("--steps", type=int, default=5,
                    help="steps per width in each round of the --widths sweep; a round's "

@@ -9,8 +9,8 @@ import subprocess
 import pytest
 
 from dynaspec import cpu_features, cpu_kernels
-from dynaspec.bench.decode import interleaved_times, width_ratio
-from dynaspec.bench.machine import git_commit, machine_record
+from dynaspec.bench.decode import interleaved_times, load_warnings, width_ratio
+from dynaspec.bench.machine import LoadMeter, git_commit, machine_record
 from dynaspec.cli.main import main
 
 
@@ -83,6 +83,28 @@ def test_the_machine_record_names_cpu_flags_kernel_paths_commit_and_torch():
         assert isinstance(rec["git"]["dirty"], bool)
 
 
+def test_the_load_meter_counts_steal_and_others_work_but_not_its_own():
+    # /proc/stat's (all, idle, steal) ticks of both CPUs, and this process's ticks, at the
+    # start and at the read: 1,000 ticks passed, 500 idle, 20 stolen, 300 this process's own.
+    ticks = iter([(10_000, 4_000, 100), (11_000, 4_500, 120)])
+    own = iter([50.0, 350.0])
+    load = LoadMeter(ticks=lambda: next(ticks), own=lambda: next(own)).read()
+    assert load == {"steal_pct": 2.0, "others_busy_pct": 18.0}
+    assert LoadMeter(ticks=lambda: None, own=lambda: 0.0).read() is None  # not Linux
+
+
+def test_a_run_beside_others_work_is_flagged_and_an_idle_one_is_not():
+    def row(width: int, busy: float, steal: float = 0.0) -> dict:
+        return {"batch": 1, "context_len": 128, "width": width,
+                "load": {"others_busy_pct": busy, "steal_pct": steal}}
+
+    assert load_warnings([row(1, 1.0), row(9, 1.0)]) == []
+    warned = load_warnings([row(1, 12.5), row(9, 12.5)])  # one line per shape, not per width
+    assert len(warned) == 1 and "other processes ran 12.5%" in warned[0]
+    assert len(load_warnings([row(1, 0.0, steal=3.0)])) == 1
+    assert load_warnings([{**row(1, 0.0), "load": None}]) == []  # no /proc/stat: no claim
+
+
 def test_outside_a_checkout_there_is_no_commit(tmp_path):
     assert git_commit(str(tmp_path)) is None
 
@@ -103,6 +125,8 @@ def test_bench_decode_widths_reports_ratios_with_spread_and_the_machine(tiny_lla
     assert rows[0]["ratio"]["median"] == pytest.approx(1.0)
     assert data["machine"]["kernel_paths"] == cpu_kernels.selection().chosen
     assert data["machine"]["cpu_flags"] == sorted(cpu_features.cpu_flags())
+    load = rows[0]["load"]  # the machine's load by others while the shape ran (Linux)
+    assert load is None or 0 <= load["others_busy_pct"] <= 100 and load["steal_pct"] >= 0
 
     assert main(_bench(tiny_llama_dir, "--widths", "1,2")) == 0
     text = capsys.readouterr().out

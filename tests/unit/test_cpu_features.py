@@ -33,13 +33,33 @@ def _flags(name: str) -> cf.Flags:
     return cf.parse_cpuinfo(cpuinfo(name))
 
 
-def test_cpuinfo_flags_are_read_from_the_flags_line(tmp_path):
+def test_cpuinfo_flags_are_read_from_the_flags_line(tmp_path, monkeypatch):
+    monkeypatch.delenv(cf.MASK_ENV, raising=False)  # (a masked run of the suite)
     assert "avx512_vnni" in _flags("zen4") and "avx_vnni" not in _flags("zen4")
     f = tmp_path / "cpuinfo"
     f.write_text(cpuinfo("alder_lake"))
     assert cf.cpu_flags(str(f)) == _flags("alder_lake")
     assert cf.cpu_flags(str(tmp_path / "absent")) == frozenset()  # unreadable: scalar everywhere
     assert cf.select(frozenset()).chosen == EXPECTED["sandy_bridge"]
+
+
+@pytest.mark.parametrize("masked_as", ["zen3", "alder_lake"])
+def test_a_mask_withholds_flags_but_never_adds_one(masked_as, tmp_path, monkeypatch):
+    """A Zen 4 masked as an AVX2-only (Zen 3) or an AVX-VNNI (Alder Lake) machine runs what an
+    AVX2-only machine runs: the mask's avx_vnni, which the Zen 4 lacks, is never taken up, but
+    masked_as() says what the masked CPU itself would select."""
+    f = tmp_path / "cpuinfo"
+    f.write_text(cpuinfo("zen4"))
+    monkeypatch.setenv(cf.MASK_ENV, ",".join(sorted(_flags(masked_as))))
+    flags = cf.cpu_flags(str(f))
+    assert flags == _flags("zen4") & _flags(masked_as)
+    assert "avx_vnni" not in flags and "avx512f" not in flags
+    assert cf.select(flags).chosen == EXPECTED["zen3"]
+    assert cf.masked_as().chosen == EXPECTED[masked_as]
+    monkeypatch.setenv(cf.MASK_ENV, "avx avx2,  fma f16c")  # spaces or commas
+    assert cf.cpu_flags(str(f)) == frozenset({"avx", "avx2", "fma", "f16c"})
+    monkeypatch.delenv(cf.MASK_ENV)
+    assert cf.cpu_flags(str(f)) == _flags("zen4") and cf.masked_as() is None
 
 
 @pytest.mark.parametrize("cpu", sorted(CPUS))

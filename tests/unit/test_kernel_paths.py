@@ -83,3 +83,32 @@ def test_only_this_cpus_paths_can_be_withheld_and_the_selection_comes_back():
             assert int8_dot.ISA_NAMES[mod.int8_gemm_isa()] != chosen
     assert ext.cpu_paths() == before
     assert int8_dot.ISA_NAMES[ext.int8_gemm_isa()] == chosen
+
+
+def _force_int8(path: str):
+    w = quantize_int4(torch.randn(64, 128, generator=torch.Generator().manual_seed(3)))
+    return Int8DotLinear(w, None)(torch.randn(2, 128), path=path)
+
+
+def _force_attention(path: str):
+    from .test_cpu_paged_paths import _attend
+
+    return _attend("decodes", torch.float32, path=path)
+
+
+@pytest.mark.parametrize("kernel,force", [("int8_gemm", _force_int8),
+                                          ("attention", _force_attention)])
+def test_a_path_this_cpu_lacks_is_refused_in_python_before_the_kernel_runs(kernel, force):
+    """This CPU's own selection, not a patched one: under $DYNASPEC_CPU_FLAGS (an AVX2-only or
+    AVX-VNNI machine on a Zen 4) every path the mask withholds is refused by PathUnavailable, a
+    Python error raised before the C++ call (the kernel's own refusal is a RuntimeError), so on
+    the machine itself it could never reach an instruction the CPU lacks."""
+    sel = cpu_kernels.selection()
+    for p in cf.KERNELS[kernel]:
+        lacking = cf.missing(p, sel.flags, sel.build.flags)
+        if lacking:
+            with pytest.raises(cf.PathUnavailable, match=f"'{p.name}' needs CPU flags "
+                                                         f"{', '.join(lacking)}"):
+                force(p.name)
+        else:
+            assert force(p.name) is not None
