@@ -19,12 +19,17 @@ inline int64_t tree_chain_pos(int64_t pos, int64_t step0, const uint8_t* visible
   return step0 + depth;
 }
 
-// f(k) for each key the tree row sees, in key order.
+// The first key a tree row sees: its window's start, counted in chain positions (0 without one).
+inline int64_t tree_first_key(int64_t pos, int64_t step0, const uint8_t* visible,
+                              int64_t window) {
+  if (window <= 0) return 0;
+  return std::max<int64_t>(0, tree_chain_pos(pos, step0, visible) - window + 1);
+}
+
+// f(k) for each key the tree row sees, in key order, from `lo` (tree_first_key) on.
 template <typename F>
-inline void for_tree_keys(int64_t pos, int64_t step0, const uint8_t* visible, int64_t window,
+inline void for_tree_keys(int64_t pos, int64_t step0, const uint8_t* visible, int64_t lo,
                           F&& f) {
-  const int64_t c = tree_chain_pos(pos, step0, visible);
-  const int64_t lo = window > 0 ? std::max<int64_t>(0, c - window + 1) : int64_t{0};
   for (int64_t k = lo; k < step0; ++k) f(k);
   int64_t at = step0;  // the chain position of the next visible step row
   for (int64_t k = step0; k <= pos; ++k) {
@@ -42,12 +47,13 @@ inline void softmax_tree_row(float* srow, int64_t Ct, int64_t pos, int64_t step0
                              const uint8_t* visible, int64_t window, std::vector<float>& packed,
                              Softmax&& softmax) {
   packed.resize(pos + 1);
+  const int64_t lo = tree_first_key(pos, step0, visible, window);  // once: both passes use it
   int64_t n = 0;
-  for_tree_keys(pos, step0, visible, window, [&](int64_t k) { packed[n++] = srow[k]; });
+  for_tree_keys(pos, step0, visible, lo, [&](int64_t k) { packed[n++] = srow[k]; });
   softmax(packed.data(), n);
   std::fill(srow, srow + Ct, 0.f);
   n = 0;
-  for_tree_keys(pos, step0, visible, window, [&](int64_t k) { srow[k] = packed[n++]; });
+  for_tree_keys(pos, step0, visible, lo, [&](int64_t k) { srow[k] = packed[n++]; });
 }
 
 }  // namespace
