@@ -26,6 +26,7 @@ from dynaspec.engine.client import EngineClient, EngineUnavailable
 from dynaspec.metrics.log_line import PeriodicLogger
 from dynaspec.metrics.stats import RequestSpecSummary
 from dynaspec.outputs import RequestTimings
+from dynaspec.server.request_outcomes import RequestOutcomes
 
 log = logging.getLogger("dynaspec.server")
 
@@ -89,6 +90,7 @@ class AsyncEngine:
         self._accepting = True
         self._stop = False
         self.num_aborted = 0  # requests aborted while still in the engine (engine thread writes)
+        self.outcomes = RequestOutcomes()  # every request queued ends here once (/metrics)
         self.state: dict = {}  # published by the engine thread after each round, read by /health
         ready: Future = Future()
         self._thread = threading.Thread(target=self._main, args=(build, ready),
@@ -249,6 +251,8 @@ class AsyncEngine:
         records = _step_records(step, outs, self._streams)
         batches: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outs:
+            if out.finished:
+                self.outcomes.add(out.finish_reason)
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue  # aborted by its client meanwhile
@@ -275,6 +279,7 @@ class AsyncEngine:
     def _abort(self, request_id: str, reason: str, error: str | None = None) -> None:
         if self.engine.abort_request(request_id):
             self.num_aborted += 1
+            self.outcomes.add(reason)
         if request_id in self._streams:
             self._deliver_final(request_id, reason, error)
         self._observe()
