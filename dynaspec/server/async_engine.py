@@ -27,6 +27,7 @@ from dynaspec.metrics.log_line import PeriodicLogger
 from dynaspec.metrics.stats import RequestSpecSummary
 from dynaspec.outputs import RequestTimings
 from dynaspec.server.request_outcomes import RequestOutcomes
+from dynaspec.server.request_timeline import RequestTimeline
 
 log = logging.getLogger("dynaspec.server")
 
@@ -62,6 +63,7 @@ class RequestStream:
         self.finished = False  # set by the consumer once it has read the final delta
         self.want_steps = False  # deltas carry their step's record (stream_options extension)
         self._logprobs_sent = 0  # engine thread only
+        self.added_at = 0.0  # when the engine thread ran its add (time.monotonic())
 
     async def get(self) -> OutputDelta | None:
         """The next delta; None when the client disconnected (put by the SSE response)."""
@@ -91,6 +93,7 @@ class AsyncEngine:
         self._stop = False
         self.num_aborted = 0  # requests aborted while still in the engine (engine thread writes)
         self.outcomes = RequestOutcomes()  # every request queued ends here once (/metrics)
+        self.timeline = RequestTimeline.from_env()  # off unless DYNASPEC_REQUEST_TIMELINE is set
         self.state: dict = {}  # published by the engine thread after each round, read by /health
         ready: Future = Future()
         self._thread = threading.Thread(target=self._main, args=(build, ready),
@@ -163,6 +166,7 @@ class AsyncEngine:
 
         def add(engine: Any) -> None:
             engine.add_request(prompt, params, request_id)
+            stream.added_at = time.monotonic()
             self._streams[request_id] = stream
 
         try:
@@ -190,6 +194,8 @@ class AsyncEngine:
             except EngineUnavailable:
                 pass  # the thread ended meanwhile
         await asyncio.to_thread(self._thread.join, 30.0)
+        if self.timeline is not None:
+            self.timeline.close()
         # Data-parallel ranks stop here, inside the server's shutdown: uvicorn re-raises the
         # SIGTERM it caught once it returns, so code after `run()` never runs.
         engine = getattr(self, "engine", None)
@@ -237,7 +243,7 @@ class AsyncEngine:
 
     def _step(self) -> bool:
         """One engine step and its deliveries; False when it could schedule nothing."""
-        before = self.engine.progress()
+        before, start = self.engine.progress(), time.monotonic()
         try:
             outs = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - step() already isolates runner failures
@@ -248,6 +254,8 @@ class AsyncEngine:
         # A prefill chunk or an async launch returns nothing yet but is progress.
         progressed = bool(outs) or self.engine.progress() != before
         step = self.engine.take_step()  # the step these outputs came from (None under DP)
+        if self.timeline is not None:
+            self.timeline.step(start, time.monotonic(), step, outs)
         records = _step_records(step, outs, self._streams)
         batches: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outs:
