@@ -1,4 +1,4 @@
-"""`dynaspec bench reliability --scenario {fuzz,overload,abort,soak,rank-kill,rank-stop}`.
+"""`dynaspec bench reliability --scenario S`: correctness under faults and load.
 
 Each scenario starts the server in this process on 127.0.0.1 (a free port; no traffic leaves
 the host), drives it over HTTP with bounded loops (a request count and a time limit), and ends
@@ -9,6 +9,8 @@ with the checks it exists for; the exit status is 1 when any check fails.
   divergence is reported, docs/design.md §9), the pool is whole afterwards.
 - abort: requests cut by their clients at random points (queued, in prefill, mid-stream,
   between verify steps): 0 leaked blocks and 0 leaked per-request state.
+- disconnect (reliability_disconnect.py): 500 streamed requests at c64, 5% of the clients leave
+  mid-stream: every other request completes, the pool is whole, /metrics accounts for all.
 - soak: fixed concurrency for a duration, mixed lengths, n-gram with a variable schedule:
   0 errors, RSS sampled every 10 s (slope reported), latency percentiles.
 - rank-kill / rank-stop (reliability_dp.py): 2 data-parallel ranks under streaming load, rank 1
@@ -24,7 +26,7 @@ from typing import Any
 
 from dynaspec.bench.local_server import LocalServer
 
-SCENARIOS = ("fuzz", "overload", "abort", "soak", "rank-kill", "rank-stop")
+SCENARIOS = ("fuzz", "overload", "abort", "disconnect", "soak", "rank-kill", "rank-stop")
 # Engine flags each scenario sets unless given on the command line (a flag left at its global
 # default counts as not given).
 SCENARIO_ENGINE: dict[str, dict[str, Any]] = {
@@ -32,6 +34,7 @@ SCENARIO_ENGINE: dict[str, dict[str, Any]] = {
     "overload": {"num_kv_blocks": 256, "max_model_len": 1024, "dtype": "float32"},
     "abort": {"speculator": "ngram", "num_spec_tokens": 4, "max_num_batched_tokens": 256,
               "max_num_seqs": 16, "num_kv_blocks": 512, "max_model_len": 2048},
+    "disconnect": {"num_kv_blocks": 2048, "max_model_len": 2048},
     "soak": {"speculator": "ngram", "k_schedule": "[[1, 8, 4], [9, 32, 2], [33, null, 1]]",
              "num_kv_blocks": 2048, "max_model_len": 2048},
     "rank-kill": {"data_parallel_size": 2, "speculator": "ngram", "num_spec_tokens": 3,
@@ -52,11 +55,11 @@ def register(bsub: Any) -> None:
     p.add_argument("--scenario", choices=SCENARIOS, required=True)
     p.add_argument("--requests", type=int, default=None,
                    help="fuzz: least requests reaching the engine (2000); overload: concurrent "
-                        "requests (300); abort: requests aborted (1000); rank-kill/rank-stop: "
-                        "streamed requests (240)")
+                        "requests (300); abort: requests aborted (1000); disconnect: streamed "
+                        "requests (500); rank-kill/rank-stop: streamed requests (240)")
     p.add_argument("--duration", type=float, default=600.0, help="soak: seconds (default 600)")
     p.add_argument("--concurrency", type=int, default=64,
-                   help="soak, rank-kill, rank-stop: concurrent clients")
+                   help="soak, disconnect, rank-kill, rank-stop: concurrent clients")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     add_engine_args(p)
@@ -88,8 +91,8 @@ def run_scenario(scenario: str, engine_kwargs: dict, requests: int | None = None
     from dynaspec.bench import reliability_load as load
     from dynaspec.bench.reliability_fuzz import run_fuzz
 
-    default_n = {"fuzz": 2000, "overload": 300, "abort": 1000, "soak": 0, "rank-kill": 240,
-                 "rank-stop": 240}[scenario]
+    default_n = {"fuzz": 2000, "overload": 300, "abort": 1000, "disconnect": 500, "soak": 0,
+                 "rank-kill": 240, "rank-stop": 240}[scenario]
     n = default_n if requests is None else requests
     with LocalServer(engine_kwargs) as server:
         if scenario == "fuzz":
@@ -98,6 +101,10 @@ def run_scenario(scenario: str, engine_kwargs: dict, requests: int | None = None
             result = load.run_overload(server, engine_kwargs, n, seed, scale)
         elif scenario == "abort":
             result = load.run_abort(server, n, seed, scale=scale)
+        elif scenario == "disconnect":
+            from dynaspec.bench.reliability_disconnect import run_disconnect
+
+            result = run_disconnect(server, n, concurrency, seed, scale=scale)
         elif scenario in ("rank-kill", "rank-stop"):
             from dynaspec.bench.reliability_dp import run_rank_loss
 

@@ -34,6 +34,7 @@ from dynaspec.server.protocol import (
     TokenizeRequest,
     parse_body,
 )
+from dynaspec.server.request_outcomes import metrics_prefix
 from dynaspec.server.serving import OpenAIServing
 from dynaspec.structured.spellable import pattern_class
 
@@ -100,7 +101,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
     _install_error_handlers(app)
     app.include_router(_v1_router(serving, api_key, max_body_bytes))
     app.include_router(_tokenizer_router(serving, api_key, max_body_bytes))
-    _add_open_routes(app, async_engine)
+    _add_open_routes(app, async_engine, served_model_name)
     if ui:
         app.include_router(ui_router(async_engine, APIError, history))
     app.state.serving = serving
@@ -266,7 +267,7 @@ def _v1_router(serving: OpenAIServing, api_key: str | None, max_body_bytes: int)
     return router
 
 
-def _add_open_routes(app: FastAPI, async_engine: AsyncEngine) -> None:
+def _add_open_routes(app: FastAPI, async_engine: AsyncEngine, model_name: str) -> None:
     @app.get("/health", responses={503: {"description": "the engine has stopped (or no "
                                                         "data-parallel rank serves)",
                                          "content": {"application/json": {"schema": _OBJECT}}}})
@@ -289,6 +290,8 @@ def _add_open_routes(app: FastAPI, async_engine: AsyncEngine) -> None:
             raise APIError(404, "metrics are not enabled")
         with async_engine.metrics_lock:
             body = async_engine.metrics.render()
+        body += async_engine.outcomes.render(metrics_prefix(async_engine.metrics),
+                                             {"model_name": model_name})
         return Response(body, media_type=CONTENT_TYPE)
 
 

@@ -27,6 +27,8 @@ from dynaspec.metrics.log_line import PeriodicLogger
 from dynaspec.metrics.stats import RequestSpecSummary
 from dynaspec.outputs import RequestTimings
 from dynaspec.sampling_params import SamplingParams
+from dynaspec.server.request_outcomes import RequestOutcomes
+from dynaspec.server.request_timeline import RequestTimeline
 
 log = logging.getLogger("dynaspec.server")
 
@@ -64,6 +66,7 @@ class RequestStream:
         self.finished = False  # set by the consumer once it has read the final delta
         self.want_steps = False  # deltas carry their step's record (stream_options extension)
         self._logprobs_sent = 0  # engine thread only
+        self.added_at = 0.0  # when the engine thread ran its add (time.monotonic())
 
     async def get(self) -> OutputDelta | None:
         """The next delta; None when the client disconnected (put by the SSE response)."""
@@ -92,6 +95,8 @@ class AsyncEngine:
         self._accepting = True
         self._stop = False
         self.num_aborted = 0  # requests aborted while still in the engine (engine thread writes)
+        self.outcomes = RequestOutcomes()  # every request queued ends here once (/metrics)
+        self.timeline = RequestTimeline.from_env()  # off unless DYNASPEC_REQUEST_TIMELINE is set
         self.state: dict = {}  # published by the engine thread after each round, read by /health
         ready: Future = Future()
         self._thread = threading.Thread(target=self._main, args=(build, ready),
@@ -165,6 +170,7 @@ class AsyncEngine:
 
         def add(engine: EngineClient) -> None:
             engine.add_request(prompt, params, request_id)
+            stream.added_at = time.monotonic()
             self._streams[request_id] = stream
 
         try:
@@ -192,6 +198,8 @@ class AsyncEngine:
             except EngineUnavailable:
                 pass  # the thread ended meanwhile
         await asyncio.to_thread(self._thread.join, 30.0)
+        if self.timeline is not None:
+            self.timeline.close()
         # Data-parallel ranks stop here, inside the server's shutdown: uvicorn re-raises the
         # SIGTERM it caught once it returns, so code after `run()` never runs.
         engine = getattr(self, "engine", None)
@@ -239,7 +247,7 @@ class AsyncEngine:
 
     def _step(self) -> bool:
         """One engine step and its deliveries; False when it could schedule nothing."""
-        before = self.engine.progress()
+        before, start = self.engine.progress(), time.monotonic()
         try:
             outs = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - step() already isolates runner failures
@@ -250,9 +258,13 @@ class AsyncEngine:
         # A prefill chunk or an async launch returns nothing yet but is progress.
         progressed = bool(outs) or self.engine.progress() != before
         step = self.engine.take_step()  # the step these outputs came from (None under DP)
+        if self.timeline is not None:
+            self.timeline.step(start, time.monotonic(), step, outs)
         records = _step_records(step, outs, self._streams)
         batches: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outs:
+            if out.finished:
+                self.outcomes.add(out.finish_reason)
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue  # aborted by its client meanwhile
@@ -279,6 +291,7 @@ class AsyncEngine:
     def _abort(self, request_id: str, reason: str, error: str | None = None) -> None:
         if self.engine.abort_request(request_id):
             self.num_aborted += 1
+            self.outcomes.add(reason)
         if request_id in self._streams:
             self._deliver_final(request_id, reason, error)
         self._observe()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -68,6 +69,7 @@ class OpenAIServing:
 
     # ---- the endpoint --------------------------------------------------------------------------
     async def handle(self, request: Any, req: CompletionRequest | ChatCompletionRequest) -> Any:
+        marks = {"accept": time.monotonic()}  # the request timeline's (request_timeline.py)
         self.check_model(req.model)
         if (err := req.unsupported()) is not None:
             raise err
@@ -79,6 +81,7 @@ class OpenAIServing:
             else max(n, req.best_of or n)
         # Off the event loop: a prompt near the body limit takes a while to render and encode.
         all_ids = await asyncio.to_thread(prompts_ids, self.engine.tokenizer, req, tools)
+        marks["tokenized"] = time.monotonic()
         if len(all_ids) * n_gen > MAX_CHOICES:
             raise APIError(400, f"{len(all_ids)} prompts x {n_gen} choices is more than "
                            f"{MAX_CHOICES} sequences", "n")
@@ -103,18 +106,20 @@ class OpenAIServing:
         except BaseException:
             _abort_all(choices, self.engine)
             raise
+        marks["added"] = choices[0].stream.added_at
         want_lp = bool(req.logprobs) if chat else req.logprobs is not None
         fmt = Formatter(self.model_name, self._token_str, rid, chat, want_lp, tools)
         if req.stream:
             merged: asyncio.Queue = asyncio.Queue()
             usage = bool(req.stream_options and req.stream_options.include_usage)
-            events = self._events(choices, merged, fmt, params[0].stop, usage, tools)
+            events = self._events(choices, merged, fmt, params[0].stop, usage, tools, marks)
             return SSEResponse(events, on_disconnect=lambda: _cut(choices, merged, self.engine),
                                on_close=lambda: _abort_all(choices, self.engine))
         try:
             return await self._collect(request, choices, fmt, n)
         finally:
             _abort_all(choices, self.engine)
+            self._timeline(rid, marks)
 
     def _echo(self, req: CompletionRequest, p: int, ids: list[int]) -> str:
         prompt = req.prompt[p]
@@ -196,9 +201,14 @@ class OpenAIServing:
             usage.add(f.prompt_index, f.final, f.first)
         return fmt.response(_best(done, n), usage)
 
+    def _timeline(self, rid: str, marks: dict[str, float], **counts: int) -> None:
+        if self.engine.timeline is not None:
+            marks["done"] = time.monotonic()
+            self.engine.timeline.request(rid, marks, **counts)
+
     async def _events(self, choices: list[_Choice], merged: asyncio.Queue, fmt: Formatter,
-                      stops: tuple[str, ...], include_usage: bool,
-                      tools: ToolPlan | None) -> AsyncIterator[bytes]:
+                      stops: tuple[str, ...], include_usage: bool, tools: ToolPlan | None,
+                      marks: dict[str, float]) -> AsyncIterator[bytes]:
         async def pump(c: _Choice) -> None:
             while True:
                 delta = await c.get()
@@ -209,7 +219,7 @@ class OpenAIServing:
         pumps = [asyncio.ensure_future(pump(c)) for c in choices]
         texts = {c.index: TextTracker(stops) for c in choices}
         tool_streams = {c.index: ToolStream(tools) for c in choices} if tools else {}
-        usage, left = Usage(), len(choices)
+        usage, left, deltas, chunks = Usage(), len(choices), 0, 0
         try:
             for c in choices:
                 if fmt.chat:
@@ -230,10 +240,14 @@ class OpenAIServing:
                                             None, None, include_usage))
                     yield sse(_failure(delta).body())
                     break
+                deltas += 1
+                marks.setdefault("first_delta", time.monotonic())
                 chunk = self._chunk(fmt, c, delta, texts[c.index], tool_streams.get(c.index),
                                     include_usage)
                 if chunk is not None:
                     yield sse(chunk)
+                    chunks += 1
+                    marks.setdefault("first_write", time.monotonic())
                 if delta.finished:
                     left -= 1
                     usage.add(c.prompt_index, delta, c.first)
@@ -243,6 +257,7 @@ class OpenAIServing:
         finally:
             for t in pumps:
                 t.cancel()
+            self._timeline(fmt.rid, marks, deltas=deltas, chunks=chunks)
         yield b"data: [DONE]\n\n"
 
     @staticmethod

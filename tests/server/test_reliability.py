@@ -62,3 +62,12 @@ def test_soak_smoke(tiny_llama_dir):
     _assert_passed(result)
     assert result["requests"] > 0 and result["errors"] == 0
     assert len(result["rss_mb_samples"]) >= 2 and result["latency_s"]["p99"] is not None
+
+
+def test_disconnects_lose_nothing_and_metrics_account_for_all(tiny_llama_dir):
+    kw = _kwargs("disconnect", tiny_llama_dir, max_model_len=256, num_kv_blocks=256)
+    result = run_scenario("disconnect", kw, requests=60, concurrency=12, seed=6, scale=0.1)
+    _assert_passed(result)
+    assert result["cut_by_client"] == 3 and result["aborted_in_engine"] >= 1, result
+    assert result["completed"] == 57 and result["metrics_ended_by_reason"]["length"] >= 57
+    assert result["metrics_generation_tokens"] >= result["streamed_tokens"] == 57 * 32

@@ -34,9 +34,13 @@ def _fake_aiperf(tmp_path) -> str:
         url, out = a[a.index("--url") + 1], a[a.index("--output-artifact-dir") + 1]
         port = int(url.rsplit(":", 1)[1])
         os.makedirs(out, exist_ok=True)
+        conc = int(a[a.index("--concurrency") + 1])
         json.dump({{"output_token_throughput": {{"avg": port / 100}},
-                   "time_to_first_token": {{"p50": 100.0}}, "inter_token_latency": {{"p50": 20.0}},
-                   "request_count": {{"avg": 8}}, "error_request_count": {{"avg": 0}}}},
+                   "time_to_first_token": {{"p50": 100.0 * conc, "p99": 150.0 * conc}},
+                   "inter_token_latency": {{"p50": 20.0, "p99": 30.0}},
+                   "request_throughput": {{"avg": port / 1000}},
+                   "request_count": {{"avg": int(a[a.index("--request-count") + 1])}},
+                   "error_request_count": {{"avg": 0}}}},
                   open(os.path.join(out, "profile_export_aiperf.json"), "w"))
     '''))
     path.chmod(0o755)
@@ -53,6 +57,34 @@ def test_alternates_arms_and_reports_the_paired_ratio(tmp_path, capsys):
     text = capsys.readouterr().out
     runs = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
     assert [r["arm"] for r in runs] == ["a", "b", "a", "b"]
-    assert "B/A output throughput: 1.012x" in text
+    assert "- c16: output tok/s 1.01x [1.01, 1.01]" in text
     results = json.load(open(tmp_path / "out" / "results.json"))
     assert {r["output_tok_s"] for r in results["runs"]} == {83.91, 84.91}
+
+
+def test_each_concurrency_in_turn_into_one_markdown_table(tmp_path, capsys):
+    server = _fake_server(tmp_path)
+    md = tmp_path / "serving.md"
+    md.write_text("# Serving\n\nkept text\n")
+    argv = ["bench", "served", "--a", f"{sys.executable} {server} 8392",
+            "--b", f"{sys.executable} {server} 8{{concurrency}}92", "--port-a", "8392",
+            "--port-b", "8492", "--label-a", "ours", "--label-b", "theirs",
+            "--aiperf", _fake_aiperf(tmp_path), "--tokenizer", str(tmp_path), "--pairs", "1",
+            "--concurrency", "4", "--requests-per-client", "3", "--out", str(tmp_path / "out"),
+            "--start-timeout", "30", "--write-md", str(md)]
+    assert main(argv) == 0  # arm B's port comes from {concurrency}: 8492 only when replaced
+    argv[argv.index("4")] = "1"
+    b = argv.index("--b") + 1
+    argv[b] = argv[b].replace("8{concurrency}92", "8492")
+    assert main(argv) == 0  # a second concurrency into the same --out: both reported
+    results = json.load(open(tmp_path / "out" / "results.json"))
+    runs = {(r["concurrency"], r["arm"]): r for r in results["runs"]}
+    assert set(runs) == {(4, "a"), (4, "b"), (1, "a"), (1, "b")}
+    assert runs[(4, "a")]["requests_ok"] == 12 and runs[(1, "a")]["requests_ok"] == 3
+    assert runs[(4, "b")]["ttft_p99_ms"] == 600.0 and runs[(4, "b")]["request_per_s"] == 8.492
+    assert runs[(4, "a")]["cpu_s"]["wall (warm-up included)"] > 0
+    text = md.read_text()
+    assert text.startswith("# Serving\n\nkept text\n") and text.count("bench served: begin") == 1
+    assert "| 1 | ours | 83.9 | 8.39 | 100 / 150 | 20.0 / 30.0 | 0 | 1 |" in text
+    assert "| 4 | theirs | 84.9 | 8.49 | 400 / 600 |" in text
+    assert "- c4: output tok/s 1.01x" in text and "Command: `python -m dynaspec.cli.main" in text

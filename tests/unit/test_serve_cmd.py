@@ -1,4 +1,5 @@
-"""`dynaspec serve`'s engine threads: one core left to the HTTP side unless told otherwise."""
+"""`dynaspec serve`'s engine threads (one core left to the HTTP side unless told otherwise) and
+its token budget per step."""
 
 import argparse
 import logging
@@ -78,3 +79,24 @@ def test_no_ui_reaches_the_app(monkeypatch, argv, ui):
     with pytest.raises(_Stop):
         serve_cmd.run(args)
     assert seen["ui"] is ui
+
+
+@pytest.mark.parametrize("argv, budget", [
+    ([], serve_cmd.SERVE_TOKEN_BUDGET),  # no speculator: short prefill chunks beside decodes
+    (["--speculator", "ngram"], 2048),  # drafts count in the budget: the engine's default
+    (["--max-num-batched-tokens", "1024"], 1024),  # given: kept
+    (["--speculator", "ngram", "--max-num-batched-tokens", "256"], 256)])
+def test_serve_token_budget(monkeypatch, argv, budget):
+    from dynaspec.cli.main import build_parser
+
+    seen = {}
+
+    def build(name, metrics_prefix, **kw):
+        seen.update(kw)
+        raise _Stop
+
+    monkeypatch.setattr("dynaspec.server.api_server.build_async_engine", build)
+    args = build_parser().parse_args(["serve", "--model", "default", *argv])
+    with pytest.raises(_Stop):
+        serve_cmd.run(args)
+    assert seen["max_num_batched_tokens"] == budget
