@@ -153,8 +153,8 @@ class ModelRunner:
         got = draft_rows.propose(self.proposer, out, self.synthetic, self.grammar_drafter)
         drafts, probs = dict(got.tokens), dict(got.probs)  # cut below, before the rows exist
         # The step's trees that run as trees (worker/tree_step.py); the rest become chains.
-        trees = tree_step.admit(out, got.trees, probs, drafts, plain=self.synthetic is None
-                                and self.hidden_sink is None) if got.trees else {}
+        trees = tree_step.admit(out, got.trees, probs, drafts,
+                                plain=self.synthetic is None) if got.trees else {}
         t1 = time.perf_counter()
         num_real = {rid: len(d) for rid, d in drafts.items()}
         # Structured output: cut grammar-invalid drafts before they are verified (docs/design.md
@@ -211,15 +211,21 @@ class ModelRunner:
             return
         drafted = dict(p.inputs.sampling)  # scheduled index -> drafts verified
         ids, starts, positions, valid = [], [], [], []
+        rows: list[int] = []  # the verified rows; a tree's path is not its first rows
         o = 0
         for i, (s, q) in enumerate(zip(p.out.scheduled, p.inputs.query_lens)):
             if q > 0:
-                n = drafted.get(i)
-                ids.append(s.request.request_id)
-                starts.append(o)
+                rid = s.request.request_id
+                keep = tree_step.verified_rows(q, drafted.get(i), results[i].num_accepted_tokens,
+                                               results[i].tree_path if rid in p.trees else None)
+                ids.append(rid)
+                starts.append(len(rows) if p.trees else o)
                 positions.append(p.inputs.positions[o])
-                valid.append(q if n is None else q - n + results[i].num_accepted_tokens)
+                valid.append(len(keep))
+                rows.extend(o + r for r in keep)
             o += q
+        if p.trees:  # gathered, so each request's verified rows lie together from its start
+            hidden = hidden[torch.tensor(rows, dtype=torch.long, device=hidden.device)]
         self.hidden_sink.observe_hidden(HiddenStates(ids, starts, positions, valid, hidden))
 
     def _flatten(self, out: StepPlan, rows: DraftRows,
