@@ -379,8 +379,9 @@ class EngineConfig:
         # a tree's node budget is its row's draft cap, so holds, recaps and the agreed width
         # treat it as a chain of that many drafts. Only the drafter limits trees.
         if self.spec.draft_tree and self.spec.speculator not in ("ngram", "suffix", "hybrid"):
-            raise ValueError(f"--draft-tree needs --speculator ngram, suffix or hybrid, got "
-                             f"{self.spec.speculator!r}")
+            raise ValueError(f"--draft-tree needs --speculator ngram or suffix, got "
+                             f"{self.spec.speculator!r} (or hybrid: the EAGLE head and a lookup "
+                             "in one tree)")
 
     @staticmethod
     def parts() -> dict[str, type[DataclassInstance]]:
