@@ -109,8 +109,9 @@ class RequestStepSpec:
             return f"{self.num_forced_tokens} forced drafts of {d} valid draft tokens"
         if self.drafts_by_source:
             own = (d - self.num_forced_tokens, a - min(a, self.num_forced_tokens))
-            got = tuple(sum(x[i] for x in self.drafts_by_source) for i in (1, 2))
-            if got != own or any(not 0 <= x[2] <= x[1] for x in self.drafts_by_source):
+            got = (sum(n for _, n, _ in self.drafts_by_source),
+                   sum(a for _, _, a in self.drafts_by_source))
+            if got != own or any(not 0 <= a <= n for _, n, a in self.drafts_by_source):
                 return f"drafts by source {self.drafts_by_source} do not add up to {own}"
         if self.num_tree_nodes not in (0, d):
             return f"a tree of {self.num_tree_nodes} nodes but {d} valid draft tokens"

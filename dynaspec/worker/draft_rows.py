@@ -145,8 +145,9 @@ def _propose_drafter(proposer: Proposer | None, sched: list[ScheduledRequest],
             probs[rid] = drafts.probs[j] if drafts.probs is not None else None
             if drafts.from_fallback is not None and drafts.from_fallback[j]:
                 fallback.add(rid)
-            if drafts.sources is not None and drafts.sources[j]:
-                sources[rid] = tuple(drafts.sources[j][: len(d)])
+            labels = drafts.sources[j] if drafts.sources is not None else None
+            if labels:
+                sources[rid] = tuple(labels[: len(d)])
         else:
             skips[rid] = drafts.skip_reasons[j] or "no_match"
     return StepDrafts(tokens=tokens, probs=probs, skips=skips, trees=trees,
