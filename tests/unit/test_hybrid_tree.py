@@ -90,12 +90,21 @@ def test_merge_never_exceeds_the_budget(budget):
 
 
 def test_head_budget():
-    assert head_budget(8, 0, True) == 8  # no match: the head drafts it all
-    assert head_budget(8, 3, True) == 5  # the rest of the budget
-    assert head_budget(8, 8, True) == 1  # a full match: one guess beside it
-    assert head_budget(8, 3, False) == 0  # a chain: the lookup's alone
-    assert head_budget(0, 0, True) == 0
-    assert head_budget(1, 1, True) == 0  # one node: the lookup's
+    assert head_budget(8, 0, True, 3) == 3  # no match: the head, to the depth it chains
+    assert head_budget(2, 0, True, 3) == 2
+    assert head_budget(8, 6, True, 3) == 2  # past a short match: the rest of the budget
+    assert head_budget(8, 3, True, 3) == 3
+    assert head_budget(8, 8, True, 3) == 0  # a full match: the lookup's alone
+    assert head_budget(8, 3, False, 3) == 0  # a chain: the lookup's alone
+    assert head_budget(0, 0, True, 3) == 0
+
+
+def test_a_self_sizing_lookup_keeps_its_pricing():
+    lookup = _Fake({}, hidden=False)
+    lookup.sizes_own_drafts = True  # as suffix decoding declares
+    assert HybridTreeProposer(lookup, _Fake({}, hidden=True), "suffix").sizes_own_drafts
+    assert not HybridTreeProposer(_Fake({}, hidden=False), _Fake({}, hidden=True),
+                                  "ngram").sizes_own_drafts
 
 
 def test_propose_trees_chains_sources_and_skips():

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from dynaspec.config import EngineConfig
+from dynaspec.config import EAGLE_DEFAULT_K, EngineConfig
 from dynaspec.model_arch import ModelArchConfig
 from dynaspec.spec_decode.drafters.base import Proposer
 
@@ -136,4 +136,4 @@ def build_hybrid(config: EngineConfig, target: DrafterTarget) -> DrafterBuild:
              "token tree" if sc.draft_tree else "chain (lookup first: trees are off here)")
     return DrafterBuild(HybridTreeProposer(_lookup_chains(config, target),
                                            _eagle_head(config, target), sc.eagle_lookup,
-                                           tree=bool(sc.draft_tree)))
+                                           tree=bool(sc.draft_tree), head_depth=EAGLE_DEFAULT_K))
