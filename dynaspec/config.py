@@ -109,6 +109,9 @@ EAGLE_DEFAULT_K = 3  # drafts per step the shipped EAGLE head was trained for
 # costs it measured at start. 8: the widest verify that still paid at concurrency 1 on the
 # machines measured (verify(9) 1.5-1.6x a plain step: 9 tokens for the price of 1.6).
 LOOKUP_DEFAULT_K = 8
+# --speculator hybrid's lookup when --eagle-lookup names none: suffix decoding, as Arctic
+# Inference pairs it with a model speculator.
+HYBRID_DEFAULT_LOOKUP = "suffix"
 
 
 def parse_rates(value: object) -> tuple[float, ...]:
@@ -151,7 +154,8 @@ class SpecConfig:
     draft_head: str | None = opt(None, "EAGLE/EAGLE-3 head folder for --speculator eagle "
                                  "(default: the head shipped for --model default)", type=str)
     eagle_lookup: str = opt("none", "eagle: a lookup drafter tried first; the head drafts only "
-                            "where it finds nothing (none | ngram | suffix)", type=str)
+                            "where it finds nothing (none | ngram | suffix); hybrid: the "
+                            "lookup in the head's tree (default suffix)", type=str)
     prompt_lookup_min: int = opt(2, "shortest n-gram to match")
     prompt_lookup_max: int = opt(5, "longest n-gram to match")
     # Suffix decoding, with vLLM's meanings and defaults (suffix_decoding_*):
@@ -200,7 +204,9 @@ class SpecConfig:
         if self.speculator == "eagle" and self.num_spec_tokens == 0 and self.k_schedule is None:
             # The depth the shipped head was trained to draft, when the user names no K.
             object.__setattr__(self, "num_spec_tokens", EAGLE_DEFAULT_K)
-        if (self.speculator in ("ngram", "suffix") and self.num_spec_tokens == 0
+        if self.speculator == "hybrid" and self.eagle_lookup == "none":
+            object.__setattr__(self, "eagle_lookup", HYBRID_DEFAULT_LOOKUP)
+        if (self.speculator in ("ngram", "suffix", "hybrid") and self.num_spec_tokens == 0
                 and self.k_schedule is None):
             object.__setattr__(self, "num_spec_tokens", LOOKUP_DEFAULT_K)
         if self.speculator != "none" and self.num_spec_tokens == 0 and self.k_schedule is None:
@@ -209,9 +215,9 @@ class SpecConfig:
             raise ValueError(
                 f"eagle_lookup must be none, ngram or suffix, got {self.eagle_lookup!r}"
             )
-        if self.eagle_lookup != "none" and self.speculator != "eagle":
-            raise ValueError("--eagle-lookup applies to --speculator eagle only, got --speculator "
-                             f"{self.speculator}")
+        if self.eagle_lookup != "none" and self.speculator not in ("eagle", "hybrid"):
+            raise ValueError("--eagle-lookup applies to --speculator eagle or hybrid only, got "
+                             f"--speculator {self.speculator}")
         if self.speculator == "draft" and not self.draft_model:
             raise ValueError("--speculator draft needs --draft-model PATH")
         if (self.speculator == "oracle") != (self.oracle_recording is not None):
@@ -372,9 +378,10 @@ class EngineConfig:
         # Trees compose with async scheduling and data parallelism (docs/design.md §4c, §7b):
         # a tree's node budget is its row's draft cap, so holds, recaps and the agreed width
         # treat it as a chain of that many drafts. Only the drafter limits trees.
-        if self.spec.draft_tree and self.spec.speculator not in ("ngram", "suffix"):
+        if self.spec.draft_tree and self.spec.speculator not in ("ngram", "suffix", "hybrid"):
             raise ValueError(f"--draft-tree needs --speculator ngram or suffix, got "
-                             f"{self.spec.speculator!r}")
+                             f"{self.spec.speculator!r} (or hybrid: the EAGLE head and a lookup "
+                             "in one tree)")
 
     @staticmethod
     def parts() -> dict[str, type[DataclassInstance]]:

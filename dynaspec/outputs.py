@@ -30,6 +30,9 @@ class RequestResult:
     num_async_invalid_tokens: int = 0  # budgeted slots invalid under async ("async_placeholder")
     drafts_from_fallback: bool = False  # its drafts came from the drafter's fallback (a head)
     num_forced_tokens: int = 0  # of its valid drafts, the first ones its grammar forced (§4d)
+    # (source, drafts verified, accepted) for a drafter that labels its drafts (the hybrid's
+    # "eagle" / "ngram" / "suffix"); (): all of them its drafter's
+    drafts_by_source: tuple[tuple[str, int, int], ...] = ()
     num_tree_nodes: int = 0  # its drafts were a tree of this many nodes (0: a chain)
     tree_depth: int = 0  # ... whose longest root path had this many nodes
     tree_path: tuple[int, ...] | None = None  # the accepted nodes of its tree (runner-internal)

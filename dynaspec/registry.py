@@ -70,6 +70,9 @@ SPECULATORS = Registry("speculator", [
           "dynaspec.spec_decode.drafters.drafters:build_suffix"),
     Entry("eagle", "an EAGLE/EAGLE-3 head on the target's hidden states (--draft-head)",
           "dynaspec.spec_decode.drafters.drafters:build_eagle"),
+    Entry("hybrid", "the EAGLE head and a lookup drafter (--eagle-lookup, default suffix) in one "
+          "token tree: the lookup's copies where it matches, the head's guesses elsewhere",
+          "dynaspec.spec_decode.drafters.drafters:build_hybrid"),
     Entry("oracle", "replay the target's recorded output (--oracle-recording): the ceiling "
           "speculation could reach; bench and tests only, the server refuses it",
           "dynaspec.spec_decode.drafters.oracle:build_oracle"),

@@ -38,6 +38,13 @@ def _spec_total(recs: list[RunRecord]) -> dict | None:
     ]
     busy = tot["draft_seconds"] + tot["verify_seconds"]
     tot["draft_share"] = tot["draft_seconds"] / busy if busy else None
+    for name in ("num_tree_drafts", "num_tree_nodes", "num_tree_accepted_tokens"):
+        tot[name] = sum(s.get(name, 0) for s in specs)
+    for name in ("draft_tokens_by_source", "accepted_tokens_by_source"):
+        tot[name] = {}
+        for s in specs:
+            for src, n in (s.get(name) or {}).items():
+                tot[name][src] = tot[name].get(src, 0) + n
     return tot
 
 
@@ -201,6 +208,16 @@ def markdown_report(report: dict, arm_names: Sequence[str]) -> str:
             f"({_num(sp['draft_share'], '.1%')}) | {by_k} | "
             f"{c['draft_skips'] or '-'} |"
         )
+    for n in arm_names:  # drafters that label drafts by source (--speculator hybrid), trees
+        sp = (report.get(n) or {}).get("spec") or {}
+        acc, dra = sp.get("accepted_tokens_by_source") or {}, sp.get("draft_tokens_by_source")
+        if dra and set(dra) != {"drafter"}:
+            lines.append(f"\narm {n}: accepted / drafted tokens by source: " + ", ".join(
+                f"{src} {acc.get(src, 0)} / {d}" for src, d in sorted(dra.items())))
+        if sp.get("num_tree_drafts"):
+            lines.append(f"\narm {n}: {sp['num_tree_drafts']} drafts verified as trees "
+                         f"({sp['num_tree_nodes']} nodes, {sp['num_tree_accepted_tokens']} "
+                         "accepted)")
     lines += [
         "",
         "| arm | steps by execution path/width | compile/capture s per shape |",

@@ -352,12 +352,23 @@ def _k_policy(config: EngineConfig, plan: SpecPlan, model: LlamaModel, kv_caches
                                prices_fallback=proposer.has_fallback,
                                prices_grammar=sc.grammar_drafts,
                                # trees run as trees only under strict verification (tree_step)
-                               drafts_trees=proposer.drafts_trees and sc.lossless)
+                               drafts_trees=proposer.drafts_trees and sc.lossless,
+                               draft_cost_prior=_draft_cost(proposer, name))
     # Only widths the plan produces, so the policy never steps off the execution plan's grid.
     policy = make_policy(plan, name, cost_model=cost, allowed_widths=plan.policy_widths,
                          settings=settings)
     log.info("%s; plan as run: %s", info.describe(), plan.summary())
     return policy, plan, info
+
+
+def _draft_cost(proposer: Proposer, policy: str) -> float:
+    """The drafter's start-up measurement of its cost per drafted token (0: none), for the
+    goodput policy only (the others do not price drafting)."""
+    cost = proposer.measure_draft_cost() if policy == "goodput" else None
+    if cost is not None:
+        log.info("drafter: %.3f ms per drafted token at batch 1 (start-up measurement; served "
+                 "drafting steps replace it)", cost * 1e3)
+    return cost or 0.0
 
 
 def _step_cost_model(config: EngineConfig, model: LlamaModel, kv_caches: list[torch.Tensor],

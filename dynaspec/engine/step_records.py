@@ -42,7 +42,8 @@ def request_spec(r: RequestResult, num_emitted: int) -> RequestStepSpec:
     skip = r.skip_reason if not r.num_draft_tokens and not invalid else None
     return RequestStepSpec(r.request_id, r.num_draft_tokens, r.num_accepted_tokens, num_emitted,
                            skip, invalid, num_tree_nodes=r.num_tree_nodes,
-                           num_forced_tokens=r.num_forced_tokens)
+                           num_forced_tokens=r.num_forced_tokens,
+                           drafts_by_source=r.drafts_by_source)
 
 
 def orphan_spec(s: ScheduledRequest, r: RequestResult, k: int | None) -> RequestStepSpec | None:

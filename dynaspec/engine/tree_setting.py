@@ -17,7 +17,8 @@ from dynaspec.model_arch import ModelArchConfig
 
 log = logging.getLogger("dynaspec")
 
-TREE_SPECULATORS = ("ngram", "suffix")
+TREE_SPECULATORS = ("ngram", "suffix", "hybrid")
+TREES_BY_DEFAULT = ("hybrid",)  # drafters whose point is the tree: trees unless told otherwise
 
 
 def model_window(arch: ModelArchConfig) -> int | None:
@@ -31,8 +32,9 @@ def resolve_draft_tree(spec: SpecConfig, arch: ModelArchConfig, attn: AttentionB
     will call (after any swap the model makes). ValueError for an explicit --draft-tree that
     this model and backend cannot verify."""
     explicit = spec.draft_tree is not None
-    wanted = spec.draft_tree if explicit else (DRAFT_TREE_DEFAULT
-                                               and spec.speculator in TREE_SPECULATORS)
+    wanted = spec.draft_tree if explicit else (
+        spec.speculator in TREES_BY_DEFAULT
+        or (DRAFT_TREE_DEFAULT and spec.speculator in TREE_SPECULATORS))
     if not wanted:
         return False
     name = getattr(attn, "name", type(attn).__name__)

@@ -12,7 +12,8 @@ counters, so the two always agree):
   _steps{k} (k="0" included; steps with speculation off are not counted here),
   _draft_skips{reason}, _invalid_draft_tokens{reason},
   _num_draft_tokens_by_source{source}, _num_accepted_tokens_by_source{source} (source="grammar":
-  drafts a request's grammar forced, docs/design.md §4d; "drafter": its drafter's),
+  drafts a request's grammar forced, docs/design.md §4d; "drafter": its drafter's; under
+  --speculator hybrid "eagle" / "ngram" / "suffix": the head's branch or the lookup's chain),
   _draft_seconds, _verify_seconds, _scheduler_seconds.
 Token trees (docs/design.md §4c; request-steps whose drafts were a tree verified as one):
   counters spec_decode_tree_steps (engine steps with >= 1 tree), _num_tree_drafts,
@@ -137,7 +138,8 @@ _DOCS = {
     "spec_decode_draft_skips": "Request-steps without a valid draft, by reason.",
     "spec_decode_invalid_draft_tokens": "Draft tokens excluded as invalid, by reason.",
     "spec_decode_num_draft_tokens_by_source": "Valid draft tokens verified, by source (grammar: "
-                                              "forced by the request's grammar; drafter).",
+                                              "forced by the request's grammar; drafter; "
+                                              "--speculator hybrid: eagle, ngram or suffix).",
     "spec_decode_num_accepted_tokens_by_source": "Draft tokens accepted, by source.",
     "spec_decode_tree_steps": "Engine steps that verified >= 1 draft token tree.",
     "spec_decode_num_tree_drafts": "Request-steps whose drafts were a tree verified as one.",

@@ -80,6 +80,9 @@ class RequestStepSpec:
     invalid_draft_tokens: Mapping[str, int] = NO_COUNTS
     num_tree_nodes: int = 0  # its drafts were a tree of this many nodes, verified as one (0: not)
     num_forced_tokens: int = 0  # of its valid drafts, the first ones its grammar forced (§4d)
+    # (source, drafts, accepted) of the drafter's drafts where it labels them (the hybrid's
+    # "eagle" / "ngram" / "suffix"); (): all of them under source "drafter"
+    drafts_by_source: tuple[tuple[str, int, int], ...] = ()
 
     def __post_init__(self) -> None:  # built per request per step: plain ints take a fast path
         rid, d, a, e = self.request_id, *self.counts
@@ -104,6 +107,12 @@ class RequestStepSpec:
             return f"accepted {a} > valid draft tokens {d}"
         if not 0 <= self.num_forced_tokens <= d:
             return f"{self.num_forced_tokens} forced drafts of {d} valid draft tokens"
+        if self.drafts_by_source:
+            own = (d - self.num_forced_tokens, a - min(a, self.num_forced_tokens))
+            got = (sum(n for _, n, _ in self.drafts_by_source),
+                   sum(a for _, _, a in self.drafts_by_source))
+            if got != own or any(not 0 <= a <= n for _, n, a in self.drafts_by_source):
+                return f"drafts by source {self.drafts_by_source} do not add up to {own}"
         if self.num_tree_nodes not in (0, d):
             return f"a tree of {self.num_tree_nodes} nodes but {d} valid draft tokens"
         if e > a + 1:

@@ -184,7 +184,7 @@ class _Builder:
                 continue
             a = r.num_accepted_tokens
             drafts, dtok, atok = drafts + 1, dtok + d, atok + a
-            self._by_source(d, a, r.num_forced_tokens)
+            self._by_source(d, a, r.num_forced_tokens, r.drafts_by_source)
             if r.num_tree_nodes:
                 self.v["num_tree_drafts"] += 1
                 self.v["num_tree_nodes"] += r.num_tree_nodes
@@ -198,10 +198,12 @@ class _Builder:
         self._add_runs("drafted_per_pos", hist_d)
         self._add_runs("accepted_per_pos", hist_a)
 
-    def _by_source(self, d: int, a: int, forced: int) -> None:
-        """Forced drafts lead the row: they are accepted first, the drafter's after them."""
-        for source, n, got in ((GRAMMAR_SOURCE, forced, min(a, forced)),
-                               (DRAFTER_SOURCE, d - forced, max(0, a - forced))):
+    def _by_source(self, d: int, a: int, forced: int,
+                   labelled: tuple[tuple[str, int, int], ...] = ()) -> None:
+        """Forced drafts lead the row: they are accepted first, the drafter's after them, under
+        the drafter's own labels where it gives them (RequestStepSpec.drafts_by_source)."""
+        own = labelled or ((DRAFTER_SOURCE, d - forced, max(0, a - forced)),)
+        for source, n, got in ((GRAMMAR_SOURCE, forced, min(a, forced)), *own):
             if n:
                 self.bump("draft_tokens_by_source", source, n)
                 self.bump("accepted_tokens_by_source", source, got)

@@ -42,6 +42,7 @@ class StepDrafts:
     setup_seconds: float = 0.0  # Drafts.setup_seconds
     fallback_seconds: float = 0.0
     forced: dict[str, int] = field(default_factory=dict)  # request id -> drafts its grammar forced
+    sources: dict[str, tuple[str, ...]] = field(default_factory=dict)  # Drafts.sources by id
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,6 +59,7 @@ class DraftRow:
     num_async_invalid: int = 0  # budgeted slots found invalid under async scheduling
     from_fallback: bool = False  # drafted by the drafter's fallback
     num_forced: int = 0  # of the valid drafts, the first ones its grammar forced (§4d)
+    sources: tuple[str, ...] = ()  # each valid draft's source (Drafts.sources); (): the drafter
     skip_reason: str | None = None  # the plan's reason, else the drafter's when it drafted none
 
 
@@ -126,6 +128,7 @@ def _propose_drafter(proposer: Proposer | None, sched: list[ScheduledRequest],
     else:
         drafts = proposer.propose(reqs, ks)
     fallback = set()
+    sources: dict[str, tuple[str, ...]] = {}
     for j, req in enumerate(reqs):
         rid, d = req.request_id, list(drafts.token_ids[j][: ks[j]])
         tree = drafts.trees[j] if drafts.trees is not None else None
@@ -144,11 +147,14 @@ def _propose_drafter(proposer: Proposer | None, sched: list[ScheduledRequest],
             probs[rid] = drafts.probs[j] if drafts.probs is not None else None
             if drafts.from_fallback is not None and drafts.from_fallback[j]:
                 fallback.add(rid)
+            labels = drafts.sources[j] if drafts.sources is not None else None
+            if labels:
+                sources[rid] = tuple(labels[: len(d)])
         else:
             skips[rid] = drafts.skip_reasons[j] or "no_match"
     return StepDrafts(tokens=tokens, probs=probs, skips=skips, trees=trees,
                       fallback=frozenset(fallback), setup_seconds=drafts.setup_seconds,
-                      fallback_seconds=drafts.fallback_seconds)
+                      fallback_seconds=drafts.fallback_seconds, sources=sources)
 
 
 def build(out: StepPlan, got: StepDrafts, drafts: Mapping[str, Sequence[int]],
@@ -178,6 +184,14 @@ def build(out: StepPlan, got: StepDrafts, drafts: Mapping[str, Sequence[int]],
             num_valid=valid, num_cut=len(drafted) - valid,
             num_async_invalid=s.num_async_invalid, from_fallback=valid > 0 and rid in got.fallback,
             num_forced=min(valid, got.forced.get(rid, 0)),
+            sources=_row_sources(got.sources.get(rid, ()), valid, got.forced.get(rid, 0)),
             skip_reason=skip))
         k += 1
     return DraftRows(tuple(rows), md)
+
+
+def _row_sources(sources: tuple[str, ...], valid: int, forced: int) -> tuple[str, ...]:
+    """The sources of a row's valid drafts: the drafter's labels of the nodes the row kept (a
+    tree run as its first path, a grammar's cut: both keep leading nodes); () where the grammar
+    forced drafts (its own source) or the drafter gave no labels."""
+    return sources[:valid] if not forced and len(sources) >= valid else ()

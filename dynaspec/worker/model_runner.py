@@ -163,8 +163,7 @@ class ModelRunner:
                 self.proposer.preempt(rid)  # a preempted request must not keep drafter KV blocks
         got = draft_rows.propose(self.proposer, out, self.synthetic, self.grammar_drafter)
         # The step's trees that run as trees (worker/tree_step.py); the rest become chains.
-        admitted = tree_step.admit(out, got.trees, got.probs, plain=self.synthetic is None
-                                   and self.hidden_sink is None)
+        admitted = tree_step.admit(out, got.trees, got.probs, plain=self.synthetic is None)
         drafts = {**got.tokens, **admitted.chains}
         t1 = time.perf_counter()
         # Structured output: the grammar checks the drafts before they are verified
@@ -220,15 +219,21 @@ class ModelRunner:
             return
         drafted = dict(p.inputs.sampling)  # scheduled index -> drafts verified
         ids, starts, positions, valid = [], [], [], []
+        rows: list[int] = []  # the verified rows; a tree's path is not its first rows
         o = 0
         for i, (s, q) in enumerate(zip(p.out.scheduled, p.inputs.query_lens)):
             if q > 0:
-                n = drafted.get(i)
-                ids.append(s.request.request_id)
-                starts.append(o)
+                rid = s.request.request_id
+                keep = tree_step.verified_rows(q, drafted.get(i), results[i].num_accepted_tokens,
+                                               results[i].tree_path if rid in p.trees else None)
+                ids.append(rid)
+                starts.append(len(rows) if p.trees else o)
                 positions.append(p.inputs.positions[o])
-                valid.append(q if n is None else q - n + results[i].num_accepted_tokens)
+                valid.append(len(keep))
+                rows.extend(o + r for r in keep)
             o += q
+        if p.trees:  # gathered, so each request's verified rows lie together from its start
+            hidden = hidden[torch.tensor(rows, dtype=torch.long, device=hidden.device)]
         sink.observe_hidden(HiddenStates(ids, starts, positions, valid, hidden))
 
     def _flatten(self, out: StepPlan, rows: DraftRows,

@@ -4,9 +4,11 @@ is in worker/verify.py, over sample/tree_sampler.py).
 
 A drafter may hand a request a `DraftTree` instead of a chain. The tree runs as a tree only on
 the eager path and only for a request whose rows need nothing per position beyond the target's
-logits (no grammar, no logits processing, no logprobs, no draft probabilities, no hidden-state
-drafter, strict verification); elsewhere its first root path runs as today's chain, which is
-exact too. A tree that is a chain runs as the chain it is, so chains keep today's code path.
+logits (no grammar, no logits processing, no logprobs, no draft probabilities, strict
+verification); elsewhere its first root path runs as today's chain, which is exact too. A
+hidden-state drafter (the hybrid's EAGLE head) reads the accepted path's rows
+(`verified_rows`). A tree that is a chain runs as the chain it is, so chains keep today's code
+path.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def tree_allowed(req: Request, *, eager: bool, plain_verify: bool, has_probs: bo
 def admit(out: StepPlan, trees: Mapping[str, DraftTree],
           probs: Mapping[str, torch.Tensor | None], plain: bool) -> Admitted:
     """The trees of step `out` that run as trees, with their rows, and the chain each other one
-    becomes. `plain`: strict verification and no hidden-state drafter."""
+    becomes. `plain`: strict verification."""
     by_id = {s.request.request_id: s for s in out.scheduled}
     kept: dict[str, TreeRows] = {}
     chains: dict[str, list[int]] = {}
@@ -99,3 +101,17 @@ def move_accepted(kv_caches: list[torch.Tensor], block_size: int,
     d = torch.tensor(dst, dtype=torch.long, device=kv_caches[0].device)
     for kv in kv_caches:  # [2, num_slots, Hkv, D]; the gather copies before the scatter writes
         kv[:, d] = kv[:, s]
+
+
+def verified_rows(num_rows: int, num_drafts: int | None, num_accepted: int,
+                  path: tuple[int, ...] | None) -> list[int]:
+    """A request's rows (0..num_rows-1 of its query) that hold verified tokens, in order: its new
+    tokens, then the drafts it accepted, for a hidden-state drafter (EAGLE) to read. A chain's
+    accepted drafts are the rows after its new tokens; a tree's accepted path is node rows
+    1 + path[d] past its root (rejected branches' rows left out)."""
+    if num_drafts is None:
+        return list(range(num_rows))
+    num_new = num_rows - num_drafts
+    if path is None:
+        return list(range(num_new + num_accepted))
+    return list(range(num_new)) + [num_new + node for node in path]

@@ -78,10 +78,26 @@ def verify(logits: torch.Tensor, rows: DraftRows, *, grammar: GrammarStep | None
             grammar_dead_end=g.dead_end if g else False,
             num_async_invalid_tokens=r.num_async_invalid, drafts_from_fallback=r.from_fallback,
             num_forced_tokens=r.num_forced,
+            drafts_by_source=_by_source(r.sources, path, n_acc),
             num_tree_nodes=len(r.tree) if r.tree else 0, tree_depth=r.tree.depth if r.tree else 0,
             tree_path=path,
             tree_walk=None if r.tree is None or path is None else tree_walk(r.tree, list(path))))
     return tuple(results)
+
+
+def _by_source(sources: tuple[str, ...], path: tuple[int, ...] | None,
+               n_acc: int) -> tuple[tuple[str, int, int], ...]:
+    """(source, drafts verified, drafts accepted) per source of a row whose drafts carry
+    sources: the accepted ones are a tree's path nodes, or a chain's first n_acc."""
+    if not sources:
+        return ()
+    accepted = path if path is not None else range(n_acc)
+    got: dict[str, list[int]] = {}
+    for src in sources:
+        got.setdefault(src, [0, 0])[0] += 1
+    for node in accepted:
+        got[sources[node]][1] += 1
+    return tuple((src, d, a) for src, (d, a) in got.items())
 
 
 def _verdicts(logits: torch.Tensor, sampled: list[DraftRow], md: SamplingMetadata,

@@ -35,7 +35,7 @@ def test_bad_sampling_params(kwargs, match):
     ({"speculator": "draft", "draft_model": "d.gguf"}, "needs --num-spec-tokens"),
     ({"speculator": "eagle", "eagle_lookup": "trie"}, "eagle_lookup must be none, ngram or suffix"),
     ({"speculator": "ngram", "num_spec_tokens": 2, "eagle_lookup": "ngram"},
-     "--eagle-lookup applies to --speculator eagle only"),
+     "--eagle-lookup applies to --speculator eagle or hybrid only"),
     ({"prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min <= prompt_lookup_max"),
     ({"max_num_seqs": 0}, "max_num_seqs must be >= 1"),
     ({"bogus_flag": 1}, "unknown engine argument 'bogus_flag'"),

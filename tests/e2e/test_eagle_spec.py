@@ -141,6 +141,31 @@ def test_lookup_first_eagle_equals_no_speculation(tiny_llama_dir, heads, prompts
     assert 0 < alone.num_draft_tokens < c.num_draft_tokens  # the head drafts where it finds none
 
 
+@pytest.mark.parametrize("lookup", ["ngram", "suffix"])
+def test_hybrid_tree_equals_no_speculation_and_counts_tokens_by_source(tiny_llama_dir, heads,
+                                                                        prompts, lookup):
+    """--speculator hybrid: the lookup's chains and the head's guesses in one tree per step,
+    verified as trees while the head reads the accepted path's hidden states; greedy output is
+    unchanged and the counters split drafts and accepted tokens by source."""
+    ref, _ = _run(tiny_llama_dir, prompts, dtype="float32")
+    trees = []
+    for head in ("eagle3", "copy"):  # a random head; one always right
+        got, c = _run(tiny_llama_dir, prompts, dtype="float32", speculator="hybrid",
+                      draft_head=heads[head], num_spec_tokens=6, eagle_lookup=lookup)
+        assert got == ref, head
+        by_src, acc = dict(c.draft_tokens_by_source), dict(c.accepted_tokens_by_source)
+        assert set(by_src) == {"eagle", lookup} and sum(by_src.values()) == c.num_draft_tokens
+        assert sum(acc.values()) == c.num_accepted_tokens and not c.check_identities()
+        trees.append((c.num_tree_drafts, c.num_tree_accepted_tokens))
+    assert acc["eagle"] > 0 and acc[lookup] > 0  # the right head: its drafts accepted
+    # Where a match is shorter than the budget the head drafts past it or beside it: with suffix
+    # drafts (sized by their evidence) the random head's branches make trees, verified as trees
+    # while the head reads the accepted paths' hidden states (n-gram copies here fill the
+    # budget: chains). Deterministic: seeded prompts, greedy, the table's K.
+    if lookup == "suffix":
+        assert trees[0][0] > 0 and trees[0][1] > 0, trees
+
+
 def test_eagle_drafts_past_the_targets_position_table(tiny_llama_dir, tmp_path):
     """The head's RoPE table covers every position the engine may run (a context past the
     target's max_position_embeddings under --allow-long-max-model-len), so drafting there is

@@ -49,7 +49,8 @@ def test_flags_parse_to_config_values_and_choices_come_from_the_registry():
     assert config.observability.log_stats_interval_s == 2.5
     assert config.parallel.dp_rank_timeout_s == 4.0
     action = next(a for a in _parser()._actions if a.dest == "speculator")
-    assert tuple(action.choices) == ("none", "ngram", "draft", "suffix", "eagle", "oracle")
+    assert tuple(action.choices) == ("none", "ngram", "draft", "suffix", "eagle", "hybrid",
+                                    "oracle")
 
 
 def test_a_three_state_switch_tells_not_given_from_off():

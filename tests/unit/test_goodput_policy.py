@@ -353,9 +353,28 @@ def test_a_cold_first_draft_does_not_price_the_drafter_out_for_good():
     assert p.draft_seconds_per_token == pytest.approx(0.125) and p.decide(view(rv("a"))).k == 0
 
 
+def test_a_measured_start_up_draft_cost_prices_drafts_until_served_steps_replace_it():
+    """draft_cost_prior (an EAGLE head's start-up measurement) is the price before three
+    drafting steps exist: a drafter as dear as a step is not drafted with from the first step,
+    and served steps' median replaces the prior once measured."""
+    cheap = cost_model(lambda w: 0.01 * (1 + 0.05 * (w - 1)))
+    plan = build_spec_plan("ngram", 4, None)
+    p = GoodputPolicy(plan, cheap, GoodputSettings(draft_cost_prior=0.01))
+    feed(p, "a", 4, 3, ctx=100)
+    assert p.draft_seconds_per_token == 0.01 and p.decide(view(rv("a"))).k == 0
+    q = GoodputPolicy(plan, cheap, GoodputSettings(draft_cost_prior=0.0001))
+    feed(q, "a", 4, 3, ctx=100)
+    assert q.decide(view(rv("a"))).k > 0  # a cheap prior drafts
+    for _ in range(3):
+        p.observe_step(1, 100, 5, 0.01, 0.0004, 4, 4)
+    assert p.draft_seconds_per_token == pytest.approx(0.0001) and p.decide(view(rv("a"))).k > 0
+
+
 def test_draft_cost_settings_are_checked():
     with pytest.raises(ValueError, match="draft_cost"):
         GoodputSettings(draft_cost_window=2, draft_cost_min_samples=3)
+    with pytest.raises(ValueError, match="draft_cost_prior"):
+        GoodputSettings(draft_cost_prior=-1.0)
 
 
 def test_a_fallback_is_priced_apart_from_the_lookup():

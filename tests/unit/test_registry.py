@@ -12,7 +12,7 @@ from dynaspec.spec_decode.drafters.drafters import DrafterBuild, DrafterTarget, 
 
 def test_check_names_the_value_and_every_choice():
     with pytest.raises(ValueError, match=r"unknown speculator 'ngam': choose none, ngram, draft, "
-                                         r"suffix, eagle or oracle"):
+                                         r"suffix, eagle, hybrid or oracle"):
         EngineConfig.from_kwargs(speculator="ngam", num_spec_tokens=2)
     with pytest.raises(ValueError, match="unknown attention backend 'uniform'"):
         EngineConfig.from_kwargs(attention_backend="uniform")  # internal, not a user choice

@@ -94,6 +94,21 @@ def test_invalid_drafts_excluded_from_draft_tokens_and_counted_by_reason():
     assert c.check_identities() == []
 
 
+def test_a_drafter_that_labels_its_drafts_is_counted_by_its_labels():
+    """--speculator hybrid: drafts and accepted tokens by source ("eagle", "suffix") in place
+    of "drafter"; labels that do not add up to the row are refused."""
+    hybrid = RequestStepSpec("a", 5, 3, 4, None, {}, num_tree_nodes=5,
+                             drafts_by_source=(("suffix", 3, 2), ("eagle", 2, 1)))
+    c = fold_all([step(5, hybrid), step(4, req("b", 2, 1))])
+    assert dict(c.draft_tokens_by_source) == {"suffix": 3, "eagle": 2, "drafter": 2}
+    assert dict(c.accepted_tokens_by_source) == {"suffix": 2, "eagle": 1, "drafter": 1}
+    assert c.check_identities() == []
+    with pytest.raises(ValueError, match="drafts by source"):
+        RequestStepSpec("a", 5, 3, 4, None, {}, drafts_by_source=(("suffix", 3, 2),))
+    with pytest.raises(ValueError, match="drafts by source"):
+        RequestStepSpec("a", 2, 1, 2, None, {}, drafts_by_source=(("eagle", 1, 0), ("x", 1, 2)))
+
+
 def test_all_invalid_drafts_do_not_increment_drafts():
     c = fold_step(EMPTY, step(3, req("a", 0, 0, e=1, invalid={"async_placeholder": 3})))
     assert c.num_drafts == 0 and c.num_draft_tokens == 0

@@ -77,6 +77,15 @@ def test_a_default_of_trees_falls_back_to_chains_where_they_cannot_run(monkeypat
     assert resolve_draft_tree(none, _arch("llama"), RowWindowed()) is False
 
 
+def test_the_hybrid_drafts_trees_unless_told_not_to_or_they_cannot_run():
+    hybrid = SpecConfig(speculator="hybrid", draft_tree=None)
+    assert hybrid.eagle_lookup == "suffix"  # its lookup when none is named
+    assert resolve_draft_tree(hybrid, _arch("llama"), RowWindowed()) is True  # no default needed
+    assert resolve_draft_tree(SpecConfig(speculator="hybrid", draft_tree=False), _arch("llama"),
+                              RowWindowed()) is False
+    assert resolve_draft_tree(hybrid, _arch("llama"), MaskBlind()) is False  # chains, not refused
+
+
 class MaskBlind:
     """A backend that ignores tree masks (as the GPU backends do today)."""
 

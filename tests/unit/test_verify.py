@@ -105,6 +105,31 @@ def test_greedy_tree_takes_the_longest_matching_path() -> None:
     assert got[0].tree_path == (0, 1, 2) and got[0].token_ids == (5, 3, 1, 8)
 
 
+def test_labelled_drafts_are_counted_by_source_on_the_accepted_path() -> None:
+    """A hybrid's nodes carry sources: a tree counts its path's nodes, a chain its first
+    accepted drafts; unlabelled rows count nothing by source."""
+    logits = torch.zeros(len(TREE) + 1 + 3 + 1 + 2 + 1, VOCAB)
+    logits[0, 5] = logits[1, 9] = logits[4, 2] = 1.0  # the tree: 5 then 9 (node 3), then 2
+    at = len(TREE) + 1
+    logits[at, 4] = logits[at + 1, 6] = logits[at + 2, 0] = 1.0  # the chain [4, 8, 1]: 4 only
+    src = ("suffix", "suffix", "suffix", "eagle", "eagle")
+    md = _md([SP(temperature=0)] * 3, 0)
+    rows = DraftRows((
+        DraftRow(request_id="t", sample=0, tokens=TREE.tokens, tree=TREE, num_valid=5,
+                 sources=src),
+        DraftRow(request_id="c", sample=1, tokens=(4, 8, 1), num_valid=3,
+                 sources=("eagle", "ngram", "ngram")),
+        DraftRow(request_id="u", sample=2, tokens=(3, 3), num_valid=2)), md)
+    t, c, u = verify(logits, rows)
+    assert t.tree_path == (0, 3)
+    assert dict((s, (d, a)) for s, d, a in t.drafts_by_source) == {"suffix": (3, 1),
+                                                                  "eagle": (2, 1)}
+    assert c.num_accepted_tokens == 1
+    assert dict((s, (d, a)) for s, d, a in c.drafts_by_source) == {"eagle": (1, 1),
+                                                                  "ngram": (2, 0)}
+    assert u.drafts_by_source == ()
+
+
 def test_graph_argmax_gives_the_greedy_chain_tokens() -> None:
     logits, drafts, probs, _ = _case(3, 5, with_probs=False)
     params = [SP(temperature=0.0)] * 5

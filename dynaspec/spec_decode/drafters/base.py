@@ -55,6 +55,10 @@ class Drafts:
     # Per request, a draft tree (docs/design.md §4c) whose nodes are token_ids[i] in its order,
     # or None for a chain; None: every draft is a chain. Deterministic drafters only (probs None).
     trees: list[DraftTree | None] | None = None
+    # Per request, the source of each of its drafts (in token_ids' order: a tree's nodes), for
+    # the metrics' draft/accepted tokens by source (the hybrid's "eagle" / "ngram" / "suffix");
+    # None: all of them the drafter's ("drafter").
+    sources: list[tuple[str, ...] | None] | None = None
 
 
 class Proposer:
@@ -84,6 +88,12 @@ class Proposer:
     # `propose` then takes `trees` (per request: a tree, or a chain), which the K policy
     # chooses per request per step (docs/design.md §4c).
     drafts_trees: bool = False
+
+    def measure_draft_cost(self) -> float | None:
+        """Its seconds per drafted token at batch 1, timed once at start-up where drafting has
+        a cost worth pricing before the first served drafts (an EAGLE head); None: not timed
+        (a lookup's cost is negligible until served steps measure it)."""
+        return None
 
     def propose(self, requests: Sequence[Request], k_per_request: Sequence[int], *,
                 fallback_k: Sequence[int] | None = None,

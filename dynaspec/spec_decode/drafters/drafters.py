@@ -8,12 +8,12 @@ limit), so no drafter's construction details live in the engine.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from dynaspec.config import EngineConfig
+from dynaspec.config import EAGLE_DEFAULT_K, EngineConfig
 from dynaspec.model_arch import ModelArchConfig
 from dynaspec.spec_decode.drafters.base import Proposer
 
@@ -81,9 +81,9 @@ def build_draft_model(config: EngineConfig, target: DrafterTarget) -> DrafterBui
     return DrafterBuild(prop, prop.num_kv_tokens, prop.max_len)
 
 
-def build_eagle(config: EngineConfig, target: DrafterTarget) -> DrafterBuild:
-    """The EAGLE head (--draft-head, or the one shipped for the default model), checked against
-    the target's architecture as it loads."""
+def _eagle_head(config: EngineConfig, target: DrafterTarget):
+    """The EAGLE head's proposer (--draft-head, or the one shipped for the default model),
+    checked against the target's architecture as it loads."""
     from dynaspec.spec_decode.drafters.eagle import DEFAULT_HEAD, EagleProposer
     from dynaspec.spec_decode.drafters.eagle_head import compiled_step, drafting_form
     from dynaspec.spec_decode.drafters.eagle_io import load_head
@@ -91,9 +91,9 @@ def build_eagle(config: EngineConfig, target: DrafterTarget) -> DrafterBuild:
     path, arch = config.spec.draft_head, target.arch
     if path is None:
         if config.model.model != "default":
-            raise ValueError("--speculator eagle needs --draft-head DIR for a model other than "
-                             "the default (train one with: dynaspec train-draft-head --model M "
-                             "--out DIR)")
+            raise ValueError(f"--speculator {config.spec.speculator} needs --draft-head DIR for "
+                             "a model other than the default (train one with: dynaspec "
+                             "train-draft-head --model M --out DIR)")
         path = DEFAULT_HEAD
     head, emb = load_head(path, arch, target.max_positions)
     c = head.cfg
@@ -103,12 +103,37 @@ def build_eagle(config: EngineConfig, target: DrafterTarget) -> DrafterBuild:
     if target.device.type == "cpu":
         head = drafting_form(head)
         step = compiled_step(head)
-    prop = EagleProposer(head, c.max_positions, emb, step)
+    return EagleProposer(head, c.max_positions, emb, step)
+
+
+def _lookup_chains(config: EngineConfig, target: DrafterTarget) -> Proposer:
+    """The lookup named by --eagle-lookup, drafting chains (a drafter pairing it with the head
+    makes any tree itself)."""
+    chains = replace(config, spec=replace(config.spec, draft_tree=False))
+    build = {"ngram": build_ngram, "suffix": build_suffix}[config.spec.eagle_lookup]
+    return build(chains, target).proposer
+
+
+def build_eagle(config: EngineConfig, target: DrafterTarget) -> DrafterBuild:
+    """The EAGLE head, alone or (--eagle-lookup) behind a lookup tried first."""
+    prop = _eagle_head(config, target)
     if config.spec.eagle_lookup == "none":
         return DrafterBuild(prop)
     from dynaspec.spec_decode.drafters.lookup_first import LookupFirstProposer
 
-    lookup = {"ngram": build_ngram, "suffix": build_suffix}[config.spec.eagle_lookup]
     log.info("EAGLE drafter: %s lookup first, the head where it finds nothing",
              config.spec.eagle_lookup)
-    return DrafterBuild(LookupFirstProposer(lookup(config, target).proposer, prop))
+    return DrafterBuild(LookupFirstProposer(_lookup_chains(config, target), prop))
+
+
+def build_hybrid(config: EngineConfig, target: DrafterTarget) -> DrafterBuild:
+    """The EAGLE head and the --eagle-lookup drafter in one token tree (hybrid_tree.py); chains
+    (lookup first) where trees cannot be verified here (engine/tree_setting.py)."""
+    from dynaspec.spec_decode.drafters.hybrid_tree import HybridTreeProposer
+
+    sc = config.spec
+    log.info("hybrid drafter: the EAGLE head and the %s lookup in one %s", sc.eagle_lookup,
+             "token tree" if sc.draft_tree else "chain (lookup first: trees are off here)")
+    return DrafterBuild(HybridTreeProposer(_lookup_chains(config, target),
+                                           _eagle_head(config, target), sc.eagle_lookup,
+                                           tree=bool(sc.draft_tree), head_depth=EAGLE_DEFAULT_K))

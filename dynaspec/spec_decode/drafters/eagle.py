@@ -123,6 +123,31 @@ class EagleProposer(Proposer):
         if self.step is not None:
             self._draft_tables()  # at start-up, not inside the first (timed) drafting step
 
+    def measure_draft_cost(self, ctx: int = 256, k: int = 3, reps: int = 7) -> float | None:
+        """Seconds per drafted token of one request's drafting step at batch 1 on the compiled
+        path (one new pair fed, a chain of k), the median of `reps` timed after a warm-up, over a
+        scratch KV of `ctx` pairs; None on the torch path (a GPU's, timed by served steps).
+        The goodput policy prices drafts at this until served drafting steps replace it
+        (before, the head was free for its first three drafting steps)."""
+        if self.step is None:
+            return None
+        c = self.head.cfg
+        gen = torch.Generator().manual_seed(0)
+        ids = self.head.draft_to_target
+        st = _HeadSeq()
+        with torch.inference_mode():
+            feats = torch.randn(ctx + 1, c.feature_size, generator=gen)
+            toks = ids[torch.randint(0, ids.numel(), (ctx + 1,), generator=gen)]
+            pos = torch.arange(ctx + 1)
+            self._compiled_draft(feats[:ctx], toks[:ctx], pos[:ctx], [ctx], [st], [0])
+            times = []
+            for _ in range(reps + 1):
+                st.klen = ctx
+                t0 = time.perf_counter()
+                self._compiled_draft(feats[ctx:], toks[ctx:], pos[ctx:], [1], [st], [k])
+                times.append(time.perf_counter() - t0)
+        return sorted(times[1:])[reps // 2] / k
+
     # -- runner side ---------------------------------------------------------------------------
 
     def observe_hidden(self, hs: HiddenStates) -> None:

@@ -147,7 +147,8 @@ class GoodputPolicy(TablePolicy):
         self.tree_lengths = DraftLengths(alpha=0.05)
         self.branch_rates = BranchRates(settings.branch_prior, settings.branch_prior_weight)
         self.last_draft_ctx: dict[str, int] = {}
-        self.draft_seconds_per_token = cost_model.draft_seconds_per_token or 0.0
+        fixed = cost_model.draft_seconds_per_token  # an injected table's (0.0 included)
+        self.draft_seconds_per_token = settings.draft_cost_prior if fixed is None else fixed
         self.draft_costs: deque[float] = deque(maxlen=settings.draft_cost_window)
         # EMAs over decode steps of the goodput the decisions expected and the steps gave,
         # paired step by step (observe_step).

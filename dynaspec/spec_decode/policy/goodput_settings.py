@@ -20,12 +20,15 @@ class GoodputSettings:
     probe_headroom: float = 0.25
     probe_interval: int = 16  # tokens without a verified draft before a request is re-probed
     # The drafter's seconds per drafted token: the median of its last `draft_cost_window`
-    # drafting steps, taken as 0 until `draft_cost_min_samples` exist. An EMA seeded by the first
-    # draft kept its cold outlier for good: an EAGLE head's first draft also feeds it the whole
-    # prompt (4.8 ms a token against ~0.9 steady), after which K stayed 0 and no later draft
-    # could correct it.
+    # drafting steps, taken as `draft_cost_prior` until `draft_cost_min_samples` exist. An EMA
+    # seeded by the first draft kept its cold outlier for good: an EAGLE head's first draft also
+    # feeds it the whole prompt (4.8 ms a token against ~0.9 steady), after which K stayed 0 and
+    # no later draft could correct it.
     draft_cost_window: int = 15
     draft_cost_min_samples: int = 3
+    # The price until then: the drafter's own start-up measurement where it takes one
+    # (Proposer.measure_draft_cost: an EAGLE head's), else 0 (a lookup's is negligible).
+    draft_cost_prior: float = 0.0
     # Synthetic rejection mode's per-position acceptance (the last repeats); () = strict mode.
     synthetic_rates: tuple[float, ...] = ()
     divergence_bound: float = 2.0  # modelled vs observed goodput factor the guard tolerates
@@ -73,6 +76,8 @@ class GoodputSettings:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if any(not 0.0 <= r <= 1.0 for r in self.synthetic_rates):
             raise ValueError(f"synthetic_rates must be in [0, 1], got {self.synthetic_rates}")
+        if self.draft_cost_prior < 0:
+            raise ValueError(f"draft_cost_prior must be >= 0, got {self.draft_cost_prior}")
         if not 1 <= self.draft_cost_min_samples <= self.draft_cost_window:
             raise ValueError("need 1 <= draft_cost_min_samples <= draft_cost_window, got "
                              f"{self.draft_cost_min_samples} and {self.draft_cost_window}")
