@@ -74,7 +74,8 @@ def test_cells_pair_plain_drafter_and_oracle_until_the_rule_stops_them():
     assert ngram.status == "pass" and ngram.ratio.ratio == pytest.approx(2.0)
     assert ngram.ratio.n == 3, "steady: stops at min_pairs"
     assert ngram.oracle.ratio == pytest.approx(4.0)
-    assert ngram.gain_capture == pytest.approx(1 / 3) and ngram.identical == (9, 9)
+    # c4 runs 4 prompts (at least one per slot) in each of its 3 pairs
+    assert ngram.gain_capture == pytest.approx(1 / 3) and ngram.identical == (12, 12)
     suffix = by[(1, "chat", "suffix")]
     assert suffix.ratio.n == 6, "noisy: runs to the cap"
     assert suffix.status == "fail" and "drafter's greedy output differs" in suffix.reason
