@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from dynaspec.bench.stats import RatioEstimate
 
@@ -71,7 +72,8 @@ class MatrixSettings:
     @classmethod
     def from_json(cls, d: Mapping) -> MatrixSettings:
         axes = ("concurrencies", "workloads", "drafters")
-        return cls(**{k: tuple(v) if k in axes else v for k, v in d.items()})
+        fields: dict[str, Any] = {k: tuple(v) if k in axes else v for k, v in d.items()}
+        return cls(**fields)
 
 
 @dataclass(frozen=True)

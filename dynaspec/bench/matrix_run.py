@@ -160,10 +160,10 @@ class MatrixRun:
         wl = _Workload(wl.items[:n], wl.params[:n], wl.greedy)
         try:
             self._warm_up(arms, wl, c)
-            recs = run_pairs(arms, wl.items, wl.params, c, s.min_pairs)
+            recs = run_pairs(arms, wl.items, wl.params, c, s.min_pairs, on_record=self._said)
             est = _ratio(recs, "drafter")
             while not enough_pairs(est, s.min_pairs, s.max_pairs, s.half_width):
-                for r in run_pairs(arms, wl.items, wl.params, c, 1):
+                for r in run_pairs(arms, wl.items, wl.params, c, 1, on_record=self._said):
                     r.pair = est.n  # numbered on from the pairs before
                     recs.append(r)
                 est = _ratio(recs, "drafter")
@@ -177,6 +177,13 @@ class MatrixRun:
             reason = f"{reason}; {oracle}" if reason else oracle
         return CellResult(c, workload, drafter, status, reason, est, ora,
                           gain_capture(est.ratio, ora.ratio if ora else None), same)
+
+    def _said(self, rec: RunRecord) -> None:
+        """Each pass in the log, with its CPU per wall second: a cell whose interval is wide
+        shows whether one pass ran beside another process (CPU/wall well under the others')."""
+        busy = rec.cpu_s / rec.elapsed_s if rec.elapsed_s > 0 else 0.0
+        self.say(f"  {rec.arm}: {rec.tokens} tokens in {rec.elapsed_s:.2f} s = "
+                 f"{rec.tokens_per_s:.1f} tok/s, CPU/wall {busy:.2f}")
 
     def _warm_up(self, arms: Mapping[str, Arm], wl: _Workload, c: int) -> None:
         n = min(self.s.warmup, len(wl.items))

@@ -187,7 +187,9 @@ def test_requests_priced_alike_are_priced_once(monkeypatch, tree):
 
     monkeypatch.setattr(dp, "price_rates", counted("chain", dp.price_rates))
     monkeypatch.setattr(tp, "node_values", counted("tree", tp.node_values))
-    seconds = [[[0.1 * w for w in WIDTHS]] * 2] * 2  # verify dear: K = 0 for everyone
+    # Verify dear, K = 0 for everyone, but not so dear that no draft could pay (a drafter that
+    # was always right would: 2 tokens for 0.19 s against 1 for 0.1 s), so requests are priced.
+    seconds = [[[0.01 + 0.09 * w for w in WIDTHS]] * 2] * 2
     p = GoodputPolicy(build_spec_plan("ngram", 8, None),
                       StepCostModel(CostGrid((1, 64), (1, 4096), WIDTHS), seconds),
                       GoodputSettings(drafts_trees=tree))
@@ -196,3 +198,14 @@ def test_requests_priced_alike_are_priced_once(monkeypatch, tree):
     d = p.decide(StepView(tuple(reqs), len(reqs)))
     assert d.k == 0 and set(d.per_request.values()) == {0}
     assert calls == {"chain": 2, "tree": 2 if tree else 0}
+    # A verified token as dear as a plain step: not even a perfect drafter pays, nothing priced.
+    calls.update(chain=0, tree=0)
+    p = GoodputPolicy(build_spec_plan("ngram", 8, None),
+                      StepCostModel(CostGrid((1, 64), (1, 4096), WIDTHS),
+                                    [[[0.1 * w for w in WIDTHS]] * 2] * 2),
+                      GoodputSettings(drafts_trees=tree))
+    d = p.decide(StepView(tuple(reqs), len(reqs)))
+    assert d.k == 0 and set(d.per_request.values()) == {0}
+    plain = len(reqs) / 0.1
+    assert set(d.goodput_by_k.values()) == {plain} and d.modelled_goodput == plain
+    assert calls == {"chain": 0, "tree": 0}

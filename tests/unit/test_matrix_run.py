@@ -122,6 +122,20 @@ def test_a_cell_runs_at_least_as_many_prompts_as_its_concurrency():
     assert measured == {(1, 2), (4, 4)}
 
 
+def test_every_measured_pass_is_logged_with_its_cpu_per_wall_second():
+    said = []
+
+    def build(label, flags):
+        return MockArm(label, [], [1.0] if label == "plain" else [0.5])
+
+    s = MatrixSettings(concurrencies=(1,), workloads=("chat",), drafters=("ngram",),
+                       num_prompts=2, min_pairs=2, max_pairs=2, oracle=False)
+    MatrixRun(s, build=build, load=_load, say=said.append).run()
+    passes = [m for m in said if "tok/s, CPU/wall" in m]
+    assert len(passes) == 4  # 2 pairs x (plain, drafter); warm-ups are not measured
+    assert sum("= 200.0 tok/s" in m for m in passes) == 2  # the drafter's 100 tokens in 0.5 s
+
+
 def test_each_cell_is_handed_on_as_it_finishes_so_a_part_cut_short_keeps_its_cells():
     seen = []
     s = MatrixSettings(concurrencies=(1, 4), workloads=("code_edit",), drafters=("ngram",),
