@@ -18,7 +18,8 @@ not speculate, a head with no checkpoint) are cells marked n/a with the reason, 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from dynaspec.bench.stats import RatioEstimate
 
@@ -65,6 +66,15 @@ class MatrixSettings:
                 raise ValueError(f"unknown matrix drafter {name!r}: choose from "
                                  f"{', '.join(self.drafter_flags)}")
 
+    def to_json(self) -> dict:
+        return {**asdict(self), "drafter_flags": dict(self.drafter_flags)}
+
+    @classmethod
+    def from_json(cls, d: Mapping) -> MatrixSettings:
+        axes = ("concurrencies", "workloads", "drafters")
+        fields: dict[str, Any] = {k: tuple(v) if k in axes else v for k, v in d.items()}
+        return cls(**fields)
+
 
 @dataclass(frozen=True)
 class CellResult:
@@ -84,6 +94,14 @@ class CellResult:
                 "ratio": self.ratio.to_dict() if self.ratio else None,
                 "oracle": self.oracle.to_dict() if self.oracle else None,
                 "gain_capture": self.gain_capture, "identical": self.identical}
+
+    @classmethod
+    def from_json(cls, d: Mapping) -> CellResult:
+        est = lambda x: None if x is None else RatioEstimate(**x)  # noqa: E731
+        same = d.get("identical")
+        return cls(d["concurrency"], d["workload"], d["drafter"], d["status"], d["reason"],
+                   est(d["ratio"]), est(d["oracle"]), d["gain_capture"],
+                   None if same is None else (same[0], same[1]))
 
 
 # ---- the rules ------------------------------------------------------------------------------

@@ -21,6 +21,10 @@ outputs identical to plain. A workload not written yet, default flags that do no
 drafter that cannot be built here is an n/a cell with its reason.
 
 Small runs: --concurrency 1 --workloads code_edit --drafters ngram --max-pairs 5.
+
+Parts. A matrix too long for one quiet hold runs as parts, each with its own axes, prompts and
+budgets and --json PART.json (written after every cell, so a part cut short keeps what it
+measured); --merge A.json B.json ... then writes the page from the parts without running anything.
 """
 
 
@@ -41,7 +45,8 @@ def register(bsub) -> None:
                    "(repeatable)")
     p.add_argument("--engine", default="", help="engine flags of every arm, in quotes "
                    "(--model, --dtype, ...)")
-    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--num-prompts", type=int, default=8,
+                   help="prompts per cell, at least the cell's concurrency")
     p.add_argument("--max-tokens", type=int, default=None, help="cap on each request's max_tokens")
     p.add_argument("--seed", type=int, default=0, help="workload choice and per-request seeds")
     p.add_argument("--min-pairs", type=int, default=5, help="pairs before the stopping rule")
@@ -51,7 +56,10 @@ def register(bsub) -> None:
     p.add_argument("--no-oracle", action="store_true", help="no oracle arm and no gain capture")
     p.add_argument("--out", default=os.path.join("docs", "results", "support-matrix.md"),
                    help="the Markdown file written")
-    p.add_argument("--json", default=None, metavar="PATH", help="also write the cells as JSON")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write this part (settings, "
+                   "provenance, cells) as JSON, after every cell")
+    p.add_argument("--merge", nargs="+", default=None, metavar="PART.json",
+                   help="run nothing: write the page from parts written with --json")
     p.set_defaults(func=run_matrix_cmd)
 
 
@@ -80,24 +88,43 @@ def settings_of(args: argparse.Namespace) -> MatrixSettings:
                           args.max_pairs, args.half_width, not args.no_oracle)
 
 
+def _write(path: str, text: str) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(text)
+
+
 def run_matrix_cmd(args: argparse.Namespace) -> int:
     from dynaspec.bench.compare import IdentityViolation
-    from dynaspec.bench.matrix_report import markdown, provenance
+    from dynaspec.bench.matrix_report import MatrixPart, markdown_parts, provenance
     from dynaspec.bench.matrix_run import MatrixRun
 
-    settings = settings_of(args)
-    try:
-        cells = MatrixRun(settings, say=_say).run()
-    except IdentityViolation as exc:  # the plain arm's own books: no cell can be measured
-        _say(f"dynaspec: METRIC IDENTITY FAILURE: {exc}")
-        return 3
-    md = markdown(cells, settings, provenance("dynaspec " + shlex.join(sys.argv[1:])))
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as fh:
-        fh.write(md)
+    if args.merge:
+        parts = []
+        for path in args.merge:
+            with open(path, encoding="utf-8") as fh:
+                parts.append(MatrixPart.from_json(json.load(fh)))
+    else:
+        settings = settings_of(args)
+        prov = provenance("dynaspec " + shlex.join(sys.argv[1:]))
+        done: list = []
+
+        def keep(cell) -> None:
+            done.append(cell)
+            if args.json:
+                _write(args.json, json.dumps(MatrixPart(settings, prov, tuple(done)).to_json(),
+                                             indent=1))
+
+        try:
+            cells = MatrixRun(settings, say=_say, on_cell=keep).run()
+        except IdentityViolation as exc:  # the plain arm's own books: no cell can be measured
+            _say(f"dynaspec: METRIC IDENTITY FAILURE: {exc}")
+            return 3
+        parts = [MatrixPart(settings, prov, tuple(cells))]
+        if args.json:
+            _write(args.json, json.dumps(parts[0].to_json(), indent=1))
+    md = markdown_parts(parts)
+    _write(args.out, md)
     _say(f"wrote {args.out}")
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump([c.to_json() for c in cells], fh, indent=1)
     print(md)
     return 0

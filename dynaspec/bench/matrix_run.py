@@ -71,9 +71,12 @@ class MatrixRun:
     def __init__(self, settings: MatrixSettings, build: BuildArm = build_engine_arm,
                  load: LoadItems = load_workload,
                  oracle: Callable[[Arm, dict], Arm] = oracle_of,
-                 say: Callable[[str], None] = print) -> None:
+                 say: Callable[[str], None] = print,
+                 on_cell: Callable[[CellResult], None] = lambda cell: None) -> None:
+        """`on_cell`: called with each cell as it finishes (a part's JSON is written as it
+        goes, so a run cut short keeps the cells it measured)."""
         self.s, self.build, self.load, self.make_oracle = settings, build, load, oracle
-        self.say = say
+        self.say, self.on_cell = say, on_cell
         self.plain: Arm | None = None
         self.workloads: dict[str, _Workload | str] = {}  # name -> its items, or why n/a
         # Every workload's plain outputs, keyed by prompt: one oracle per drafter serves all.
@@ -89,6 +92,7 @@ class MatrixRun:
         for drafter in s.drafters:
             for cell in self._drafter_cells(drafter):
                 cells[(cell.concurrency, cell.workload, cell.drafter)] = cell
+                self.on_cell(cell)
         return [cells[(c, w, d)] for c in s.concurrencies for w in s.workloads
                 for d in s.drafters]
 
@@ -97,7 +101,8 @@ class MatrixRun:
             return f"no {name} workload yet (bench/workloads.py)"
         s, temperature = self.s, MATRIX_WORKLOADS[name]
         try:
-            items = self.load(name, getattr(self.plain, "tokenizer", None), s.num_prompts, s.seed)
+            items = self.load(name, getattr(self.plain, "tokenizer", None),
+                              max(s.num_prompts, *s.concurrencies), s.seed)
         except WorkloadUnavailable as exc:
             return str(exc)
         w = _Workload(items, make_params(items, s.max_tokens, temperature, s.seed),
@@ -150,12 +155,15 @@ class MatrixRun:
         if oracle is not None and not isinstance(oracle, str):
             arms["oracle"] = oracle
         self.say(f"cell c={c} {workload} {drafter}")
+        # At least as many prompts as the concurrency: fewer never fill the batch it names.
+        n = max(s.num_prompts, c)
+        wl = _Workload(wl.items[:n], wl.params[:n], wl.greedy)
         try:
             self._warm_up(arms, wl, c)
-            recs = run_pairs(arms, wl.items, wl.params, c, s.min_pairs)
+            recs = run_pairs(arms, wl.items, wl.params, c, s.min_pairs, on_record=self._said)
             est = _ratio(recs, "drafter")
             while not enough_pairs(est, s.min_pairs, s.max_pairs, s.half_width):
-                for r in run_pairs(arms, wl.items, wl.params, c, 1):
+                for r in run_pairs(arms, wl.items, wl.params, c, 1, on_record=self._said):
                     r.pair = est.n  # numbered on from the pairs before
                     recs.append(r)
                 est = _ratio(recs, "drafter")
@@ -169,6 +177,13 @@ class MatrixRun:
             reason = f"{reason}; {oracle}" if reason else oracle
         return CellResult(c, workload, drafter, status, reason, est, ora,
                           gain_capture(est.ratio, ora.ratio if ora else None), same)
+
+    def _said(self, rec: RunRecord) -> None:
+        """Each pass in the log, with its CPU per wall second: a cell whose interval is wide
+        shows whether one pass ran beside another process (CPU/wall well under the others')."""
+        busy = rec.cpu_s / rec.elapsed_s if rec.elapsed_s > 0 else 0.0
+        self.say(f"  {rec.arm}: {rec.tokens} tokens in {rec.elapsed_s:.2f} s = "
+                 f"{rec.tokens_per_s:.1f} tok/s, CPU/wall {busy:.2f}")
 
     def _warm_up(self, arms: Mapping[str, Arm], wl: _Workload, c: int) -> None:
         n = min(self.s.warmup, len(wl.items))

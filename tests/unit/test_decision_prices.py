@@ -27,7 +27,12 @@ _MARGIN = 1 + 1e-9
 
 
 class LongWay(GoodputPolicy):
-    """The decision as priced before DecisionPrices: the reference the fast path must equal."""
+    """The decision as priced before DecisionPrices: the reference the fast path must equal.
+    It prices every request even where no draft could pay (no `_none_can_pay` shortcut), so the
+    shortcut's decision is checked against the long way's too."""
+
+    def _none_can_pay(self, view, ceiling, cost):
+        return False
 
     def _rates(self, r):
         if self.synthetic is not None:
@@ -67,10 +72,25 @@ class LongWay(GoodputPolicy):
         return max((1.0 + row.accepted[k]) / secs[k] for k in range(1, row.limit + 1))
 
 
-def _pair(rng: random.Random) -> tuple[GoodputPolicy, GoodputPolicy, bool]:
+class Shortcut(GoodputPolicy):
+    """The policy as shipped, counting the decisions its no-draft-can-pay shortcut made."""
+
+    shortcuts = 0
+
+    def _none_can_pay(self, view, ceiling, cost):
+        got = super()._none_can_pay(view, ceiling, cost)
+        self.shortcuts += got
+        return got
+
+
+def _pair(rng: random.Random, superlinear: bool = False
+          ) -> tuple[GoodputPolicy, GoodputPolicy, bool]:
     base, slope = rng.choice([0.01, 0.1]), rng.choice([0.0, 0.001, 0.004, 0.02, 0.1])
     seconds = [[[base + slope * w * (1 + 0.1 * rng.random()) for w in WIDTHS] for _ in range(2)]
                for _ in range(2)]
+    if superlinear:  # a compute-bound batch: width w costs more than w plain steps (c64 here)
+        seconds = [[[base * w ** rng.choice([1.05, 1.2]) for w in WIDTHS] for _ in range(2)]
+                   for _ in range(2)]
     tree = rng.random() < 0.5
     settings = GoodputSettings(drafts_trees=tree, whole_cap=rng.random() < 0.2,
                                widths_follow_drafts=rng.random() < 0.7,
@@ -79,7 +99,7 @@ def _pair(rng: random.Random) -> tuple[GoodputPolicy, GoodputPolicy, bool]:
     learn = rng.random() < 0.5
     policies = tuple(cls(build_spec_plan("ngram", 8, None),
                          StepCostModel(CostGrid((1, 64), (1, 4096), WIDTHS), seconds, learn=learn),
-                         settings, allowed_widths=allowed) for cls in (GoodputPolicy, LongWay))
+                         settings, allowed_widths=allowed) for cls in (Shortcut, LongWay))
     return *policies, tree
 
 
@@ -91,8 +111,20 @@ def _walk(rng: random.Random, drafted: int, accepted: int) -> TreeWalk:
 
 @pytest.mark.parametrize("seed", range(12))
 def test_the_fast_decision_equals_the_long_way(seed):
+    _fast_equals_long(seed, superlinear=False)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_where_no_draft_can_pay_the_shortcut_decides_as_the_long_way(seed):
+    """Widths dearer than their tokens: the shortcut answers without pricing any request, with
+    the decision (K, caps, reasons, report floats) pricing every request gives."""
+    fast = _fast_equals_long(seed, superlinear=True)
+    assert fast.shortcuts > 0, "the shortcut never fired: the test checked nothing new"
+
+
+def _fast_equals_long(seed: int, superlinear: bool) -> Shortcut:
     rng = random.Random(seed)
-    fast, slow, tree = _pair(rng)
+    fast, slow, tree = _pair(rng, superlinear)
     n = rng.choice([1, 3, 32])
     for step in range(12):
         reqs = tuple(RequestView(f"r{i}", 50 + step + i, rng.choice([1, 3, 1000]), 10**6,
@@ -113,6 +145,8 @@ def test_the_fast_decision_equals_the_long_way(seed):
                 p.observe(r.request_id, drafted, accepted, r.context_len, cap, walk=walk)
             p.observe_step(len(reqs), 60, 1 + d.k, 0.01 * (1 + r2.random()), 0.001 * d.k,
                            d.k * len(reqs), len(reqs), modelled_goodput=d.modelled_goodput)
+    assert isinstance(fast, Shortcut)
+    return fast
 
 
 def test_step_sums_equal_the_per_row_sums_at_every_k():
@@ -153,7 +187,9 @@ def test_requests_priced_alike_are_priced_once(monkeypatch, tree):
 
     monkeypatch.setattr(dp, "price_rates", counted("chain", dp.price_rates))
     monkeypatch.setattr(tp, "node_values", counted("tree", tp.node_values))
-    seconds = [[[0.1 * w for w in WIDTHS]] * 2] * 2  # verify dear: K = 0 for everyone
+    # Verify dear, K = 0 for everyone, but not so dear that no draft could pay (a drafter that
+    # was always right would: 2 tokens for 0.19 s against 1 for 0.1 s), so requests are priced.
+    seconds = [[[0.01 + 0.09 * w for w in WIDTHS]] * 2] * 2
     p = GoodputPolicy(build_spec_plan("ngram", 8, None),
                       StepCostModel(CostGrid((1, 64), (1, 4096), WIDTHS), seconds),
                       GoodputSettings(drafts_trees=tree))
@@ -162,3 +198,14 @@ def test_requests_priced_alike_are_priced_once(monkeypatch, tree):
     d = p.decide(StepView(tuple(reqs), len(reqs)))
     assert d.k == 0 and set(d.per_request.values()) == {0}
     assert calls == {"chain": 2, "tree": 2 if tree else 0}
+    # A verified token as dear as a plain step: not even a perfect drafter pays, nothing priced.
+    calls.update(chain=0, tree=0)
+    p = GoodputPolicy(build_spec_plan("ngram", 8, None),
+                      StepCostModel(CostGrid((1, 64), (1, 4096), WIDTHS),
+                                    [[[0.1 * w for w in WIDTHS]] * 2] * 2),
+                      GoodputSettings(drafts_trees=tree))
+    d = p.decide(StepView(tuple(reqs), len(reqs)))
+    assert d.k == 0 and set(d.per_request.values()) == {0}
+    plain = len(reqs) / 0.1
+    assert set(d.goodput_by_k.values()) == {plain} and d.modelled_goodput == plain
+    assert calls == {"chain": 0, "tree": 0}

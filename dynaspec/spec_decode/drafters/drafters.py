@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dynaspec.config import EAGLE_DEFAULT_K, EngineConfig
 from dynaspec.model_arch import ModelArchConfig
 from dynaspec.spec_decode.drafters.base import Proposer
+
+if TYPE_CHECKING:
+    from dynaspec.spec_decode.drafters.eagle import EagleProposer
 
 log = logging.getLogger("dynaspec.engine")
 
@@ -81,7 +84,7 @@ def build_draft_model(config: EngineConfig, target: DrafterTarget) -> DrafterBui
     return DrafterBuild(prop, prop.num_kv_tokens, prop.max_len)
 
 
-def _eagle_head(config: EngineConfig, target: DrafterTarget):
+def _eagle_head(config: EngineConfig, target: DrafterTarget) -> EagleProposer:
     """The EAGLE head's proposer (--draft-head, or the one shipped for the default model),
     checked against the target's architecture as it loads."""
     from dynaspec.spec_decode.drafters.eagle import DEFAULT_HEAD, EagleProposer

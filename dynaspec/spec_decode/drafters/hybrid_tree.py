@@ -27,10 +27,20 @@ greedy-exact tree walk: lossless as either drafter alone.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from dynaspec.draft_tree import DraftTree
 from dynaspec.request import Request
-from dynaspec.spec_decode.drafters.base import Drafts, Proposer, tree_shapes
+from dynaspec.spec_decode.drafters.base import (
+    DrafterCacheStats,
+    Drafts,
+    HiddenStates,
+    Proposer,
+    tree_shapes,
+)
+
+if TYPE_CHECKING:
+    from dynaspec.models.llama import LlamaModel
 
 HEAD_SOURCE = "eagle"  # the metrics' label of the head's own nodes
 
@@ -87,13 +97,13 @@ class HybridTreeProposer(Proposer):
     def k_limit(self) -> int | None:
         return self.head.k_limit
 
-    def attach(self, model) -> None:
+    def attach(self, model: LlamaModel) -> None:
         self.head.attach(model)
 
     def measure_draft_cost(self) -> float | None:
         return self.head.measure_draft_cost()  # the lookup's share is negligible beside it
 
-    def observe_hidden(self, hs) -> None:
+    def observe_hidden(self, hs: HiddenStates) -> None:
         self.head.observe_hidden(hs)
 
     def propose(self, requests: Sequence[Request], k_per_request: Sequence[int], *,
@@ -147,7 +157,7 @@ class HybridTreeProposer(Proposer):
     def num_cached(self) -> int:
         return self.lookup.num_cached() + self.head.num_cached()
 
-    def cache_stats(self):
+    def cache_stats(self) -> DrafterCacheStats | None:
         return self.lookup.cache_stats()  # the suffix drafter's global cache, if it is the lookup
 
     def reset_cache(self) -> None:

@@ -311,6 +311,8 @@ class GoodputPolicy(TablePolicy):
         # Under DP the lockstep step runs at the busiest rank's pace, so its size prices a width.
         num_reqs = view.num_reqs if g is None else g.max_rank_reqs
         cost = self.cost_model.widths_priced(num_reqs, ctx)
+        if self._none_can_pay(view, ceiling, cost):
+            return self._plain_step(view, ctx, caps, ceiling, cost)
         rows, fixed, trees, strict = self._request_rows(view, caps, ceiling, cost)
         # One rank prices its own requests; under DP every rank prices the same shared rows.
         pricing = self._pricing(rows if g is None else self._shared_rows(num_reqs, ceiling), cost)
@@ -330,9 +332,40 @@ class GoodputPolicy(TablePolicy):
             r.request_id: self.grammar.cap(r, caps[r.request_id][0], cost)
             for r in view.requests if r.structured}
         d = self._step_k(best_k, ctx, caps, fixed, g is not None, fallback, grammar)
+        # A tree only where the request drafts at all (one cut to 0 drafts nothing).
+        trees = frozenset(t for t in trees if d.per_request[t] > 0)
         return replace(d, modelled_goodput=best, goodput_by_k=by_k,
                        trees=trees if self.settings.drafts_trees else None,
                        min_depth={rid: caps[rid][0] for rid in strict if d.per_request[rid] > 0})
+
+    def _none_can_pay(self, view: StepView, ceiling: int, cost: StepCost) -> bool:
+        """No draft could pay at these costs even if every one were accepted: a step whose
+        widest row verifies m drafts emits at most 1 + m tokens a request for cost(1 + m), so
+        where (1 + m) / cost(1 + m) <= 1 / cost(1) for every m up to the ceiling no K, shape
+        or probe can beat plain decode, and pricing every request would only say so (at c64 on
+        the Zen 4, with K = 0 on every step, that pricing was most of what a drafter added to a
+        plain step). One rank only (DP prices shared rows), not while the divergence guard
+        wants its re-probe, and not where forced (grammar) or fallback drafts are priced apart
+        (their caps have their own pricing)."""
+        if view.global_view is not None or self.reprobe_pending or self.fallback is not None:
+            return False
+        if any(r.structured for r in view.requests):
+            return False
+        plain = 1.0 / cost(1)
+        return all((1.0 + m) / cost(1 + self._runnable(m)) <= plain
+                   for m in range(1, ceiling + 1))
+
+    def _plain_step(self, view: StepView, ctx: int, caps: dict, ceiling: int,
+                    cost: StepCost) -> StepK:
+        """The decision _request_rows and the candidates would reach when no draft can pay
+        (_none_can_pay): every request cut to 0 (no probe can pay either), so every candidate
+        K prices the plain step, the same floats as the long way."""
+        value = (float(len(view.requests)) if view.requests else 0.0) / cost(1)
+        by_k = {k: value for k in self._candidates(ceiling)}
+        fixed = {r.request_id: 0 for r in view.requests if caps[r.request_id][0] > 0}
+        d = self._step_k(0, ctx, caps, fixed)
+        return replace(d, modelled_goodput=value, goodput_by_k=by_k,
+                       trees=frozenset() if self.settings.drafts_trees else None)
 
     def _request_rows(self, view: StepView, caps: dict, ceiling: int, cost: StepCost
                       ) -> tuple[list[PricedRow], dict[str, int], frozenset[str], set[str]]:
