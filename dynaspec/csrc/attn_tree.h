@@ -20,16 +20,14 @@ inline int64_t tree_chain_pos(int64_t pos, int64_t step0, const uint8_t* visible
 }
 
 // The first key a tree row sees: its window's start, counted in chain positions (0 without one).
-inline int64_t tree_first_key(int64_t pos, int64_t step0, const uint8_t* visible,
-                              int64_t window) {
+inline int64_t tree_first_key(int64_t pos, int64_t step0, const uint8_t* visible, int64_t window) {
   if (window <= 0) return 0;
   return std::max<int64_t>(0, tree_chain_pos(pos, step0, visible) - window + 1);
 }
 
 // f(k) for each key the tree row sees, in key order, from `lo` (tree_first_key) on.
 template <typename F>
-inline void for_tree_keys(int64_t pos, int64_t step0, const uint8_t* visible, int64_t lo,
-                          F&& f) {
+inline void for_tree_keys(int64_t pos, int64_t step0, const uint8_t* visible, int64_t lo, F&& f) {
   for (int64_t k = lo; k < step0; ++k) f(k);
   int64_t at = step0;  // the chain position of the next visible step row
   for (int64_t k = step0; k <= pos; ++k) {
