@@ -372,3 +372,21 @@ class _RosterCollector:
             gauge = GaugeMetricFamily(f"{self.prefix}:{name}", doc, labels=names)
             gauge.add_metric(values, value)
             yield gauge
+
+
+def render_counter(name: str, doc: str, labels: dict[str, str], label: str,
+                   counts: dict[str, int]) -> bytes:
+    """One counter family's exposition text (format 0.0.4), a sample per `counts` key under
+    `label`, beside `labels`: for counts kept outside the engine's registry (the server's
+    request outcomes), so prometheus_client stays imported here only."""
+
+    class _Collector:
+        def collect(self) -> Iterator[Metric]:
+            fam = CounterMetricFamily(name, doc, labels=[*labels, label])
+            for value, n in counts.items():
+                fam.add_metric([*labels.values(), value], n)
+            yield fam
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector())
+    return generate_latest(registry)

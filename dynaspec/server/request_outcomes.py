@@ -10,7 +10,6 @@ beside the engine's series with the same prefix and model label.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 FAMILY = "request_success"  # rendered as <prefix>request_success_total{finished_reason=...}
@@ -35,24 +34,12 @@ class RequestOutcomes:
 
     def render(self, prefix: str, labels: dict[str, str]) -> bytes:
         """The exposition text of one counter family (Prometheus text format 0.0.4)."""
-        from prometheus_client import CollectorRegistry, generate_latest
-        from prometheus_client.core import CounterMetricFamily
+        from dynaspec.metrics.prometheus import render_counter
 
-        counts = self.counts()
         name = (prefix if prefix.endswith(":") else prefix + ":") + FAMILY
-
-        class _Collector:
-            def collect(self) -> Iterator[Any]:
-                fam = CounterMetricFamily(name, "Requests ended, by finish reason (abort: the "
-                                          "client left or the server shut down).",
-                                          labels=[*labels, "finished_reason"])
-                for reason, n in counts.items():
-                    fam.add_metric([*labels.values(), reason], n)
-                yield fam
-
-        registry = CollectorRegistry(auto_describe=False)
-        registry.register(_Collector())
-        return generate_latest(registry)
+        return render_counter(name, "Requests ended, by finish reason (abort: the client left "
+                              "or the server shut down).", labels, "finished_reason",
+                              self.counts())
 
 
 def metrics_prefix(metrics: Any) -> str:

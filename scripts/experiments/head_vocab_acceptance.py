@@ -6,11 +6,11 @@ bench prompts, against (issue 62 item 3):
   rows it would have started training from (an untrained extension: a lower bound on what a
   trained full-vocabulary head would give);
 - the head cut to the N most frequent of its tokens (N < 8,192), frequencies counted in the
-  target's greedy answers to training prompts (dynaspec/train/prompt_mix, which excludes every
+  target's greedy answers to training prompts (dynaspec/train/prompt_mix.py, which excludes every
   bench question and module), never the held-out ones: what shrinking the vocabulary costs.
 
-Teacher-forced (dynaspec/train/device_train.evaluate: one chain per answer row, a target token
-outside the draft vocabulary a miss). Token counts only: no timings.
+Teacher-forced (`evaluate` in dynaspec/train/device_train.py: one chain per answer row, a
+target token outside the draft vocabulary a miss). Token counts only: no timings.
 
   python scripts/experiments/head_vocab_acceptance.py [--n 12] [--max-tokens 128] [--seed 1234]
 """
