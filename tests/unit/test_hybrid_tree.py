@@ -7,41 +7,9 @@ from __future__ import annotations
 import pytest
 
 from dynaspec.draft_tree import DraftTree
-from dynaspec.request import Request
-from dynaspec.sampling_params import SamplingParams
-from dynaspec.spec_decode.drafters.base import Drafts, Proposer
+from dynaspec.spec_decode.drafters.base import Drafts
 from dynaspec.spec_decode.drafters.hybrid_tree import HybridTreeProposer, head_budget, merge
-
-
-class _Fake(Proposer):
-    def __init__(self, answers: dict[str, list[int]], hidden: bool) -> None:
-        self.answers, self.reads_hidden_states = answers, hidden
-        self.asked: list[tuple[str, int]] = []
-        self.ended: list[str] = []
-        self.seen: list[object] = []
-
-    def propose(self, requests, k_per_request, **_):
-        self.asked += [(r.request_id, k) for r, k in zip(requests, k_per_request)]
-        ids = [self.answers.get(r.request_id, [])[:k] if k > 0 else []
-               for r, k in zip(requests, k_per_request)]
-        why = ["no_match" if k > 0 and not d else None for d, k in zip(ids, k_per_request)]
-        return Drafts(ids, None, why)
-
-    def forget(self, request_id):
-        self.ended.append(request_id)
-
-    def preempt(self, request_id):
-        self.ended.append(request_id)
-
-    def num_cached(self):
-        return 0
-
-    def observe_hidden(self, hs):
-        self.seen.append(hs)
-
-
-def _req(rid: str) -> Request:
-    return Request(rid, [1, 2, 3], SamplingParams(max_tokens=4))
+from tests.unit.drafter_fakes import FakeDrafter, request
 
 
 def _paths(tree: DraftTree) -> set[tuple[int, ...]]:
@@ -100,19 +68,19 @@ def test_head_budget():
 
 
 def test_a_self_sizing_lookup_keeps_its_pricing():
-    lookup = _Fake({}, hidden=False)
+    lookup = FakeDrafter({}, hidden=False)
     lookup.sizes_own_drafts = True  # as suffix decoding declares
-    assert HybridTreeProposer(lookup, _Fake({}, hidden=True), "suffix").sizes_own_drafts
-    assert not HybridTreeProposer(_Fake({}, hidden=False), _Fake({}, hidden=True),
+    assert HybridTreeProposer(lookup, FakeDrafter({}, hidden=True), "suffix").sizes_own_drafts
+    assert not HybridTreeProposer(FakeDrafter({}, hidden=False), FakeDrafter({}, hidden=True),
                                   "ngram").sizes_own_drafts
 
 
 def test_propose_trees_chains_sources_and_skips():
-    lookup = _Fake({"a": [7, 8, 9], "c": [1, 2]}, hidden=False)
-    head = _Fake({"a": [6], "b": [4, 5], "c": [1, 3]}, hidden=True)
+    lookup = FakeDrafter({"a": [7, 8, 9], "c": [1, 2]}, hidden=False)
+    head = FakeDrafter({"a": [6], "b": [4, 5], "c": [1, 3]}, hidden=True)
     p = HybridTreeProposer(lookup, head, "ngram")
     assert p.drafts_trees and p.reads_hidden_states
-    reqs = [_req("a"), _req("b"), _req("c"), _req("d"), _req("e")]
+    reqs = [request("a"), request("b"), request("c"), request("d"), request("e")]
     d = p.propose(reqs, [4, 2, 3, 2, 0], trees=[True, True, False, True, True])
     assert head.asked == [("a", 1), ("b", 2), ("d", 2)]  # c: a chain was asked; e: k=0
     assert d.trees is not None and d.trees[0] is not None
@@ -129,9 +97,9 @@ def test_propose_trees_chains_sources_and_skips():
 
 
 def test_built_without_trees_it_drafts_lookup_first_chains():
-    lookup = _Fake({"a": [7, 8]}, hidden=False)
-    head = _Fake({"a": [6], "b": [4, 5]}, hidden=True)
-    d = HybridTreeProposer(lookup, head, "suffix", tree=False).propose([_req("a"), _req("b")],
+    lookup = FakeDrafter({"a": [7, 8]}, hidden=False)
+    head = FakeDrafter({"a": [6], "b": [4, 5]}, hidden=True)
+    d = HybridTreeProposer(lookup, head, "suffix", tree=False).propose([request("a"), request("b")],
                                                                       [3, 3])
     assert d.token_ids == [[7, 8], [4, 5]] and d.trees is None
     assert head.asked == [("b", 3)]
@@ -139,9 +107,10 @@ def test_built_without_trees_it_drafts_lookup_first_chains():
 
 def test_refuses_pairs_in_the_wrong_roles_and_a_probabilistic_head():
     with pytest.raises(ValueError, match="lookup drafter"):
-        HybridTreeProposer(_Fake({}, hidden=True), _Fake({}, hidden=True), "ngram")
-    head = _Fake({"a": [1]}, hidden=True)
+        HybridTreeProposer(FakeDrafter({}, hidden=True), FakeDrafter({}, hidden=True), "ngram")
+    head = FakeDrafter({"a": [1]}, hidden=True)
     inner = head.propose
     head.propose = lambda reqs, ks, **_: Drafts(inner(reqs, ks).token_ids, [None], [None])
     with pytest.raises(ValueError, match="deterministic head"):
-        HybridTreeProposer(_Fake({}, hidden=False), head, "ngram").propose([_req("a")], [2])
+        HybridTreeProposer(FakeDrafter({}, hidden=False), head, "ngram").propose(
+            [request("a")], [2])

@@ -27,20 +27,11 @@ greedy-exact tree walk: lossless as either drafter alone.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from dynaspec.draft_tree import DraftTree
 from dynaspec.request import Request
-from dynaspec.spec_decode.drafters.base import (
-    DrafterCacheStats,
-    Drafts,
-    HiddenStates,
-    Proposer,
-    tree_shapes,
-)
-
-if TYPE_CHECKING:
-    from dynaspec.models.llama import LlamaModel
+from dynaspec.spec_decode.drafters.base import Drafts, Proposer, tree_shapes
+from dynaspec.spec_decode.drafters.lookup_head_pair import LookupHeadPair
 
 HEAD_SOURCE = "eagle"  # the metrics' label of the head's own nodes
 
@@ -79,32 +70,19 @@ def merge(lookup: Sequence[int], head: Sequence[int], budget: int,
     return DraftTree(tuple(tokens), tuple(parents)), sources
 
 
-class HybridTreeProposer(Proposer):
-    reads_hidden_states = True
-
+class HybridTreeProposer(LookupHeadPair):
     def __init__(self, lookup: Proposer, head: Proposer, lookup_source: str,
                  tree: bool = True, head_depth: int = 3) -> None:
-        if lookup.reads_hidden_states or not head.reads_hidden_states:
-            raise ValueError("hybrid drafting pairs a lookup drafter with a hidden-state head")
+        super().__init__(lookup, head, "hybrid")
         if lookup.drafts_trees:
             raise ValueError("hybrid drafting merges the lookup's chains: build it without trees")
-        self.lookup, self.head, self.lookup_source = lookup, head, lookup_source
+        self.lookup_source = lookup_source
         self.drafts_trees = tree  # False where trees cannot be verified: lookup-first chains
         self.sizes_own_drafts = lookup.sizes_own_drafts
         self.head_depth = head_depth
 
-    @property
-    def k_limit(self) -> int | None:
-        return self.head.k_limit
-
-    def attach(self, model: LlamaModel) -> None:
-        self.head.attach(model)
-
     def measure_draft_cost(self) -> float | None:
         return self.head.measure_draft_cost()  # the lookup's share is negligible beside it
-
-    def observe_hidden(self, hs: HiddenStates) -> None:
-        self.head.observe_hidden(hs)
 
     def propose(self, requests: Sequence[Request], k_per_request: Sequence[int], *,
                 fallback_k: Sequence[int] | None = None,
@@ -145,20 +123,3 @@ class HybridTreeProposer(Proposer):
         """After a grammar's forced tokens: the lookup's match on the context with them (the
         head has no features for tokens not yet run)."""
         return self.lookup.continue_after(requests, prefixes, k_per_request)
-
-    def forget(self, request_id: str) -> None:
-        self.lookup.forget(request_id)
-        self.head.forget(request_id)
-
-    def preempt(self, request_id: str) -> None:
-        self.lookup.preempt(request_id)
-        self.head.preempt(request_id)
-
-    def num_cached(self) -> int:
-        return self.lookup.num_cached() + self.head.num_cached()
-
-    def cache_stats(self) -> DrafterCacheStats | None:
-        return self.lookup.cache_stats()  # the suffix drafter's global cache, if it is the lookup
-
-    def reset_cache(self) -> None:
-        self.lookup.reset_cache()

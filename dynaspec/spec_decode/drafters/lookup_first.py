@@ -16,34 +16,17 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from dynaspec.request import Request
-from dynaspec.spec_decode.drafters.base import DrafterCacheStats, Drafts, HiddenStates, Proposer
-
-if TYPE_CHECKING:
-    from dynaspec.models.llama import LlamaModel
+from dynaspec.spec_decode.drafters.base import Drafts, Proposer
+from dynaspec.spec_decode.drafters.lookup_head_pair import LookupHeadPair
 
 
-class LookupFirstProposer(Proposer):
-    reads_hidden_states = True
+class LookupFirstProposer(LookupHeadPair):
     has_fallback = True
 
     def __init__(self, lookup: Proposer, head: Proposer) -> None:
-        if lookup.reads_hidden_states or not head.reads_hidden_states:
-            raise ValueError("lookup-first drafting pairs a lookup drafter with a hidden-state "
-                             "head")
-        self.lookup, self.head = lookup, head
-
-    @property
-    def k_limit(self) -> int | None:
-        return self.head.k_limit
-
-    def attach(self, model: LlamaModel) -> None:
-        self.head.attach(model)
-
-    def observe_hidden(self, hs: HiddenStates) -> None:
-        self.head.observe_hidden(hs)
+        super().__init__(lookup, head, "lookup-first")
 
     def propose(self, requests: Sequence[Request], k_per_request: Sequence[int], *,
                 fallback_k: Sequence[int] | None = None,
@@ -67,20 +50,3 @@ class LookupFirstProposer(Proposer):
         return Drafts(token_ids=token_ids, probs=None, skip_reasons=skips,
                       setup_seconds=found.setup_seconds + more.setup_seconds,
                       from_fallback=from_head, fallback_seconds=head_seconds)
-
-    def forget(self, request_id: str) -> None:
-        self.lookup.forget(request_id)
-        self.head.forget(request_id)
-
-    def preempt(self, request_id: str) -> None:
-        self.lookup.preempt(request_id)
-        self.head.preempt(request_id)
-
-    def num_cached(self) -> int:
-        return self.lookup.num_cached() + self.head.num_cached()
-
-    def cache_stats(self) -> DrafterCacheStats | None:
-        return self.lookup.cache_stats()  # the suffix drafter's global cache, if it is the lookup
-
-    def reset_cache(self) -> None:
-        self.lookup.reset_cache()
